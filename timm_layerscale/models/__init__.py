@@ -1,0 +1,5 @@
+"""Model files; importing this package registers every model with timm."""
+from . import cait_ls
+from .cait_ls import CaitLS
+
+__all__ = ["CaitLS", "cait_ls"]

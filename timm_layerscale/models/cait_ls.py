@@ -1,0 +1,675 @@
+"""CaiT with LayerScale modules (``ls1.gamma`` / ``ls2.gamma``).
+
+Paper: Touvron et al., "Going deeper with Image Transformers", ICCV 2021,
+https://arxiv.org/abs/2103.17239
+
+The architecture and numbers are those of the official CaiT models (and of timm's
+``cait_*``, which reproduces them): talking-heads self-attention blocks followed by
+two class-attention blocks, each residual branch gated by LayerScale. The difference
+is the parameter layout: LayerScale is a :class:`timm_layerscale.LayerScale` module,
+as in timm's ViT/DeiT-III, instead of raw ``gamma_1`` / ``gamma_2`` parameters.
+Pretrained weights are the official ones (``fb_dist_in1k``), remapped at load time.
+
+Beyond timm's CaiT: ``dynamic_img_size=True`` and pretrained loading at another
+``img_size`` (the position embedding is resampled).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, List, Optional, Tuple, Type, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_, use_fused_attn
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint, checkpoint_seq
+
+from ..layer_scale import LayerScale, cait_init_value
+from ..remap import to_layerscale, unwrap_state_dict
+
+__all__ = ["CaitLS", "TalkingHeadAttn", "ClassAttn", "LayerScaleBlock", "LayerScaleBlockClassAttn"]
+
+InitValues = Union[float, str, None]
+
+
+def _layer_scale(dim: int, init_values: Optional[float], **dd: Any) -> nn.Module:
+    return LayerScale(dim, init_values, **dd) if init_values is not None else nn.Identity()
+
+
+class TalkingHeadAttn(nn.Module):
+    """Multi-head self-attention with talking heads (Shazeer et al., arXiv 2003.02436).
+
+    Heads are mixed by ``proj_l`` (a ``(H, H)`` linear map over the head axis) on the
+    attention logits before the softmax, and by ``proj_w`` after it.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_l = nn.Linear(num_heads, num_heads, **dd)
+        self.proj_w = nn.Linear(num_heads, num_heads, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x: tokens ``(B, N, C)``. Returns: ``(B, N, C)``."""
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
+        attn = q @ k.transpose(-2, -1)
+        attn = self.proj_l(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        attn = attn.softmax(dim=-1)
+        attn = self.proj_w(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        attn = self.attn_drop(attn)
+        x = (attn @ v).transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class ClassAttn(nn.Module):
+    """Class attention: the class token queries the class token and all patch tokens."""
+
+    fused_attn: torch.jit.Final[bool]
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.fused_attn = use_fused_attn()
+        self.q = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.k = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.v = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x: ``(B, 1 + N, C)``, class token first. Returns: ``(B, 1, C)``."""
+        B, N, C = x.shape
+        q = self.q(x[:, 0]).unsqueeze(1).reshape(B, 1, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
+        k = self.k(x).reshape(B, N, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
+        v = self.v(x).reshape(B, N, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
+        if self.fused_attn:
+            x_cls = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            q = q * self.scale
+            attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
+            attn = self.attn_drop(attn)
+            x_cls = attn @ v
+        x_cls = x_cls.transpose(1, 2).reshape(B, 1, C)
+        x_cls = self.proj(x_cls)
+        x_cls = self.proj_drop(x_cls)
+        return x_cls
+
+
+class LayerScaleBlock(nn.Module):
+    """Pre-norm transformer block with LayerScale on both residual branches."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        init_values: Optional[float] = 1e-4,
+        act_layer: Type[nn.Module] = nn.GELU,
+        norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
+        attn_layer: Type[nn.Module] = TalkingHeadAttn,
+        mlp_layer: Type[nn.Module] = Mlp,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        self.norm1 = norm_layer(dim, **dd)
+        self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
+        self.ls1 = _layer_scale(dim, init_values, **dd)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim, **dd)
+        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
+        self.ls2 = _layer_scale(dim, init_values, **dd)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x: ``(B, N, C)``. Returns: ``(B, N, C)``."""
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+class LayerScaleBlockClassAttn(nn.Module):
+    """Class-attention block: updates the class token only, with LayerScale on both branches."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        init_values: Optional[float] = 1e-4,
+        act_layer: Type[nn.Module] = nn.GELU,
+        norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
+        attn_layer: Type[nn.Module] = ClassAttn,
+        mlp_layer: Type[nn.Module] = Mlp,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        self.norm1 = norm_layer(dim, **dd)
+        self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
+        self.ls1 = _layer_scale(dim, init_values, **dd)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim, **dd)
+        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
+        self.ls2 = _layer_scale(dim, init_values, **dd)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:
+        """Args: x: patch tokens ``(B, N, C)``; x_cls: class token ``(B, 1, C)``. Returns: ``(B, 1, C)``."""
+        u = torch.cat((x_cls, x), dim=1)
+        x_cls = x_cls + self.drop_path1(self.ls1(self.attn(self.norm1(u))))
+        x_cls = x_cls + self.drop_path2(self.ls2(self.mlp(self.norm2(x_cls))))
+        return x_cls
+
+
+class CaitLS(nn.Module):
+    """CaiT (Class-Attention in Image Transformers) with LayerScale modules.
+
+    Args:
+        img_size: Input resolution (pixels) the position embedding is built for.
+        patch_size: Patch size (pixels).
+        in_chans: Input channels.
+        num_classes: Classifier outputs; 0 for no classifier.
+        global_pool: ``'token'`` (class token), ``'avg'`` (mean of patch tokens) or ``''``.
+        embed_dim: Token width ``C``.
+        depth: Number of self-attention (talking-heads) blocks.
+        num_heads: Attention heads ``H``; ``C`` must be divisible by it.
+        mlp_ratio: MLP hidden width as a multiple of ``C``.
+        qkv_bias: Bias on the q/k/v projections.
+        drop_rate: Dropout before the classifier.
+        pos_drop_rate: Dropout after adding the position embedding.
+        proj_drop_rate: Dropout after attention projections and MLPs.
+        attn_drop_rate: Dropout on attention weights.
+        drop_path_rate: Stochastic depth rate (the same for every block, as in CaiT).
+        init_values: LayerScale initial value; ``"auto"`` uses :func:`cait_init_value`
+            of ``depth``; ``None`` disables LayerScale (``nn.Identity``).
+        depth_token_only: Number of class-attention blocks.
+        mlp_ratio_token_only: MLP ratio of the class-attention blocks.
+        dynamic_img_size: Accept any input size divisible by the patch size; the
+            position embedding is resampled on the fly.
+        dynamic_img_pad: Pad inputs to a multiple of the patch size.
+        norm_layer, act_layer, block_layer, block_layer_token, attn_layer,
+        attn_layer_token_only, mlp_layer, embed_layer: Layer types.
+        device: Device to build on (``"meta"`` allowed).
+        dtype: Parameter dtype.
+    """
+
+    dynamic_img_size: torch.jit.Final[bool]
+
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "token",
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        init_values: InitValues = 1e-4,
+        depth_token_only: int = 2,
+        mlp_ratio_token_only: float = 4.0,
+        dynamic_img_size: bool = False,
+        dynamic_img_pad: bool = False,
+        norm_layer: Callable[..., nn.Module] = partial(nn.LayerNorm, eps=1e-6),
+        act_layer: Type[nn.Module] = nn.GELU,
+        block_layer: Type[nn.Module] = LayerScaleBlock,
+        block_layer_token: Type[nn.Module] = LayerScaleBlockClassAttn,
+        attn_layer: Type[nn.Module] = TalkingHeadAttn,
+        attn_layer_token_only: Type[nn.Module] = ClassAttn,
+        mlp_layer: Type[nn.Module] = Mlp,
+        embed_layer: Type[nn.Module] = PatchEmbed,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        if global_pool not in ("", "token", "avg"):
+            raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+        if init_values == "auto":
+            init_values = cait_init_value(depth)
+        elif isinstance(init_values, str):
+            raise ValueError(f"init_values must be a number, 'auto' or None, got {init_values!r}")
+
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.num_prefix_tokens = 1
+        self.dynamic_img_size = dynamic_img_size
+        self.init_values = init_values
+        self.grad_checkpointing = False
+
+        embed_args: dict[str, Any] = {}
+        if dynamic_img_size:
+            embed_args.update(strict_img_size=False, output_fmt="NHWC")
+        self.patch_embed = embed_layer(
+            img_size=img_size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            embed_dim=embed_dim,
+            dynamic_img_pad=dynamic_img_pad,
+            **embed_args,
+            **dd,
+        )
+        num_patches = self.patch_embed.num_patches
+        r = self.patch_embed.feat_ratio() if hasattr(self.patch_embed, "feat_ratio") else patch_size
+
+        self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
+        self.pos_embed = nn.Parameter(torch.empty(1, num_patches, embed_dim, **dd))
+        self.pos_drop = nn.Dropout(p=pos_drop_rate)
+
+        self.blocks = nn.Sequential(*[
+            block_layer(
+                dim=embed_dim,
+                num_heads=num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                proj_drop=proj_drop_rate,
+                attn_drop=attn_drop_rate,
+                drop_path=drop_path_rate,
+                init_values=init_values,
+                act_layer=act_layer,
+                norm_layer=norm_layer,
+                attn_layer=attn_layer,
+                mlp_layer=mlp_layer,
+                **dd,
+            )
+            for _ in range(depth)
+        ])
+        self.feature_info = [dict(num_chs=embed_dim, reduction=r, module=f"blocks.{i}") for i in range(depth)]
+        self.blocks_token_only = nn.ModuleList([
+            block_layer_token(
+                dim=embed_dim,
+                num_heads=num_heads,
+                mlp_ratio=mlp_ratio_token_only,
+                qkv_bias=qkv_bias,
+                init_values=init_values,
+                act_layer=act_layer,
+                norm_layer=norm_layer,
+                attn_layer=attn_layer_token_only,
+                mlp_layer=mlp_layer,
+                **dd,
+            )
+            for _ in range(depth_token_only)
+        ])
+        self.norm = norm_layer(embed_dim, **dd)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Initialise as CaiT does: truncated normal (std 0.02) for embeddings and
+        linear weights, zero biases, unit LayerNorm, LayerScale at ``init_values``."""
+        trunc_normal_(self.pos_embed, std=0.02)
+        trunc_normal_(self.cls_token, std=0.02)
+        self.apply(self._init_module)
+
+    @staticmethod
+    def _init_module(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, LayerScale):
+            m.reset_parameters()
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "cls_token"}
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Callable[[str], float]:
+        def _matcher(name: str) -> float:
+            if name.startswith(("cls_token", "pos_embed", "patch_embed")):
+                return 0
+            if name.startswith("blocks."):
+                return int(name.split(".")[1]) + 1
+            if name.startswith("blocks_token_only."):
+                # class-attention blocks share groups with the last self-attention blocks
+                offset = len(self.blocks) - len(self.blocks_token_only) + 1
+                return int(name.split(".")[1]) + offset
+            if name.startswith("norm."):
+                return len(self.blocks)
+            return float("inf")
+
+        return _matcher
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """Replace the classifier with a new one of ``num_classes`` outputs (0 removes it)."""
+        if global_pool is not None:
+            if global_pool not in ("", "token", "avg"):
+                raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+            if global_pool == "token" and not self.num_prefix_tokens:
+                raise ValueError("token pooling needs the class token, which was pruned")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        ref = self.norm.weight if isinstance(self.norm, nn.LayerNorm) else self.pos_embed
+        self.head = (
+            nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
+            if num_classes > 0
+            else nn.Identity()
+        )
+        self.head.train(self.training)
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dynamic_img_size:
+            B, H, W, C = x.shape
+            pos_embed = resample_abs_pos_embed(
+                self.pos_embed, new_size=(H, W), old_size=self.patch_embed.grid_size, num_prefix_tokens=0
+            )
+            x = x.view(B, -1, C)
+        else:
+            pos_embed = self.pos_embed
+        return self.pos_drop(x + pos_embed)
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Forward pass that also returns the outputs of selected self-attention blocks.
+
+        Args:
+            x: Images ``(B, C_in, H_img, W_img)``.
+            indices: Last ``n`` blocks if an int, all if ``None``, else these block indices.
+            norm: Apply the final norm to each intermediate.
+            stop_early: Stop after the last requested block (needs ``intermediates_only``).
+            output_fmt: ``'NCHW'`` (``(B, C, H, W)`` patch grids) or ``'NLC'`` (``(B, N, C)``).
+            intermediates_only: Return only the intermediates.
+
+        Returns:
+            The intermediates, or ``(final_tokens (B, 1 + N, C), intermediates)``.
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        reshape = output_fmt == "NCHW"
+        intermediates = []
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+
+        B, _, height, width = x.shape
+        x = self._pos_embed(self.patch_embed(x))
+        if torch.jit.is_scripting() or not stop_early:
+            blocks = self.blocks
+        else:
+            blocks = self.blocks[: max_index + 1]
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x)
+            else:
+                x = blk(x)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+
+        if reshape:
+            H, W = self.patch_embed.dynamic_feat_size((height, width))
+            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if intermediates_only:
+            return intermediates
+        if self.blocks_token_only is not None:
+            x = self.forward_cls(x)
+        x = self.norm(x)
+        return x, intermediates
+
+    def prune_intermediate_layers(
+        self,
+        indices: Union[int, List[int]] = 1,
+        prune_norm: bool = False,
+        prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the blocks (and optionally norm, class attention and head) not needed for ``indices``."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.blocks_token_only = None
+            self.cls_token = None
+            self.num_prefix_tokens = 0
+            self.reset_classifier(0, "")
+        return take_indices
+
+    def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the class token through the class-attention blocks and prepend it.
+
+        Args: x: patch tokens ``(B, N, C)``. Returns: ``(B, 1 + N, C)``.
+        """
+        cls_tokens = self.cls_token.expand(x.shape[0], -1, -1)
+        for blk in self.blocks_token_only:
+            cls_tokens = blk(x, cls_tokens)
+        return torch.cat((cls_tokens, x), dim=1)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N, C)``, class token first."""
+        x = self._pos_embed(self.patch_embed(x))
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        if self.blocks_token_only is not None:
+            x = self.forward_cls(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens ``(B, 1 + N, C)`` to logits ``(B, num_classes)`` (or pooled ``(B, C)``)."""
+        if self.global_pool:
+            x = x[:, self.num_prefix_tokens:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> dict[str, torch.Tensor]:
+    """Turn any CaiT checkpoint into this model's layout.
+
+    Accepts the official file (``{'model': {'module.' + key: ...}}``), timm's
+    ``cait_*`` state dict (``gamma_1``/``gamma_2``) and the ``ls`` layout. The
+    position embedding is resampled when the checkpoint's grid differs from the
+    model's (pretrained loading at another ``img_size``).
+    """
+    out = to_layerscale(unwrap_state_dict(state_dict), "cait")
+    pe = out.get("pos_embed")
+    if pe is not None and pe.shape != model.pos_embed.shape:
+        out["pos_embed"] = resample_abs_pos_embed(
+            pe, new_size=model.patch_embed.grid_size, num_prefix_tokens=0, verbose=False
+        )
+    return out
+
+
+def _create_cait_ls(variant: str, pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(
+        CaitLS,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+def _cfg(reference: str, file: str, img: int, **kwargs: Any) -> dict[str, Any]:
+    return {
+        "url": f"https://dl.fbaipublicfiles.com/deit/{file}",
+        "hf_hub_id": f"timm/{reference}.fb_dist_in1k",
+        "num_classes": 1000,
+        "input_size": (3, img, img),
+        "pool_size": None,
+        "crop_pct": 1.0,
+        "interpolation": "bicubic",
+        "fixed_input_size": True,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "apache-2.0",
+        "paper_ids": "arXiv:2103.17239",
+        "paper_name": "Going deeper with Image Transformers",
+        "origin_url": "https://github.com/facebookresearch/deit",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    "cait_xxs24_224_ls.fb_dist_in1k": _cfg("cait_xxs24_224", "XXS24_224.pth", 224),
+    "cait_xxs24_384_ls.fb_dist_in1k": _cfg("cait_xxs24_384", "XXS24_384.pth", 384),
+    "cait_xxs36_224_ls.fb_dist_in1k": _cfg("cait_xxs36_224", "XXS36_224.pth", 224),
+    "cait_xxs36_384_ls.fb_dist_in1k": _cfg("cait_xxs36_384", "XXS36_384.pth", 384),
+    "cait_xs24_384_ls.fb_dist_in1k": _cfg("cait_xs24_384", "XS24_384.pth", 384),
+    "cait_s24_224_ls.fb_dist_in1k": _cfg("cait_s24_224", "S24_224.pth", 224),
+    "cait_s24_384_ls.fb_dist_in1k": _cfg("cait_s24_384", "S24_384.pth", 384),
+    "cait_s36_384_ls.fb_dist_in1k": _cfg("cait_s36_384", "S36_384.pth", 384),
+    "cait_m36_384_ls.fb_dist_in1k": _cfg("cait_m36_384", "M36_384.pth", 384),
+    "cait_m48_448_ls.fb_dist_in1k": _cfg("cait_m48_448", "M48_448.pth", 448),
+})
+
+
+def _args(embed_dim: int, depth: int, num_heads: int, init_values: float) -> dict[str, Any]:
+    return dict(patch_size=16, embed_dim=embed_dim, depth=depth, num_heads=num_heads, init_values=init_values)
+
+
+#: Architecture of each registered variant (the released models' values).
+MODEL_ARGS: dict[str, dict[str, Any]] = {
+    "cait_xxs24_224_ls": _args(192, 24, 4, 1e-5),
+    "cait_xxs24_384_ls": _args(192, 24, 4, 1e-5),
+    "cait_xxs36_224_ls": _args(192, 36, 4, 1e-5),
+    "cait_xxs36_384_ls": _args(192, 36, 4, 1e-5),
+    "cait_xs24_384_ls": _args(288, 24, 6, 1e-5),
+    "cait_s24_224_ls": _args(384, 24, 8, 1e-5),
+    "cait_s24_384_ls": _args(384, 24, 8, 1e-5),
+    "cait_s36_384_ls": _args(384, 36, 8, 1e-6),
+    "cait_m36_384_ls": _args(768, 36, 16, 1e-6),
+    "cait_m48_448_ls": _args(768, 48, 16, 1e-6),
+}
+
+#: The timm model each variant reproduces.
+REFERENCE = {name: name[: -len("_ls")] for name in MODEL_ARGS}
+
+
+def _make(name: str, pretrained: bool, kwargs: dict[str, Any]) -> CaitLS:
+    return _create_cait_ls(name, pretrained=pretrained, **dict(MODEL_ARGS[name], **kwargs))
+
+
+@register_model
+def cait_xxs24_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_xxs24_224_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_xxs24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_xxs24_384_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_xxs36_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_xxs36_224_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_xxs36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_xxs36_384_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_xs24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_xs24_384_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_s24_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_s24_224_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_s24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_s24_384_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_s36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_s36_384_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_m36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_m36_384_ls", pretrained, kwargs)
+
+
+@register_model
+def cait_m48_448_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
+    return _make("cait_m48_448_ls", pretrained, kwargs)

@@ -1,0 +1,331 @@
+"""Pure key rules between checkpoint layouts.
+
+Official CaiT/DeiT-III/ViT-5 checkpoints keep LayerScale as raw per-block parameters
+``blocks.N.gamma_1`` / ``blocks.N.gamma_2``; this package (and timm's ViT/DeiT-III)
+keeps it as a module, ``blocks.N.ls1.gamma`` / ``blocks.N.ls2.gamma``. This module maps
+state dicts between the two layouts. It does no I/O and never touches tensor values:
+tensors are passed through unchanged (same objects), so a lazily loaded checkpoint
+stays lazy.
+
+Each family is an ordered table of :class:`Rule` s. A source key is matched against the
+rules in order; the first rule that matches decides: rename the key, keep it, or drop
+it. A key no rule matches is an error that names it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, TypeVar
+
+from .errors import RemapError
+
+__all__ = [
+    "Rule",
+    "Family",
+    "FAMILIES",
+    "register_family",
+    "get_family",
+    "unwrap_state_dict",
+    "strip_prefixes",
+    "detect_layout",
+    "to_layerscale",
+    "to_gamma",
+    "check_state_dict",
+    "WRAPPER_KEYS",
+    "PREFIXES",
+]
+
+V = TypeVar("V")
+
+#: Keys that wrap a state dict inside a training checkpoint, in order of preference.
+WRAPPER_KEYS = ("model", "state_dict", "model_ema")
+#: Prefixes added by DistributedDataParallel and torch.compile.
+PREFIXES = ("module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One key rule: a regular expression and what becomes of a key it matches.
+
+    Attributes:
+        pattern: Regular expression matched against the whole key (``re.fullmatch``).
+        replace: Replacement template (``re`` syntax, ``\\1`` for groups); ``None``
+            drops the key; ``"\\g<0>"`` keeps it unchanged.
+        why: For dropped keys, a short reason shown in reports.
+    """
+
+    pattern: str
+    replace: str | None
+    why: str = ""
+
+    def apply(self, key: str) -> tuple[bool, str | None]:
+        m = re.fullmatch(self.pattern, key)
+        if m is None:
+            return False, None
+        if self.replace is None:
+            return True, None
+        return True, m.expand(self.replace)
+
+
+KEEP = r"\g<0>"
+
+
+@dataclass(frozen=True)
+class Family:
+    """The rule tables of one model family.
+
+    Attributes:
+        name: Family name (``"cait"``, ``"vit5"``, ``"deit3"``).
+        to_layerscale: Rules from any accepted source layout to the ``ls`` layout.
+        to_gamma: Rules from the ``ls`` layout back to the official ``gamma`` layout.
+        gamma_pattern: Matches keys of the official layout's LayerScale parameters.
+        ls_pattern: Matches keys of the module layout's LayerScale parameters.
+    """
+
+    name: str
+    to_layerscale: tuple[Rule, ...]
+    to_gamma: tuple[Rule, ...]
+    gamma_pattern: str = r".*\.gamma_[12]"
+    ls_pattern: str = r".*\.ls[12]\.gamma"
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add (or replace) a family's rule tables in :data:`FAMILIES`."""
+    FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> Family:
+    """Return the family called ``name``; :class:`RemapError` if there is none."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise RemapError(
+            f"unknown model family {name!r}; choose one of: {', '.join(sorted(FAMILIES))}"
+        ) from None
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and len(obj) > 0 and all(isinstance(k, str) for k in obj)
+
+
+def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None) -> Mapping[str, Any]:
+    """Take the state dict out of a training checkpoint.
+
+    Args:
+        checkpoint: A state dict, or a dict holding one under ``'model'``,
+            ``'state_dict'`` or ``'model_ema'``.
+        wrapper: Which wrapper key to take. ``None`` takes ``'model'`` or else
+            ``'state_dict'``; ``'model_ema'`` must be asked for by name. A checkpoint
+            that is already a state dict is returned as it is.
+
+    Returns:
+        The inner mapping of parameter names to tensors.
+
+    Raises:
+        RemapError: ``wrapper`` is named but absent, or the checkpoint holds only an
+            EMA copy and none was asked for.
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise RemapError(
+            f"checkpoint is a {type(checkpoint).__name__}, not a dict of tensors; save a state_dict()"
+        )
+    if wrapper is not None:
+        inner = checkpoint.get(wrapper)
+        if not _is_state_dict(inner):
+            found = ", ".join(k for k in WRAPPER_KEYS if k in checkpoint) or "none"
+            raise RemapError(
+                f"checkpoint has no {wrapper!r} state dict (wrappers found: {found})"
+            )
+        return inner
+    for key in WRAPPER_KEYS[:2]:
+        if _is_state_dict(checkpoint.get(key)):
+            return checkpoint[key]
+    if _is_state_dict(checkpoint.get("model_ema")) and not any(
+        hasattr(v, "shape") for v in checkpoint.values()
+    ):
+        raise RemapError(
+            "checkpoint holds only an EMA state dict ('model_ema'); ask for it explicitly (--ema)"
+        )
+    return checkpoint
+
+
+def strip_prefixes(state_dict: Mapping[str, V], prefixes: Iterable[str] = PREFIXES) -> dict[str, V]:
+    """Remove DDP / torch.compile prefixes (``module.``, ``_orig_mod.``) from every key.
+
+    Prefixes are removed repeatedly, so ``module._orig_mod.x`` becomes ``x``.
+    """
+    prefixes = tuple(prefixes)
+    out: dict[str, V] = {}
+    for key, value in state_dict.items():
+        new = key
+        changed = True
+        while changed:
+            changed = False
+            for p in prefixes:
+                if new.startswith(p):
+                    new = new[len(p):]
+                    changed = True
+        if new in out:
+            raise RemapError(f"two keys become {new!r} once prefixes are removed; the checkpoint is ambiguous")
+        out[new] = value
+    return out
+
+
+def detect_layout(state_dict: Mapping[str, Any], family: str | Family) -> str:
+    """Say which LayerScale layout a (prefix-free) state dict uses.
+
+    Returns:
+        ``"gamma"`` (official ``gamma_1``/``gamma_2``), ``"ls"`` (``ls1.gamma``), or
+        ``"none"`` when it holds no LayerScale parameters at all.
+
+    Raises:
+        RemapError: Both layouts are present.
+    """
+    fam = get_family(family) if isinstance(family, str) else family
+    has_gamma = any(re.fullmatch(fam.gamma_pattern, k) for k in state_dict)
+    has_ls = any(re.fullmatch(fam.ls_pattern, k) for k in state_dict)
+    if has_gamma and has_ls:
+        raise RemapError("checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows")
+    return "gamma" if has_gamma else "ls" if has_ls else "none"
+
+
+def _apply_rules(
+    state_dict: Mapping[str, V], rules: tuple[Rule, ...], family: str, direction: str
+) -> dict[str, V]:
+    out: dict[str, V] = {}
+    unknown: list[str] = []
+    for key, value in state_dict.items():
+        for rule in rules:
+            matched, new_key = rule.apply(key)
+            if matched:
+                break
+        else:
+            unknown.append(key)
+            continue
+        if new_key is None:
+            continue
+        if new_key in out:
+            raise RemapError(f"keys collide on {new_key!r} when converting to the {direction} layout")
+        out[new_key] = value
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise RemapError(
+            f"{len(unknown)} key(s) are not part of a {family} checkpoint: {shown}; "
+            "check that the file is a checkpoint of this model family (or pass --model)"
+        )
+    return out
+
+
+def to_layerscale(state_dict: Mapping[str, V], family: str | Family = "cait") -> dict[str, V]:
+    """Map a state dict in any accepted layout to this package's ``ls`` layout.
+
+    Prefixes (``module.``, ``_orig_mod.``) are stripped first; wrappers must already
+    be removed (:func:`unwrap_state_dict`). Keys already in the ``ls`` layout pass
+    through, so the function is idempotent.
+
+    Args:
+        state_dict: Mapping of parameter names to tensors (values are not touched).
+        family: Family name or :class:`Family`.
+
+    Returns:
+        A new dict in the ``ls`` layout, same tensor objects, source key order.
+
+    Raises:
+        RemapError: A key is not covered by the family's rules, or keys collide.
+    """
+    fam = get_family(family) if isinstance(family, str) else family
+    sd = strip_prefixes(state_dict)
+    detect_layout(sd, fam)
+    return _apply_rules(sd, fam.to_layerscale, fam.name, "LayerScale-module")
+
+
+def to_gamma(state_dict: Mapping[str, V], family: str | Family = "cait") -> dict[str, V]:
+    """Map a state dict in the ``ls`` layout back to the official ``gamma`` layout.
+
+    The inverse of :func:`to_layerscale`: ``to_gamma(to_layerscale(sd)) == sd`` for a
+    prefix-free official state dict, key for key and tensor for tensor. Keys already
+    in the ``gamma`` layout pass through.
+
+    Raises:
+        RemapError: A key is not covered by the family's rules, or keys collide.
+    """
+    fam = get_family(family) if isinstance(family, str) else family
+    sd = strip_prefixes(state_dict)
+    detect_layout(sd, fam)
+    return _apply_rules(sd, fam.to_gamma, fam.name, "gamma")
+
+
+def _shape(t: Any) -> tuple[int, ...] | None:
+    s = getattr(t, "shape", None)
+    return tuple(s) if s is not None else None
+
+
+def check_state_dict(
+    state_dict: Mapping[str, Any],
+    expected: Mapping[str, Any],
+    what: str = "model",
+    limit: int = 5,
+) -> None:
+    """Check that a state dict has exactly the expected keys and shapes.
+
+    Args:
+        state_dict: The converted state dict (values with a ``.shape``).
+        expected: Target keys to tensors or shapes (e.g. ``model.state_dict()`` of a
+            model built on the ``meta`` device).
+        what: Name of the target, used in the message.
+        limit: How many keys of each kind of mismatch the message shows.
+
+    Raises:
+        RemapError: One error listing the first ``limit`` missing, unexpected and
+            mis-shaped keys (with shapes) and the count of each.
+    """
+    exp = {k: tuple(v) if isinstance(v, (tuple, list)) else _shape(v) for k, v in expected.items()}
+    missing = [k for k in exp if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in exp]
+    misshaped = [
+        (k, _shape(state_dict[k]), exp[k])
+        for k in exp
+        if k in state_dict and _shape(state_dict[k]) != exp[k]
+    ]
+    if not (missing or unexpected or misshaped):
+        return
+    parts = []
+    if missing:
+        shown = ", ".join(f"{k} {list(exp[k])}" for k in missing[:limit])
+        parts.append(f"{len(missing)} missing ({shown}{', ...' if len(missing) > limit else ''})")
+    if unexpected:
+        shown = ", ".join(f"{k} {list(_shape(state_dict[k]) or [])}" for k in unexpected[:limit])
+        parts.append(f"{len(unexpected)} unexpected ({shown}{', ...' if len(unexpected) > limit else ''})")
+    if misshaped:
+        shown = ", ".join(f"{k} {list(a or [])} != {list(b)}" for k, a, b in misshaped[:limit])
+        parts.append(f"{len(misshaped)} mis-shaped ({shown}{', ...' if len(misshaped) > limit else ''})")
+    raise RemapError(f"checkpoint does not fit {what}: " + "; ".join(parts))
+
+
+_LINEAR = r"\.(?:weight|bias)"
+
+register_family(
+    Family(
+        name="cait",
+        to_layerscale=(
+            Rule(r"(blocks(?:_token_only)?\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
+            Rule(r"blocks(?:_token_only)?\.\d+\.ls[12]\.gamma", KEEP),
+            Rule(r"cls_token|pos_embed", KEEP),
+            Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
+            Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
+            Rule(r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
+        ),
+        to_gamma=(
+            Rule(r"(blocks(?:_token_only)?\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
+            Rule(r"blocks(?:_token_only)?\.\d+\.gamma_[12]", KEEP),
+            Rule(r"cls_token|pos_embed", KEEP),
+            Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
+            Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
+            Rule(r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
+        ),
+    )
+)
