@@ -1,0 +1,71 @@
+"""The table of registered models shown by ``timm-layerscale list`` and the README."""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MODEL_MODULES", "registered_models", "model_catalog", "format_catalog"]
+
+#: Model files of this package, as timm files them (``timm.list_models(module=...)``).
+MODEL_MODULES = ("cait_ls", "vit5")
+
+
+def registered_models() -> list[str]:
+    """Names of every model this package registers with timm, sorted by module then name."""
+    import timm
+
+    from . import models  # noqa: F401  (registers the models)
+
+    from .variants import all_variants
+
+    ours = {name for module in MODEL_MODULES for name in timm.list_models(module=module)}
+    return [v.name for v in all_variants() if v.name in ours]
+
+
+def model_catalog(flops: bool = False) -> list[dict[str, Any]]:
+    """One row per registered model: name, reference twin, params, resolution, init, tags.
+
+    Models are built on the meta device, so this allocates no weights.
+
+    Args:
+        flops: Add ``flops``, the multiplications of one forward pass at batch size 1.
+    """
+    import timm
+    import torch
+
+    from .variants import get_variant
+
+    rows = []
+    for name in registered_models():
+        variant = get_variant(name)
+        with torch.device("meta"):
+            model = timm.create_model(name)
+        cfg = model.pretrained_cfg
+        row: dict[str, Any] = {
+            "name": name,
+            "family": variant.family,
+            "reference": variant.reference or "-",
+            "params": sum(p.numel() for p in model.parameters()),
+            "resolution": int(cfg["input_size"][-1]),
+            "init_value": variant.init_value,
+            "pretrained": [t for t in timm.list_pretrained(f"{name}.*")],
+        }
+        if flops:
+            row["flops"] = int(model.flop_count(batch_size=1)) if hasattr(model, "flop_count") else None
+        rows.append(row)
+    return rows
+
+
+def format_catalog(rows: list[dict[str, Any]], flops: bool = False) -> str:
+    """The catalogue as an aligned plain-text table."""
+    head = ["model", "reference", "params (M)", "res", "init", "pretrained tags"]
+    if flops:
+        head.insert(4, "GMul")
+    table = [head]
+    for r in rows:
+        tags = ", ".join(t.split(".", 1)[1] for t in r["pretrained"]) or "-"
+        line = [r["name"], r["reference"], f"{r['params'] / 1e6:.1f}", str(r["resolution"]), f"{r['init_value']:g}", tags]
+        if flops:
+            line.insert(4, "-" if r.get("flops") is None else f"{r['flops'] / 1e9:.2f}")
+        table.append(line)
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)

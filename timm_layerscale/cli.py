@@ -1,0 +1,289 @@
+"""Command line: ``timm-layerscale`` (also ``python -m timm_layerscale``).
+
+A thin argparse front end: each subcommand parses its arguments and calls one
+library function. Nothing heavy is imported until a subcommand runs, so ``--help``
+and argument errors are instant. Known errors print one line to stderr and exit
+non-zero (2 for bad input, 1 for a failed parity check); ``--debug`` shows the
+traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable, Sequence
+
+from ._version import __version__
+
+__all__ = ["main", "build_parser"]
+
+PROG = "timm-layerscale"
+
+EXAMPLES = """\
+examples:
+  timm-layerscale demo                                  # offline end-to-end run
+  timm-layerscale convert S24_224.pth cait_s24_224_ls.safetensors
+  timm-layerscale convert https://dl.fbaipublicfiles.com/deit/XXS24_224.pth xxs24.safetensors
+  timm-layerscale convert hf-hub:timm/cait_s24_224.fb_dist_in1k s24_ls.safetensors --dtype bf16
+  timm-layerscale verify S24_224.pth cait_s24_224_ls.safetensors --images cat.jpg
+  timm-layerscale export S24_224.pth hub/cait_s24_224_ls.fb_dist_in1k
+  timm-layerscale push hub/cait_s24_224_ls.fb_dist_in1k ORG/cait_s24_224_ls.fb_dist_in1k --dry-run
+  timm-layerscale inspect S24_224.pth --plot gates.png
+  timm-layerscale list --flops
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _add_common(p: argparse.ArgumentParser, top: bool = False) -> None:
+    # Subcommands must not reset a --debug given before them.
+    default = False if top else argparse.SUPPRESS
+    p.add_argument("--debug", action="store_true", default=default, help="show the full traceback on errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand (imports nothing heavy)."""
+    parser = _Parser(
+        prog=PROG,
+        description="LayerScale models for timm: convert checkpoints between the gamma_1/gamma_2 "
+        "and ls1.gamma layouts, verify output parity, export to the Hugging Face Hub.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def add(name: str, help: str, epilog: str = "") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_common(p)
+        return p
+
+    def source_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", metavar="NAME", help="model name; overrides architecture detection")
+        p.add_argument("--ema", action="store_true", help="take the 'model_ema' weights of a training checkpoint")
+
+    def tol_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit-exact)")
+        p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit-exact)")
+
+    p = add(
+        "convert",
+        "convert a checkpoint between layouts and verify parity",
+        "SOURCE is a local file, an https:// URL or hf-hub:ORG/REPO[/FILE].\n"
+        "example: timm-layerscale convert XXS24_224.pth cait_xxs24_224_ls.safetensors",
+    )
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("output", metavar="OUTPUT")
+    source_args(p)
+    p.add_argument("--to", choices=("ls", "gamma"), default="ls", help="target layout (default: ls)")
+    p.add_argument("--format", dest="fmt", choices=("safetensors", "pth"), help="output format (default: from OUTPUT's suffix, else safetensors)")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
+    p.add_argument("--fuse", action="store_true", help="fold LayerScale into the preceding Linear layers")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check")
+    p.add_argument("--allow-nonfinite", action="store_true", help="convert even if tensors hold NaN/Inf")
+    p.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the parity inputs")
+    tol_args(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    p = add(
+        "verify",
+        "compare the reference model on SOURCE with the model loaded from CONVERTED",
+        "exit status: 0 parity holds, 1 it does not, 2 bad input.\n"
+        "example: timm-layerscale verify XXS24_224.pth cait_xxs24_224_ls.safetensors",
+    )
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("converted", metavar="CONVERTED")
+    source_args(p)
+    p.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
+    p.add_argument("--num-inputs", type=int, default=8, metavar="K", help="seeded random images (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random images")
+    tol_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    p = add("list", "list the registered models, their references and pretrained tags")
+    p.add_argument("--flops", action="store_true", help="add multiply counts of one forward pass")
+    p.add_argument("--json", action="store_true", help="print as JSON")
+
+    p = add("demo", "offline end to end: write an official-layout checkpoint, convert, verify, export, reload")
+    p.add_argument("--out", default="demo-out", metavar="DIR", help="output folder (default: demo-out)")
+    p.add_argument("--overwrite", action="store_true", help="replace earlier demo output")
+
+    p = add(
+        "export",
+        "convert, verify and write a Hub-ready folder (weights, config.json, model card)",
+        "example: timm-layerscale export S24_224.pth hub/cait_s24_224_ls.fb_dist_in1k --push-to-hub ORG/cait_s24_224_ls.fb_dist_in1k",
+    )
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("dir", metavar="DIR")
+    source_args(p)
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the parity inputs")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder after exporting it")
+    p.add_argument("--private", action="store_true", help="create the Hub repository as private")
+
+    p = add(
+        "push",
+        "upload an exported folder to the Hugging Face Hub",
+        "the token comes from 'hf auth login' or HF_TOKEN and is never printed.\n"
+        "example: timm-layerscale push hub/cait_s24_224_ls.fb_dist_in1k ORG/cait_s24_224_ls.fb_dist_in1k --dry-run",
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("repo_id", metavar="REPO_ID")
+    p.add_argument("--private", action="store_true", help="create the repository as private")
+    p.add_argument("--revision", metavar="R", help="branch to commit to")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    p.add_argument("--commit-message", metavar="M", help="commit message")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; make no request")
+
+    p = add("inspect", "show the LayerScale gates of a checkpoint, block by block")
+    p.add_argument("source", metavar="SOURCE")
+    source_args(p)
+    p.add_argument("--plot", metavar="FILE.png", help="draw the gate profile (needs timm-layerscale[plot])")
+    p.add_argument("--json", action="store_true", help="print as JSON")
+    return parser
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _cmd_convert(a: argparse.Namespace) -> int:
+    from .conversion import ParityError, convert_checkpoint
+
+    try:
+        res = convert_checkpoint(
+            a.source, a.output, model=a.model, to=a.to, fmt=a.fmt, dtype=a.dtype, overwrite=a.overwrite,
+            verify=a.verify, allow_nonfinite=a.allow_nonfinite, ema=a.ema, images=a.images, fuse=a.fuse,
+            atol=a.atol, rtol=a.rtol,
+        )
+    except ParityError as e:
+        if a.json:
+            _print_json({"ok": False, "error": str(e), "report": e.report.to_dict()})
+        else:
+            print(e.report.format_table())
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    if a.json:
+        _print_json({
+            "ok": True, "output": str(res.output), "model": res.variant.name, "family": res.variant.family,
+            "source_sha256": res.source_sha256, "source_layout": res.source_layout, "target_layout": res.target_layout,
+            "seconds": round(res.seconds, 3), "metadata": res.metadata,
+            "report": res.report.to_dict() if res.report else None,
+        })
+        return 0
+    print(f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({res.target_layout} layout) as {res.variant.name} in {res.seconds:.1f} s")
+    if res.report is not None:
+        print(res.report.format_table())
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from .conversion import verify_checkpoint
+
+    rep = verify_checkpoint(
+        a.source, a.converted, model=a.model, images=a.images, num_inputs=a.num_inputs, seed=a.seed,
+        atol=a.atol, rtol=a.rtol, ema=a.ema,
+    )
+    if a.json:
+        _print_json(rep.to_dict())
+    else:
+        print(rep.format_table())
+    return 0 if rep.passed else 1
+
+
+def _cmd_list(a: argparse.Namespace) -> int:
+    from .catalog import format_catalog, model_catalog
+
+    rows = model_catalog(flops=a.flops)
+    if a.json:
+        _print_json(rows)
+    else:
+        print(format_catalog(rows, flops=a.flops))
+    return 0
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return 0 if run_demo(a.out, overwrite=a.overwrite) else 1
+
+
+def _cmd_export(a: argparse.Namespace) -> int:
+    from .hub import export_folder
+
+    res = export_folder(
+        a.source, a.dir, model=a.model, overwrite=a.overwrite, images=a.images, ema=a.ema,
+        push_to_hub=a.push_to_hub, private=a.private,
+    )
+    print(res.summary())
+    return 0
+
+
+def _cmd_push(a: argparse.Namespace) -> int:
+    from .hub import push_folder
+
+    res = push_folder(
+        a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
+        commit_message=a.commit_message, dry_run=a.dry_run,
+    )
+    print(res.summary())
+    return 0
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from .gates import format_gate_table, gate_profile, plot_gates
+
+    profile = gate_profile(a.source, model=a.model, ema=a.ema)
+    if a.plot:
+        plot_gates(profile, a.plot)
+    if a.json:
+        _print_json(profile)
+    else:
+        print(format_gate_table(profile))
+        if a.plot:
+            print(f"plot written to {a.plot}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "convert": _cmd_convert,
+    "verify": _cmd_verify,
+    "list": _cmd_list,
+    "demo": _cmd_demo,
+    "export": _cmd_export,
+    "push": _cmd_push,
+    "inspect": _cmd_inspect,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from .errors import LayerScaleError
+
+        if args.debug:
+            raise
+        if isinstance(e, LayerScaleError):
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        print(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

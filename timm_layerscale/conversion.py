@@ -1,0 +1,454 @@
+"""Convert a checkpoint between layouts, verify the result, and run the offline demo.
+
+The pieces are pure key rules (:mod:`~timm_layerscale.remap`), file I/O
+(:mod:`~timm_layerscale.checkpoint`), the Hub/URL boundary (:mod:`~timm_layerscale.hub`)
+and the parity check (:mod:`~timm_layerscale.parity`); this module strings them
+together for the command line and for library users.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+from ._version import __version__
+from .errors import CheckpointError, LayerScaleError, OutputExistsError, RemapError
+from .parity import ParityReport, compare_models, image_inputs, seed_parameters_, seeded_inputs
+from .remap import FAMILIES, detect_layout, strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict, check_state_dict
+from .variants import Variant, detect_variant, target_shapes
+
+__all__ = [
+    "ConversionResult",
+    "ParityError",
+    "convert_checkpoint",
+    "verify_checkpoint",
+    "load_source",
+    "build_reference",
+    "build_converted",
+    "write_official_checkpoint",
+]
+
+
+class ParityError(LayerScaleError):
+    """The converted model's outputs do not match the reference's (exit code 1)."""
+
+    def __init__(self, message: str, report: ParityReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class ConversionResult:
+    """What :func:`convert_checkpoint` did.
+
+    Attributes:
+        output: The written file.
+        variant: The architecture the checkpoint was converted as.
+        num_classes: Classifier size when it differs from the variant's default, else ``None``.
+        source: The source as given (path, URL or ``hf-hub:`` id).
+        source_path: The local file that was read.
+        source_sha256: SHA-256 of that file.
+        source_layout: ``"gamma"`` or ``"ls"``.
+        target_layout: ``"ls"`` or ``"gamma"``.
+        metadata: The metadata written into a safetensors output.
+        report: The parity report, or ``None`` with ``verify=False``.
+        seconds: Wall time of the conversion, verification included.
+        command: A command line that reproduces the conversion.
+    """
+
+    output: Path
+    variant: Variant
+    num_classes: int | None
+    source: str
+    source_path: Path
+    source_sha256: str
+    source_layout: str
+    target_layout: str
+    metadata: dict[str, str]
+    report: ParityReport | None
+    seconds: float
+    command: str
+
+
+def _resolve(source: str | os.PathLike) -> Path:
+    s = str(source)
+    if s.startswith(("http://", "https://", "hf-hub:")):
+        from .hub import resolve_source
+
+        return resolve_source(s)
+    return Path(s)
+
+
+def load_source(
+    source: str | os.PathLike, *, model: str | None = None, ema: bool = False
+) -> tuple[Path, Mapping[str, torch.Tensor], Variant, dict[str, Any]]:
+    """Read a checkpoint and find what it is.
+
+    Args:
+        source: Local path, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
+        model: Model name overriding architecture detection.
+        ema: Take the ``'model_ema'`` state dict of a training checkpoint.
+
+    Returns:
+        ``(path, state_dict, variant, info)``: the local file, its state dict
+        (unwrapped, prefixes stripped, tensors lazy where the format allows), the
+        detected variant and :func:`~timm_layerscale.variants.describe_state_dict` info.
+    """
+    path = _resolve(source)
+    raw = ckpt.load_checkpoint(path)
+    try:
+        sd = strip_prefixes(unwrap_state_dict(raw, "model_ema" if ema else None))
+    except RemapError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{path}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
+    variant, info = detect_variant(sd, model)
+    return path, sd, variant, info
+
+
+def _to_target(sd: Mapping[str, torch.Tensor], variant: Variant, to: str) -> dict[str, torch.Tensor]:
+    ls = to_layerscale(sd, FAMILIES[variant.family])
+    if to == "ls":
+        return ls
+    if to == "gamma":
+        return to_gamma(ls, FAMILIES[variant.family])
+    raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
+
+
+def _create_empty(name: str, family: str, **kwargs: Any) -> nn.Module:
+    """Build a model whose weights are about to be loaded, skipping the random init.
+
+    CaiT models hold no non-persistent buffers, so they are built on the meta
+    device and filled by ``load_state_dict(assign=True)``; other families are built
+    normally because their computed buffers must exist on the CPU.
+    """
+    import timm
+
+    if family == "cait":
+        with torch.device("meta"):
+            return timm.create_model(name, **kwargs)
+    return timm.create_model(name, **kwargs)
+
+
+def _load_strict(model: nn.Module, sd: Mapping[str, torch.Tensor], name: str) -> nn.Module:
+    check_state_dict(sd, model.state_dict(), name)
+    is_meta = any(p.is_meta for p in model.parameters())
+    model.load_state_dict(sd, strict=True, assign=is_meta)
+    return model.eval()
+
+
+def build_converted(
+    variant: Variant, state_dict: Mapping[str, torch.Tensor], num_classes: int | None = None, **kwargs: Any
+) -> nn.Module:
+    """Build the target model and load a state dict in any accepted layout, strictly.
+
+    Raises:
+        RemapError: Missing, unexpected or mis-shaped keys (all listed in one message).
+    """
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    model = _create_empty(variant.name, variant.family, **kwargs)
+    return _load_strict(model, to_layerscale(state_dict, FAMILIES[variant.family]), variant.name)
+
+
+def build_reference(
+    variant: Variant, state_dict: Mapping[str, torch.Tensor], num_classes: int | None = None
+) -> tuple[nn.Module, str]:
+    """Build the reference model for a variant and load the original weights strictly.
+
+    Returns:
+        ``(model, name)``: the reference in eval mode and the name it is reported by.
+    """
+    kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
+    if variant.family == "cait":
+        ref = _create_empty(variant.reference, "cait", **kwargs)
+        sd = to_gamma(to_layerscale(state_dict, "cait"), "cait")
+        return _load_strict(ref, sd, variant.reference), variant.reference
+    from . import references
+
+    return references.load_reference(variant, state_dict, num_classes)
+
+
+def _dtype_of(sd: Mapping[str, torch.Tensor]) -> torch.dtype:
+    for v in sd.values():
+        if v.is_floating_point():
+            return v.dtype
+    return torch.float32
+
+
+def verify_checkpoint(
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    converted: str | os.PathLike | Mapping[str, torch.Tensor],
+    *,
+    model: str | None = None,
+    images: Sequence[str] = (),
+    num_inputs: int = 8,
+    seed: int = 0,
+    batch_size: int = 4,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    ema: bool = False,
+) -> ParityReport:
+    """Compare the reference model on the original weights with the converted model.
+
+    Both models run in the converted file's float dtype (the source weights are
+    cast to it), on the CPU, on ``num_inputs`` seeded images at the model's
+    resolution plus any image files.
+
+    Args:
+        source: The original checkpoint (file, URL, ``hf-hub:`` id, or a state dict).
+        converted: The converted checkpoint (file or state dict), any layout.
+        model: Model name overriding detection.
+        images: Image files, run through timm's eval transforms for the model.
+        num_inputs: Number of seeded random images.
+        seed: Seed of the random images.
+        batch_size: Images per forward pass.
+        atol, rtol: Tolerances; 0 and 0 ask for bit-exact outputs.
+        ema: Take the source's ``'model_ema'`` weights.
+
+    Returns:
+        The :class:`~timm_layerscale.parity.ParityReport`.
+    """
+    if isinstance(source, Mapping):
+        src_sd = strip_prefixes(unwrap_state_dict(source))
+        variant, info = detect_variant(src_sd, model)
+    else:
+        _, src_sd, variant, info = load_source(source, model=model, ema=ema)
+    if isinstance(converted, Mapping):
+        conv_sd = strip_prefixes(unwrap_state_dict(converted))
+    else:
+        conv_sd = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(_resolve(converted))))
+    num_classes = info.get("num_classes")
+    dtype = _dtype_of(conv_sd)
+    ref, ref_name = build_reference(variant, {k: v for k, v in src_sd.items()}, num_classes)
+    out = build_converted(variant, conv_sd, num_classes)
+    ref.to(dtype)
+    out.to(dtype)
+    img = variant.img_size
+    cfg_size = getattr(out, "pretrained_cfg", {}).get("input_size")
+    if cfg_size:
+        img = tuple(cfg_size[-2:])
+    inputs = seeded_inputs(num_inputs, img, seed)
+    desc = f"{num_inputs} seeded N(0,1) images (seed {seed}) at {img if isinstance(img, int) else 'x'.join(map(str, img))}"
+    if images:
+        files = image_inputs(images, out)
+        if files.shape[-2:] != inputs.shape[-2:]:
+            raise CheckpointError("image files resolve to another input size than the model's; check --images")
+        inputs = torch.cat([inputs, files])
+        desc += f" + {len(images)} image file(s)"
+    return compare_models(
+        ref,
+        out,
+        inputs,
+        reference_name=ref_name,
+        model_name=variant.name,
+        family=variant.family,
+        inputs_desc=desc,
+        batch_size=batch_size,
+        atol=atol,
+        rtol=rtol,
+    )
+
+
+def _command(source: str, output: Path, **opts: Any) -> str:
+    parts = ["timm-layerscale", "convert", str(source), str(output)]
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value not in (None, False, (), []):
+            parts += [flag] + ([str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)])
+    return shlex.join(parts)
+
+
+def convert_checkpoint(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    model: str | None = None,
+    to: str = "ls",
+    fmt: str | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
+    allow_nonfinite: bool = False,
+    ema: bool = False,
+    images: Sequence[str] = (),
+    fuse: bool = False,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> ConversionResult:
+    """Convert a checkpoint to the LayerScale-module layout (or back) and verify it.
+
+    The output is written atomically: it appears complete or not at all. With
+    ``verify`` the written file is loaded back and compared with the reference;
+    a failed check removes it and raises :class:`ParityError`.
+
+    Args:
+        source: Local file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
+        output: Output file (``.safetensors`` or ``.pth``).
+        model: Model name overriding architecture detection.
+        to: Target layout: ``"ls"`` (``ls1.gamma``) or ``"gamma"`` (``gamma_1``).
+        fmt: ``"safetensors"`` or ``"pth"``; default from the output's suffix
+            (``safetensors`` when it has none of these).
+        dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``; default keeps the source's dtypes.
+        overwrite: Replace an existing output.
+        verify: Check parity of the written file against the reference.
+        allow_nonfinite: Convert even if some tensors hold NaN or Inf.
+        ema: Take the source's ``'model_ema'`` weights.
+        images: Image files added to the verification inputs.
+        fuse: Fold every LayerScale gamma into the preceding Linear (``ls`` only);
+            the output loads into the model built with ``fused_layerscale=True``.
+        atol, rtol: Verification tolerances (0, 0 = bit-exact).
+
+    Returns:
+        A :class:`ConversionResult`.
+    """
+    t0 = time.perf_counter()
+    output = Path(output)
+    fmt = fmt or ("pth" if output.suffix in (".pth", ".pt", ".bin") else "safetensors")
+    if fmt not in ("safetensors", "pth"):
+        raise LayerScaleError(f"unknown format {fmt!r}; use 'safetensors' or 'pth'")
+    if to not in ("ls", "gamma"):
+        raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
+    if fuse and to != "ls":
+        raise LayerScaleError("--fuse applies to the ls layout only; drop --to gamma or --fuse")
+    if output.exists() and not overwrite:
+        raise OutputExistsError(f"{output} exists; pass --overwrite to replace it")
+    if not output.parent.is_dir():
+        raise CheckpointError(f"output folder {output.parent} does not exist; create it first")
+    if not os.access(output.parent, os.W_OK):
+        raise CheckpointError(f"output folder {output.parent} is not writable; choose another OUTPUT")
+    torch_dtype = ckpt.parse_dtype(dtype) if dtype else None
+
+    path, sd, variant, info = load_source(source, model=model, ema=ema)
+    num_classes = info.get("num_classes")
+    layout = detect_layout(sd, FAMILIES[variant.family])
+    if not allow_nonfinite:
+        ckpt.check_finite(sd)
+    target = _to_target(sd, variant, to)
+    shapes = target_shapes(variant, num_classes)
+    check_state_dict(to_layerscale(target, FAMILIES[variant.family]), shapes, variant.name)
+    if fuse:
+        from .fuse import fuse_layerscale
+
+        fused = fuse_layerscale(build_converted(variant, target, num_classes))
+        target = fused.state_dict()
+
+    sha = ckpt.sha256_file(path)
+    metadata = {
+        "format": "pt",
+        "source_file": path.name,
+        "source_sha256": sha,
+        "source_layout": layout,
+        "target_layout": to,
+        "architecture": variant.name,
+        "family": variant.family,
+        "converter": f"timm-layerscale {__version__}",
+    }
+    if num_classes is not None:
+        metadata["num_classes"] = str(num_classes)
+    if fuse:
+        metadata["fused_layerscale"] = "true"
+    ckpt.save_state_dict(output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype)
+
+    report = None
+    if verify:
+        try:
+            if fuse:
+                report = _verify_fused(sd, output, variant, num_classes, images)
+            else:
+                report = verify_checkpoint(sd, output, model=variant.name, images=images, atol=atol, rtol=rtol)
+        except BaseException:
+            output.unlink(missing_ok=True)
+            raise
+        if not report.passed:
+            output.unlink(missing_ok=True)
+            raise ParityError(
+                f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}); "
+                "output removed; pass --atol/--rtol to accept a tolerance",
+                report,
+            )
+    command = _command(
+        str(source), output, model=model, to=None if to == "ls" else to, format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
+        dtype=dtype, overwrite=overwrite or None, no_verify=not verify, allow_nonfinite=allow_nonfinite, ema=ema,
+        images=list(images), fuse=fuse,
+    )
+    return ConversionResult(
+        output=output,
+        variant=variant,
+        num_classes=num_classes,
+        source=str(source),
+        source_path=path,
+        source_sha256=sha,
+        source_layout=layout,
+        target_layout=to,
+        metadata=metadata,
+        report=report,
+        seconds=time.perf_counter() - t0,
+        command=command,
+    )
+
+
+def _verify_fused(
+    src_sd: Mapping[str, torch.Tensor], output: Path, variant: Variant, num_classes: int | None, images: Sequence[str]
+) -> ParityReport:
+    """Folding changes rounding: a fused model is checked with a 1e-5 absolute tolerance."""
+    import timm
+
+    ref, ref_name = build_reference(variant, src_sd, num_classes)
+    kwargs: dict[str, Any] = {"fused_layerscale": True}
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    model = timm.create_model(variant.name, **kwargs)
+    sd = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(output)))
+    model.load_state_dict(dict(sd), strict=True)
+    dtype = _dtype_of(sd)
+    ref.to(dtype)
+    model.to(dtype).eval()
+    inputs = seeded_inputs(8, variant.img_size, 0)
+    if images:
+        inputs = torch.cat([inputs, image_inputs(images, model)])
+    return compare_models(
+        ref, model, inputs, reference_name=ref_name, model_name=f"{variant.name} (fused_layerscale)",
+        family=variant.family, inputs_desc=f"{inputs.shape[0]} images, seed 0", atol=1e-5, rtol=0.0,
+    )
+
+
+def official_layout(model: nn.Module, family: str = "cait") -> dict[str, Any]:
+    """A model's weights as the official training code saves them.
+
+    For CaiT: ``{'model': {'module.' + key: tensor}}`` with ``gamma_1``/``gamma_2``.
+    """
+    sd = to_gamma(model.state_dict(), family)
+    if family == "cait":
+        return {"model": {"module." + k: v for k, v in sd.items()}}
+    return {"model": sd}
+
+
+def write_official_checkpoint(
+    path: str | os.PathLike, model_name: str = "cait_xxs24_224", seed: int = 0, overwrite: bool = False
+) -> nn.Module:
+    """Build timm's reference model with seeded weights and save it in the official layout.
+
+    Every parameter is random (:func:`~timm_layerscale.parity.seed_parameters_`,
+    gammas of std 0.1), so that a layout or math error shows in the outputs.
+
+    Returns:
+        The reference model (eval mode) whose weights were written.
+    """
+    import timm
+
+    ref = timm.create_model(model_name)
+    seed_parameters_(ref, seed)
+    with ckpt.atomic_output(path, overwrite) as tmp:
+        torch.save(official_layout(ref), tmp)
+    return ref.eval()
