@@ -1,0 +1,309 @@
+"""LayerScale CaiT: registry, timm model contract, and bit-exact parity with timm's ``cait_*``."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from timm.layers import set_fused_attn
+
+import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale import to_gamma, to_layerscale
+from timm_layerscale.models.cait_ls import MODEL_ARGS, REFERENCE, CaitLS
+from timm_layerscale.parity import seed_parameters_
+
+NAMES = sorted(MODEL_ARGS)
+IMG = {name: int(name.split("_")[2]) for name in NAMES}
+
+
+def _pair(ref_name: str, seed: int = 0, **kwargs):
+    """timm's reference with seeded weights in every parameter, and our model loaded from it."""
+    ref = timm.create_model(ref_name, **kwargs)
+    seed_parameters_(ref, seed)
+    ours = timm.create_model(ref_name + "_ls", **kwargs)
+    ours.load_state_dict(to_layerscale(ref.state_dict()), strict=True)
+    return ref.eval(), ours.eval()
+
+
+@pytest.fixture(scope="module")
+def xxs24():
+    return _pair("cait_xxs24_224")
+
+
+@pytest.fixture(scope="module")
+def images():
+    return torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+
+
+# --- registry --------------------------------------------------------------------------------
+
+def test_ten_names_registered_in_their_own_module():
+    ours = timm.list_models(module="cait_ls")
+    assert sorted(ours) == NAMES and len(NAMES) == 10
+    assert not set(ours) & set(timm.list_models(module="cait"))
+    assert "cait_s24_224" in timm.list_models(module="cait")
+    assert sorted(timm.list_models("*_ls")) == NAMES or set(NAMES) <= set(timm.list_models("*_ls"))
+
+
+@pytest.mark.parametrize("name", [n for n in timm.list_models("*_ls") if n in MODEL_ARGS])
+def test_registry_meta_build_and_pretrained_cfg(name):
+    model = timm.create_model(name, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    cfg = model.pretrained_cfg
+    ref = REFERENCE[name]
+    assert cfg["tag"] == "fb_dist_in1k"
+    assert cfg["hf_hub_id"] == f"timm/{ref}.fb_dist_in1k"
+    assert cfg["url"].startswith("https://dl.fbaipublicfiles.com/deit/") and cfg["url"].endswith(".pth")
+    assert cfg["input_size"] == (3, IMG[name], IMG[name])
+    assert cfg["num_classes"] == 1000 and cfg["license"] == "apache-2.0"
+    assert timm.list_pretrained(f"{name}.*") == [f"{name}.fb_dist_in1k"]
+    # Same architecture as the reference: key for key and shape for shape.
+    ref_model = timm.create_model(ref, device="meta")
+    assert cfg["url"] == ref_model.pretrained_cfg["url"]
+    mapped = {k: tuple(v.shape) for k, v in to_layerscale(ref_model.state_dict()).items()}
+    assert mapped == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert model.blocks[0].ls1.init_value == MODEL_ARGS[name]["init_values"]
+
+
+# --- parity ----------------------------------------------------------------------------------
+
+def test_forward_bit_exact(xxs24, images):
+    ref, ours = xxs24
+    with torch.no_grad():
+        a, b = ref(images), ours(images)
+    assert torch.equal(a, b)
+    # The check is not vacuous: the gates matter and the logits are far from constant.
+    assert a.std() > 0.1
+
+
+def test_forward_features_and_intermediates_bit_exact(xxs24, images):
+    ref, ours = xxs24
+    with torch.no_grad():
+        assert torch.equal(ref.forward_features(images), ours.forward_features(images))
+        fa, ia = ref.forward_intermediates(images, indices=[0, 11, 23])
+        fb, ib = ours.forward_intermediates(images, indices=[0, 11, 23])
+        assert torch.equal(fa, fb)
+        assert len(ia) == len(ib) == 3 and all(torch.equal(x, y) for x, y in zip(ia, ib))
+        assert ib[0].shape == (2, 192, 14, 14)
+        na = ref.forward_intermediates(images, indices=2, norm=True, output_fmt="NLC", intermediates_only=True)
+        nb = ours.forward_intermediates(images, indices=2, norm=True, output_fmt="NLC", intermediates_only=True)
+        assert all(torch.equal(x, y) for x, y in zip(na, nb))
+
+
+def test_bf16_bit_exact(images):
+    ref, ours = _pair("cait_xxs24_224")
+    ref.to(torch.bfloat16)
+    ours.to(torch.bfloat16)
+    x = images.to(torch.bfloat16)
+    with torch.no_grad():
+        a, b = ref(x), ours(x)
+    assert a.dtype == b.dtype == torch.bfloat16
+    assert torch.equal(a, b)
+
+
+def test_train_mode_and_gradients_bit_exact(images):
+    ref, ours = _pair("cait_xxs24_224")
+    ref.train()
+    ours.train()
+    x = images[:1]
+    torch.manual_seed(3)
+    a = ref(x)
+    torch.manual_seed(3)
+    b = ours(x)
+    assert torch.equal(a, b)
+    (a.square().mean()).backward()
+    (b.square().mean()).backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    our_grads = to_gamma({k: p.grad for k, p in ours.named_parameters()})
+    assert ref_grads.keys() == our_grads.keys()
+    for k in ref_grads:
+        assert torch.equal(ref_grads[k], our_grads[k]), k
+    assert ours.blocks[5].ls1.gamma.grad.abs().sum() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "cait_xxs24_224_ls"])
+def test_every_variant_bit_exact(name):
+    ref, ours = _pair(REFERENCE[name])
+    x = torch.randn(1, 3, IMG[name], IMG[name], generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(ref(x), ours(x))
+
+
+def _official_forward(sd: dict, x: torch.Tensor, num_heads: int, patch: int) -> torch.Tensor:
+    """CaiT written out from the paper's equations with hand-computed attention.
+
+    Plain tensor code on an official-layout state dict (``gamma_1``/``gamma_2``),
+    independent of timm and of this package.
+    """
+    def ln(t, p):
+        return F.layer_norm(t, t.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], eps=1e-6)
+
+    def lin(t, p):
+        return F.linear(t, sd[p + ".weight"], sd.get(p + ".bias"))
+
+    def mlp(t, p):
+        return lin(F.gelu(lin(t, p + ".fc1")), p + ".fc2")
+
+    t = F.conv2d(x, sd["patch_embed.proj.weight"], sd["patch_embed.proj.bias"], stride=patch)
+    t = t.flatten(2).transpose(1, 2) + sd["pos_embed"]
+    B, N, C = t.shape
+    H = num_heads
+    scale = (C // H) ** -0.5
+    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    for i in range(depth):
+        p = f"blocks.{i}"
+        qkv = lin(ln(t, p + ".norm1"), p + ".attn.qkv").reshape(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0] * scale, qkv[1], qkv[2]
+        attn = q @ k.transpose(-2, -1)
+        attn = lin(attn.permute(0, 2, 3, 1), p + ".attn.proj_l").permute(0, 3, 1, 2)
+        attn = attn.softmax(dim=-1)
+        attn = lin(attn.permute(0, 2, 3, 1), p + ".attn.proj_w").permute(0, 3, 1, 2)
+        a = lin((attn @ v).transpose(1, 2).reshape(B, N, C), p + ".attn.proj")
+        t = t + sd[p + ".gamma_1"] * a
+        t = t + sd[p + ".gamma_2"] * mlp(ln(t, p + ".norm2"), p + ".mlp")
+    cls = sd["cls_token"].expand(B, -1, -1)
+    for j in range(2):
+        p = f"blocks_token_only.{j}"
+        u = ln(torch.cat((cls, t), dim=1), p + ".norm1")
+        q = lin(u[:, 0], p + ".attn.q").unsqueeze(1).reshape(B, 1, H, C // H).permute(0, 2, 1, 3)
+        k = lin(u, p + ".attn.k").reshape(B, N + 1, H, C // H).permute(0, 2, 1, 3)
+        v = lin(u, p + ".attn.v").reshape(B, N + 1, H, C // H).permute(0, 2, 1, 3)
+        attn = ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        a = lin((attn @ v).transpose(1, 2).reshape(B, 1, C), p + ".attn.proj")
+        cls = cls + sd[p + ".gamma_1"] * a
+        cls = cls + sd[p + ".gamma_2"] * mlp(ln(cls, p + ".norm2"), p + ".mlp")
+    t = ln(torch.cat((cls, t), dim=1), "norm")
+    return lin(t[:, 0], "head")
+
+
+def test_unfused_attention_equals_official_math(images):
+    """With fused attention off, converted model == hand-written official math, bit for bit."""
+    set_fused_attn(False)
+    try:
+        ref, ours = _pair("cait_xxs24_224")
+    finally:
+        set_fused_attn(True)
+    assert not ours.blocks_token_only[0].attn.fused_attn
+    official = to_gamma(ours.state_dict())
+    with torch.no_grad():
+        expected = _official_forward(official, images, num_heads=4, patch=16)
+        assert torch.equal(ours(images), expected)
+        assert torch.equal(ref(images), expected)
+
+
+def test_fused_attention_close_to_official_math(xxs24, images):
+    ref, ours = xxs24
+    assert ours.blocks_token_only[0].attn.fused_attn == ref.blocks_token_only[0].attn.fused_attn
+    with torch.no_grad():
+        expected = _official_forward(to_gamma(ours.state_dict()), images, num_heads=4, patch=16)
+        assert (ours(images) - expected).abs().max() < 1e-4
+
+
+# --- pretrained loading ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def weight_files(tmp_path_factory, xxs24):
+    ref, _ = xxs24
+    d = tmp_path_factory.mktemp("weights")
+    sd = ref.state_dict()
+    torch.save({"model": {"module." + k: v for k, v in sd.items()}, "epoch": 3}, d / "XXS24_224.pth")
+    save_file({k: v.contiguous() for k, v in sd.items()}, d / "timm_gamma.safetensors")
+    save_file({k: v.contiguous() for k, v in to_layerscale(sd).items()}, d / "ls.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("fname", ["XXS24_224.pth", "timm_gamma.safetensors", "ls.safetensors"])
+def test_pretrained_from_any_layout(weight_files, xxs24, images, fname):
+    ref, _ = xxs24
+    model = timm.create_model(
+        "cait_xxs24_224_ls", pretrained=True, pretrained_cfg_overlay=dict(file=str(weight_files / fname))
+    ).eval()
+    with torch.no_grad():
+        assert torch.equal(model(images), ref(images))
+
+
+def test_pretrained_at_another_img_size(weight_files, xxs24):
+    ref, _ = xxs24
+    model = timm.create_model(
+        "cait_xxs24_224_ls", pretrained=True, img_size=288,
+        pretrained_cfg_overlay=dict(file=str(weight_files / "XXS24_224.pth")),
+    ).eval()
+    assert model.pos_embed.shape == (1, 18 * 18, 192)
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, 288, 288))
+    assert out.shape == (1, 1000) and torch.isfinite(out).all()
+    assert torch.equal(model.blocks[3].ls2.gamma, ref.blocks[3].gamma_2)
+
+
+def test_dynamic_img_size(tiny_cait_kwargs):
+    torch.manual_seed(0)
+    static = CaitLS(**tiny_cait_kwargs).eval()
+    dynamic = CaitLS(**tiny_cait_kwargs, dynamic_img_size=True).eval()
+    dynamic.load_state_dict(static.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(static(x), dynamic(x))
+        assert dynamic(torch.randn(2, 3, 48, 40)).shape == (2, 10)
+        feats = dynamic.forward_intermediates(torch.randn(1, 3, 48, 40), intermediates_only=True)
+    assert feats[-1].shape == (1, 32, 6, 5)
+
+
+# --- timm model contract ---------------------------------------------------------------------
+
+def test_model_contract(tiny_cait_kwargs):
+    torch.manual_seed(0)
+    model = CaitLS(**tiny_cait_kwargs).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert feats.shape == (2, 1 + 16, 32)
+        assert model.forward_head(feats, pre_logits=True).shape == (2, 32)
+        assert torch.equal(model.forward_head(feats), model(x))
+    assert model.get_classifier() is model.head
+    assert model.no_weight_decay() == {"pos_embed", "cls_token"}
+    model.reset_classifier(5)
+    assert model(x).shape == (2, 5)
+    model.reset_classifier(0, "avg")
+    assert model(x).shape == (2, 32)
+    groups = timm.models.group_parameters(model, model.group_matcher())
+    assert len(groups) >= len(model.blocks)
+
+
+def test_grad_checkpointing_same_result(tiny_cait_kwargs):
+    torch.manual_seed(0)
+    model = CaitLS(**tiny_cait_kwargs).train()
+    x = torch.randn(2, 3, 32, 32)
+    a = model(x)
+    model.set_grad_checkpointing(True)
+    b = model(x)
+    assert torch.equal(a, b)
+    b.sum().backward()
+
+
+def test_features_only_and_prune():
+    model = timm.create_model("cait_xxs24_224_ls", features_only=True, out_indices=(5, 23), device="meta")
+    assert model.feature_info.channels() == [192, 192]
+    tiny = timm.create_model("cait_xxs24_224_ls", img_size=64, depth=4).eval()
+    taken = tiny.prune_intermediate_layers(indices=[1], prune_head=True)
+    assert taken == [1] and len(tiny.blocks) == 2 and tiny.blocks_token_only is None
+    out = tiny.forward_intermediates(torch.randn(1, 3, 64, 64), indices=[1], intermediates_only=True)
+    assert out[0].shape == (1, 192, 4, 4)
+
+
+def test_meta_build_all_variants_loads_with_assign():
+    model = timm.create_model("cait_m48_448_ls", device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    assert math.isclose(n / 1e6, 356.5, rel_tol=1e-3)
+
+
+def test_bad_config_errors(tiny_cait_kwargs):
+    with pytest.raises(ValueError, match="global_pool"):
+        CaitLS(**tiny_cait_kwargs, global_pool="max")
+    with pytest.raises(ValueError, match="init_values"):
+        CaitLS(**dict(tiny_cait_kwargs, init_values="big"))
+    with pytest.raises(ValueError, match="divisible"):
+        CaitLS(**dict(tiny_cait_kwargs, num_heads=5))

@@ -1,0 +1,200 @@
+"""LayerScale, the CaiT init rule and optimizer parameter groups."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from timm_layerscale import LayerScale, cait_init_value, param_groups
+
+
+def _tagged(p: torch.Tensor) -> bool:
+    return getattr(p, "_no_weight_decay", False) is True
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 8), (2, 3, 4, 8), (2, 3, 4, 5, 8), (8,)])
+def test_forward_broadcasts_over_leading_axes(shape):
+    torch.manual_seed(0)
+    ls = LayerScale(8, init_value=0.5)
+    with torch.no_grad():
+        ls.gamma.copy_(torch.randn(8))
+    x = torch.randn(shape)
+    y = ls(x)
+    assert y.shape == x.shape
+    for c in range(8):
+        assert torch.equal(y[..., c], x[..., c] * ls.gamma[c])
+
+
+def test_init_value_and_defaults():
+    ls = LayerScale(6)
+    assert ls.gamma.shape == (6,)
+    assert torch.all(ls.gamma == 1e-4)
+    assert isinstance(ls.gamma, nn.Parameter)
+    assert torch.all(LayerScale(3, init_value=1e-5).gamma == 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_input_keeps_its_dtype(dtype):
+    ls = LayerScale(4, init_value=0.3)
+    x = torch.randn(2, 3, 4).to(dtype)
+    y = ls(x)
+    assert y.dtype == dtype
+    assert torch.equal(y, x * ls.gamma.detach().to(dtype))
+
+
+def test_wrong_last_dim_names_both_sizes():
+    with pytest.raises(ValueError, match=r"8.*7|7.*8"):
+        LayerScale(8)(torch.randn(2, 7))
+
+
+def test_invalid_dim():
+    with pytest.raises(ValueError):
+        LayerScale(0)
+
+
+def test_flop_count_and_repr():
+    ls = LayerScale(192, init_value=1e-5)
+    assert ls.flop_count(197) == 197 * 192
+    assert "dim=192" in repr(ls) and "1e-05" in repr(ls)
+
+
+def test_reset_parameters():
+    ls = LayerScale(4, init_value=0.25)
+    with torch.no_grad():
+        ls.gamma.fill_(3.0)
+    ls.reset_parameters()
+    assert torch.all(ls.gamma == 0.25)
+    assert _tagged(ls.gamma)
+
+
+def test_builds_on_meta():
+    ls = LayerScale(16, device="meta")
+    assert ls.gamma.is_meta and _tagged(ls.gamma)
+    with torch.device("meta"):
+        assert LayerScale(16).gamma.is_meta
+
+
+def test_tag_survives_deepcopy():
+    ls = LayerScale(4)
+    assert _tagged(ls.gamma)
+    assert _tagged(copy.deepcopy(ls).gamma)
+    assert _tagged(copy.deepcopy(nn.Sequential(nn.Linear(4, 4), ls))[1].gamma)
+
+
+def test_tag_survives_meta_to_empty():
+    ls = LayerScale(4, device="meta")
+    ls.to_empty(device="cpu")
+    assert not ls.gamma.is_meta and _tagged(ls.gamma)
+
+
+def test_tag_survives_load_state_dict_assign():
+    ls = LayerScale(4, device="meta")
+    ls.load_state_dict({"gamma": torch.full((4,), 0.5)}, assign=True)
+    assert torch.all(ls.gamma == 0.5) and _tagged(ls.gamma)
+    ls2 = LayerScale(4)
+    ls2.load_state_dict({"gamma": torch.full((4,), 0.5)})
+    assert _tagged(ls2.gamma)
+
+
+def test_tag_survives_to():
+    ls = LayerScale(4).to(torch.float64)
+    assert ls.gamma.dtype == torch.float64 and _tagged(ls.gamma)
+
+
+def test_torch_compile():
+    ls = LayerScale(8, init_value=0.5)
+    x = torch.randn(2, 3, 8)
+    compiled = torch.compile(ls, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), ls(x))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_torch_jit_script():
+    ls = LayerScale(8, init_value=0.5)
+    scripted = torch.jit.script(ls)
+    x = torch.randn(2, 3, 8)
+    assert torch.equal(scripted(x), ls(x))
+    with pytest.raises(Exception, match="7"):
+        scripted(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize(
+    "depth, value",
+    [(1, 0.1), (12, 0.1), (18, 0.1), (19, 1e-5), (24, 1e-5), (25, 1e-6), (36, 1e-6), (48, 1e-6)],
+)
+def test_cait_init_value_rule(depth, value):
+    assert cait_init_value(depth) == value
+
+
+def test_cait_init_value_rejects_bad_depth():
+    with pytest.raises(ValueError):
+        cait_init_value(0)
+
+
+def test_auto_init_values_in_models(tiny_cait_kwargs):
+    from timm_layerscale.models.cait_ls import CaitLS
+
+    kw = dict(tiny_cait_kwargs, init_values="auto", depth=20)
+    model = CaitLS(**kw)
+    assert torch.all(model.blocks[0].ls1.gamma == 1e-5)
+    none = CaitLS(**dict(tiny_cait_kwargs, init_values=None))
+    assert isinstance(none.blocks[0].ls1, nn.Identity)
+
+
+class _Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(1, 4, 8))
+        self.tagged = nn.Parameter(torch.randn(8, 8))
+        self.tagged._no_weight_decay = True
+        self.fc = nn.Linear(8, 8)
+        self.ls = LayerScale(8, init_value=0.5)
+
+    def no_weight_decay(self):
+        return {"embed"}
+
+    def forward(self, x):
+        return self.ls(self.fc(x + self.embed) @ self.tagged)
+
+
+def test_param_groups_honour_tags_types_and_names():
+    model = _Toy()
+    # A gamma that lost its tag (e.g. replaced by hand) is still found by module type.
+    model.ls.gamma.__dict__.pop("_no_weight_decay", None)
+    groups = param_groups(model, weight_decay=0.05)
+    no_decay = {id(p) for p in groups[0]["params"]}
+    decay = {id(p) for p in groups[1]["params"]}
+    assert groups[0]["weight_decay"] == 0.0 and groups[1]["weight_decay"] == 0.05
+    assert id(model.ls.gamma) in no_decay
+    assert id(model.tagged) in no_decay
+    assert id(model.embed) in no_decay
+    assert id(model.fc.bias) in no_decay
+    assert decay == {id(model.fc.weight)}
+
+
+def test_param_groups_adamw_step_leaves_no_decay_params_alone():
+    """With zero gradients, AdamW changes only what weight decay touches."""
+    torch.manual_seed(0)
+    model = _Toy()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(param_groups(model, weight_decay=0.5), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for name, p in model.named_parameters():
+        changed = not torch.equal(before[name], p.detach())
+        assert changed == (name == "fc.weight"), name
+
+
+def test_param_groups_on_cait(tiny_cait_kwargs):
+    from timm_layerscale.models.cait_ls import CaitLS
+
+    model = CaitLS(**tiny_cait_kwargs)
+    groups = param_groups(model, 0.05)
+    no_decay = {id(p) for p in groups[0]["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in no_decay}
+    assert {"pos_embed", "cls_token", "blocks.0.ls1.gamma", "blocks_token_only.1.ls2.gamma"} <= names
+    assert "blocks.0.attn.qkv.weight" not in names
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
