@@ -1,0 +1,122 @@
+"""Key rules between the gamma and LayerScale-module layouts."""
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import timm_layerscale  # noqa: F401
+from timm_layerscale.errors import RemapError
+from timm_layerscale.models.cait_ls import MODEL_ARGS, REFERENCE
+from timm_layerscale.remap import (
+    check_state_dict,
+    detect_layout,
+    strip_prefixes,
+    to_gamma,
+    to_layerscale,
+    unwrap_state_dict,
+)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_ARGS))
+def test_round_trip_every_variant_on_meta(name):
+    ref = timm.create_model(REFERENCE[name], device="meta").state_dict()
+    ls = to_layerscale(ref)
+    assert detect_layout(ref, "cait") == "gamma" and detect_layout(ls, "cait") == "ls"
+    assert not any("gamma_" in k for k in ls)
+    back = to_gamma(ls)
+    assert list(back) == list(ref)
+    assert all(back[k] is ref[k] for k in ref)
+    ours = timm.create_model(name, device="meta").state_dict()
+    check_state_dict(ls, ours, name)
+
+
+def test_round_trip_real_tensors_bit_for_bit():
+    torch.manual_seed(0)
+    ref = timm.create_model("cait_xxs24_224", img_size=32, depth=2).state_dict()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        sd = {k: v.to(dtype) for k, v in ref.items()}
+        back = to_gamma(to_layerscale(sd))
+        assert back.keys() == sd.keys()
+        for k in sd:
+            assert back[k].dtype == dtype and torch.equal(back[k], sd[k])
+
+
+def test_idempotent_and_accepts_both_layouts():
+    sd = {"blocks.0.gamma_1": 1, "blocks_token_only.1.gamma_2": 2, "cls_token": 3}
+    ls = to_layerscale(sd)
+    assert ls == {"blocks.0.ls1.gamma": 1, "blocks_token_only.1.ls2.gamma": 2, "cls_token": 3}
+    assert to_layerscale(ls) == ls
+    assert to_gamma(sd) == sd
+
+
+def test_prefixes_and_wrappers():
+    inner = {"module._orig_mod.blocks.0.gamma_1": 1, "module.pos_embed": 2}
+    assert strip_prefixes(inner) == {"blocks.0.gamma_1": 1, "pos_embed": 2}
+    assert unwrap_state_dict({"model": inner, "epoch": 1}) is inner
+    assert unwrap_state_dict({"state_dict": inner}) is inner
+    ema = {"pos_embed": 5}
+    assert unwrap_state_dict({"model": inner, "model_ema": ema}, "model_ema") is ema
+    with pytest.raises(RemapError, match="model_ema"):
+        unwrap_state_dict({"model_ema": ema, "epoch": 3})
+    with pytest.raises(RemapError, match="no 'model_ema'"):
+        unwrap_state_dict({"model": inner}, "model_ema")
+    assert to_layerscale(inner) == {"blocks.0.ls1.gamma": 1, "pos_embed": 2}
+
+
+def test_unknown_keys_are_named():
+    with pytest.raises(RemapError, match=r"2 key\(s\).*fc\.weight.*layer1\.0\.conv1\.weight"):
+        to_layerscale({"fc.weight": 1, "layer1.0.conv1.weight": 2, "cls_token": 3})
+
+
+def test_mixed_layouts_rejected():
+    with pytest.raises(RemapError, match="mixes"):
+        to_layerscale({"blocks.0.gamma_1": 1, "blocks.1.ls1.gamma": 2})
+
+
+def test_colliding_prefixes_rejected():
+    with pytest.raises(RemapError, match="ambiguous"):
+        strip_prefixes({"module.cls_token": 1, "cls_token": 2})
+
+
+def test_mismatch_report_lists_missing_unexpected_misshaped():
+    expected = {f"w{i}": (2, 2) for i in range(8)}
+    sd = {f"w{i}": torch.zeros(2, 2) for i in range(1, 8)}  # w0 missing
+    sd["w3"] = torch.zeros(3, 2)
+    sd["extra"] = torch.zeros(4)
+    with pytest.raises(RemapError) as e:
+        check_state_dict(sd, expected, "toy")
+    msg = str(e.value)
+    assert "toy" in msg and "\n" not in msg
+    assert "1 missing (w0 [2, 2])" in msg
+    assert "1 unexpected (extra [4])" in msg
+    assert "1 mis-shaped (w3 [3, 2] != [2, 2])" in msg
+    many = {f"m{i}": (1,) for i in range(9)}
+    with pytest.raises(RemapError, match=r"9 missing \(.*, \.\.\.\)"):
+        check_state_dict({}, many)
+
+
+_SUFFIXES = st.sampled_from([
+    "gamma_1", "gamma_2", "norm1.weight", "norm2.bias", "attn.proj.weight", "mlp.fc1.bias", "mlp.fc2.weight",
+])
+_TOKEN_SUFFIXES = st.sampled_from(["gamma_1", "gamma_2", "attn.q.weight", "attn.v.bias", "norm1.weight"])
+_KEYS = st.one_of(
+    st.builds(lambda i, s: f"blocks.{i}.{s}", st.integers(0, 60), _SUFFIXES),
+    st.builds(lambda i, s: f"blocks.{i}.attn.{s}", st.integers(0, 60), st.sampled_from(["qkv.weight", "proj_l.bias", "proj_w.weight"])),
+    st.builds(lambda i, s: f"blocks_token_only.{i}.{s}", st.integers(0, 3), _TOKEN_SUFFIXES),
+    st.sampled_from(["cls_token", "pos_embed", "patch_embed.proj.weight", "norm.bias", "head.weight"]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_KEYS, unique=True, max_size=40), st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod."]))
+def test_round_trip_property(keys, prefix):
+    sd = {prefix + k: object() for k in keys}
+    ls = to_layerscale(sd)
+    assert len(ls) == len(sd)
+    assert not any(k.endswith(("gamma_1", "gamma_2")) for k in ls)
+    back = to_gamma(ls)
+    assert back == {k[len(prefix):]: v for k, v in sd.items()}
+    assert to_layerscale(back) == ls
