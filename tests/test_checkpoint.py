@@ -1,0 +1,558 @@
+"""Tests for checkpoint reading and writing (timm_layerscale.checkpoint)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from timm_layerscale.checkpoint import (
+    LazySafetensors,
+    atomic_output,
+    check_finite,
+    load_checkpoint,
+    parse_dtype,
+    save_pth,
+    save_safetensors,
+    save_state_dict,
+    sha256_file,
+)
+from timm_layerscale.errors import CheckpointError, OutputExistsError
+
+ALL_DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
+]
+
+
+def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+def mixed_state_dict() -> dict[str, torch.Tensor]:
+    return {
+        "blocks.0.attn.qkv.weight": make_tensor((6, 4), torch.float32, 1),
+        "blocks.0.gamma_1": make_tensor((4,), torch.bfloat16, 2),
+        "blocks.0.gamma_2": make_tensor((4,), torch.float16, 3),
+        "num_batches_tracked": torch.tensor(7),
+        "scalar": torch.tensor(1.5),
+        "empty": torch.zeros(0, 3),
+        "mask": torch.tensor([True, False, True]),
+        "tokens": make_tensor((2, 3), torch.int64, 4),
+        "é.unicode": make_tensor((3,), torch.float64, 5),
+    }
+
+
+def assert_same_tensors(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def test_load_pth_zip_and_legacy(tmp_path):
+    sd = mixed_state_dict()
+    torch.save({"model": sd}, tmp_path / "new.pth")
+    torch.save({"model": sd}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    for name in ("new.pth", "old.pth"):
+        loaded = load_checkpoint(tmp_path / name)
+        assert_same_tensors(loaded["model"], sd)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".bin", ".ckpt", ".weights", ""])
+def test_load_sniffs_format_when_suffix_unknown(tmp_path, suffix):
+    sd = {"w": make_tensor((2, 2), torch.float32)}
+    torch.save(sd, tmp_path / f"a{suffix}")
+    assert_same_tensors(load_checkpoint(tmp_path / f"a{suffix}"), sd)
+    save_file(sd, str(tmp_path / f"b{suffix}x"))
+    loaded = load_checkpoint(tmp_path / f"b{suffix}x")
+    assert isinstance(loaded, LazySafetensors)
+    assert_same_tensors(dict(loaded), sd)
+
+
+def test_lazy_safetensors_mapping(tmp_path, monkeypatch):
+    sd = mixed_state_dict()
+    save_file(sd, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
+    lazy = load_checkpoint(tmp_path / "m.safetensors")
+    assert isinstance(lazy, Mapping) and not hasattr(lazy, "__setitem__")
+    assert lazy.metadata == {"format": "pt"}
+    header = json.loads(_header_bytes(tmp_path / "m.safetensors"))
+    by_offset = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
+    assert list(lazy) == [k for _, k in by_offset]
+    assert len(lazy) == len(sd) and "scalar" in lazy and "nope" not in lazy
+    with pytest.raises(KeyError):
+        lazy["nope"]
+
+    reads: list[str] = []
+    real = lazy._file
+
+    class Counting:
+        def get_tensor(self, key):
+            reads.append(key)
+            return real.get_tensor(key)
+
+    monkeypatch.setattr(lazy, "_file", Counting())
+    assert list(lazy.keys()) and reads == []  # listing keys reads no tensor
+    assert torch.equal(lazy["tokens"], sd["tokens"]) and reads == ["tokens"]
+
+
+def test_lazy_safetensors_without_metadata(tmp_path):
+    save_file({"a": torch.ones(2)}, str(tmp_path / "n.safetensors"))
+    lazy = load_checkpoint(tmp_path / "n.safetensors")
+    assert lazy.metadata == {} and list(lazy) == ["a"]
+    lazy.close()
+
+
+def _header_bytes(path: Path) -> bytes:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return data[8 : 8 + n]
+
+
+def _bad_files(tmp: Path) -> dict[str, Path]:
+    sd = {"w": make_tensor((64, 64), torch.float32)}
+    torch.save(sd, tmp / "good.pth")
+    torch.save(sd, tmp / "legacy.pth", _use_new_zipfile_serialization=False)
+    save_file(sd, str(tmp / "good.safetensors"))
+    pth, legacy, sft = ((tmp / n).read_bytes() for n in ("good.pth", "legacy.pth", "good.safetensors"))
+    files = {
+        "empty.pth": b"",
+        "truncated.pth": pth[: len(pth) // 2],
+        "truncated_tail.pth": pth[:-5],
+        "truncated_legacy.pth": legacy[:-100],
+        "truncated.safetensors": sft[:-7],
+        "truncated_header.safetensors": sft[:30],
+        "tiny.safetensors": sft[:5],
+        "text.pth": b"<html><body>404 Not Found</body></html>\n",
+        "text.safetensors": b"model weights go here\n",
+        "lfs.pth": b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 12\n",
+        "noise.pth": bytes(range(1, 256)) * 4,
+        "noise.weights": bytes(range(1, 256)) * 4,
+    }
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    return {name: tmp / name for name in files}
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("empty.pth", "is empty"),
+        ("truncated.pth", "truncated or corrupt"),
+        ("truncated_tail.pth", "truncated or corrupt"),
+        ("truncated_legacy.pth", "truncated or corrupt"),
+        ("truncated.safetensors", "not a valid safetensors file"),
+        ("truncated_header.safetensors", "not a valid safetensors file"),
+        ("tiny.safetensors", "not a valid safetensors file"),
+        ("text.pth", "is a text file"),
+        ("text.safetensors", "is a text file"),
+        ("lfs.pth", "Git LFS pointer"),
+        ("noise.pth", "not a PyTorch checkpoint"),
+        ("noise.weights", "cannot tell the format"),
+    ],
+)
+def test_load_rejects_bad_files(tmp_path, name, message):
+    path = _bad_files(tmp_path)[name]
+    with pytest.raises(CheckpointError, match=message) as info:
+        load_checkpoint(path)
+    assert "\n" not in str(info.value) and ";" in str(info.value)
+
+
+def test_load_rejects_missing_and_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "missing.pth")
+    with pytest.raises(CheckpointError, match="is a directory"):
+        load_checkpoint(tmp_path)
+
+
+class _Payload:
+    """Unpickling this would create a file."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_load_refuses_code_and_runs_none(tmp_path, legacy):
+    marker = tmp_path / "created-by-unpickling"
+    torch.save({"model": {"w": torch.ones(1)}, "x": _Payload(str(marker))}, tmp_path / "evil.pth",
+               _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(CheckpointError, match="contains code or objects that are not tensors.*was not loaded"):
+        load_checkpoint(tmp_path / "evil.pth")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("obj, kind", [([torch.ones(1)], "list"), (torch.ones(1), "Tensor"), (3, "int")])
+def test_load_requires_top_level_dict(tmp_path, obj, kind):
+    torch.save(obj, tmp_path / "x.pth")
+    with pytest.raises(CheckpointError, match=f"holds a {kind}, not a dict"):
+        load_checkpoint(tmp_path / "x.pth")
+
+
+def test_sha256_file(tmp_path):
+    data = os.urandom(3 * (1 << 20) + 123)
+    (tmp_path / "f.bin").write_bytes(data)
+    assert sha256_file(tmp_path / "f.bin") == hashlib.sha256(data).hexdigest()
+    (tmp_path / "e").write_bytes(b"")
+    assert sha256_file(tmp_path / "e") == hashlib.sha256(b"").hexdigest()
+    with pytest.raises(CheckpointError):
+        sha256_file(tmp_path / "missing")
+
+
+def test_check_finite():
+    good = mixed_state_dict()
+    check_finite(good)
+    bad = dict(good)
+    bad["blocks.0.gamma_1"] = torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)
+    bad["z"] = torch.tensor([float("inf")])
+    with pytest.raises(CheckpointError, match=r"2 tensor\(s\).*first 'blocks.0.gamma_1'.*--allow-nonfinite"):
+        check_finite(bad)
+
+
+# ---------------------------------------------------------------- writing: bytes
+
+
+def assert_matches_save_file(tmp: Path, tensors, metadata=None, **kwargs) -> None:
+    save_file(tensors, str(tmp / "ref.safetensors"), metadata=metadata)
+    save_safetensors(tmp / "ours.safetensors", tensors, metadata, overwrite=True, **kwargs)
+    assert (tmp / "ours.safetensors").read_bytes() == (tmp / "ref.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"format": "pt"}, {"note": 'quote " slash \\ tab \t é \x01'}])
+def test_bytes_equal_save_file_mixed(tmp_path, metadata):
+    assert_matches_save_file(tmp_path, mixed_state_dict(), metadata)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_bytes_equal_save_file_each_dtype(tmp_path, dtype):
+    tensors = {"t": make_tensor((3, 5), dtype), "s": make_tensor((), dtype), "e": make_tensor((2, 0), dtype)}
+    assert_matches_save_file(tmp_path, tensors)
+
+
+def test_bytes_equal_save_file_every_padding(tmp_path):
+    seen = set()
+    for n in range(1, 17):
+        tensors = {"k" * n: torch.ones(2)}
+        assert_matches_save_file(tmp_path, tensors, {"format": "pt"})
+        seen.add(len(json.dumps({"k" * n: 0})) % 8)
+    assert len(seen) == 8
+
+
+def test_multi_key_metadata_matches_up_to_key_order(tmp_path):
+    metadata = {"z": "1", "a": "2", "format": "pt"}
+    tensors = mixed_state_dict()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata=metadata)
+    save_safetensors(tmp_path / "ours.safetensors", tensors, metadata)
+    ours, ref = ((tmp_path / n).read_bytes() for n in ("ours.safetensors", "ref.safetensors"))
+    assert len(ours) == len(ref)
+    assert json.loads(_header_bytes(tmp_path / "ours.safetensors")) == json.loads(_header_bytes(tmp_path / "ref.safetensors"))
+    assert ours.endswith(ref[8 + len(_header_bytes(tmp_path / "ref.safetensors")) :])
+    assert list(json.loads(_header_bytes(tmp_path / "ours.safetensors"))["__metadata__"]) == ["a", "format", "z"]
+
+
+_NAMES = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=12).filter(
+    lambda s: s != "__metadata__"
+)
+
+
+@st.composite
+def tensor_dicts(draw):
+    names = draw(st.lists(_NAMES, min_size=0, max_size=6, unique=True))
+    out = {}
+    for i, name in enumerate(names):
+        dtype = draw(st.sampled_from(ALL_DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+        out[name] = make_tensor(shape, dtype, seed=i)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tensors=tensor_dicts(), metadata=st.none() | st.dictionaries(_NAMES, _NAMES, max_size=1))
+def test_bytes_equal_save_file_property(tmp_path, tensors, metadata):
+    if not tensors and metadata == {}:
+        metadata = None  # save_file writes invalid JSON for this one case
+    assert_matches_save_file(tmp_path, tensors, metadata)
+
+
+def test_cast_only_floating(tmp_path):
+    tensors = mixed_state_dict()
+    save_safetensors(tmp_path / "h.safetensors", tensors, dtype=torch.float16)
+    cast = {k: v.half() if v.is_floating_point() else v for k, v in tensors.items()}
+    save_file(cast, str(tmp_path / "ref.safetensors"))
+    assert (tmp_path / "h.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_views_and_shared_memory_written_as_copies(tmp_path):
+    base = make_tensor((4, 6), torch.float32)
+    tensors = {"t": base.t(), "row": base[1], "same": base, "alias": base}
+    save_safetensors(tmp_path / "v.safetensors", tensors)
+    copies = {k: v.contiguous().clone() for k, v in tensors.items()}
+    save_file(copies, str(tmp_path / "ref.safetensors"))
+    assert (tmp_path / "v.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_safetensors_header_length_that_looks_like_pickle(tmp_path):
+    # a header of 0x380 bytes starts the file with 0x80 0x03, a pickle's first two bytes
+    out = tmp_path / "p.weights"
+    save_safetensors(out, {"w": torch.ones(2)}, {"pad": ""})
+    unpadded = len(_header_bytes(out).rstrip(b" "))
+    save_safetensors(out, {"w": torch.ones(2)}, {"pad": "x" * (0x380 - unpadded)}, overwrite=True)
+    assert out.read_bytes()[:2] == b"\x80\x03"
+    assert isinstance(load_checkpoint(out), LazySafetensors)
+
+
+def test_empty_dict_with_empty_metadata_is_valid(tmp_path):
+    save_safetensors(tmp_path / "e.safetensors", {}, {})
+    lazy = load_checkpoint(tmp_path / "e.safetensors")
+    assert len(lazy) == 0 and lazy.metadata == {}
+
+
+# ---------------------------------------------------------------- writing: round trips and dispatch
+
+
+@pytest.mark.parametrize("suffix, fmt", [(".safetensors", None), (".pth", None), (".pt", None), (".out", "pth"), (".out", "safetensors")])
+def test_save_state_dict_round_trip(tmp_path, suffix, fmt):
+    sd = {f"t{i}": make_tensor((2, 3), dt, i) for i, dt in enumerate(ALL_DTYPES)}
+    path = tmp_path / f"sd{suffix}"
+    save_state_dict(path, sd, {"format": "pt"}, fmt=fmt)
+    loaded = load_checkpoint(path)
+    assert_same_tensors(dict(loaded), sd)
+    if isinstance(loaded, LazySafetensors):
+        assert loaded.metadata == {"format": "pt"}
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("fmt", ["pth", "safetensors"])
+def test_round_trip_with_cast(tmp_path, name, fmt):
+    dtype = parse_dtype(name)
+    sd = mixed_state_dict()
+    save_state_dict(tmp_path / "c.bin", sd, fmt=fmt, dtype=dtype)
+    loaded = dict(load_checkpoint(tmp_path / "c.bin"))
+    for k, v in sd.items():
+        expected = v.to(dtype) if v.is_floating_point() else v
+        assert loaded[k].dtype == expected.dtype and torch.equal(loaded[k], expected), k
+
+
+def test_save_pth_stores_views_compactly(tmp_path):
+    big = torch.zeros(1000, 1000)
+    save_pth(tmp_path / "v.pth", {"row": big[3]})
+    assert (tmp_path / "v.pth").stat().st_size < 100_000
+    assert torch.equal(load_checkpoint(tmp_path / "v.pth")["row"], big[3])
+
+
+def test_save_state_dict_rejects_unknown_format(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot tell the output format"):
+        save_state_dict(tmp_path / "x.npz", {"a": torch.ones(1)})
+    with pytest.raises(CheckpointError, match="unknown output format"):
+        save_state_dict(tmp_path / "x.pth", {"a": torch.ones(1)}, fmt="onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "tensors, metadata",
+    [
+        ({"a": 3}, None),
+        ({"__metadata__": torch.ones(1)}, None),
+        ({"a": torch.empty(2, device="meta")}, None),
+        ({"a": torch.ones(2).to_sparse()}, None),
+        ({"a": torch.ones(1)}, {"epoch": 3}),
+    ],
+)
+def test_save_rejects_unstorable_input(tmp_path, tensors, metadata):
+    with pytest.raises(CheckpointError):
+        save_safetensors(tmp_path / "x.safetensors", tensors, metadata)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_pth_rejects_non_tensors(tmp_path):
+    with pytest.raises(CheckpointError, match="not a tensor"):
+        save_pth(tmp_path / "x.pth", {"epoch": 3})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parse_dtype():
+    assert parse_dtype("fp32") is torch.float32 and parse_dtype("float16") is torch.float16
+    assert parse_dtype("BF16") is torch.bfloat16 and parse_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(CheckpointError, match="use fp32, fp16 or bf16"):
+        parse_dtype("int8")
+
+
+# ---------------------------------------------------------------- atomicity and overwrite
+
+
+class Interrupting(Mapping):
+    """A state dict whose tensor reads raise ``error`` from the ``after``-th read on."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], after: int, error: BaseException) -> None:
+        self.tensors, self.after, self.error, self.reads = tensors, after, error, 0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.reads += 1
+        if self.reads > self.after:
+            raise self.error
+        return self.tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("boom")])
+@pytest.mark.parametrize("existing", [False, True])
+def test_interrupted_write_leaves_nothing(tmp_path, error, existing):
+    out = tmp_path / "out.safetensors"
+    if existing:
+        out.write_bytes(b"old contents")
+    sd = {f"w{i}": make_tensor((32, 32), torch.float32, i) for i in range(8)}
+    interrupting = Interrupting(sd, after=len(sd) + 3, error=error)  # fails after the header and 3 tensors
+    with pytest.raises(type(error)):
+        save_safetensors(out, interrupting, overwrite=existing)
+    assert leftovers(tmp_path) == []
+    assert (out.read_bytes() == b"old contents") if existing else not out.exists()
+
+
+def test_interrupted_save_pth_leaves_nothing(tmp_path, monkeypatch):
+    def failing_save(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_pth(tmp_path / "x.pth", {"a": torch.ones(3)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_output_temp_name_and_os_error(tmp_path):
+    with atomic_output(tmp_path / "f.bin") as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".f.bin.tmp-")
+        tmp.write_bytes(b"done")
+    assert (tmp_path / "f.bin").read_bytes() == b"done" and leftovers(tmp_path) == []
+    with pytest.raises(CheckpointError, match="writing .* failed"):
+        with atomic_output(tmp_path / "g.bin"):
+            raise OSError(28, "No space left on device")
+    assert leftovers(tmp_path) == [] and not (tmp_path / "g.bin").exists()
+
+
+def test_overwrite_refused_before_any_work(tmp_path):
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"keep me")
+    before = out.stat().st_mtime_ns
+    watched = Interrupting({"a": torch.ones(1)}, after=10**9, error=RuntimeError())
+    for save in (lambda: save_safetensors(out, watched), lambda: save_state_dict(out, watched),
+                 lambda: save_pth(out, watched)):
+        with pytest.raises(OutputExistsError, match="exists; pass --overwrite to replace it"):
+            save()
+    assert watched.reads == 0
+    assert out.read_bytes() == b"keep me" and out.stat().st_mtime_ns == before
+    save_safetensors(out, {"a": torch.ones(1)}, overwrite=True)
+    assert torch.equal(load_checkpoint(out)["a"], torch.ones(1))
+
+
+def test_output_appearing_during_write_is_not_replaced(tmp_path):
+    out = tmp_path / "out.safetensors"
+
+    class Racing(Interrupting):
+        def __getitem__(self, key):
+            if self.reads == len(self.tensors):  # first read of the writing pass
+                out.write_bytes(b"someone else")
+            return super().__getitem__(key)
+
+    with pytest.raises(OutputExistsError):
+        save_safetensors(out, Racing({"a": torch.ones(2)}, after=10**9, error=RuntimeError()))
+    assert out.read_bytes() == b"someone else" and leftovers(tmp_path) == []
+
+
+def test_bad_output_locations(tmp_path):
+    with pytest.raises(CheckpointError, match="is a directory"):
+        save_safetensors(tmp_path, {"a": torch.ones(1)}, overwrite=True)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        save_safetensors(tmp_path / "no" / "x.safetensors", {"a": torch.ones(1)})
+
+
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="permissions do not bind root")
+def test_unwritable_output_folder(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(CheckpointError, match="not writable"):
+            save_safetensors(locked / "x.safetensors", {"a": torch.ones(1)})
+    finally:
+        locked.chmod(0o700)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(field)
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_streaming_peak_memory_about_one_tensor(tmp_path, dtype):
+    n, mib = 12, 8  # 96 MiB of float32 in 8 MiB tensors
+    torch.save({f"w{i}": make_tensor((mib << 18,), torch.float32, i) for i in range(n)}, tmp_path / "big.pth")
+    sd = load_checkpoint(tmp_path / "big.pth")  # memory-mapped
+    check_finite({"warm-up": torch.ones(mib << 18)})  # torch's first parallel op allocates once
+    if not (os.access("/proc/self/pagemap", os.R_OK) and _reset_peak_rss()):
+        pytest.skip("needs /proc/self/pagemap and a resettable peak RSS counter")
+    start = _rss_kib("VmRSS")
+    check_finite(sd)
+    save_safetensors(tmp_path / "big.safetensors", sd, dtype=dtype)
+    growth_mib = (_rss_kib("VmHWM") - start) / 1024
+    assert growth_mib < 4 * mib, f"peak RSS grew {growth_mib:.0f} MiB for a {n * mib} MiB file"
+    lazy = load_checkpoint(tmp_path / "big.safetensors")
+    for k in ("w0", f"w{n - 1}"):
+        assert torch.equal(lazy[k], sd[k] if dtype is None else sd[k].to(dtype))
+
+
+def test_in_place_changes_to_mapped_tensors_survive_saving(tmp_path):
+    torch.save({"a": torch.ones(1 << 16), "b": torch.ones(1 << 16)}, tmp_path / "m.pth")
+    sd = load_checkpoint(tmp_path / "m.pth")  # memory-mapped, copy-on-write
+    sd["a"].mul_(3)
+    check_finite(sd)
+    save_safetensors(tmp_path / "m.safetensors", sd)
+    assert torch.equal(sd["a"], torch.full((1 << 16,), 3.0)) and torch.equal(sd["b"], torch.ones(1 << 16))
+    saved = load_checkpoint(tmp_path / "m.safetensors")
+    assert torch.equal(saved["a"], sd["a"]) and torch.equal(saved["b"], sd["b"])
