@@ -556,3 +556,13 @@ def test_in_place_changes_to_mapped_tensors_survive_saving(tmp_path):
     assert torch.equal(sd["a"], torch.full((1 << 16,), 3.0)) and torch.equal(sd["b"], torch.ones(1 << 16))
     saved = load_checkpoint(tmp_path / "m.safetensors")
     assert torch.equal(saved["a"], sd["a"]) and torch.equal(saved["b"], sd["b"])
+
+
+def test_training_checkpoint_with_argparse_namespace_loads(tmp_path):
+    import argparse
+
+    path = tmp_path / "train.pth"
+    torch.save({"model": {"w": torch.ones(2)}, "epoch": 3, "args": argparse.Namespace(lr=0.1, model="vit")}, path)
+    obj = load_checkpoint(path)
+    assert torch.equal(obj["model"]["w"], torch.ones(2))
+    assert obj["args"].model == "vit"
