@@ -124,7 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     p.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the parity inputs")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder after exporting it")
+    p.add_argument("--repo-id", metavar="ORG/NAME", help="repo id shown in the model card's usage code (default: --push-to-hub, else ORG/<DIR name>)")
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
+    p.add_argument("--commit-message", metavar="M", help="commit message of the upload")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = add(
         "push",
@@ -139,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
     p.add_argument("--commit-message", metavar="M", help="commit message")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; make no request")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = add("inspect", "show the LayerScale gates of a checkpoint, block by block")
     p.add_argument("source", metavar="SOURCE")
@@ -214,13 +218,22 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
+    from .conversion import ParityError
     from .hub import export_folder
 
-    res = export_folder(
-        a.source, a.dir, model=a.model, overwrite=a.overwrite, images=a.images, ema=a.ema,
-        push_to_hub=a.push_to_hub, private=a.private,
-    )
-    print(res.summary())
+    try:
+        res = export_folder(
+            a.source, a.dir, model=a.model, overwrite=a.overwrite, images=a.images, ema=a.ema,
+            push_to_hub=a.push_to_hub, private=a.private, commit_message=a.commit_message, repo_id=a.repo_id,
+        )
+    except ParityError as e:
+        print(e.report.format_table())
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    if a.json:
+        _print_json(res.to_dict())
+    else:
+        print(res.summary())
     return 0
 
 
@@ -231,7 +244,10 @@ def _cmd_push(a: argparse.Namespace) -> int:
         a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
         commit_message=a.commit_message, dry_run=a.dry_run,
     )
-    print(res.summary())
+    if a.json:
+        _print_json(res.to_dict())
+    else:
+        print(res.summary())
     return 0
 
 
@@ -239,13 +255,15 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     from .gates import format_gate_table, gate_profile, plot_gates
 
     profile = gate_profile(a.source, model=a.model, ema=a.ema)
-    if a.plot:
-        plot_gates(profile, a.plot)
     if a.json:
         _print_json(profile)
     else:
         print(format_gate_table(profile))
-        if a.plot:
+    if a.plot:
+        from pathlib import Path
+
+        plot_gates(profile, a.plot, title=f"{Path(a.source).name}: LayerScale gates")
+        if not a.json:
             print(f"plot written to {a.plot}")
     return 0
 
@@ -271,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{PROG}: error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         from .errors import LayerScaleError

@@ -1,0 +1,146 @@
+"""Tests for the LayerScale gate profile, table and plot (timm_layerscale.gates)."""
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from timm_layerscale import to_layerscale
+from timm_layerscale.errors import LayerScaleError
+from timm_layerscale.gates import MissingPlotDependency, format_gate_table, gate_profile, plot_gates
+from timm_layerscale.parity import seed_parameters_
+
+
+@pytest.fixture(scope="module")
+def official() -> dict:
+    """A tiny timm CaiT (3 blocks + 2 class-attention blocks) with random gammas, official layout."""
+    from conftest import TINY_CAIT
+
+    model = timm.create_model("cait_xxs24_224", **TINY_CAIT)
+    seed_parameters_(model, seed=0)
+    return {"model": {"module." + k: v for k, v in model.state_dict().items()}, "epoch": 3}
+
+
+def _stats(t: torch.Tensor) -> dict:
+    a = t.abs()
+    return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
+
+
+def test_profile_of_an_official_checkpoint(official: dict) -> None:
+    rows = gate_profile(official)
+    assert [r["block"] for r in rows] == ["blocks.0", "blocks.1", "blocks.2", "blocks_token_only.0", "blocks_token_only.1"]
+    assert [r["depth"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["class_attn"] for r in rows] == [False, False, False, True, True]
+    assert all(r["dim"] == 32 and r["layout"] == "gamma" for r in rows)
+    sd = official["model"]
+    assert rows[1]["ls1"] == pytest.approx(_stats(sd["module.blocks.1.gamma_1"]))
+    assert rows[4]["ls2"] == pytest.approx(_stats(sd["module.blocks_token_only.1.gamma_2"]))
+    json.dumps(rows)
+
+
+def test_any_layout_and_any_container_gives_the_same_numbers(official: dict, tmp_path: Path) -> None:
+    reference = gate_profile(official)
+    ls = to_layerscale(official["model"], "cait")
+    torch.save(official, tmp_path / "official.pth")
+    save_file({k: v.contiguous() for k, v in ls.items()}, tmp_path / "model.safetensors")
+    for source in (ls, tmp_path / "official.pth", str(tmp_path / "model.safetensors"), tmp_path):
+        rows = gate_profile(source)
+        assert [{k: v for k, v in r.items() if k != "layout"} for r in rows] == [
+            {k: v for k, v in r.items() if k != "layout"} for r in reference
+        ]
+    assert {r["layout"] for r in gate_profile(ls)} == {"ls"}
+
+
+def test_other_families_and_nested_stages() -> None:
+    model = timm.create_model("deit3_small_patch16_224", img_size=32, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+    rows = gate_profile(model.state_dict())
+    assert [r["block"] for r in rows] == ["blocks.0", "blocks.1"]
+    assert not any(r["class_attn"] for r in rows)
+    assert rows[0]["ls1"] == pytest.approx(_stats(model.blocks[0].ls1.gamma.detach()))
+    nested = {
+        "stages.1.blocks.0.gamma_1": torch.full((4,), 2.0),
+        "stages.0.blocks.10.gamma_1": torch.full((4,), -1.0),
+        "stages.0.blocks.2.gamma_2": torch.tensor([1.0, -3.0]),
+        "stages.0.blocks.2.gamma_1": torch.tensor([0.5, 0.5]),
+    }
+    rows = gate_profile(nested)
+    assert [r["block"] for r in rows] == ["stages.0.blocks.2", "stages.0.blocks.10", "stages.1.blocks.0"]
+    assert rows[0]["ls2"] == {"mean": 2.0, "min": 1.0, "max": 3.0}
+    assert rows[1]["ls2"] is None and rows[1]["ls1"]["mean"] == 1.0
+
+
+def test_model_name_checks_the_gates(official: dict) -> None:
+    ref = timm.create_model("cait_xxs24_224")
+    rows = gate_profile(ref.state_dict(), model="cait_xxs24_224_ls")
+    assert len(rows) == 26
+    assert rows[0]["ls1"] == pytest.approx({"mean": 1e-5, "min": 1e-5, "max": 1e-5})
+    with pytest.raises(LayerScaleError, match="do not fit cait_xxs24_224_ls"):
+        gate_profile(official, model="cait_xxs24_224_ls")
+
+
+def test_errors_are_one_line(official: dict) -> None:
+    with pytest.raises(LayerScaleError, match="no LayerScale gates"):
+        gate_profile({"head.weight": torch.zeros(2, 2)})
+    with pytest.raises(LayerScaleError, match="mixes"):
+        gate_profile({"blocks.0.gamma_1": torch.ones(2), "blocks.1.ls1.gamma": torch.ones(2)})
+    with pytest.raises(LayerScaleError, match="--ema"):
+        gate_profile({"model_ema": official["model"]})
+    assert len(gate_profile({"model_ema": official["model"]}, ema=True)) == 5
+
+
+def test_table_marks_class_attention_blocks(official: dict) -> None:
+    text = format_gate_table(gate_profile(official), title="tiny")
+    lines = text.splitlines()
+    assert lines[0] == "tiny"
+    assert lines[1].split() == ["block", "kind", "dim", "ls1", "mean", "ls1", "min", "ls1", "max", "ls2", "mean", "ls2", "min", "ls2", "max"]
+    body = {line.split()[0]: line.split() for line in lines[3:8]}
+    assert body["blocks.0"][1] == "SA" and body["blocks_token_only.1"][1] == "CA"
+    assert "3 self-attention (SA) block(s); 2 class-attention (CA) block(s), depth 3-4" in text
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_writes_a_card_sized_png(official: dict, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = plot_gates(gate_profile(official), tmp_path / "gates.png", title="tiny CaiT")
+    assert out == tmp_path / "gates.png"
+    width, height = _png_size(out)
+    assert (width, height) == (1200, 675)
+
+
+def test_plot_without_matplotlib_says_what_to_install(official: dict, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingPlotDependency, match=r"pip install 'timm-layerscale\[plot\]'"):
+        plot_gates(gate_profile(official), tmp_path / "gates.png")
+    assert not (tmp_path / "gates.png").exists()
+
+
+def test_cli_inspect(official: dict, tmp_path: Path, capsys) -> None:
+    from timm_layerscale.cli import main
+
+    torch.save(official, tmp_path / "ckpt.pth")
+    assert main(["inspect", str(tmp_path / "ckpt.pth"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 5 and rows[3]["class_attn"] is True
+    if "matplotlib" in sys.modules or _has_matplotlib():
+        assert main(["inspect", str(tmp_path / "ckpt.pth"), "--plot", str(tmp_path / "p.png")]) == 0
+        assert "blocks_token_only.1" in capsys.readouterr().out
+        assert _png_size(tmp_path / "p.png") == (1200, 675)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

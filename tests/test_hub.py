@@ -1,0 +1,582 @@
+"""Tests for the Hub folder, model card and upload (timm_layerscale.hub).
+
+Uploads run the real huggingface_hub client against :class:`FakeHub`, a small Hub
+API on 127.0.0.1 started by the test. It implements what ``create_repo``,
+``create_branch`` and ``upload_folder`` use (repository creation, README metadata
+validation, preupload, NDJSON commit, pull requests, repository info), answers
+"regular" upload mode for every file so content travels inline in the commit, and
+records every request.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import huggingface_hub.constants
+from timm_layerscale.errors import HubError, OutputExistsError
+from timm_layerscale.hub import export_folder, plan_push, push_folder, resolve_source
+
+TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeHub:
+    """A recording stand-in for the Hub API on 127.0.0.1 (a fresh port each time)."""
+
+    def __init__(self, token: str = TOKEN) -> None:
+        self.token = token
+        self.requests: list[dict[str, Any]] = []
+        self.repos: dict[str, dict[str, Any]] = {}
+        self.commits: list[dict[str, Any]] = []
+        self.fail: dict[str, int] = {}  # path substring -> status to answer with
+        self.lock = threading.Lock()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                hub._handle(self, "GET")
+
+            def do_POST(self) -> None:
+                hub._handle(self, "POST")
+
+            def do_HEAD(self) -> None:
+                hub._handle(self, "HEAD")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeHub":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    # -- request handling ------------------------------------------------------------
+
+    def _reply(self, h: BaseHTTPRequestHandler, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        h.send_response(status)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        parsed = urlparse(h.path)
+        path = unquote(parsed.path)
+        length = int(h.headers.get("Content-Length") or 0)
+        raw = h.rfile.read(length) if length else b""
+        record = {
+            "method": method,
+            "path": path,
+            "query": parse_qs(parsed.query),
+            "auth": h.headers.get("Authorization"),
+            "body": raw,
+        }
+        with self.lock:
+            self.requests.append(record)
+        for fragment, status in self.fail.items():
+            if fragment in path:
+                return self._reply(h, status, {"error": f"simulated {status}"})
+        if method in ("GET", "HEAD") and "/resolve/" in path:
+            return self._resolve(h, method, path)
+        if h.headers.get("Authorization") != f"Bearer {self.token}":
+            return self._reply(h, 401, {"error": "Invalid credentials in Authorization header"})
+        try:
+            status, body = self._route(method, path, parsed.query, raw)
+        except KeyError as e:
+            status, body = 404, {"error": f"not found: {e}"}
+        self._reply(h, status, body)
+
+    def _route(self, method: str, path: str, query: str, raw: bytes) -> tuple[int, Any]:
+        if method == "POST" and path == "/api/validate-yaml":
+            return 200, {"errors": [], "warnings": []}
+        if method == "POST" and path == "/api/repos/create":
+            payload = json.loads(raw)
+            repo_id = f"{payload['organization']}/{payload['name']}"
+            if repo_id in self.repos:
+                return 409, {"error": "You already created this model repo", "url": f"{self.url}/{repo_id}"}
+            self.repos[repo_id] = {"payload": payload, "branches": {"main": {}}, "prs": {}}
+            return 200, {"url": f"{self.url}/{repo_id}", "name": repo_id}
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(.*))?", path)
+        if not m:
+            return 404, {"error": f"no route for {path}"}
+        repo_id, rest = m.group(1), m.group(2) or ""
+        repo = self.repos[repo_id]
+        if method == "GET" and (rest == "" or rest.startswith("revision/")):
+            rev = rest[len("revision/"):] or "main"
+            files = repo["branches"][rev]
+            head = self._head(repo_id, rev)
+            return 200, {"id": repo_id, "sha": head, "private": False, "siblings": [{"rfilename": f} for f in files]}
+        if method == "POST" and rest.startswith("branch/"):
+            branch = rest[len("branch/"):]
+            if branch in repo["branches"]:
+                return 409, {"error": "Reference already exists"}
+            repo["branches"][branch] = dict(repo["branches"]["main"])
+            return 200, {}
+        if method == "POST" and rest.startswith("preupload/"):
+            rev = rest[len("preupload/"):]
+            files = repo["branches"].get(rev, repo["branches"]["main"])
+            out = []
+            for f in json.loads(raw)["files"]:
+                old = files.get(f["path"])
+                oid = hashlib.sha1(b"blob %d\0" % len(old) + old).hexdigest() if old is not None else None
+                out.append({"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": oid})
+            return 200, {"files": out, "commitOid": self._head(repo_id, rev)}
+        if method == "POST" and rest.startswith("commit/"):
+            rev = rest[len("commit/"):]
+            lines = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            header = lines[0]["value"]
+            files = {}
+            for item in lines[1:]:
+                if item["key"] != "file":
+                    return 400, {"error": f"unsupported commit operation {item['key']}"}
+                files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            repo["branches"].setdefault(rev, dict(repo["branches"]["main"])).update(files)
+            oid = hashlib.sha1(f"{repo_id}{rev}{len(self.commits)}".encode()).hexdigest()
+            self.commits.append({"repo_id": repo_id, "revision": rev, "summary": header["summary"], "files": files, "oid": oid})
+            pr = re.fullmatch(r"refs/pr/(\d+)", rev)
+            pr_url = f"{self.url}/{repo_id}/discussions/{pr.group(1)}" if pr else None
+            return 200, {"commitUrl": f"{self.url}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": pr_url}
+        if method == "POST" and rest == "discussions":
+            payload = json.loads(raw)
+            num = len(repo["prs"]) + 1
+            repo["prs"][num] = payload
+            repo["branches"][f"refs/pr/{num}"] = dict(repo["branches"]["main"])
+            return 200, {"num": num, "url": f"{self.url}/{repo_id}/discussions/{num}"}
+        if method == "GET" and rest.startswith("discussions/"):
+            num = int(rest.split("/")[1])
+            pr = repo["prs"][num]
+            return 200, {
+                "num": num, "title": pr["title"], "status": "draft", "isPullRequest": True,
+                "author": {"name": "tester"}, "createdAt": "2024-01-01T00:00:00.000Z",
+                "repo": {"name": repo_id, "type": "model"}, "events": [],
+                "changes": {"base": "refs/heads/main"}, "filesWithConflicts": [],
+                "diff": "", "pinned": False,
+            }
+        return 404, {"error": f"no route for {method} {path}"}
+
+    def _resolve(self, h: BaseHTTPRequestHandler, method: str, path: str) -> None:
+        """File downloads: ``/{repo_id}/resolve/{revision}/{filename}`` (public repositories)."""
+        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        repo = self.repos.get(m.group(1)) if m else None
+        if repo is None:
+            h.send_response(404)
+            h.send_header("X-Error-Code", "RepoNotFound")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        data = repo["branches"].get(m.group(2), {}).get(m.group(3))
+        if data is None:
+            h.send_response(404)
+            h.send_header("X-Error-Code", "EntryNotFound")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(data)))
+        h.send_header("ETag", '"' + hashlib.sha1(data).hexdigest() + '"')
+        h.send_header("X-Repo-Commit", self._head(m.group(1), m.group(2)) if self.commits else "1" * 40)
+        h.end_headers()
+        if method == "GET":
+            h.wfile.write(data)
+
+    def _head(self, repo_id: str, rev: str) -> str:
+        for c in reversed(self.commits):
+            if c["repo_id"] == repo_id and c["revision"] == rev:
+                return c["oid"]
+        return "0" * 40
+
+    # -- helpers for assertions ------------------------------------------------------
+
+    def paths(self) -> list[str]:
+        return [f"{r['method']} {r['path']}" for r in self.requests]
+
+
+def _free_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    with FakeHub() as server:
+        _point_at(monkeypatch, server.url, tmp_path)
+        yield server
+
+
+def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, tmp_path: Path, token: str | None = TOKEN) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    if token is None:
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-here"))
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """A small folder shaped like an export: weights, config.json, model card."""
+    d = tmp_path / "export"
+    d.mkdir()
+    save_file({"w": torch.arange(6, dtype=torch.float32)}, d / "model.safetensors", metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps({"architecture": "cait_xxs24_224_ls", "num_classes": 1000}))
+    (d / "README.md").write_text("---\nlibrary_name: timm\nlicense: apache-2.0\n---\n\n# test card\n")
+    return d
+
+
+def _no_token_anywhere(*texts: str, folder: Path | None = None) -> None:
+    for text in texts:
+        assert TOKEN not in text
+    if folder is not None:
+        for p in folder.rglob("*"):
+            if p.is_file():
+                assert TOKEN.encode() not in p.read_bytes(), p
+
+
+# ---- push --------------------------------------------------------------------------
+
+
+def test_push_creates_repo_and_commits_every_file(hub: FakeHub, folder: Path, capsys, caplog) -> None:
+    caplog.set_level("DEBUG")
+    res = push_folder(folder, "my-org/cait_xxs24_224_ls.fb_dist_in1k", commit_message="Add converted weights")
+    assert not res.dry_run
+    assert res.commit_url and res.commit_url.startswith(hub.url)
+    create = [r for r in hub.requests if r["path"] == "/api/repos/create"]
+    assert len(create) == 1
+    payload = json.loads(create[0]["body"])
+    assert (payload["organization"], payload["name"]) == ("my-org", "cait_xxs24_224_ls.fb_dist_in1k")
+    assert payload.get("visibility", "public") == "public"
+    assert len(hub.commits) == 1
+    commit = hub.commits[0]
+    assert commit["summary"] == "Add converted weights"
+    assert commit["revision"] == "main"
+    assert commit["files"] == {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert all(r["auth"] == f"Bearer {TOKEN}" for r in hub.requests)
+    out, err = capsys.readouterr()
+    _no_token_anywhere(out, err, res.summary(), json.dumps(res.to_dict()), caplog.text, folder=folder)
+
+
+def test_push_again_is_safe_and_commits_nothing_new(hub: FakeHub, folder: Path) -> None:
+    push_folder(folder, "my-org/model")
+    push_folder(folder, "my-org/model")
+    assert sum(r["path"] == "/api/repos/create" for r in hub.requests) == 2
+    assert len(hub.commits) == 1
+    (folder / "README.md").write_text("---\nlibrary_name: timm\n---\n\n# changed card\n")
+    push_folder(folder, "my-org/model")
+    assert len(hub.commits) == 2
+    assert set(hub.commits[1]["files"]) == {"README.md"}
+
+
+def test_push_private_revision_and_default_message(hub: FakeHub, folder: Path) -> None:
+    push_folder(folder, "my-org/private-model", private=True, revision="v2")
+    payload = json.loads(next(r for r in hub.requests if r["path"] == "/api/repos/create")["body"])
+    assert payload["visibility"] == "private"
+    assert "POST /api/models/my-org/private-model/branch/v2" in hub.paths()
+    assert hub.commits[0]["revision"] == "v2"
+    assert "cait_xxs24_224_ls" in hub.commits[0]["summary"]
+
+
+def test_push_create_pr_opens_a_pull_request(hub: FakeHub, folder: Path) -> None:
+    res = push_folder(folder, "my-org/pr-model", create_pr=True, commit_message="Convert weights")
+    assert hub.commits[0]["revision"] == "refs/pr/1"
+    assert hub.repos["my-org/pr-model"]["prs"][1]["title"] == "Convert weights"
+    assert res.pr_url and res.pr_url.endswith("/discussions/1")
+
+
+def test_dry_run_lists_the_plan_and_sends_nothing(hub: FakeHub, folder: Path, monkeypatch) -> None:
+    monkeypatch.delenv("HF_TOKEN")
+    res = push_folder(folder, "my-org/model", dry_run=True, commit_message="msg here")
+    assert hub.requests == []
+    text = res.summary()
+    assert "dry run" in text and "my-org/model" in text and "msg here" in text
+    for p in folder.iterdir():
+        assert p.name in text
+    assert dict(res.files) == {p.name: p.stat().st_size for p in folder.iterdir()}
+    assert res.total_bytes == sum(p.stat().st_size for p in folder.iterdir())
+
+
+@pytest.mark.parametrize(
+    "fail, token, expect",
+    [
+        (None, "hf_wrong_token_value", "hf auth login"),
+        ({"/api/repos/create": 403, "/api/models/": 403}, TOKEN, "write access"),
+        ({"/preupload/": 404}, TOKEN, "check the repo id"),
+        ({"/preupload/": 503}, TOKEN, "retry"),
+    ],
+    ids=["401", "403", "404", "503"],
+)
+def test_http_errors_become_one_line_hub_errors(hub: FakeHub, folder: Path, monkeypatch, fail, token, expect) -> None:
+    hub.fail = dict(fail or {})
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda s: None)
+    with pytest.raises(HubError) as info:
+        push_folder(folder, "my-org/model")
+    message = str(info.value)
+    assert "\n" not in message
+    assert expect in message
+    assert TOKEN not in message and token not in message
+    assert hub.commits == []
+
+
+def test_missing_token_says_how_to_log_in(hub: FakeHub, folder: Path, monkeypatch) -> None:
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(HubError, match="hf auth login"):
+        push_folder(folder, "my-org/model")
+    assert hub.requests == []
+
+
+def test_network_failure_says_retry(folder: Path, monkeypatch, tmp_path: Path) -> None:
+    _point_at(monkeypatch, _free_port_url(), tmp_path)
+    with pytest.raises(HubError) as info:
+        push_folder(folder, "my-org/model")
+    message = str(info.value)
+    assert "could not reach the Hub" in message and "retry" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "repo_id, kwargs, match",
+    [
+        ("no-namespace", {}, "ORG/NAME"),
+        ("a/b/c", {}, "ORG/NAME"),
+        ("my-org/model", {"create_pr": True, "revision": "dev"}, "pull request"),
+    ],
+)
+def test_bad_options_fail_before_any_request(hub: FakeHub, folder: Path, repo_id, kwargs, match) -> None:
+    with pytest.raises(HubError, match=match):
+        push_folder(folder, repo_id, **kwargs)
+    assert hub.requests == []
+
+
+def test_push_refuses_a_folder_that_is_not_an_export(hub: FakeHub, tmp_path: Path) -> None:
+    (tmp_path / "stuff").mkdir()
+    (tmp_path / "stuff" / "notes.txt").write_text("hello")
+    with pytest.raises(HubError, match="timm-layerscale export"):
+        push_folder(tmp_path / "stuff", "my-org/model")
+    with pytest.raises(HubError, match="not a folder"):
+        push_folder(tmp_path / "missing", "my-org/model")
+    assert hub.requests == []
+
+
+def test_plan_skips_temporary_and_git_files(folder: Path) -> None:
+    (folder / ".model.safetensors.tmp-1234abcd").write_bytes(b"partial")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref")
+    names = [name for name, _ in plan_push(folder, "my-org/model").files]
+    assert names == ["README.md", "config.json", "model.safetensors"]
+
+
+def test_cli_push_in_a_subprocess_never_shows_the_token(hub: FakeHub, folder: Path, tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env.update(
+        HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / "hf-home"),
+        HF_DEBUG="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "timm_layerscale", "push", str(folder), "my-org/cli-model", "--commit-message", "from the CLI"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert hub.commits and hub.commits[0]["summary"] == "from the CLI"
+    assert "my-org/cli-model" in proc.stdout
+    _no_token_anywhere(proc.stdout, proc.stderr, folder=folder)
+    if (tmp_path / "hf-home").exists():
+        _no_token_anywhere(folder=tmp_path / "hf-home")
+
+
+# ---- resolve_source ------------------------------------------------------------------
+
+
+def test_resolve_source_keeps_local_paths(tmp_path: Path) -> None:
+    assert resolve_source(tmp_path / "x.pth") == tmp_path / "x.pth"
+    assert resolve_source("relative/file.pth") == Path("relative/file.pth")
+
+
+def test_resolve_source_reuses_a_cached_download(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    cached = tmp_path / "checkpoints" / "XXS24_224.pth"
+    cached.parent.mkdir()
+    cached.write_bytes(b"weights")
+    assert resolve_source("https://dl.fbaipublicfiles.com/deit/XXS24_224.pth") == cached
+
+
+def test_resolve_source_network_failure_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    with pytest.raises(HubError, match="could not download .*check the network and retry"):
+        resolve_source(_free_port_url() + "/deit/XXS24_224.pth")
+    assert not (tmp_path / "checkpoints" / "XXS24_224.pth").exists()
+
+
+def test_resolve_source_downloads_from_the_hub(hub: FakeHub) -> None:
+    hub.repos["my-org/st"] = {"branches": {"main": {"model.safetensors": b"safe", "other.bin": b"other"}}, "prs": {}}
+    hub.repos["my-org/bin"] = {"branches": {"main": {"pytorch_model.bin": b"pickle"}}, "prs": {}}
+    hub.repos["my-org/empty"] = {"branches": {"main": {}}, "prs": {}}
+    assert resolve_source("hf-hub:my-org/st").read_bytes() == b"safe"
+    assert resolve_source("hf-hub:my-org/st@main/other.bin").read_bytes() == b"other"
+    assert resolve_source("hf-hub:my-org/bin").read_bytes() == b"pickle"
+    with pytest.raises(HubError, match="has no file model.safetensors or pytorch_model.bin"):
+        resolve_source("hf-hub:my-org/empty")
+    with pytest.raises(HubError, match="not found or is not accessible .*check the repo id"):
+        resolve_source("hf-hub:my-org/does-not-exist")
+
+
+def test_resolve_source_rejects_a_bad_hub_spec() -> None:
+    with pytest.raises(HubError, match="hf-hub:ORG/REPO"):
+        resolve_source("hf-hub:only-one-part")
+
+
+# ---- export ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory):
+    """One full export of a seeded official-layout cait_xxs24_224, pushed to a FakeHub."""
+    from timm_layerscale.conversion import write_official_checkpoint
+
+    root = tmp_path_factory.mktemp("export")
+    source = root / "XXS24_224.pth"
+    reference = write_official_checkpoint(source, "cait_xxs24_224", seed=0)
+    with FakeHub() as server, pytest.MonkeyPatch.context() as mp:
+        _point_at(mp, server.url, root)
+        result = export_folder(source, root / "out" / "cait_xxs24_224_ls.fb_dist_in1k", push_to_hub="my-org/cait_xxs24_224_ls.fb_dist_in1k")
+    yield result, reference, server, source
+
+
+def test_export_writes_a_folder_timm_loads_bit_exactly(exported) -> None:
+    import timm
+
+    import timm_layerscale  # noqa: F401  (registers the models)
+
+    result, reference, _, _ = exported
+    model = timm.create_model(f"local-dir:{result.folder}", pretrained=True).eval()
+    assert type(model).__name__ == "CaitLS"
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+def test_export_files_config_and_metadata(exported) -> None:
+    from safetensors import safe_open
+
+    from timm_layerscale.checkpoint import sha256_file
+
+    result, _, _, source = exported
+    names = sorted(p.name for p in result.folder.iterdir())
+    assert names == ["README.md", "config.json", "gates.png", "model.safetensors"] or (
+        result.plot is None and names == ["README.md", "config.json", "model.safetensors"]
+    )
+    with safe_open(str(result.folder / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        assert any(k.endswith("ls1.gamma") for k in f.keys())
+        assert not any("gamma_1" in k for k in f.keys())
+    assert meta["format"] == "pt"
+    assert meta["source_sha256"] == sha256_file(source)
+    assert meta["architecture"] == "cait_xxs24_224_ls"
+    config = json.loads((result.folder / "config.json").read_text())
+    assert config["architecture"] == "cait_xxs24_224_ls"
+    assert config["num_classes"] == 1000 and config["num_features"] == 192
+    pcfg = config["pretrained_cfg"]
+    assert pcfg["input_size"] == [3, 224, 224]
+    assert pcfg["crop_pct"] == 1.0 and pcfg["interpolation"] == "bicubic"
+    assert pcfg["mean"] == pytest.approx([0.485, 0.456, 0.406]) and pcfg["std"] == pytest.approx([0.229, 0.224, 0.225])
+    assert not list(result.folder.parent.glob(".*tmp*"))
+
+
+def test_export_model_card(exported) -> None:
+    from huggingface_hub import ModelCard
+
+    result, _, _, source = exported
+    card = ModelCard.load(result.folder / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "timm"
+    assert data["license"] == "apache-2.0"
+    assert {"image-classification", "timm", "layerscale"} <= set(data["tags"])
+    assert data["datasets"] == ["imagenet-1k"]
+    text = card.text
+    sha = result.conversion.source_sha256
+    assert sha in text and "XXS24_224.pth" in text
+    assert "timm-layerscale export" in text and str(source) in text
+    assert "| max abs diff | 0 |" in text and "| bit-exact | yes |" in text and "top-1 agreement" in text
+    assert "`blocks.N.gamma_1` | `blocks.N.ls1.gamma`" in text
+    usage = text.index("import timm_layerscale")
+    assert usage < text.index('timm.create_model("hf-hub:my-org/cait_xxs24_224_ls.fb_dist_in1k"')
+    assert "Going Deeper With Image Transformers" in text and "@InProceedings" in text
+    if result.plot is not None:
+        assert "](gates.png)" in text
+
+
+def test_export_pushed_the_folder(exported) -> None:
+    result, _, server, _ = exported
+    assert result.push is not None and not result.push.dry_run
+    assert len(server.commits) == 1
+    committed = server.commits[0]["files"]
+    assert committed == {p.name: p.read_bytes() for p in result.folder.iterdir()}
+    assert "my-org/cait_xxs24_224_ls.fb_dist_in1k" in result.summary()
+
+
+def test_export_refuses_a_non_empty_folder(exported, tmp_path: Path) -> None:
+    result, _, _, source = exported
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        export_folder(source, result.folder)
+
+
+def test_export_rejects_a_bad_push_target_before_converting(tmp_path: Path) -> None:
+    with pytest.raises(HubError, match="ORG/NAME"):
+        export_folder(tmp_path / "missing.pth", tmp_path / "out", push_to_hub="not-a-repo-id")
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_export_leaves_nothing_behind(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"PK\x03\x04 not really a zip file")
+    with pytest.raises(Exception):
+        export_folder(bad, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pth"]
+
+
+def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from huggingface_hub import ModelCard
+
+    from timm_layerscale.hub import build_model_card
+    from timm_layerscale.variants import get_variant
+
+    conversion = SimpleNamespace(
+        variant=get_variant("cait_s24_224_ls"), source="https://dl.fbaipublicfiles.com/deit/S24_224.pth",
+        source_path=tmp_path / "S24_224.pth", source_sha256="ab" * 32, source_layout="gamma", report=None,
+    )
+    config = {"architecture": "cait_s24_224_ls", "num_classes": 1000, "pretrained_cfg": {"input_size": [3, 224, 224], "tag": "fb_dist_in1k"}}
+    card = build_model_card(conversion, repo_id="org/x", config=config, num_params=46_900_000, command="timm-layerscale export a b")
+    text = str(card)
+    assert ModelCard(text).data.to_dict()["license"] == "apache-2.0"
+    assert "[S24_224.pth](https://dl.fbaipublicfiles.com/deit/S24_224.pth)" in text
+    assert "no output comparison was made" in text
+    assert "gates.png" not in text and "## LayerScale gates" not in text
+    assert "**Params (M):** 46.9" in text

@@ -1,0 +1,339 @@
+"""The LayerScale gates of a checkpoint, block by block: a table, JSON and a plot.
+
+LayerScale multiplies each residual branch by a learned per-channel ``gamma``.
+After training, ``|gamma|`` shows how much each block's attention (``ls1``) and
+MLP (``ls2``) branch contributes to the residual stream across depth. This module
+reads the gammas of any checkpoint without building a model: official files
+(``gamma_1``/``gamma_2``) and the module layout (``ls1.gamma``/``ls2.gamma``) alike,
+of any family (CaiT, DeiT-III, ViT-5, timm's ViTs), wrapped or prefixed.
+
+Only the gamma tensors are read; safetensors files are opened lazily, so
+inspecting a large checkpoint costs little memory. Drawing needs matplotlib
+(``pip install 'timm-layerscale[plot]'``), imported only when a plot is asked for.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .errors import LayerScaleError
+
+__all__ = ["gate_profile", "format_gate_table", "plot_gates", "gate_stats", "MissingPlotDependency"]
+
+#: ``<block>.gamma_1`` (official layout) or ``<block>.ls1.gamma`` (module layout).
+_GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
+#: A block path ending in its index: ``blocks.3``, ``blocks_token_only.0``, ``stages.1.blocks.2``.
+_BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")
+#: Stages whose blocks are class-attention blocks (CaiT's ``blocks_token_only``).
+_CLASS_ATTN_STAGES = ("blocks_token_only",)
+
+_STATS = ("mean", "min", "max")
+
+
+class MissingPlotDependency(LayerScaleError):
+    """matplotlib is needed for a plot and is not installed."""
+
+
+def gate_stats(gamma: Any) -> dict[str, float]:
+    """Mean, min and max of ``|gamma|`` (any shape, any float dtype), as Python floats."""
+    a = gamma.detach().float().abs().reshape(-1)
+    if a.numel() == 0:
+        return {"mean": math.nan, "min": math.nan, "max": math.nan}
+    return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
+
+
+def _load_state_dict(source: str | os.PathLike, ema: bool) -> Mapping[str, Any]:
+    from .checkpoint import load_checkpoint
+    from .hub import resolve_source
+    from .remap import unwrap_state_dict
+
+    path = Path(source)
+    if not path.exists() and str(source).startswith(("http://", "https://", "hf-hub:")):
+        path = resolve_source(str(source))
+    if path.is_dir():
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if (path / name).is_file():
+                path = path / name
+                break
+        else:
+            raise LayerScaleError(f"{path} holds neither model.safetensors nor pytorch_model.bin; pass the checkpoint file")
+    checkpoint = load_checkpoint(path)
+    try:
+        return unwrap_state_dict(checkpoint, "model_ema" if ema else None)
+    except LayerScaleError as e:
+        raise LayerScaleError(f"{path}: {e}") from None
+
+
+def _stage_order(stage: str) -> tuple[Any, ...]:
+    """Class-attention stages last; otherwise natural order (``stages.2`` before ``stages.10``)."""
+    parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", stage) if p)
+    return (stage in _CLASS_ATTN_STAGES, parts)
+
+
+def gate_profile(
+    source: str | os.PathLike | Mapping[str, Any],
+    *,
+    model: str | None = None,
+    ema: bool = False,
+) -> list[dict[str, Any]]:
+    """The LayerScale gates of a checkpoint, one row per block, in depth order.
+
+    Args:
+        source: A checkpoint file (``.pth``, ``.safetensors``), an exported folder
+            holding ``model.safetensors``, an ``https://`` URL, ``hf-hub:ORG/REPO[/FILE]``,
+            or an in-memory state dict (wrapped or not, with or without ``module.``).
+        model: Name of a registered model; when given, the checkpoint must hold a
+            gate for every LayerScale layer that model has.
+        ema: Read the ``'model_ema'`` weights of a training checkpoint.
+
+    Returns:
+        JSON-ready rows, first the self-attention blocks then the class-attention
+        ones, each a dict: ``depth`` (0-based position across all blocks),
+        ``block`` (key prefix, ``blocks.3``), ``stage``, ``index``,
+        ``class_attn`` (bool), ``dim`` (channels), ``ls1`` and ``ls2`` (the
+        attention and MLP gates: ``{"mean", "min", "max"}`` of ``|gamma|``, or
+        ``None`` when the block has no such gate), and ``layout``
+        (``"gamma"`` or ``"ls"``).
+
+    Raises:
+        LayerScaleError: The checkpoint cannot be read, holds no LayerScale
+            gates, or lacks gates that ``model`` has.
+    """
+    from .remap import strip_prefixes, unwrap_state_dict
+
+    if isinstance(source, Mapping):
+        tensors = unwrap_state_dict(source, "model_ema" if ema else None)
+    else:
+        tensors = _load_state_dict(source, ema)
+    names = strip_prefixes({k: k for k in tensors})  # prefix-free name -> key in ``tensors``
+    blocks: dict[str, dict[str, Any]] = {}
+    layouts: set[str] = set()
+    for name, original in names.items():
+        m = _GATE_KEY.fullmatch(name)
+        if m is None:
+            continue
+        block = m.group("block")
+        which = f"ls{m.group('g') or m.group('l')}"
+        layouts.add("gamma" if m.group("g") else "ls")
+        b = _BLOCK.fullmatch(block)
+        stage, index = (b.group("stage"), int(b.group("index"))) if b else (block, 0)
+        row = blocks.setdefault(block, {"block": block, "stage": stage, "index": index, "ls1": None, "ls2": None})
+        row[f"_{which}_key"] = original
+    if not blocks:
+        raise LayerScaleError(
+            "checkpoint holds no LayerScale gates (no gamma_1/gamma_2 or ls1.gamma/ls2.gamma keys); "
+            "it is not a LayerScale model"
+        )
+    if len(layouts) > 1:
+        raise LayerScaleError("checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows")
+    rows = sorted(blocks.values(), key=lambda r: (_stage_order(r["stage"]), r["index"]))
+    layout = layouts.pop()
+    out = []
+    for depth, row in enumerate(rows):
+        dim = None
+        for which in ("ls1", "ls2"):
+            key = row.pop(f"_{which}_key", None)
+            if key is not None:
+                gamma = tensors[key]
+                row[which] = gate_stats(gamma)
+                dim = int(gamma.numel())
+        out.append({
+            "depth": depth,
+            "block": row["block"],
+            "stage": row["stage"],
+            "index": row["index"],
+            "class_attn": row["stage"] in _CLASS_ATTN_STAGES,
+            "dim": dim,
+            "ls1": row["ls1"],
+            "ls2": row["ls2"],
+            "layout": layout,
+        })
+    if model is not None:
+        _check_model(out, model)
+    return out
+
+
+def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
+    import timm
+    import torch
+
+    from .errors import ArchitectureError
+    from .variants import get_variant
+
+    try:
+        name = get_variant(model).name
+    except ArchitectureError:
+        if not timm.is_model(model.split(".", 1)[0]):
+            raise
+        name = model.split(".", 1)[0]
+    with torch.device("meta"):
+        m = timm.create_model(name)
+    have = {(r["block"], w) for r in rows for w in ("ls1", "ls2") if r[w] is not None}
+    want = set()
+    for key in m.state_dict():
+        g = _GATE_KEY.fullmatch(key)
+        if g:
+            want.add((g.group("block"), f"ls{g.group('g') or g.group('l')}"))
+    missing = sorted(want - have)
+    extra = sorted(have - want)
+    if missing or extra:
+        what = f"{len(missing)} missing (first {'.'.join(missing[0])})" if missing else f"{len(extra)} unexpected (first {'.'.join(extra[0])})"
+        raise LayerScaleError(f"checkpoint gates do not fit {model}: {what}; check --model")
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x):
+        return "nan"
+    return f"{x:.3e}"
+
+
+def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
+    """The gate profile as an aligned plain-text table.
+
+    One line per block: its key prefix, ``CA`` for class-attention blocks, the
+    number of channels, then mean / min / max of ``|gamma|`` for the attention
+    gate (``ls1``) and the MLP gate (``ls2``). A footer gives the depth range of
+    each kind of block and the blocks with the smallest and largest mean gates.
+    """
+    header = ["block", "kind", "dim", "ls1 mean", "ls1 min", "ls1 max", "ls2 mean", "ls2 min", "ls2 max"]
+    body = []
+    for r in rows:
+        cells = [r["block"], "CA" if r["class_attn"] else "SA", str(r["dim"] if r["dim"] is not None else "-")]
+        for which in ("ls1", "ls2"):
+            s = r[which]
+            cells += [_fmt(s[k] if s else None) for k in _STATS]
+        body.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = []
+    if title:
+        out.append(title)
+    out.append(line(header))
+    out.append(line(["-" * w for w in widths]))
+    out += [line(c) for c in body]
+    out.append("")
+    out.append(_footer(rows))
+    return "\n".join(out)
+
+
+def _footer(rows: Sequence[Mapping[str, Any]]) -> str:
+    sa = [r for r in rows if not r["class_attn"]]
+    ca = [r for r in rows if r["class_attn"]]
+    parts = [f"{len(sa)} self-attention (SA) block(s)"]
+    if ca:
+        parts.append(f"{len(ca)} class-attention (CA) block(s), depth {ca[0]['depth']}-{ca[-1]['depth']}")
+    text = "; ".join(parts) + f"; layout {rows[0]['layout']}; |gamma| over channels"
+    for which, label in (("ls1", "attention"), ("ls2", "MLP")):
+        means = [(r[which]["mean"], r["block"]) for r in rows if r[which] and not math.isnan(r[which]["mean"])]
+        if means:
+            lo, hi = min(means), max(means)
+            text += f"\n{which} ({label}): mean |gamma| from {lo[0]:.3e} ({lo[1]}) to {hi[0]:.3e} ({hi[1]})"
+    return text
+
+
+def _require_matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingPlotDependency("matplotlib is not installed; pip install 'timm-layerscale[plot]'") from None
+    return matplotlib
+
+
+def _depth_ticks(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[str]]:
+    """Tick positions and labels: every few self-attention blocks, and ``CA`` under the class-attention ones."""
+    sa = [r for r in rows if not r["class_attn"]]
+    ca = [r["depth"] for r in rows if r["class_attn"]]
+    steps = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 50, 100)
+    step = next((s for s in steps if len(sa) <= 12 * s), math.ceil(len(sa) / 12))
+    ticks: list[float] = [r["depth"] for i, r in enumerate(sa) if i % step == 0]
+    labels = [str(r["index"]) for i, r in enumerate(sa) if i % step == 0]
+    if ca:
+        ticks.append((min(ca) + max(ca)) / 2)
+        labels.append("CA")
+    return ticks, labels
+
+
+def plot_gates(
+    rows: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike,
+    *,
+    title: str | None = None,
+) -> Path:
+    """Draw the gate profile across depth and save it as a PNG.
+
+    The mean ``|gamma|`` of the attention (``ls1``) and MLP (``ls2``) gates of each
+    block is drawn as a line over depth on a log scale, with the per-block
+    min-max range shaded; class-attention blocks sit on a grey band at the end.
+    The figure is 1200 x 600 pixels, legible at the width of a model card.
+
+    Args:
+        rows: Output of :func:`gate_profile`.
+        path: PNG file to write (its folder must exist).
+        title: Figure title; default names the number of blocks.
+
+    Returns:
+        The written path.
+
+    Raises:
+        MissingPlotDependency: matplotlib is not installed.
+        LayerScaleError: ``rows`` is empty or the file cannot be written.
+    """
+    _require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not rows:
+        raise LayerScaleError("no gates to plot")
+    out = Path(path)
+    depth = [r["depth"] for r in rows]
+    positive = [
+        v for r in rows for w in ("ls1", "ls2") if r[w] for v in r[w].values() if not math.isnan(v) and v > 0
+    ]
+    floor = min(positive) if positive else 1e-12
+    log = bool(positive)
+
+    fig = Figure(figsize=(8, 4.5), dpi=150, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ca = [r["depth"] for r in rows if r["class_attn"]]
+    handles = []
+    if ca:
+        handles.append(ax.axvspan(min(ca) - 0.5, max(ca) + 0.5, color="0.88", zorder=0, label="class-attention (CA) blocks"))
+    styles = (("ls1", "attention (ls1)", "tab:blue", "o"), ("ls2", "MLP (ls2)", "tab:orange", "s"))
+    for which, label, color, marker in styles:
+        pts = [(r["depth"], r[which]) for r in rows if r[which]]
+        if not pts:
+            continue
+        xs = [d for d, _ in pts]
+        clip = (lambda v: max(v, floor)) if log else (lambda v: v)
+        mean = [clip(s["mean"]) for _, s in pts]
+        lo = [clip(s["min"]) for _, s in pts]
+        hi = [clip(s["max"]) for _, s in pts]
+        (line,) = ax.plot(xs, mean, color=color, marker=marker, markersize=4, linewidth=2, label=f"{label}: mean", zorder=3)
+        band = ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0, label=f"{label}: min to max", zorder=1)
+        handles += [line, band]
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlim(min(depth) - 0.5, max(depth) + 0.5)
+    ticks, labels = _depth_ticks(rows)
+    ax.set_xticks(ticks, labels)
+    ax.set_xlabel("block (depth; CA = class-attention block)" if ca else "block (depth)", fontsize=11)
+    ax.set_ylabel("|gamma| over channels" + (" (log scale)" if log else ""), fontsize=11)
+    ax.set_title(title or f"LayerScale gates across {len(rows)} blocks", fontsize=12)
+    ax.tick_params(labelsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    order = handles[1:] + handles[:1] if ca else handles  # one column per gate (mean, range), then CA
+    fig.legend(handles=order, loc="outside lower center", ncol=3, fontsize=9, frameon=False)
+    try:
+        fig.savefig(out, format="png")
+    except OSError as e:
+        raise LayerScaleError(f"cannot write {out} ({e.strerror or e}); check the path") from None
+    return out

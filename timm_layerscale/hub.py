@@ -1,0 +1,1004 @@
+"""Hub-ready folders, their model cards, and uploads: the package's only network code.
+
+:func:`export_folder` converts and verifies a checkpoint and writes a folder that
+``timm.create_model("local-dir:DIR", pretrained=True)`` (and, once uploaded,
+``"hf-hub:ORG/NAME"``) loads as it is: ``model.safetensors``, timm's ``config.json``,
+a ``README.md`` model card and, when matplotlib is installed, ``gates.png``.
+:func:`push_folder` uploads such a folder.
+
+Every request to the network goes through three small functions at the top of this
+module: :func:`_download_url` and :func:`_download_from_hub` (reached through
+:func:`resolve_source`) and :func:`_upload`. Everything else here is pure or local
+file I/O, so it can be tested without a network. Errors of the Hub or the network
+become one-line :class:`~timm_layerscale.errors.HubError` messages that say what to
+do. The Hub token is taken from ``hf auth login`` or ``HF_TOKEN`` by
+huggingface_hub itself; this module never prints, logs or stores it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import secrets
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+from urllib.parse import urlparse
+
+from ._version import __version__
+from .errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
+
+__all__ = [
+    "resolve_source",
+    "export_folder",
+    "ExportResult",
+    "push_folder",
+    "PushResult",
+    "build_model_card",
+    "write_config",
+    "hub_endpoint",
+    "WEIGHTS_NAME",
+    "CONFIG_NAME",
+    "CARD_NAME",
+    "PLOT_NAME",
+]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+CARD_NAME = "README.md"
+PLOT_NAME = "gates.png"
+
+#: Files never uploaded: temporary files of an interrupted write.
+_UPLOAD_IGNORE = ["**/.*.tmp-*", ".*.tmp-*"]
+
+
+def hub_endpoint() -> str:
+    """The Hub address: ``HF_ENDPOINT`` as set now, else huggingface_hub's default."""
+    env = os.environ.get("HF_ENDPOINT", "").strip().rstrip("/")
+    if env:
+        return env
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT.rstrip("/")
+
+
+# =====================================================================================
+# Network boundary. Nothing outside this section sends a request.
+# =====================================================================================
+
+# ---- Downloads: resolve_source ------------------------------------------------------
+
+
+def resolve_source(source: str | os.PathLike) -> Path:
+    """Turn a checkpoint source into a local file, downloading it when it is remote.
+
+    Args:
+        source: A local path; an ``https://`` (or ``http://``) URL, downloaded once
+            into torch.hub's cache (``torch.hub.get_dir()/checkpoints/<name>``) and
+            reused afterwards; or ``hf-hub:ORG/REPO[@REVISION][/FILE]``, fetched with
+            huggingface_hub into its cache (``FILE`` defaults to ``model.safetensors``,
+            else ``pytorch_model.bin``).
+
+    Returns:
+        The local file.
+
+    Raises:
+        HubError: A download failed; the message says whether to check the
+            address, log in, or retry.
+    """
+    s = str(source)
+    if s.startswith(("https://", "http://")):
+        return _download_url(s)
+    if s.startswith("hf-hub:"):
+        repo_id, revision, filename = _parse_hub_spec(s)
+        return _download_from_hub(repo_id, revision, filename)
+    return Path(source)
+
+
+def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
+    rest = spec[len("hf-hub:"):].strip("/")
+    parts = rest.split("/")
+    if len(parts) < 2 or not all(parts[:2]):
+        raise HubError(f"{spec!r} is not a Hub source; write hf-hub:ORG/REPO or hf-hub:ORG/REPO/FILE")
+    repo_id = "/".join(parts[:2])
+    revision = None
+    if "@" in repo_id:
+        repo_id, revision = repo_id.split("@", 1)
+    filename = "/".join(parts[2:]) or None
+    return repo_id, revision, filename
+
+
+def _download_url(url: str) -> Path:
+    """Download ``url`` into torch.hub's checkpoint cache (reused when already there)."""
+    import torch.hub
+
+    name = os.path.basename(urlparse(url).path)
+    if not name:
+        raise HubError(f"cannot tell a file name from {url}; give the URL of the checkpoint file")
+    target = Path(torch.hub.get_dir()) / "checkpoints" / name
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        torch.hub.download_url_to_file(url, str(target), progress=True)
+    except Exception as e:  # urllib raises HTTPError, URLError, OSError, ValueError
+        code = getattr(e, "code", None)
+        if code == 404:
+            raise HubError(f"could not download {url}: not found (404); check the URL") from e
+        reason = getattr(e, "reason", None) or e
+        raise HubError(f"could not download {url}: {_one_line(reason)}; check the network and retry") from e
+    return target
+
+
+def _download_from_hub(repo_id: str, revision: str | None, filename: str | None) -> Path:
+    """Fetch one file of a Hub repository into huggingface_hub's cache."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    what = f"hf-hub:{repo_id}" + (f"@{revision}" if revision else "")
+    candidates = [filename] if filename else [WEIGHTS_NAME, "pytorch_model.bin"]
+    with _hub_errors(f"downloading {what}", repo_id, download=True):
+        for name in candidates:
+            try:
+                return Path(hf_hub_download(repo_id, name, revision=revision, endpoint=hub_endpoint()))
+            except RemoteEntryNotFoundError:
+                continue
+    raise HubError(f"{what} has no file {' or '.join(candidates)}; name the file: hf-hub:{repo_id}/FILE")
+
+
+# ---- Uploads: the one function that talks to the Hub for push -----------------------
+
+
+def _upload(plan: "PushResult") -> tuple[str, str | None, str | None]:
+    """Create the repository if needed and commit the folder in ``plan``.
+
+    Returns:
+        ``(repo_url, commit_url, pr_url)``.
+    """
+    from huggingface_hub import HfApi, get_token
+
+    with _hub_errors(f"uploading to {plan.repo_id}", plan.repo_id, revision=plan.revision):
+        token = get_token()
+        if not token:
+            raise HubError(
+                "no Hugging Face token found; run 'hf auth login' or set HF_TOKEN to a token with write access"
+            )
+        api = HfApi(endpoint=plan.endpoint, token=token)
+        repo_url = api.create_repo(plan.repo_id, repo_type="model", private=plan.private, exist_ok=True)
+        if plan.revision and not plan.create_pr:
+            api.create_branch(plan.repo_id, branch=plan.revision, repo_type="model", exist_ok=True)
+        info = api.upload_folder(
+            repo_id=plan.repo_id,
+            repo_type="model",
+            folder_path=str(plan.folder),
+            commit_message=plan.commit_message,
+            revision=plan.revision,
+            create_pr=plan.create_pr,
+            ignore_patterns=list(_UPLOAD_IGNORE),
+        )
+    return str(repo_url), getattr(info, "commit_url", None), getattr(info, "pr_url", None)
+
+
+# ---- Error translation ---------------------------------------------------------------
+
+_NETWORK_ERROR_NAMES = {
+    "ConnectionError", "ConnectError", "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout",
+    "TimeoutException", "TransportError", "NetworkError", "ProtocolError", "RemoteProtocolError",
+    "ProxyError", "ReadError", "WriteError", "URLError", "SSLError", "TimeoutError",
+}
+
+
+def _is_network_error(e: BaseException) -> bool:
+    return any(c.__name__ in _NETWORK_ERROR_NAMES for c in type(e).__mro__)
+
+
+def _one_line(x: Any, limit: int = 160) -> str:
+    text = " ".join(str(x).split())
+    return text[: limit - 3] + "..." if len(text) > limit else text
+
+
+def _http_message(status: int | None, action: str, repo_id: str, revision: str | None, server: str | None) -> str:
+    ns = repo_id.split("/", 1)[0]
+    detail = f" ({_one_line(server, 120)})" if server else ""
+    if status == 401:
+        return (
+            f"the Hub rejected the token (401 Unauthorized) while {action}; "
+            "run 'hf auth login' (or set HF_TOKEN) with a valid token that has write access"
+        )
+    if status == 403:
+        return (
+            f"the token may not write to {repo_id} (403 Forbidden); use a token with write access "
+            f"to the '{ns}' namespace ('hf auth login') or check the repo id"
+        )
+    if status == 404:
+        rev = f" or revision {revision!r}" if revision else ""
+        return f"{repo_id}{rev} was not found on the Hub (404) while {action}; check the repo id{' and revision' if revision else ''}"
+    if status == 429 or (status is not None and status >= 500):
+        return f"the Hub answered {status} while {action}{detail}; retry in a few minutes"
+    return f"the Hub answered {status} while {action}{detail}; check the repo id and options, then retry"
+
+
+def _download_http_message(status: int | None, action: str, repo_id: str, server: str | None) -> str:
+    if status in (401, 403, 404):
+        return (
+            f"{repo_id} was not found or is not accessible ({status}) while {action}; check the repo id, "
+            "or run 'hf auth login' if it is private"
+        )
+    detail = f" ({_one_line(server, 120)})" if server else ""
+    return f"the Hub answered {status} while {action}{detail}; check the network and retry"
+
+
+@contextlib.contextmanager
+def _hub_errors(action: str, repo_id: str, *, revision: str | None = None, download: bool = False) -> Iterator[None]:
+    """Translate huggingface_hub and network exceptions into one-line HubErrors.
+
+    Args:
+        action: What was being done, for the message (``"uploading to ORG/NAME"``).
+        repo_id: The repository.
+        revision: The branch, named in a 404 message.
+        download: Word 401/403/404 for reading rather than writing.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    try:
+        yield
+    except LayerScaleError:
+        raise
+    except GatedRepoError as e:
+        raise HubError(f"{repo_id} is gated; accept its terms on the Hub, run 'hf auth login', then retry") from e
+    except LocalTokenNotFoundError as e:
+        raise HubError("no Hugging Face token found; run 'hf auth login' or set HF_TOKEN") from e
+    except OfflineModeIsEnabled as e:
+        raise HubError(f"HF_HUB_OFFLINE is set, so {action} is not possible; unset it and retry") from e
+    except HfHubHTTPError as e:
+        status = e.response.status_code if getattr(e, "response", None) is not None else None
+        server = getattr(e, "server_message", None)
+        if download:
+            raise HubError(_download_http_message(status, action, repo_id, server)) from e
+        raise HubError(_http_message(status, action, repo_id, revision, server)) from e
+    except Exception as e:
+        if type(e).__name__ == "LocalEntryNotFoundError" and constants.is_offline_mode():
+            raise HubError(
+                f"HF_HUB_OFFLINE is set and the cache cannot serve {action}; unset HF_HUB_OFFLINE, check the network and retry"
+            ) from e
+        if _is_network_error(e) or type(e).__name__ == "LocalEntryNotFoundError":
+            raise HubError(
+                f"could not reach the Hub at {hub_endpoint()} while {action} ({_one_line(e, 100)}); "
+                "check the network (and HF_ENDPOINT) and retry"
+            ) from e
+        if isinstance(e, ValueError):
+            raise HubError(f"{action} failed: {_one_line(e)}; fix the folder or options and retry") from e
+        raise
+
+
+# =====================================================================================
+# Upload plan (pure)
+# =====================================================================================
+
+
+def _human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+@dataclass
+class PushResult:
+    """An upload: what it sends (the plan) and, once done, where it went.
+
+    Attributes:
+        repo_id: Target repository, ``ORG/NAME``.
+        folder: The uploaded folder.
+        files: ``(path in repo, size in bytes)`` of every file sent, sorted.
+        commit_message: The commit message.
+        private: Whether a newly created repository is private.
+        revision: Branch committed to (created if missing); ``None`` is ``main``.
+        create_pr: Whether the commit opens a pull request.
+        endpoint: The Hub address.
+        dry_run: Nothing was sent.
+        repo_url, commit_url, pr_url: Set after a real upload.
+    """
+
+    repo_id: str
+    folder: Path
+    files: list[tuple[str, int]]
+    commit_message: str
+    private: bool = False
+    revision: str | None = None
+    create_pr: bool = False
+    endpoint: str = ""
+    dry_run: bool = True
+    repo_url: str | None = None
+    commit_url: str | None = None
+    pr_url: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+    def plan(self) -> str:
+        """The upload as text: repository, options, commit message and every file with its size."""
+        width = max(len(name) for name, _ in self.files)
+        target = self.revision or "main"
+        lines = [
+            f"repository: {self.repo_id} ({self.endpoint}/{self.repo_id})",
+            f"visibility: {'private' if self.private else 'public'} (if the repository is created)",
+            f"target:     {'pull request against main' if self.create_pr else f'branch {target}'}",
+            f"message:    {self.commit_message}",
+            f"files:      {len(self.files)}, {_human_size(self.total_bytes)} from {self.folder}",
+        ]
+        lines += [f"  {name:<{width}}  {_human_size(size):>10}" for name, size in self.files]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """What happened (or, for a dry run, what would happen), for the command line."""
+        if self.dry_run:
+            return "dry run: nothing was sent\n" + self.plan()
+        done = self.pr_url or self.commit_url or self.repo_url
+        head = f"uploaded {len(self.files)} file(s), {_human_size(self.total_bytes)}, to {self.repo_id}: {done}"
+        usage = f'load it with: import timm_layerscale, timm; timm.create_model("hf-hub:{self.repo_id}", pretrained=True)'
+        return head + "\n" + usage
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "repo_id": self.repo_id, "folder": str(self.folder), "files": [list(f) for f in self.files],
+            "commit_message": self.commit_message, "private": self.private, "revision": self.revision,
+            "create_pr": self.create_pr, "endpoint": self.endpoint, "dry_run": self.dry_run,
+            "repo_url": self.repo_url, "commit_url": self.commit_url, "pr_url": self.pr_url,
+        }
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w][\w.-]*")
+
+
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import validate_repo_id
+
+    if not _REPO_ID.fullmatch(repo_id or ""):
+        raise HubError(f"invalid repo id {repo_id!r}; use ORG/NAME, e.g. my-org/cait_s24_224_ls.fb_dist_in1k")
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as e:
+        raise HubError(f"invalid repo id {repo_id!r} ({_one_line(e, 100)}); use ORG/NAME") from None
+
+
+def _folder_files(folder: Path) -> list[tuple[str, int]]:
+    from huggingface_hub.utils import filter_repo_objects
+    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.glob("**/*")) if p.is_file()}
+    keep = filter_repo_objects(files, ignore_patterns=list(DEFAULT_IGNORE_PATTERNS) + _UPLOAD_IGNORE)
+    return [(name, files[name]) for name in sorted(keep)]
+
+
+def _default_commit_message(folder: Path) -> str:
+    arch = None
+    try:
+        import json
+
+        arch = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")).get("architecture")
+    except (OSError, ValueError, AttributeError):
+        pass
+    what = f"{arch} weights" if arch else "model folder"
+    return f"Upload {what} (timm-layerscale {__version__})"
+
+
+def plan_push(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+) -> PushResult:
+    """Check a folder and options and describe the upload, without any request.
+
+    Raises:
+        HubError: Bad repo id, conflicting options, or a folder that is not an
+            exported model folder (no ``config.json`` or no weights).
+    """
+    _check_repo_id(repo_id)
+    if create_pr and revision not in (None, "main"):
+        raise HubError("--create-pr opens a pull request against main; drop --revision or --create-pr")
+    if revision is not None and not revision.strip():
+        raise HubError("--revision is empty; name a branch or leave it out")
+    path = Path(folder)
+    if not path.is_dir():
+        raise HubError(f"{path} is not a folder; export one first with: timm-layerscale export SOURCE {path}")
+    files = _folder_files(path)
+    names = {name for name, _ in files}
+    if CONFIG_NAME not in names or not names & {WEIGHTS_NAME, "pytorch_model.bin"}:
+        raise HubError(
+            f"{path} is not an exported model folder (it needs {CONFIG_NAME} and {WEIGHTS_NAME}); "
+            f"create it with: timm-layerscale export SOURCE {path}"
+        )
+    return PushResult(
+        repo_id=repo_id,
+        folder=path,
+        files=files,
+        commit_message=commit_message or _default_commit_message(path),
+        private=private,
+        revision=None if revision in (None, "main") else revision,
+        create_pr=create_pr,
+        endpoint=hub_endpoint(),
+        dry_run=True,
+    )
+
+
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    dry_run: bool = False,
+) -> PushResult:
+    """Upload an exported folder to a Hub model repository.
+
+    Creates the repository if it does not exist (``private`` applies only then),
+    creates ``revision`` as a branch if missing, and commits every file of the
+    folder in one commit (or a pull request). Running it again is safe: an
+    existing repository is reused and unchanged files are not committed again.
+    The token comes from ``hf auth login`` or ``HF_TOKEN``; it is never printed,
+    logged or written anywhere.
+
+    Args:
+        folder: Folder written by :func:`export_folder`.
+        repo_id: ``ORG/NAME``.
+        private: Create the repository as private.
+        revision: Branch to commit to (default ``main``).
+        create_pr: Open a pull request against ``main`` instead of committing.
+        commit_message: Commit message (default names the architecture).
+        dry_run: Only describe the upload (files, sizes, repository, message);
+            send nothing and read no token.
+
+    Returns:
+        A :class:`PushResult`; ``summary()`` prints it.
+
+    Raises:
+        HubError: Missing token, 401/403 (token), 404 (repository or revision),
+            network failure, or bad options; one line saying what to do.
+    """
+    plan = plan_push(
+        folder, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message
+    )
+    if dry_run:
+        return plan
+    repo_url, commit_url, pr_url = _upload(plan)
+    plan.dry_run = False
+    plan.repo_url, plan.commit_url, plan.pr_url = repo_url, commit_url, pr_url
+    return plan
+
+
+# =====================================================================================
+# Export: config.json, model card, folder (local only)
+# =====================================================================================
+
+_CAIT_BIBTEX = """\
+@InProceedings{Touvron_2021_ICCV,
+    author    = {Touvron, Hugo and Cord, Matthieu and Sablayrolles, Alexandre and Synnaeve, Gabriel and J\\'egou, Herv\\'e},
+    title     = {Going Deeper With Image Transformers},
+    booktitle = {Proceedings of the IEEE/CVF International Conference on Computer Vision (ICCV)},
+    month     = {October},
+    year      = {2021},
+    pages     = {32-42}
+}"""
+
+_FAMILY_TEXT = {
+    "cait": (
+        "CaiT (Class-Attention in Image Transformers)",
+        "a stack of self-attention blocks with talking-heads attention, then two class-attention "
+        "blocks in which only the class token attends to the patch tokens; every residual branch "
+        "is scaled by LayerScale",
+    ),
+    "deit3": ("DeiT III", "a plain Vision Transformer whose residual branches are scaled by LayerScale"),
+    "vit5": (
+        "ViT-5",
+        "a Vision Transformer with RMSNorm, QK-norm, 2-D rotary position embedding and register tokens, "
+        "whose residual branches are scaled by LayerScale",
+    ),
+}
+
+_LAYOUT_ROWS = {
+    "cait": [
+        ("module.<key>", "<key>", "DistributedDataParallel prefix removed"),
+        ("blocks.N.gamma_1", "blocks.N.ls1.gamma", "attention branch gate"),
+        ("blocks.N.gamma_2", "blocks.N.ls2.gamma", "MLP branch gate"),
+        ("blocks_token_only.N.gamma_1", "blocks_token_only.N.ls1.gamma", "class-attention branch gate"),
+        ("blocks_token_only.N.gamma_2", "blocks_token_only.N.ls2.gamma", "class-attention MLP gate"),
+    ],
+}
+_GENERIC_LAYOUT_ROWS = [
+    ("blocks.N.gamma_1", "blocks.N.ls1.gamma", "attention branch gate"),
+    ("blocks.N.gamma_2", "blocks.N.ls2.gamma", "MLP branch gate"),
+]
+
+_DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-21k"}
+
+
+def _official_file(variant_name: str) -> str | None:
+    import timm
+
+    cfg = timm.models.get_pretrained_cfg(variant_name)
+    url = getattr(cfg, "url", None) if cfg is not None else None
+    return os.path.basename(urlparse(url).path) if url else None
+
+
+def _tag(variant_name: str) -> str | None:
+    import timm
+
+    cfg = timm.models.get_pretrained_cfg(variant_name)
+    return getattr(cfg, "tag", None) if cfg is not None else None
+
+
+def write_config(
+    model_name: str, path: str | os.PathLike, *, num_classes: int | None = None, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write timm's ``config.json`` for a registered model, with timm's own helper.
+
+    The model is built on the ``meta`` device (no memory, no weights) and passed to
+    ``timm.models.save_config_for_hf``, which records ``architecture``,
+    ``num_classes``, ``num_features``, ``model_args`` and the ``pretrained_cfg``
+    (input size, crop, mean/std, interpolation).
+
+    Args:
+        model_name: Registered model name (``cait_s24_224_ls``).
+        path: The ``config.json`` to write.
+        num_classes: Classifier size when it differs from the model's default.
+        extra: Extra top-level fields (``pretrained_cfg`` entries are merged).
+
+    Returns:
+        The written configuration.
+    """
+    import json
+
+    import timm
+    import torch
+    from timm.models._hub import save_config_for_hf
+
+    kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
+    with torch.device("meta"):
+        model = timm.create_model(model_name, **kwargs)
+    save_config_for_hf(model, str(path), model_config=dict(extra or {}))
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def _count_params(weights: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(weights), framework="pt") as f:
+        for name in f.keys():
+            total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def _export_command(source: str, out: Path, model: str | None, ema: bool, images: Sequence[str], push_to_hub: str | None, private: bool) -> str:
+    parts = ["timm-layerscale", "export", source, str(out)]
+    if model:
+        parts += ["--model", model]
+    if ema:
+        parts.append("--ema")
+    if images:
+        parts += ["--images", *images]
+    if push_to_hub:
+        parts += ["--push-to-hub", push_to_hub]
+        if private:
+            parts.append("--private")
+    return shlex.join(parts)
+
+
+def _md_code(text: str) -> str:
+    return "`" + text.replace("`", "'") + "`"
+
+
+def build_model_card(
+    conversion: Any,
+    *,
+    repo_id: str,
+    config: Mapping[str, Any],
+    num_params: int,
+    command: str,
+    gates: Sequence[Mapping[str, Any]] | None = None,
+    plot: str | None = None,
+    reload_checked: bool = True,
+) -> Any:
+    """Build the model card (a huggingface_hub ``ModelCard``) of an exported folder.
+
+    Args:
+        conversion: The :class:`~timm_layerscale.conversion.ConversionResult`.
+        repo_id: Hub id used in the usage code.
+        config: The written ``config.json``.
+        num_params: Number of parameters in the weights.
+        command: The command line that made the folder.
+        gates: :func:`~timm_layerscale.gates.gate_profile` rows, summarised in the card.
+        plot: File name of the gate plot inside the folder, if one was drawn.
+        reload_checked: The folder was reloaded with ``local-dir:`` and matched.
+
+    Returns:
+        A ``huggingface_hub.ModelCard``; ``str(card)`` is the README text.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    variant = conversion.variant
+    family = variant.family
+    pcfg = dict(config.get("pretrained_cfg", {}))
+    tag = pcfg.get("tag") or _tag(variant.name)
+    full_name = f"{variant.name}.{tag}" if tag else variant.name
+    license_id = pcfg.get("license") or ("apache-2.0" if family == "cait" else None)
+    datasets = sorted({ds for key, ds in _DATASETS.items() if tag and key in tag})
+    if family == "cait" and not datasets:
+        datasets = ["imagenet-1k"]
+    data = ModelCardData(
+        library_name="timm",
+        license=license_id,
+        tags=["image-classification", "timm", "layerscale", family, "timm-layerscale"],
+        datasets=datasets or None,
+        pipeline_tag="image-classification",
+        model_name=full_name,
+    )
+
+    title, what = _FAMILY_TEXT.get(family, (family, "a Vision Transformer with LayerScale"))
+    size = pcfg.get("input_size", (3, variant.img_size, variant.img_size))
+    source = conversion.source
+    source_name = conversion.source_path.name
+    origin = f"[{source_name}]({source})" if source.startswith(("https://", "http://")) else _md_code(source if source.startswith("hf-hub:") else source_name)
+    report = conversion.report
+    reference = report.reference if report is not None else variant.reference
+    lines: list[str] = []
+    add = lines.append
+    add(f"# Model card for {full_name}")
+    add("")
+    official = _official_file(variant.name)
+    weights = (
+        f"These are the official weights released with the paper (`{source_name}`)"
+        if official == source_name
+        else f"The weights come from `{source_name}`"
+    )
+    add(
+        f"A {title} image classification model: {what}. {weights}, stored in the **LayerScale-module layout** of "
+        f"[timm-layerscale](https://pypi.org/project/timm-layerscale/) (`ls1.gamma` / `ls2.gamma`) instead of the "
+        f"original raw `gamma_1` / `gamma_2` parameters. Only key names differ: every tensor value is copied bit for bit."
+    )
+    add("")
+    add("## Model details")
+    add("")
+    add(f"- **Architecture:** `{variant.name}`, registered with timm by `import timm_layerscale`")
+    if reference:
+        add(f"- **Reference:** timm's `{reference}`, which computes the same function from the original layout")
+    add("- **Model type:** image classification / feature backbone")
+    add(f"- **Params (M):** {num_params / 1e6:.1f}")
+    add(f"- **Image size:** {size[-2]} x {size[-1]}")
+    if variant.init_value is not None:
+        add(f"- **LayerScale init value (training):** {variant.init_value:g}")
+    add(f"- **Classes:** {config.get('num_classes')}")
+    if datasets:
+        add(f"- **Dataset:** {', '.join(datasets)}")
+    if pcfg.get("paper_name"):
+        paper = pcfg["paper_name"]
+        ids = str(pcfg.get("paper_ids", ""))
+        link = f"https://arxiv.org/abs/{ids.split(':', 1)[1]}" if ids.startswith("arXiv:") else ""
+        add(f"- **Paper:** {paper}" + (f", {link}" if link else ""))
+    if pcfg.get("origin_url"):
+        add(f"- **Original code:** {pcfg['origin_url']}")
+    add("")
+    add("## Layout change")
+    add("")
+    add("| original key | key in this repository | what it is |")
+    add("|---|---|---|")
+    for before, after, note in _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS):
+        add(f"| `{before}` | `{after}` | {note} |")
+    add("")
+    add(
+        "Every other key keeps its name; the training checkpoint's wrapper (`{'model': ...}`) is removed. "
+        "LayerScale as a module is the layout timm already uses for its ViT and DeiT III models, so the gates "
+        "can be found, frozen, fused or excluded from weight decay by module type."
+    )
+    add("")
+    add("## Provenance")
+    add("")
+    add(f"- **Source file:** {origin}")
+    add(f"- **Source sha256:** `{conversion.source_sha256}`")
+    add(f"- **Source layout:** `{conversion.source_layout}`")
+    add(f"- **Converter:** timm-layerscale {__version__}")
+    add(f"- **Weights:** `{WEIGHTS_NAME}` (safetensors; metadata records the source file, its sha256 and both layouts)")
+    add("")
+    add("Made with:")
+    add("")
+    add("```bash")
+    add(command)
+    add("```")
+    add("")
+    add("## Parity")
+    add("")
+    if report is not None:
+        add(
+            f"The converted model was run against the reference `{report.reference}` loaded from the source file, "
+            "on the same inputs:"
+        )
+        add("")
+        add(report.to_markdown())
+    else:
+        add("No reference model exists for this family in timm, so no output comparison was made.")
+    if reload_checked:
+        add("")
+        add(
+            "After writing, the folder was loaded back with `timm.create_model(\"local-dir:...\", pretrained=True)` "
+            "and its weights compared with the verified model: identical."
+        )
+    add("")
+    if gates:
+        add("## LayerScale gates")
+        add("")
+        if plot:
+            add(f"![Mean and range of |gamma| per block for the attention (ls1) and MLP (ls2) gates]({plot})")
+            add("")
+        add(_gate_summary(gates))
+        add("")
+    add("## Usage")
+    add("")
+    add("```bash")
+    add("pip install timm-layerscale")
+    add("```")
+    add("")
+    add("```python")
+    add("import timm_layerscale  # registers the LayerScale models with timm; import it first")
+    add("import timm")
+    add("import torch")
+    add("from PIL import Image")
+    add("")
+    add(f'model = timm.create_model("hf-hub:{repo_id}", pretrained=True).eval()')
+    add("config = timm.data.resolve_data_config({}, model=model)")
+    add("transform = timm.data.create_transform(**config)")
+    add("")
+    add('image = Image.open("image.jpg").convert("RGB")')
+    add("with torch.no_grad():")
+    add("    probs = model(transform(image).unsqueeze(0)).softmax(dim=-1)")
+    add("top5 = probs.topk(5)")
+    add("print(top5.indices, top5.values)")
+    add("```")
+    add("")
+    add("## Citation")
+    add("")
+    add("```bibtex")
+    add(_CAIT_BIBTEX if family == "cait" else _generic_citation(pcfg))
+    add("```")
+    add("")
+    body = "\n".join(lines)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+
+
+def _generic_citation(pcfg: Mapping[str, Any]) -> str:
+    paper = pcfg.get("paper_name") or "the paper that introduced this model"
+    ids = pcfg.get("paper_ids") or ""
+    return f"% {paper} {ids}".rstrip()
+
+
+def _gate_summary(gates: Sequence[Mapping[str, Any]]) -> str:
+    parts = []
+    for which, label in (("ls1", "attention"), ("ls2", "MLP")):
+        means = [(r[which]["mean"], r["block"]) for r in gates if r.get(which) and not math.isnan(r[which]["mean"])]
+        if means:
+            lo, hi = min(means), max(means)
+            parts.append(f"{label} gates (`{which}`) have mean |gamma| from {lo[0]:.3g} (`{lo[1]}`) to {hi[0]:.3g} (`{hi[1]}`)")
+    ca = sum(1 for r in gates if r.get("class_attn"))
+    where = f" over {len(gates) - ca} self-attention and {ca} class-attention blocks" if ca else f" over {len(gates)} blocks"
+    text = "; ".join(parts) + where + "."
+    return text[0].upper() + text[1:] + " Print the full table with `timm-layerscale inspect hf-hub:...`."
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_folder` wrote.
+
+    Attributes:
+        folder: The export folder.
+        files: Files in it, sorted.
+        conversion: The :class:`~timm_layerscale.conversion.ConversionResult`.
+        repo_id: Hub id written into the card's usage code.
+        num_params: Parameters in the weights.
+        plot: The gate plot, or ``None``.
+        plot_note: Why there is no plot, when there is none.
+        push: The upload, with ``push_to_hub``.
+    """
+
+    folder: Path
+    files: list[Path]
+    conversion: Any
+    repo_id: str
+    num_params: int
+    plot: Path | None = None
+    plot_note: str | None = None
+    push: PushResult | None = None
+    gates: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """Human-readable account for the command line."""
+        c = self.conversion
+        lines = [f"exported {c.source} as {c.variant.name} to {self.folder} in {c.seconds:.1f} s"]
+        lines += [f"  {p.name}" for p in self.files]
+        if self.plot_note:
+            lines.append(f"note: {self.plot_note}")
+        if c.report is not None:
+            lines.append(c.report.format_table())
+        if self.push is not None:
+            lines.append(self.push.summary())
+        else:
+            lines.append(f"upload with: timm-layerscale push {shlex.quote(str(self.folder))} {self.repo_id}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.conversion
+        return {
+            "folder": str(self.folder),
+            "files": [p.name for p in self.files],
+            "model": c.variant.name,
+            "repo_id": self.repo_id,
+            "num_params": self.num_params,
+            "source": c.source,
+            "source_sha256": c.source_sha256,
+            "seconds": round(c.seconds, 3),
+            "report": c.report.to_dict() if c.report is not None else None,
+            "plot": self.plot.name if self.plot else None,
+            "push": self.push.to_dict() if self.push else None,
+        }
+
+
+def _check_reload(folder: Path, weights: Path, num_classes: int | None) -> None:
+    """Load the folder as timm does and check that every weight matches the file."""
+    import timm
+    import torch
+    from safetensors import safe_open
+
+    try:
+        model = timm.create_model(f"local-dir:{folder}", pretrained=True)
+    except Exception as e:
+        raise LayerScaleError(f"timm cannot load the exported folder ({_one_line(e, 120)}); this is a bug, please report it") from e
+    state = model.state_dict()
+    with safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+        if names != set(state):
+            raise LayerScaleError("the exported folder loads with other keys than it holds; this is a bug, please report it")
+        for name in names:
+            if not torch.equal(state[name], f.get_tensor(name)):
+                raise LayerScaleError(f"reloaded weight {name!r} differs from the file; this is a bug, please report it")
+
+
+def _prepare_target(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; export needs a folder path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{out.parent} is not writable; choose another folder")
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_folder(
+    source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    model: str | None = None,
+    overwrite: bool = False,
+    push_to_hub: str | None = None,
+    images: Sequence[str] = (),
+    ema: bool = False,
+    private: bool = False,
+    commit_message: str | None = None,
+    repo_id: str | None = None,
+    plot: bool = True,
+    command: str | None = None,
+) -> ExportResult:
+    """Convert, verify and write a folder that timm loads as it is, and optionally upload it.
+
+    The folder holds ``model.safetensors`` (LayerScale-module layout, safetensors
+    metadata ``format=pt`` plus the converter's provenance fields), ``config.json``
+    (timm's format, written by timm's ``save_config_for_hf``), ``README.md`` (the
+    model card) and, when matplotlib is installed, ``gates.png``. It is built in a
+    temporary folder next to ``out_dir``, loaded back with
+    ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for
+    weight, and only then moved into place: a failed export leaves nothing behind.
+
+    Args:
+        source: Checkpoint file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
+        out_dir: The folder to write (parents are created).
+        model: Model name overriding architecture detection.
+        overwrite: Replace ``out_dir`` if it exists and is not empty.
+        push_to_hub: Upload the folder to this ``ORG/NAME`` after writing it.
+        images: Image files added to the parity inputs.
+        ema: Take the ``'model_ema'`` weights of a training checkpoint.
+        private: With ``push_to_hub``, create the repository as private.
+        commit_message: With ``push_to_hub``, the commit message.
+        repo_id: Hub id for the card's usage code (default ``push_to_hub``, else
+            ``ORG/<folder name>``).
+        plot: Draw ``gates.png`` when matplotlib is installed.
+        command: Command line recorded in the card (default: the equivalent
+            ``timm-layerscale export`` command).
+
+    Returns:
+        An :class:`ExportResult`; ``summary()`` prints it.
+
+    Raises:
+        OutputExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
+        ParityError: The converted model does not match the reference.
+        HubError: Download or upload failed (the folder is kept when only the upload failed).
+        LayerScaleError: Any other problem with the source or the folder.
+    """
+    from .conversion import convert_checkpoint
+    from .gates import MissingPlotDependency, gate_profile, plot_gates
+
+    out = Path(out_dir)
+    if push_to_hub:
+        _check_repo_id(push_to_hub)
+    repo = repo_id or push_to_hub or f"ORG/{out.name}"
+    _prepare_target(out, overwrite)
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        weights = tmp / WEIGHTS_NAME
+        conv = convert_checkpoint(source, weights, model=model, to="ls", fmt="safetensors", ema=ema, images=images)
+        config = write_config(conv.variant.name, tmp / CONFIG_NAME, num_classes=conv.num_classes)
+        _check_reload(tmp, weights, conv.num_classes)
+        gates = gate_profile(weights)
+        plot_path, plot_note = None, None
+        if plot:
+            try:
+                plot_path = plot_gates(gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates across depth")
+            except MissingPlotDependency as e:
+                plot_note = f"no {PLOT_NAME}: {e}"
+        num_params = _count_params(weights)
+        cmd = command or _export_command(str(source), out, model, ema, images, push_to_hub, private)
+        card = build_model_card(
+            conv, repo_id=repo, config=config, num_params=num_params, command=cmd, gates=gates,
+            plot=PLOT_NAME if plot_path else None,
+        )
+        card.save(tmp / CARD_NAME)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    conv.output = out / WEIGHTS_NAME
+    result = ExportResult(
+        folder=out,
+        files=sorted(p for p in out.iterdir() if p.is_file()),
+        conversion=conv,
+        repo_id=repo,
+        num_params=num_params,
+        plot=out / PLOT_NAME if plot_path else None,
+        plot_note=plot_note,
+        gates=gates,
+    )
+    if push_to_hub:
+        try:
+            result.push = push_folder(out, push_to_hub, private=private, commit_message=commit_message)
+        except HubError as e:
+            raise HubError(f"{e} (the folder {out} was written; upload it later with: timm-layerscale push {out} {push_to_hub})") from e
+    return result
