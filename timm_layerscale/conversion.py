@@ -115,11 +115,21 @@ def load_source(
 
 
 def _to_target(sd: Mapping[str, torch.Tensor], variant: Variant, to: str) -> dict[str, torch.Tensor]:
+    if variant.family == "vit5":
+        from .models import vit5
+
+        vit5.check_rope_buffers(sd, variant.name)
     ls = to_layerscale(sd, FAMILIES[variant.family])
     if to == "ls":
         return ls
     if to == "gamma":
-        return to_gamma(ls, FAMILIES[variant.family])
+        out = to_gamma(ls, FAMILIES[variant.family])
+        if variant.family == "vit5":
+            # The official loader needs the rotary tables it keeps as buffers.
+            from .models import vit5
+
+            out.update(vit5.rope_buffers(variant.name))
+        return out
     raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
 
 
@@ -177,6 +187,19 @@ def build_reference(
     return references.load_reference(variant, state_dict, num_classes)
 
 
+def align_attention(reference: nn.Module, model: nn.Module) -> None:
+    """Make ``model`` take the reference's attention path.
+
+    timm fuses attention into ``scaled_dot_product_attention`` where it can; a
+    reference that computes attention by hand (the official-layout ViT-5) is matched
+    by turning fusion off in the converted model, so both run the same arithmetic.
+    """
+    if not any(getattr(m, "fused_attn", False) for m in reference.modules()):
+        for m in model.modules():
+            if hasattr(m, "fused_attn"):
+                m.fused_attn = False
+
+
 def _dtype_of(sd: Mapping[str, torch.Tensor]) -> torch.dtype:
     for v in sd.values():
         if v.is_floating_point():
@@ -230,6 +253,7 @@ def verify_checkpoint(
     dtype = _dtype_of(conv_sd)
     ref, ref_name = build_reference(variant, {k: v for k, v in src_sd.items()}, num_classes)
     out = build_converted(variant, conv_sd, num_classes)
+    align_attention(ref, out)
     ref.to(dtype)
     out.to(dtype)
     img = variant.img_size
@@ -380,7 +404,7 @@ def convert_checkpoint(
     command = _command(
         str(source), output, model=model, to=None if to == "ls" else to, format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
         dtype=dtype, overwrite=overwrite or None, no_verify=not verify, allow_nonfinite=allow_nonfinite, ema=ema,
-        images=list(images), fuse=fuse,
+        images=list(images), fuse=fuse, atol=atol, rtol=rtol,
     )
     return ConversionResult(
         output=output,
@@ -411,6 +435,7 @@ def _verify_fused(
     model = timm.create_model(variant.name, **kwargs)
     sd = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(output)))
     model.load_state_dict(dict(sd), strict=True)
+    align_attention(ref, model)
     dtype = _dtype_of(sd)
     ref.to(dtype)
     model.to(dtype).eval()

@@ -329,3 +329,61 @@ register_family(
         ),
     )
 )
+
+# ViT-5 (official ``models_vit5.py``): RMSNorm (weight only), QK-norm, no qkv bias,
+# registers, and per-block rotary frequency buffers that this package recomputes.
+_VIT5_BLOCK = r"blocks\.\d+\.(?:(?:norm1|norm2|attn\.q_norm|attn\.k_norm)\.weight|attn\.qkv\.weight|(?:attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR + ")"
+_VIT5_TOP = (
+    Rule(r"cls_token|reg_token|pos_embed", KEEP),
+    Rule(r"patch_embed\.proj" + _LINEAR + r"|norm\.weight|head" + _LINEAR, KEEP),
+    Rule(_VIT5_BLOCK, KEEP),
+)
+
+register_family(
+    Family(
+        name="vit5",
+        to_layerscale=(
+            Rule(r"(blocks\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
+            Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
+            Rule(
+                r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs",
+                None,
+                why="rotary frequencies: constants the model recomputes (checked against them on loading)",
+            ),
+        )
+        + _VIT5_TOP,
+        # The official model also needs blocks.N.attn.rope.freqs / rope_reg.freqs; they are
+        # computed, not mapped: add timm_layerscale.models.vit5.rope_buffers(name).
+        to_gamma=(
+            Rule(r"(blocks\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
+            Rule(r"blocks\.\d+\.gamma_[12]", KEEP),
+            Rule(r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs", KEEP),
+        )
+        + _VIT5_TOP,
+    )
+)
+
+# DeiT-III (official ``models_v2.py``, files deit_3_*.pth = {'model': state_dict}; timm's
+# deit3_*): the same keys apart from LayerScale. The position embedding has no
+# class-token slot in both (timm builds deit3 with no_embed_class=True).
+_DEIT3_TOP = (
+    Rule(r"cls_token|pos_embed", KEEP),
+    Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
+    Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
+)
+
+register_family(
+    Family(
+        name="deit3",
+        to_layerscale=(
+            Rule(r"(blocks\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
+            Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
+        )
+        + _DEIT3_TOP,
+        to_gamma=(
+            Rule(r"(blocks\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
+            Rule(r"blocks\.\d+\.gamma_[12]", KEEP),
+        )
+        + _DEIT3_TOP,
+    )
+)

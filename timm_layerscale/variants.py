@@ -172,8 +172,10 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
     Raises:
         ArchitectureError: Nothing fits; the message says what was found and names
             the closest variant.
+        RemapError: ``model`` is given and the checkpoint does not fit it; the
+            message lists the missing, unexpected and mis-shaped keys.
     """
-    from .remap import FAMILIES, unwrap_state_dict, to_layerscale
+    from .remap import FAMILIES, check_state_dict, to_layerscale, unwrap_state_dict
     from .errors import RemapError
 
     try:
@@ -189,6 +191,8 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
             try:
                 converted[v.family] = to_layerscale(raw, FAMILIES[v.family])
             except RemapError:
+                if model:  # a named model: say which keys its rules do not cover
+                    raise
                 converted[v.family] = None
         sd = converted[v.family]
         if sd is None:
@@ -199,6 +203,8 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
         if num_classes is not None and shapes.get("head.weight", (None,))[0] != num_classes:
             shapes = _meta_shapes(v.name, num_classes)
         bad = _mismatch(sd, shapes)
+        if bad and model:  # a named model: list the missing, unexpected and mis-shaped keys
+            check_state_dict(sd, shapes, v.name)
         if bad == 0:
             out = dict(info)
             if num_classes is not None and num_classes == _meta_shapes(v.name, None).get("head.weight", (None,))[0]:

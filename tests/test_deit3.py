@@ -1,0 +1,142 @@
+"""DeiT-III: official ``deit_3_*.pth`` files (``gamma_1`` / ``gamma_2``) into timm's ``deit3_*`` (``ls1.gamma``).
+
+The reference is timm itself: its ``deit3_*`` models load an official file through their
+own checkpoint filter, and the file converted by the ``deit3`` key rules must give the
+same model, bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import timm
+from safetensors.torch import save_file
+
+import timm_layerscale  # noqa: F401
+from timm_layerscale import remap
+from timm_layerscale.errors import RemapError
+from timm_layerscale.references import build_reference, load_reference, reference_state_dict
+from timm_layerscale.variants import detect_variant, get_variant
+
+NAME = "deit3_small_patch16_224"
+
+
+def seeded_deit3(name: str = NAME, seed: int = 0, **kwargs) -> torch.nn.Module:
+    """timm's DeiT-III with every parameter random (gammas ~ N(0, 0.1), norms ~ 1 + N(0, 0.1))."""
+    model = timm.create_model(name, **kwargs)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith("gamma"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif p.ndim >= 2 and key not in ("cls_token", "pos_embed"):
+                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+            elif key.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def official_file(tmp_path, model: torch.nn.Module) -> str:
+    """The model's weights as the official ``deit_3_*.pth``: ``{'model': state_dict}`` in the gamma layout."""
+    path = tmp_path / "deit_3_small_224_1k.pth"
+    torch.save({"model": remap.to_gamma(model.state_dict(), "deit3")}, path)
+    return str(path)
+
+
+def images(n: int = 4, size: int = 224, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def deit3_small() -> torch.nn.Module:
+    return seeded_deit3()
+
+
+def test_official_keys(deit3_small) -> None:
+    official = remap.to_gamma(deit3_small.state_dict(), "deit3")
+    block = sorted(k.split(".", 2)[2] for k in official if k.startswith("blocks.0."))
+    assert block == sorted([
+        "gamma_1", "gamma_2", "norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias",
+        "attn.proj.weight", "attn.proj.bias", "norm2.weight", "norm2.bias",
+        "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias",
+    ])
+    top = sorted(k for k in official if not k.startswith("blocks."))
+    assert top == sorted(["cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias",
+                          "norm.weight", "norm.bias", "head.weight", "head.bias"])
+    assert official["pos_embed"].shape == (1, 196, 384)  # no class-token slot
+
+
+def test_converted_file_matches_timm_loader_bit_for_bit(tmp_path, deit3_small) -> None:
+    path = official_file(tmp_path, deit3_small)
+    # timm's own loader on the official file
+    via_timm = timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=path)).eval()
+    # this package's rules on the same file
+    raw = torch.load(path, map_location="cpu", weights_only=True)
+    converted = remap.to_layerscale(remap.unwrap_state_dict(raw), "deit3")
+    ours = timm.create_model(NAME)
+    ours.load_state_dict(converted, strict=True)
+    ours.eval()
+    # and the converted file, loaded by timm
+    out_path = tmp_path / "deit3_small.safetensors"
+    save_file({k: v.contiguous() for k, v in converted.items()}, str(out_path))
+    from_file = timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(out_path))).eval()
+    x = images(2)
+    with torch.no_grad():
+        expected = via_timm(x)
+        assert torch.equal(ours(x), expected)
+        assert torch.equal(from_file(x), expected)
+        assert torch.equal(expected, deit3_small(x))
+    print(f"deit3_small_patch16_224: max abs diff 0 (bit-exact), top-1 agreement 100%, over {x.shape[0]} inputs")
+
+
+def test_round_trip_keeps_tensors(deit3_small) -> None:
+    ls = deit3_small.state_dict()
+    official = remap.to_gamma(ls, "deit3")
+    assert "blocks.11.gamma_2" in official and not any(".ls" in k for k in official)
+    back = remap.to_layerscale(official, "deit3")
+    assert list(back) == list(ls)
+    assert all(back[k] is ls[k] for k in ls)
+    again = remap.to_gamma(back, "deit3")
+    assert list(again) == list(official) and all(again[k] is official[k] for k in official)
+    assert remap.detect_layout(official, "deit3") == "gamma"
+
+
+def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:
+    official = remap.to_gamma(deit3_small.state_dict(), "deit3")
+    prefixed = {"module." + k: v for k, v in official.items()}
+    assert remap.to_layerscale(prefixed, "deit3").keys() == deit3_small.state_dict().keys()
+    with pytest.raises(RemapError, match=r"blocks\.0\.gamma_1_1"):
+        remap.to_layerscale(dict(official, **{"blocks.0.gamma_1_1": official["blocks.0.gamma_1"]}), "deit3")
+    with pytest.raises(RemapError, match="reg_token"):
+        remap.to_layerscale(dict(official, reg_token=torch.zeros(1, 4, 384)), "deit3")
+
+
+def test_reference_interface(deit3_small) -> None:
+    official = {"model": remap.to_gamma(deit3_small.state_dict(), "deit3")}
+    ref = build_reference(NAME, "deit3")
+    ref.load_state_dict(reference_state_dict(NAME, "deit3", official), strict=True)
+    loaded, name = load_reference(get_variant(NAME), official)
+    assert name == NAME
+    x = images(2)
+    with torch.no_grad():
+        assert torch.equal(ref.eval()(x), deit3_small(x))
+        assert torch.equal(loaded(x), deit3_small(x))
+
+
+def test_detect_variant_finds_deit3() -> None:
+    with torch.device("meta"):
+        model = timm.create_model("deit3_base_patch16_384")
+    official = {"model": remap.to_gamma(model.state_dict(), "deit3")}
+    variant, info = detect_variant(official)
+    assert variant.name == "deit3_base_patch16_384" and variant.family == "deit3"
+    assert info["grid"] == 24
+
+
+@pytest.mark.parametrize("name", timm.list_models("deit3_*"))
+def test_every_deit3_layout_round_trips_on_meta(name: str) -> None:
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    sd = model.state_dict()
+    official = remap.to_gamma(sd, "deit3")
+    remap.check_state_dict(remap.to_layerscale(official, "deit3"), sd, name)

@@ -1,0 +1,560 @@
+"""ViT-5: the model, its checkpoint filter, the ``vit5`` key rules and the official-layout reference.
+
+Parity is checked against a forward pass written here from the published math in plain
+PyTorch (float64, rotary embedding as complex multiplication), independent of the
+package's code, on official-layout state dicts whose every entry is random.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import timm
+from torch.utils.flop_counter import FlopCounterMode
+
+import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale import remap
+from timm_layerscale.errors import RemapError
+from timm_layerscale.models import vit5
+from timm_layerscale.references import build_reference, load_reference, reference_state_dict, vit5_official
+from timm_layerscale.variants import detect_variant, get_variant
+
+NAMES = list(vit5.MODEL_ARGS)
+RELEASED = [n for n in NAMES if "xlarge" not in n]
+TINY = dict(embed_dim=64, depth=2, num_heads=2)
+PATCH_THETA, REG_THETA, REGS = 10000.0, 100.0, 4
+PARITY_ATOL = 1e-5
+
+
+# --- official-layout weights and the independent forward pass ----------------------------
+
+
+def _official_freqs(head_dim: int, theta: int) -> torch.Tensor:
+    """The buffer as the official code fills it (fp32, on the CPU, at construction)."""
+    half = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, 2)[: half // 2].float() / half))
+
+
+def official_state_dict(
+    embed_dim: int, depth: int, num_heads: int, grid: int, num_classes: int = 1000, seed: int = 0, in_chans: int = 3
+) -> dict[str, torch.Tensor]:
+    """An official ViT-5 state dict (key for key) with every entry random; gammas ~ N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    dim, heads = embed_dim, num_heads
+
+    def rnd(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        return mean + std * torch.randn(*shape, generator=g)
+
+    hd, hidden = dim // heads, 4 * dim
+    sd = {
+        "cls_token": rnd(1, 1, dim, std=0.1),
+        "reg_token": rnd(1, REGS, dim, std=0.1),
+        "pos_embed": rnd(1, grid * grid, dim, std=0.1),
+        "patch_embed.proj.weight": rnd(dim, in_chans, 16, 16, std=(in_chans * 256) ** -0.5),
+        "patch_embed.proj.bias": rnd(dim, std=0.1),
+    }
+    for i in range(depth):
+        p = f"blocks.{i}."
+        sd.update({
+            p + "gamma_1": rnd(dim, std=0.1),
+            p + "gamma_2": rnd(dim, std=0.1),
+            p + "norm1.weight": rnd(dim, std=0.1, mean=1.0),
+            p + "attn.qkv.weight": rnd(3 * dim, dim, std=dim ** -0.5),
+            p + "attn.proj.weight": rnd(dim, dim, std=dim ** -0.5),
+            p + "attn.proj.bias": rnd(dim, std=0.1),
+            p + "attn.q_norm.weight": rnd(hd, std=0.1, mean=1.0),
+            p + "attn.k_norm.weight": rnd(hd, std=0.1, mean=1.0),
+            p + "attn.rope.freqs": _official_freqs(hd, 10000),
+            p + "attn.rope_reg.freqs": _official_freqs(hd, 100),
+            p + "norm2.weight": rnd(dim, std=0.1, mean=1.0),
+            p + "mlp.fc1.weight": rnd(hidden, dim, std=dim ** -0.5),
+            p + "mlp.fc1.bias": rnd(hidden, std=0.1),
+            p + "mlp.fc2.weight": rnd(dim, hidden, std=hidden ** -0.5),
+            p + "mlp.fc2.bias": rnd(dim, std=0.1),
+        })
+    sd["norm.weight"] = rnd(dim, std=0.1, mean=1.0)
+    if num_classes:
+        sd["head.weight"] = rnd(num_classes, dim, std=dim ** -0.5)
+        sd["head.bias"] = rnd(num_classes, std=0.1)
+    return sd
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def _rotations(rows: int, cols: int, ref: tuple[float, float], hd: int, theta: float) -> torch.Tensor:
+    """Unit complex numbers ``(rows * cols, hd / 2)``: pair ``j`` of a token at ``(r, c)``.
+
+    Pairs ``0 .. hd/4 - 1`` turn by ``y * theta^(-j / (hd/4))`` with ``y = r / rows * ref_rows``,
+    the other half by the column position ``x = c / cols * ref_cols`` the same way.
+    """
+    quarter = hd // 4
+    freq = theta ** -(torch.arange(quarter, dtype=torch.float64) / quarter)
+    y = torch.arange(rows, dtype=torch.float64) / rows * ref[0]
+    x = torch.arange(cols, dtype=torch.float64) / cols * ref[1]
+    yy, xx = torch.meshgrid(y, x, indexing="ij")
+    angle = torch.cat((yy.reshape(-1, 1) * freq, xx.reshape(-1, 1) * freq), dim=1)
+    return torch.polar(torch.ones_like(angle), angle)
+
+
+def _rotate(t: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Multiply each adjacent channel pair ``(a, b)`` of ``t (..., N, hd)`` as ``a + ib`` by ``rot (N, hd/2)``."""
+    z = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(z * rot).reshape(t.shape)
+
+
+def independent_forward(
+    sd: dict[str, torch.Tensor], x: torch.Tensor, heads: int, train_grid: tuple[int, int] | None = None,
+    pos_embed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ViT-5 logits from an official state dict, in float64, from the published math."""
+    sd = {k: v.double() for k, v in sd.items()}
+    x = x.double()
+    B = x.shape[0]
+    t = F.conv2d(x, sd["patch_embed.proj.weight"], sd["patch_embed.proj.bias"], stride=16)
+    rows, cols = t.shape[-2:]
+    pos = sd["pos_embed"] if pos_embed is None else pos_embed.double()
+    t = t.flatten(2).transpose(1, 2) + pos
+    t = torch.cat((sd["cls_token"].expand(B, -1, -1), t, sd["reg_token"].expand(B, -1, -1)), dim=1)
+    N, D = t.shape[1:]
+    hd = D // heads
+    ref = train_grid or (rows, cols)
+    rot = torch.cat((
+        torch.ones(1, hd // 2, dtype=torch.complex128),  # class token: not rotated
+        _rotations(rows, cols, ref, hd, PATCH_THETA),
+        _rotations(2, 2, (2, 2), hd, REG_THETA),
+    ))
+    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    for i in range(depth):
+        p = f"blocks.{i}."
+        h = _rms(t, sd[p + "norm1.weight"])
+        q, k, v = (h @ sd[p + "attn.qkv.weight"].T).reshape(B, N, 3, heads, hd).permute(2, 0, 3, 1, 4)
+        q = _rotate(_rms(q, sd[p + "attn.q_norm.weight"]), rot)
+        k = _rotate(_rms(k, sd[p + "attn.k_norm.weight"]), rot)
+        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd), dim=-1) @ v
+        a = a.transpose(1, 2).reshape(B, N, D) @ sd[p + "attn.proj.weight"].T + sd[p + "attn.proj.bias"]
+        t = t + sd[p + "gamma_1"] * a
+        h = _rms(t, sd[p + "norm2.weight"])
+        h = F.gelu(h @ sd[p + "mlp.fc1.weight"].T + sd[p + "mlp.fc1.bias"])
+        t = t + sd[p + "gamma_2"] * (h @ sd[p + "mlp.fc2.weight"].T + sd[p + "mlp.fc2.bias"])
+    t = _rms(t, sd["norm.weight"])
+    return t[:, 0] @ sd["head.weight"].T + sd["head.bias"]
+
+
+def images(n: int, size: int | tuple[int, int], seed: int = 0) -> torch.Tensor:
+    h, w = (size, size) if isinstance(size, int) else size
+    return torch.randn(n, 3, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def tiny(img: int = 32, **kwargs) -> vit5.Vit5:
+    return timm.create_model("vit5_small_patch16_224", img_size=img, **dict(TINY, **kwargs))
+
+
+def load_official(model: vit5.Vit5, sd: dict[str, torch.Tensor]) -> vit5.Vit5:
+    model.load_state_dict(vit5.checkpoint_filter_fn({"model": sd}, model), strict=True)
+    return model.eval()
+
+
+def set_fused_attn(model: torch.nn.Module, fused: bool) -> None:
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = fused
+
+
+def parity(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    return (a.double() - b.double()).abs().max().item(), (a.argmax(-1) == b.argmax(-1)).double().mean().item()
+
+
+# --- parity ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("img", [32, 48, 384])
+@pytest.mark.parametrize("fused", [True, False])
+def test_parity_with_independent_forward_tiny(img: int, fused: bool) -> None:
+    """Grids 2, 3 (positions i / 3 * 3, not exact in fp32) and 24 (the 384 models)."""
+    grid = img // 16
+    sd = official_state_dict(**TINY, grid=grid, seed=img)
+    model = load_official(tiny(img), sd)
+    set_fused_attn(model, fused)
+    x = images(8, img, seed=1)
+    with torch.no_grad():
+        out = model(x)
+    ref = independent_forward(sd, x, TINY["num_heads"])
+    diff, top1 = parity(out, ref)
+    print(f"vit5 tiny img={img} fused_attn={fused}: max abs diff {diff:.3g}, top-1 agreement {top1:.0%}")
+    assert diff <= PARITY_ATOL
+    assert top1 == 1.0
+
+
+def test_parity_with_independent_forward_small_224() -> None:
+    sd = official_state_dict(384, 12, 6, grid=14, seed=3)
+    model = load_official(timm.create_model("vit5_small_patch16_224"), sd)
+    x = images(2, 224, seed=4)
+    with torch.no_grad():
+        out = model(x)
+    ref = independent_forward(sd, x, 6)
+    diff, top1 = parity(out, ref)
+    print(f"vit5_small_patch16_224: max abs diff {diff:.3g}, top-1 agreement {top1:.0%}, |logits| max {ref.abs().max():.3g}")
+    assert diff <= PARITY_ATOL
+    assert top1 == 1.0
+
+
+@pytest.mark.parametrize("img", [32, 384])
+def test_reference_module_matches_independent_forward(img: int) -> None:
+    sd = official_state_dict(**TINY, grid=img // 16, seed=7)
+    ref = vit5_official.Vit5Official(img_size=img, **TINY).eval()
+    ref.load_state_dict(sd, strict=True)
+    x = images(4, img, seed=8)
+    with torch.no_grad():
+        out = ref(x)
+    diff, top1 = parity(out, independent_forward(sd, x, TINY["num_heads"]))
+    assert diff <= PARITY_ATOL and top1 == 1.0
+
+
+@pytest.mark.parametrize("img", [32, 48, 384])
+def test_package_matches_reference_module_bit_for_bit_without_sdpa(img: int) -> None:
+    sd = official_state_dict(**TINY, grid=img // 16, seed=11)
+    ref = vit5_official.Vit5Official(img_size=img, **TINY).eval()
+    ref.load_state_dict(sd, strict=True)
+    model = load_official(tiny(img), sd)
+    x = images(4, img, seed=12)
+    with torch.no_grad():
+        expected = ref(x)
+        set_fused_attn(model, False)
+        assert torch.equal(model(x), expected)
+        set_fused_attn(model, True)
+        assert parity(model(x), expected)[0] <= PARITY_ATOL
+
+
+def test_reference_interface_loads_official_and_converted_weights() -> None:
+    sd = official_state_dict(384, 12, 6, grid=14, seed=5)
+    ref = build_reference("vit5_small_patch16_224", "vit5")
+    ref.load_state_dict(reference_state_dict("vit5_small_patch16_224", "vit5", {"model": sd}), strict=True)
+    converted = remap.to_layerscale(sd, "vit5")
+    again = reference_state_dict("vit5_small_patch16_224", "vit5", converted)
+    assert again.keys() == sd.keys()
+    assert all(torch.equal(again[k], sd[k]) for k in sd)
+    loaded, name = load_reference(get_variant("vit5_small_patch16_224"), sd)
+    assert name == "vit5_official/vit5_small_patch16_224" and not loaded.training
+
+
+# --- rotary tables ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_official_freqs_equal_computed_tables(name: str) -> None:
+    computed = vit5.rope_buffers(name)
+    official = vit5_official.rope_buffers(name)
+    assert computed.keys() == official.keys()
+    assert all(torch.equal(computed[k], official[k]) for k in computed)
+    depth, hd = vit5.MODEL_ARGS[name]["depth"], vit5.MODEL_ARGS[name]["embed_dim"] // vit5.MODEL_ARGS[name]["num_heads"]
+    assert len(computed) == 2 * depth
+    exact = PATCH_THETA ** -(torch.arange(hd // 4, dtype=torch.float64) / (hd // 4))
+    torch.testing.assert_close(computed["blocks.0.attn.rope.freqs"].double(), exact, rtol=1e-6, atol=0)
+
+
+def test_rope_tables_rows_follow_token_order() -> None:
+    model = tiny(48)
+    sin, cos = model.rope_tables((3, 3))
+    assert sin.shape == cos.shape == (1 + 9 + REGS, 32)
+    assert torch.equal(sin[0], torch.zeros(32)) and torch.equal(cos[0], torch.ones(32))
+    # token (0, 0) and register (0, 0) sit at the origin
+    assert torch.equal(sin[1], torch.zeros(32)) and torch.equal(sin[10], torch.zeros(32))
+    # the other rows come in interleaved pairs
+    assert torch.equal(sin[:, 0::2], sin[:, 1::2])
+
+
+def test_filter_checks_and_drops_freqs() -> None:
+    sd = official_state_dict(**TINY, grid=2)
+    model = tiny(32)
+    out = vit5.checkpoint_filter_fn(sd, model)
+    assert not any(k.endswith(".freqs") for k in out)
+    bad = dict(sd, **{"blocks.1.attn.rope.freqs": sd["blocks.1.attn.rope.freqs"] * 1.01})
+    with pytest.raises(RemapError, match="rotary"):
+        vit5.checkpoint_filter_fn(bad, model)
+    short = dict(sd, **{"blocks.0.attn.rope_reg.freqs": sd["blocks.0.attn.rope_reg.freqs"][:4]})
+    with pytest.raises(RemapError, match="rotary"):
+        vit5.checkpoint_filter_fn(short, model)
+
+
+# --- key rules --------------------------------------------------------------------------------
+
+
+def test_round_trip_and_rules() -> None:
+    sd = official_state_dict(**TINY, grid=2)
+    ls = remap.to_layerscale(sd, "vit5")
+    assert "blocks.0.ls1.gamma" in ls and "blocks.1.ls2.gamma" in ls
+    assert not any("gamma_" in k or k.endswith(".freqs") for k in ls)
+    assert ls["blocks.0.ls1.gamma"] is sd["blocks.0.gamma_1"]
+    assert ls.keys() == tiny(32).state_dict().keys()
+    assert remap.to_layerscale(ls, "vit5") == ls  # idempotent
+    back = remap.to_gamma(ls, "vit5")
+    back.update(vit5.rope_buffers(tiny(32)))
+    assert back.keys() == sd.keys()
+    assert all(back[k] is sd[k] for k in sd if not k.endswith(".freqs"))
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    assert remap.detect_layout(sd, "vit5") == "gamma" and remap.detect_layout(ls, "vit5") == "ls"
+
+
+def test_unknown_key_is_named() -> None:
+    sd = official_state_dict(**TINY, grid=2)
+    sd["blocks.0.attn.qkv.bias"] = torch.zeros(3 * 64)
+    with pytest.raises(RemapError, match=r"blocks\.0\.attn\.qkv\.bias"):
+        remap.to_layerscale(sd, "vit5")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_layout_matches_official_reference_on_meta(name: str) -> None:
+    with torch.device("meta"):
+        ref = vit5_official.build_reference(name)
+        model = timm.create_model(name)
+    official = ref.state_dict()
+    converted = remap.to_layerscale(official, "vit5")
+    remap.check_state_dict(converted, model.state_dict(), name)
+    variant, _ = detect_variant(official)
+    assert variant.name == name
+
+
+def test_detect_variant_on_official_base_384() -> None:
+    with torch.device("meta"):
+        sd = vit5_official.build_reference("vit5_base_patch16_384").state_dict()
+    variant, info = detect_variant({"model": sd})
+    assert variant.name == "vit5_base_patch16_384" and variant.family == "vit5"
+    assert info["registers"] == 4 and info["grid"] == 24
+
+
+# --- pretrained loading -----------------------------------------------------------------------
+
+
+def _training_dict(sd: dict, ema: dict) -> dict:
+    return {
+        "model": sd,
+        "model_ema": ema,
+        "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3, "params": [0, 1]}]},
+        "lr_scheduler": {"last_epoch": 799},
+        "epoch": 799,
+        "scaler": {"scale": 65536.0},
+        "args": argparse.Namespace(model="vit5_small", input_size=32),
+    }
+
+
+def test_training_dict_file_loads_through_timm(tmp_path) -> None:
+    sd, ema = official_state_dict(**TINY, grid=2, seed=21), official_state_dict(**TINY, grid=2, seed=22)
+    path = tmp_path / "vit5_tiny_training.pth"
+    torch.save(_training_dict(sd, ema), path)
+    x = images(4, 32, seed=23)
+    # timm's file loader unwraps training dicts itself and prefers 'model_ema'
+    model = tiny(32, pretrained=True, pretrained_cfg_overlay=dict(file=str(path))).eval()
+    with torch.no_grad():
+        diff, top1 = parity(model(x), independent_forward(ema, x, 2))
+    assert diff <= PARITY_ATOL and top1 == 1.0
+    # handed the whole dict, the filter takes 'model', or 'model_ema' for an *_ema tag
+    ckpt = torch.load(path, weights_only=False)
+    for tag, expected in (("in1k", sd), ("in1k_ema", ema)):
+        model = tiny(32, pretrained=True, pretrained_cfg_overlay=dict(state_dict=ckpt, tag=tag)).eval()
+        for k, v in remap.to_layerscale(expected, "vit5").items():
+            assert torch.equal(model.state_dict()[k], v), (tag, k)
+
+
+def test_converted_file_loads_with_file_overlay(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    sd = official_state_dict(**TINY, grid=2, seed=31)
+    path = tmp_path / "vit5_tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in remap.to_layerscale(sd, "vit5").items()}, str(path))
+    model = tiny(32, pretrained=True, pretrained_cfg_overlay=dict(file=str(path))).eval()
+    x = images(4, 32, seed=32)
+    with torch.no_grad():
+        diff, top1 = parity(model(x), independent_forward(sd, x, 2))
+    assert diff <= PARITY_ATOL and top1 == 1.0
+
+
+def test_filter_ema_selection_and_errors() -> None:
+    sd, ema = official_state_dict(**TINY, grid=2, seed=1), official_state_dict(**TINY, grid=2, seed=2)
+    model = tiny(32)
+    assert vit5.checkpoint_filter_fn({"model": sd, "model_ema": ema}, model)["cls_token"] is sd["cls_token"]
+    assert vit5.checkpoint_filter_fn({"model": sd, "model_ema": ema}, model, use_ema=True)["cls_token"] is ema["cls_token"]
+    assert vit5.checkpoint_filter_fn(sd, model, use_ema=True)["cls_token"] is sd["cls_token"]
+    with pytest.raises(RemapError, match="model_ema"):
+        vit5.checkpoint_filter_fn({"model": sd}, model, use_ema=True)
+    prefixed = {"model": {"module." + k: v for k, v in sd.items()}}
+    assert vit5.checkpoint_filter_fn(prefixed, model).keys() == model.state_dict().keys()
+
+
+def test_filter_resamples_pos_embed_for_another_img_size() -> None:
+    sd = official_state_dict(**TINY, grid=2)
+    model = tiny(64)
+    out = vit5.checkpoint_filter_fn(sd, model)
+    assert out["pos_embed"].shape == (1, 16, 64)
+    model.load_state_dict(out, strict=True)
+
+
+def test_fused_layerscale_loads_folded_weights() -> None:
+    sd = official_state_dict(**TINY, grid=2, seed=41)
+    model = tiny(32, fused_layerscale=True)
+    assert isinstance(model.blocks[0].ls1, torch.nn.Identity) and isinstance(model.blocks[1].ls2, torch.nn.Identity)
+    assert not any("gamma" in k for k in model.state_dict())
+    load_official(model, sd)
+    plain = load_official(tiny(32), sd)
+    x = images(4, 32, seed=42)
+    with torch.no_grad():
+        diff, top1 = parity(model(x), plain(x))
+    assert diff <= PARITY_ATOL and top1 == 1.0
+
+
+def test_pretrained_cfgs() -> None:
+    tags = timm.list_pretrained("vit5_*")
+    assert sorted(t for t in tags if not t.endswith("_ema")) == sorted(f"{n}.in1k" for n in RELEASED)
+    for name in RELEASED:
+        cfg = timm.models.get_pretrained_cfg(f"{name}.in1k")
+        assert cfg.hf_hub_id == "FengWang3211/ViT-5" and cfg.hf_hub_filename == f"{name}.pth"
+        assert cfg.input_size[-1] == int(name[-3:]) and cfg.num_classes == 1000
+        assert timm.models.get_pretrained_cfg(f"{name}.in1k_ema").hf_hub_filename == f"{name}.pth"
+    assert not timm.models.get_pretrained_cfg("vit5_xlarge_patch16_224").has_weights
+
+
+# --- the timm model contract ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_meta_builds(name: str) -> None:
+    model = timm.create_model(name, device="meta")
+    args = vit5.MODEL_ARGS[name]
+    assert all(p.is_meta for p in model.parameters())
+    assert len(model.blocks) == args["depth"] and model.embed_dim == args["embed_dim"]
+    assert model.patch_embed.img_size[0] == int(name[-3:])
+    assert model.blocks[0].ls1.init_value == 1e-4
+    with torch.device("meta"):
+        again = timm.create_model(name)
+    assert again.pos_embed.is_meta
+    out = model(torch.empty(2, 3, int(name[-3:]), int(name[-3:]), device="meta"))
+    assert out.shape == (2, 1000)
+
+
+def test_meta_build_materialises_without_extra_steps() -> None:
+    sd = official_state_dict(**TINY, grid=2, seed=61)
+    with torch.device("meta"):
+        model = tiny(32)
+    model.to_empty(device="cpu")
+    load_official(model, sd)  # the rotary tables are computed, so nothing else needs initialising
+    plain = load_official(tiny(32), sd)
+    x = images(2, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+    assert model.blocks[0].ls1.gamma._no_weight_decay
+
+
+def test_parameter_counts() -> None:
+    counts = {n: sum(p.numel() for p in timm.create_model(n, device="meta").parameters()) for n in NAMES}
+    assert round(counts["vit5_small_patch16_224"] / 1e6) == 22
+    assert round(counts["vit5_base_patch16_224"] / 1e6) == 87
+    assert round(counts["vit5_large_patch16_224"] / 1e6) == 304
+
+
+def test_init_and_registers() -> None:
+    model = tiny(32)
+    assert model.reg_token.shape == (1, 4, 64)
+    assert torch.all(model.blocks[0].ls1.gamma == 1e-4)
+    assert model.no_weight_decay() == {"pos_embed", "cls_token", "reg_token"}
+    assert model.forward_features(images(2, 32)).shape == (2, 1 + 4 + 4, 64)
+    with pytest.raises(ValueError, match="square"):
+        tiny(32, reg_tokens=3)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        tiny(32, embed_dim=60, num_heads=2)
+
+
+def test_forward_intermediates() -> None:
+    model = tiny(48).eval()
+    x = images(2, 48)
+    final, inter = model.forward_intermediates(x)
+    assert final.shape == (2, 1 + 9 + 4, 64) and len(inter) == 2
+    assert all(t.shape == (2, 64, 3, 3) for t in inter)
+    tokens = model.forward_features(x)
+    torch.testing.assert_close(final, tokens)
+    nlc = model.forward_intermediates(x, indices=[0], output_fmt="NLC", intermediates_only=True)
+    assert nlc[0].shape == (2, 9, 64)
+    pairs = model.forward_intermediates(x, indices=1, return_prefix_tokens=True, norm=True, intermediates_only=True)
+    patches, prefix = pairs[0]
+    assert prefix.shape == (2, 5, 64)
+    torch.testing.assert_close(prefix[:, 0], tokens[:, 0])
+    torch.testing.assert_close(prefix[:, 1:], tokens[:, -4:])
+    torch.testing.assert_close(patches.flatten(2).transpose(1, 2), tokens[:, 1:-4])
+
+
+def test_features_only_and_prune() -> None:
+    feats = timm.create_model("vit5_small_patch16_224", img_size=32, **TINY, features_only=True, out_indices=(0, 1))
+    out = feats(images(2, 32))
+    assert [tuple(o.shape) for o in out] == [(2, 64, 2, 2)] * 2
+    assert feats.feature_info.channels() == [64, 64] and feats.feature_info.reduction() == [16, 16]
+    model = tiny(32)
+    assert model.prune_intermediate_layers([0]) == [0]
+    assert len(model.blocks) == 1 and isinstance(model.head, torch.nn.Identity)
+
+
+def test_dynamic_img_size() -> None:
+    sd = official_state_dict(**TINY, grid=2, seed=51)
+    static = load_official(tiny(32), sd)
+    dynamic = load_official(tiny(32, dynamic_img_size=True), sd)
+    x = images(2, 32)
+    with torch.no_grad():
+        assert torch.equal(dynamic(x), static(x))
+        y = images(3, (48, 64), seed=52)
+        out = dynamic(y)
+        inter = dynamic.forward_intermediates(y, intermediates_only=True)
+    assert inter[-1].shape == (3, 64, 3, 4)
+    from timm.layers import resample_abs_pos_embed
+
+    pos = resample_abs_pos_embed(sd["pos_embed"], new_size=(3, 4), old_size=(2, 2), num_prefix_tokens=0)
+    ref = independent_forward(sd, y, 2, train_grid=(2, 2), pos_embed=pos)
+    diff, top1 = parity(out, ref)
+    assert diff <= PARITY_ATOL and top1 == 1.0
+
+
+def test_classifier_and_pooling() -> None:
+    model = tiny(32)
+    assert model.get_classifier() is model.head
+    model.reset_classifier(10, "avg")
+    assert model(images(2, 32)).shape == (2, 10)
+    tokens = model.forward_features(images(2, 32))
+    torch.testing.assert_close(model.forward_head(tokens, pre_logits=True), tokens[:, 1:-4].mean(1))
+    model.reset_classifier(0)
+    assert model(images(2, 32)).shape == (2, 64)
+    with pytest.raises(ValueError):
+        model.reset_classifier(10, "max")
+    matcher = model.group_matcher()
+    assert set(matcher) == {"stem", "blocks"}
+
+
+def test_grad_checkpointing_matches() -> None:
+    torch.manual_seed(0)
+    model = tiny(32)
+    x = images(2, 32)
+    model(x).sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    model(x).sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[k])
+
+
+@pytest.mark.parametrize("name", ["vit5_small_patch16_224", "vit5_base_patch16_384"])
+@pytest.mark.parametrize("fused_layerscale", [False, True])
+def test_flop_count_matches_torch_counter(name: str, fused_layerscale: bool) -> None:
+    model = timm.create_model(name, device="meta", fused_layerscale=fused_layerscale)
+    size = int(name[-3:])
+    with FlopCounterMode(display=False) as counter:
+        model(torch.empty(2, 3, size, size, device="meta"))
+    measured = counter.get_total_flops() / 2
+    assert abs(model.flop_count(2) - measured) <= 0.01 * measured
+    assert model.flop_count(2) == 2 * model.flop_count(1)
+
+
+def test_registered_with_timm() -> None:
+    assert set(NAMES) <= set(timm.list_models("vit5_*"))
+    assert timm.list_models(module="vit5") == sorted(NAMES)
+    assert all(vit5.REFERENCE[n] is None for n in NAMES)

@@ -1,0 +1,825 @@
+"""ViT-5: a LayerScale Vision Transformer with RMSNorm, QK-norm, registers and 2-D RoPE.
+
+Paper: Wang et al., "ViT-5: Vision Transformers for the Mid-2020s", arXiv 2602.08071,
+https://arxiv.org/abs/2602.08071
+
+Official code: https://github.com/wangf3014/ViT-5 (``models_vit5.py``, ``rope.py``);
+weights: https://huggingface.co/FengWang3211/ViT-5 (``vit5_{size}_patch16_{img}.pth``,
+training dicts holding ``'model'``, ``'model_ema'`` and the optimizer state).
+
+The architecture and numbers are the official model's: patch 16, RMSNorm (eps 1e-6,
+weight only) before attention and MLP and as QK-norm, no qkv bias, a learned absolute
+position embedding on the patch tokens, four register tokens *after* the patch tokens,
+2-D rotary embeddings on q/k (after the QK-norm), GELU MLP, LayerScale (init 1e-4) on
+both residual branches, class-token head. The token order is
+``[cls, patches..., registers...]``.
+
+Rotary embedding, exactly as the official code computes it: for a head width ``d`` each
+axis has ``d / 4`` frequencies ``theta ** (-2i / (d / 2))``; a token at row ``r``,
+column ``c`` of an ``H x W`` grid has positions ``r / H * H_ref`` and ``c / W * W_ref``
+(``H_ref x W_ref`` is the grid of the model's ``img_size``, so positions stay in the
+training range at other resolutions); the angles of the row axis fill the first half of
+the head, those of the column axis the second half, each frequency used for one pair of
+adjacent (interleaved) channels. Patches use ``theta = 10000`` on the patch grid,
+registers ``theta = 100`` on a 2 x 2 grid, the class token is not rotated, v is never
+rotated. The tables are computed, not stored: the official ``*.freqs`` buffers are
+checked against them and dropped on loading.
+
+Differences from the official code are layout only: LayerScale is a
+:class:`timm_layerscale.LayerScale` module (``ls1.gamma`` / ``ls2.gamma``) instead of
+raw ``gamma_1`` / ``gamma_2`` parameters, and one rotary module per model replaces the
+per-block ``rope`` / ``rope_reg`` buffers. Beyond the official model: ``dynamic_img_size``,
+non-square grids, pretrained loading at another ``img_size`` (the position embedding is
+resampled), timm's feature-extraction API.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_, use_fused_attn
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint
+
+from ..errors import RemapError
+from ..layer_scale import LayerScale
+from ..remap import WRAPPER_KEYS, strip_prefixes, to_layerscale, unwrap_state_dict
+
+__all__ = [
+    "Vit5",
+    "Vit5Attention",
+    "Vit5Block",
+    "Vit5RotaryEmbedding",
+    "apply_rope",
+    "rope_bands",
+    "rope_buffers",
+    "check_rope_buffers",
+    "MODEL_ARGS",
+    "REFERENCE",
+]
+
+#: ``(sin, cos)`` tables, each ``(N, head_dim)``, one row per token.
+RopeTables = Tuple[torch.Tensor, torch.Tensor]
+
+
+def rope_bands(head_dim: int, theta: float) -> torch.Tensor:
+    """Rotary frequencies of one grid axis, computed as the official code does.
+
+    Args:
+        head_dim: Width of one attention head, a multiple of 4.
+        theta: Base of the frequency progression (10000 for patches, 100 for registers).
+
+    Returns:
+        fp32 CPU tensor ``(head_dim // 4,)``: ``1 / theta ** (2i / (head_dim // 2))``.
+    """
+    if head_dim % 4:
+        raise ValueError(f"2-D rotary embedding needs a head width divisible by 4, got {head_dim}")
+    half = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, 2)[: half // 2].float() / half))
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """``[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...]`` over the last dimension."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotate interleaved channel pairs of ``x (..., N, head_dim)`` by the ``(sin, cos)`` tables ``(N, head_dim)``."""
+    sin, cos = rope
+    return (x * cos + _rotate_pairs(x) * sin).to(x.dtype)
+
+
+class Vit5RotaryEmbedding(nn.Module):
+    """2-D axial rotary embedding with interleaved pairs and positions scaled to a reference grid.
+
+    Holds no parameters or buffers: the tables are computed from constants on demand
+    (frequencies on the CPU, positions and angles on the target device, as the
+    official code does), so the module works unchanged after a meta-device build.
+
+    Args:
+        head_dim: Width of one attention head ``d`` (a multiple of 4).
+        ref_grid: ``(H_ref, W_ref)``; a grid ``H x W`` gets positions ``r / H * H_ref``.
+        theta: Base of the frequency progression.
+    """
+
+    def __init__(self, head_dim: int, ref_grid: Tuple[int, int], theta: float = 10000.0) -> None:
+        super().__init__()
+        rope_bands(head_dim, theta)  # validates head_dim
+        self.head_dim = head_dim
+        self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
+        self.theta = theta
+
+    def bands(self) -> torch.Tensor:
+        """The per-axis frequencies ``(head_dim // 4,)`` (fp32, CPU)."""
+        return rope_bands(self.head_dim, self.theta)
+
+    def get_embed(self, grid: Tuple[int, int], device: Optional[torch.device] = None) -> RopeTables:
+        """``(sin, cos)`` tables for a row-major ``H x W`` grid.
+
+        Args:
+            grid: ``(H, W)``.
+            device: Device of the tables.
+
+        Returns:
+            ``(sin, cos)``, each fp32 ``(H * W, head_dim)``.
+        """
+        bands = self.bands().to(device)
+        h, w = int(grid[0]), int(grid[1])
+        ang_h = (torch.arange(h, device=device) / h * self.ref_grid[0])[:, None] * bands
+        ang_w = (torch.arange(w, device=device) / w * self.ref_grid[1])[:, None] * bands
+        ang_h = ang_h.repeat_interleave(2, dim=-1)[:, None, :].expand(h, w, -1)
+        ang_w = ang_w.repeat_interleave(2, dim=-1)[None, :, :].expand(h, w, -1)
+        ang = torch.cat((ang_h, ang_w), dim=-1).reshape(h * w, self.head_dim)
+        return ang.sin(), ang.cos()
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, ref_grid={self.ref_grid}, theta={self.theta:g}"
+
+
+class Vit5Attention(nn.Module):
+    """Multi-head self-attention with QK RMSNorm and rotary embedding on q and k."""
+
+    fused_attn: torch.jit.Final[bool]
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        qk_norm: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        norm_layer: Callable[..., nn.Module] = partial(RmsNorm, eps=1e-6),
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.fused_attn = use_fused_attn()
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+        """Args: x: tokens ``(B, N, C)``; rope: ``(sin, cos)``, each ``(N, head_dim)``. Returns: ``(B, N, C)``."""
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            q = q * self.scale
+            attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
+            attn = self.attn_drop(attn)
+            x = attn @ v
+        x = x.transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+def _layer_scale(dim: int, init_values: Optional[float], **dd: Any) -> nn.Module:
+    return LayerScale(dim, init_values, **dd) if init_values is not None else nn.Identity()
+
+
+class Vit5Block(nn.Module):
+    """Pre-norm transformer block with LayerScale on both residual branches."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        qk_norm: bool = True,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        init_values: Optional[float] = 1e-4,
+        act_layer: Type[nn.Module] = nn.GELU,
+        norm_layer: Callable[..., nn.Module] = partial(RmsNorm, eps=1e-6),
+        attn_layer: Type[nn.Module] = Vit5Attention,
+        mlp_layer: Type[nn.Module] = Mlp,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        self.norm1 = norm_layer(dim, **dd)
+        self.attn = attn_layer(
+            dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
+            proj_drop=proj_drop, norm_layer=norm_layer, **dd,
+        )
+        self.ls1 = _layer_scale(dim, init_values, **dd)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim, **dd)
+        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
+        self.ls2 = _layer_scale(dim, init_values, **dd)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+        """Args: x: tokens ``(B, N, C)``; rope: tables for all ``N`` tokens. Returns: ``(B, N, C)``."""
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope)))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+class Vit5(nn.Module):
+    """ViT-5 with LayerScale modules.
+
+    Args:
+        img_size: Input resolution (pixels); sets the position-embedding grid and the
+            rotary reference grid.
+        patch_size: Patch size (pixels).
+        in_chans: Input channels.
+        num_classes: Classifier outputs; 0 for no classifier.
+        global_pool: ``'token'`` (class token), ``'avg'`` (mean of patch tokens) or ``''``.
+        embed_dim: Token width ``C``.
+        depth: Number of blocks.
+        num_heads: Attention heads; ``C / num_heads`` must be a multiple of 4.
+        mlp_ratio: MLP hidden width as a multiple of ``C``.
+        qkv_bias: Bias on the qkv projection (off in ViT-5).
+        qk_norm: RMSNorm on q and k per head.
+        reg_tokens: Register tokens, appended after the patch tokens; a square number
+            (their rotary grid is ``sqrt x sqrt``), 0 for none.
+        rope_theta: Rotary base of the patch tokens.
+        reg_rope_theta: Rotary base of the register tokens.
+        init_values: LayerScale initial value; ``None`` disables LayerScale (``nn.Identity``).
+        fused_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
+            ``nn.Identity``), for weights whose gammas were folded into ``attn.proj`` and
+            ``mlp.fc2``; pretrained weights are folded on loading.
+        drop_rate: Dropout before the classifier.
+        proj_drop_rate: Dropout after the attention projection and in the MLP.
+        attn_drop_rate: Dropout on attention weights.
+        drop_path_rate: Stochastic depth rate, the same for every block (as in ViT-5).
+        dynamic_img_size: Accept any input size divisible by the patch size; the position
+            embedding is resampled and the rotary positions rescaled on the fly.
+        dynamic_img_pad: Pad inputs to a multiple of the patch size.
+        norm_layer, act_layer, block_layer, attn_layer, mlp_layer, embed_layer: Layer types.
+        device: Device to build on (``"meta"`` allowed).
+        dtype: Parameter dtype.
+    """
+
+    dynamic_img_size: torch.jit.Final[bool]
+
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "token",
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        qk_norm: bool = True,
+        reg_tokens: int = 4,
+        rope_theta: float = 10000.0,
+        reg_rope_theta: float = 100.0,
+        init_values: Optional[float] = 1e-4,
+        fused_layerscale: bool = False,
+        drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        dynamic_img_size: bool = False,
+        dynamic_img_pad: bool = False,
+        norm_layer: Optional[Callable[..., nn.Module]] = None,
+        act_layer: Type[nn.Module] = nn.GELU,
+        block_layer: Type[nn.Module] = Vit5Block,
+        attn_layer: Type[nn.Module] = Vit5Attention,
+        mlp_layer: Type[nn.Module] = Mlp,
+        embed_layer: Type[nn.Module] = PatchEmbed,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        if global_pool not in ("", "token", "avg"):
+            raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+        reg_side = int(round(reg_tokens ** 0.5))
+        if reg_tokens < 0 or reg_side * reg_side != reg_tokens:
+            raise ValueError(f"reg_tokens must be a square number (0, 1, 4, 9, ...), got {reg_tokens}")
+        norm_layer = norm_layer or partial(RmsNorm, eps=1e-6)
+
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.num_prefix_tokens = 1
+        self.num_reg_tokens = reg_tokens
+        self.dynamic_img_size = dynamic_img_size
+        self.init_values = None if fused_layerscale else init_values
+        self.fused_layerscale = fused_layerscale
+        self.grad_checkpointing = False
+
+        embed_args: Dict[str, Any] = {}
+        if dynamic_img_size:
+            embed_args.update(strict_img_size=False, output_fmt="NHWC")
+        self.patch_embed = embed_layer(
+            img_size=img_size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            embed_dim=embed_dim,
+            dynamic_img_pad=dynamic_img_pad,
+            **embed_args,
+            **dd,
+        )
+        num_patches = self.patch_embed.num_patches
+        r = self.patch_embed.feat_ratio() if hasattr(self.patch_embed, "feat_ratio") else patch_size
+
+        self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
+        self.reg_token = nn.Parameter(torch.empty(1, reg_tokens, embed_dim, **dd)) if reg_tokens else None
+        self.pos_embed = nn.Parameter(torch.empty(1, num_patches, embed_dim, **dd))
+
+        head_dim = embed_dim // num_heads
+        self.rope = Vit5RotaryEmbedding(head_dim, tuple(self.patch_embed.grid_size), theta=rope_theta)
+        self.rope_reg = (
+            Vit5RotaryEmbedding(head_dim, (reg_side, reg_side), theta=reg_rope_theta) if reg_tokens else None
+        )
+
+        self.blocks = nn.ModuleList([
+            block_layer(
+                dim=embed_dim,
+                num_heads=num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                qk_norm=qk_norm,
+                proj_drop=proj_drop_rate,
+                attn_drop=attn_drop_rate,
+                drop_path=drop_path_rate,
+                init_values=self.init_values,
+                act_layer=act_layer,
+                norm_layer=norm_layer,
+                attn_layer=attn_layer,
+                mlp_layer=mlp_layer,
+                **dd,
+            )
+            for _ in range(depth)
+        ])
+        self.feature_info = [dict(num_chs=embed_dim, reduction=r, module=f"blocks.{i}") for i in range(depth)]
+        self.norm = norm_layer(embed_dim, **dd)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Initialise as ViT-5 does: truncated normal (std 0.02) for the class, register
+        and position embeddings and linear weights, zero biases, unit RMSNorm weights,
+        LayerScale at ``init_values``; the patch-embedding conv keeps PyTorch's default."""
+        trunc_normal_(self.pos_embed, std=0.02)
+        trunc_normal_(self.cls_token, std=0.02)
+        if self.reg_token is not None:
+            trunc_normal_(self.reg_token, std=0.02)
+        self.apply(self._init_module)
+
+    @staticmethod
+    def _init_module(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (RmsNorm, LayerScale)):
+            m.reset_parameters()
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return {"pos_embed", "cls_token", "reg_token"}
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r"^cls_token|^reg_token|^pos_embed|^patch_embed",
+            blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
+        )
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """Replace the classifier with a new one of ``num_classes`` outputs (0 removes it)."""
+        if global_pool is not None:
+            if global_pool not in ("", "token", "avg"):
+                raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        ref = self.pos_embed
+        self.head = (
+            nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
+            if num_classes > 0
+            else nn.Identity()
+        )
+        self.head.train(self.training)
+
+    def _pos_embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        """Patch embeddings to ``[cls, patches + pos_embed, registers]`` and the patch grid."""
+        if self.dynamic_img_size:
+            B, H, W, C = x.shape
+            pos_embed = resample_abs_pos_embed(
+                self.pos_embed, new_size=(H, W), old_size=self.patch_embed.grid_size, num_prefix_tokens=0
+            )
+            x = x.view(B, -1, C)
+            grid = (H, W)
+        else:
+            pos_embed = self.pos_embed
+            grid = tuple(self.patch_embed.grid_size)
+        x = x + pos_embed
+        tokens = [self.cls_token.expand(x.shape[0], -1, -1), x]
+        if self.reg_token is not None:
+            tokens.append(self.reg_token.expand(x.shape[0], -1, -1))
+        return torch.cat(tokens, dim=1), grid
+
+    def rope_tables(self, grid: Tuple[int, int], device: Optional[torch.device] = None) -> RopeTables:
+        """Rotary ``(sin, cos)`` tables for every token of a ``grid`` input.
+
+        Rows follow the token order: the class token (identity: sin 0, cos 1), the
+        patches (row-major), the registers.
+
+        Returns:
+            ``(sin, cos)``, each fp32 ``(1 + H * W + reg_tokens, head_dim)``.
+        """
+        sin, cos = self.rope.get_embed(grid, device)
+        sins = [sin.new_zeros(self.num_prefix_tokens, sin.shape[-1]), sin]
+        coss = [cos.new_ones(self.num_prefix_tokens, cos.shape[-1]), cos]
+        if self.rope_reg is not None:
+            side = self.rope_reg.ref_grid
+            reg_sin, reg_cos = self.rope_reg.get_embed(side, device)
+            sins.append(reg_sin)
+            coss.append(reg_cos)
+        return torch.cat(sins), torch.cat(coss)
+
+    def _run_blocks(self, x: torch.Tensor, rope: RopeTables, blocks: Any = None) -> torch.Tensor:
+        for blk in self.blocks if blocks is None else blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, rope)
+            else:
+                x = blk(x, rope=rope)
+        return x
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[Any], Tuple[torch.Tensor, List[Any]]]:
+        """Forward pass that also returns the outputs of selected blocks.
+
+        Intermediates hold the patch tokens only; the class token and the registers are
+        returned beside them with ``return_prefix_tokens``.
+
+        Args:
+            x: Images ``(B, C_in, H_img, W_img)``.
+            indices: Last ``n`` blocks if an int, all if ``None``, else these block indices.
+            return_prefix_tokens: Return ``(patches, prefix)`` pairs, where ``prefix`` is
+                ``(B, 1 + reg_tokens, C)``: the class token, then the registers.
+            norm: Apply the final norm to each intermediate.
+            stop_early: Stop after the last requested block (needs ``intermediates_only``).
+            output_fmt: ``'NCHW'`` (``(B, C, H, W)`` patch grids) or ``'NLC'`` (``(B, H * W, C)``).
+            intermediates_only: Return only the intermediates.
+
+        Returns:
+            The intermediates, or ``(final_tokens (B, 1 + H * W + reg_tokens, C), intermediates)``.
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+
+        B = x.shape[0]
+        x, grid = self._pos_embed(self.patch_embed(x))
+        rope = self.rope_tables(grid, x.device)
+        blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[: max_index + 1]
+        intermediates = []
+        for i, blk in enumerate(blocks):
+            x = self._run_blocks(x, rope, [blk])
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+
+        n_pre, n_reg = self.num_prefix_tokens, self.num_reg_tokens
+        prefix = [torch.cat((y[:, :n_pre], y[:, y.shape[1] - n_reg:]), dim=1) for y in intermediates]
+        intermediates = [y[:, n_pre: y.shape[1] - n_reg] for y in intermediates]
+        if output_fmt == "NCHW":
+            H, W = grid
+            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if return_prefix_tokens:
+            intermediates = list(zip(intermediates, prefix))
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+    def prune_intermediate_layers(
+        self,
+        indices: Union[int, List[int]] = 1,
+        prune_norm: bool = False,
+        prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the blocks (and optionally the final norm and head) not needed for ``indices``."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N + reg_tokens, C)``: class, patches, registers."""
+        x, grid = self._pos_embed(self.patch_embed(x))
+        x = self._run_blocks(x, self.rope_tables(grid, x.device))
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens ``(B, 1 + N + reg_tokens, C)`` to logits ``(B, num_classes)`` (or pooled ``(B, C)``)."""
+        if self.global_pool == "avg":
+            x = x[:, self.num_prefix_tokens: x.shape[1] - self.num_reg_tokens].mean(dim=1)
+        elif self.global_pool == "token":
+            x = x[:, 0]
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def flop_count(self, batch_size: int = 1) -> int:
+        """Multiplications of one forward pass at the model's ``img_size``.
+
+        Multiply-only convention: a multiply-add counts 1 (tools that count 2 per
+        multiply-add, such as ``torch.utils.flop_counter``, report twice this). Counted:
+        the patch-embedding conv, the qkv / proj / MLP linears, ``q @ k^T`` and
+        ``attn @ v``, the LayerScale multiplies (``tokens * C`` each) and the classifier
+        (one token). Not counted: norms, softmax, the rotary embedding, GELU, biases,
+        residual and position-embedding additions.
+
+        Args:
+            batch_size: Images per forward pass.
+
+        Returns:
+            The count for ``batch_size`` images.
+        """
+        gh, gw = self.patch_embed.grid_size
+        patches = gh * gw
+        n = self.num_prefix_tokens + patches + self.num_reg_tokens
+        conv = self.patch_embed.proj
+        total = patches * conv.out_channels * conv.in_channels // conv.groups * conv.kernel_size[0] * conv.kernel_size[1]
+        for blk in self.blocks:
+            attn = blk.attn
+            total += n * attn.qkv.in_features * attn.qkv.out_features
+            total += 2 * attn.num_heads * n * n * attn.head_dim
+            total += n * attn.proj.in_features * attn.proj.out_features
+            for fc in (blk.mlp.fc1, blk.mlp.fc2):
+                total += n * fc.in_features * fc.out_features
+            for ls in (blk.ls1, blk.ls2):
+                if isinstance(ls, LayerScale):
+                    total += ls.flop_count(n)
+        if isinstance(self.head, nn.Linear):
+            total += self.head.in_features * self.head.out_features
+        return int(total) * int(batch_size)
+
+
+def _official_rope_keys(depth: int) -> List[str]:
+    return [f"blocks.{i}.attn.{name}.freqs" for i in range(depth) for name in ("rope", "rope_reg")]
+
+
+def _rope_source(name_or_model: Union[str, nn.Module]) -> Tuple[int, int, float, float]:
+    """``(depth, head_dim, rope_theta, reg_rope_theta)`` of a model or a registered name."""
+    if isinstance(name_or_model, nn.Module):
+        m = name_or_model
+        if m.rope_reg is None:
+            raise ValueError("the model has no register tokens; the official layout always has them")
+        return len(m.blocks), m.rope.head_dim, m.rope.theta, m.rope_reg.theta
+    base = name_or_model.split(".", 1)[0]
+    if base not in MODEL_ARGS:
+        raise KeyError(f"unknown ViT-5 model {name_or_model!r}; choose one of: {', '.join(MODEL_ARGS)}")
+    args = MODEL_ARGS[base]
+    return args["depth"], args["embed_dim"] // args["num_heads"], 10000.0, 100.0
+
+
+def rope_buffers(name_or_model: Union[str, nn.Module]) -> Dict[str, torch.Tensor]:
+    """The official checkpoint's rotary buffers, recomputed.
+
+    The official model stores each block's frequencies as persistent buffers
+    (``blocks.i.attn.rope.freqs``, ``blocks.i.attn.rope_reg.freqs``), so its
+    ``load_state_dict(strict=True)`` needs them. This package computes them instead;
+    add these to a state dict mapped back with ``remap.to_gamma(..., "vit5")`` to get a
+    file the official code loads.
+
+    Args:
+        name_or_model: A registered ViT-5 name (a pretrained tag is ignored) or a :class:`Vit5`.
+
+    Returns:
+        Key to fp32 tensor ``(head_dim // 4,)``, a separate tensor per key.
+    """
+    depth, head_dim, theta, reg_theta = _rope_source(name_or_model)
+    patch, reg = rope_bands(head_dim, theta), rope_bands(head_dim, reg_theta)
+    out: Dict[str, torch.Tensor] = {}
+    for key in _official_rope_keys(depth):
+        out[key] = (reg if key.endswith("rope_reg.freqs") else patch).clone()
+    return out
+
+
+def check_rope_buffers(state_dict: Mapping[str, Any], name_or_model: Union[str, nn.Module]) -> None:
+    """Check an official state dict's ``*.freqs`` buffers against the computed tables.
+
+    Buffers that are absent are fine (a converted file has none). Equality allows one
+    or two float32 ulps (relative 1e-6), the spread of ``pow`` across builds.
+
+    Raises:
+        RemapError: A buffer has another shape or other values: the checkpoint was made
+            with other rotary settings (theta, head width) than this model computes.
+    """
+    found = {k: v for k, v in state_dict.items() if k.endswith((".attn.rope.freqs", ".attn.rope_reg.freqs"))}
+    if not found:
+        return
+    expected = rope_buffers(name_or_model)
+    for key, value in found.items():
+        want = expected.get(key)
+        if want is None:
+            raise RemapError(f"checkpoint has a rotary buffer {key!r} for a block the model does not have")
+        got = torch.as_tensor(value).detach().to("cpu", torch.float32)
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-6, atol=0.0):
+            raise RemapError(
+                f"checkpoint's rotary frequencies {key!r} differ from the ones this model computes "
+                f"(shape {list(got.shape)} vs {list(want.shape)}); it was trained with other rotary settings"
+            )
+
+
+def _fold_layerscale(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Fold ``ls1.gamma`` into ``attn.proj`` and ``ls2.gamma`` into ``mlp.fc2`` (rows scaled by gamma)."""
+    out = dict(sd)
+    for key in [k for k in sd if k.endswith((".ls1.gamma", ".ls2.gamma"))]:
+        gamma = out.pop(key)
+        prefix, which = key.rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+        target = f"{prefix}.attn.proj" if which == "ls1" else f"{prefix}.mlp.fc2"
+        w, b = out[f"{target}.weight"], out[f"{target}.bias"]
+        out[f"{target}.weight"] = w * gamma.to(w.dtype)[:, None]
+        out[f"{target}.bias"] = b * gamma.to(b.dtype)
+    return out
+
+
+def _wants_ema(model: nn.Module) -> bool:
+    tag = (getattr(model, "pretrained_cfg", None) or {}).get("tag") or ""
+    return tag.endswith("_ema")
+
+
+def checkpoint_filter_fn(
+    state_dict: Mapping[str, Any], model: Vit5, use_ema: Optional[bool] = None
+) -> Dict[str, torch.Tensor]:
+    """Turn any ViT-5 checkpoint into this model's layout.
+
+    Accepts the official training dict (``{'model': ..., 'model_ema': ..., 'optimizer': ...}``),
+    a bare official state dict (``gamma_1`` / ``gamma_2``, ``*.freqs`` buffers) and the
+    ``ls`` layout. From a training dict it takes ``'model'`` (the weights the paper
+    evaluates) unless EMA weights are asked for: ``use_ema=True``, or a pretrained tag
+    ending in ``_ema`` (``vit5_base_patch16_224.in1k_ema``). A bare state dict is taken
+    as it is; note that timm's own loader for ``pretrained_cfg_overlay=dict(file=...)``
+    unwraps a training dict itself before this filter runs, preferring ``'model_ema'``.
+
+    The rotary buffers are checked against the computed tables (:class:`RemapError` if
+    they differ) and dropped; the position embedding is resampled when the
+    checkpoint's grid differs from the model's; LayerScale is folded into
+    ``attn.proj`` / ``mlp.fc2`` when the model has none (``fused_layerscale``).
+    """
+    if use_ema is None:
+        use_ema = _wants_ema(model)
+    wrapped = any(k in state_dict for k in WRAPPER_KEYS)
+    sd = strip_prefixes(unwrap_state_dict(state_dict, "model_ema" if use_ema and wrapped else None))
+    check_rope_buffers(sd, model)
+    out = to_layerscale(sd, "vit5")
+    pe = out.get("pos_embed")
+    if pe is not None and pe.shape != model.pos_embed.shape:
+        out["pos_embed"] = resample_abs_pos_embed(
+            pe, new_size=model.patch_embed.grid_size, num_prefix_tokens=0, verbose=False
+        )
+    if not isinstance(model.blocks[0].ls1, LayerScale):
+        out = _fold_layerscale(out)
+    return out
+
+
+def _create_vit5(variant: str, pretrained: bool = False, **kwargs: Any) -> Vit5:
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(
+        Vit5,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+def _cfg(file: str = "", img: int = 224, **kwargs: Any) -> Dict[str, Any]:
+    return {
+        "url": "",
+        "hf_hub_id": "FengWang3211/ViT-5" if file else None,
+        "hf_hub_filename": file or None,
+        "num_classes": 1000,
+        "input_size": (3, img, img),
+        "pool_size": None,
+        "crop_pct": 1.0,
+        "interpolation": "bicubic",
+        "fixed_input_size": True,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "apache-2.0",
+        "paper_ids": "arXiv:2602.08071",
+        "paper_name": "ViT-5: Vision Transformers for the Mid-2020s",
+        "origin_url": "https://github.com/wangf3014/ViT-5",
+        **kwargs,
+    }
+
+
+_EMA_NOTE = ("EMA weights ('model_ema') of the released training checkpoint",)
+
+default_cfgs = generate_default_cfgs({
+    "vit5_small_patch16_224.in1k": _cfg("vit5_small_patch16_224.pth", 224),
+    "vit5_small_patch16_224.in1k_ema": _cfg("vit5_small_patch16_224.pth", 224, notes=_EMA_NOTE),
+    "vit5_base_patch16_224.in1k": _cfg("vit5_base_patch16_224.pth", 224),
+    "vit5_base_patch16_224.in1k_ema": _cfg("vit5_base_patch16_224.pth", 224, notes=_EMA_NOTE),
+    "vit5_base_patch16_384.in1k": _cfg("vit5_base_patch16_384.pth", 384),
+    "vit5_base_patch16_384.in1k_ema": _cfg("vit5_base_patch16_384.pth", 384, notes=_EMA_NOTE),
+    "vit5_large_patch16_224.in1k": _cfg("vit5_large_patch16_224.pth", 224),
+    "vit5_large_patch16_224.in1k_ema": _cfg("vit5_large_patch16_224.pth", 224, notes=_EMA_NOTE),
+    "vit5_large_patch16_384.in1k": _cfg("vit5_large_patch16_384.pth", 384),
+    "vit5_large_patch16_384.in1k_ema": _cfg("vit5_large_patch16_384.pth", 384, notes=_EMA_NOTE),
+    "vit5_xlarge_patch16_224": _cfg(),
+})
+
+
+def _args(embed_dim: int, depth: int, num_heads: int) -> Dict[str, Any]:
+    return dict(patch_size=16, embed_dim=embed_dim, depth=depth, num_heads=num_heads, init_values=1e-4)
+
+
+#: Architecture of each registered variant (the official models' values).
+MODEL_ARGS: Dict[str, Dict[str, Any]] = {
+    "vit5_small_patch16_224": _args(384, 12, 6),
+    "vit5_base_patch16_224": _args(768, 12, 12),
+    "vit5_base_patch16_384": _args(768, 12, 12),
+    "vit5_large_patch16_224": _args(1024, 24, 16),
+    "vit5_large_patch16_384": _args(1024, 24, 16),
+    "vit5_xlarge_patch16_224": _args(1152, 28, 16),
+}
+
+#: timm has no ViT-5: parity is checked against :mod:`timm_layerscale.references`.
+REFERENCE: Dict[str, Optional[str]] = {name: None for name in MODEL_ARGS}
+
+
+def _make(name: str, pretrained: bool, kwargs: Dict[str, Any]) -> Vit5:
+    return _create_vit5(name, pretrained=pretrained, **dict(MODEL_ARGS[name], **kwargs))
+
+
+@register_model
+def vit5_small_patch16_224(pretrained: bool = False, **kwargs: Any) -> Vit5:
+    return _make("vit5_small_patch16_224", pretrained, kwargs)
+
+
+@register_model
+def vit5_base_patch16_224(pretrained: bool = False, **kwargs: Any) -> Vit5:
+    return _make("vit5_base_patch16_224", pretrained, kwargs)
+
+
+@register_model
+def vit5_base_patch16_384(pretrained: bool = False, **kwargs: Any) -> Vit5:
+    return _make("vit5_base_patch16_384", pretrained, kwargs)
+
+
+@register_model
+def vit5_large_patch16_224(pretrained: bool = False, **kwargs: Any) -> Vit5:
+    return _make("vit5_large_patch16_224", pretrained, kwargs)
+
+
+@register_model
+def vit5_large_patch16_384(pretrained: bool = False, **kwargs: Any) -> Vit5:
+    return _make("vit5_large_patch16_384", pretrained, kwargs)
+
+
+@register_model
+def vit5_xlarge_patch16_224(pretrained: bool = False, **kwargs: Any) -> Vit5:
+    return _make("vit5_xlarge_patch16_224", pretrained, kwargs)
