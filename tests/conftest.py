@@ -14,7 +14,6 @@ os.environ.setdefault("TIMM_LAYERSCALE_AUTOLOAD", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
 
 #: A CaiT small enough to run in milliseconds, with every feature of the real ones.
 TINY_CAIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5)

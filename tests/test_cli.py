@@ -1,0 +1,674 @@
+"""The ``timm-layerscale`` command line: subcommands, exit codes, and every bad input.
+
+Most tests call :func:`timm_layerscale.cli.main` in-process; a few run the console
+script (``python -m timm_layerscale``) in a subprocess. Bad inputs must give exit
+status 2 (130 for an interruption), exactly one line on stderr starting with
+``timm-layerscale: error:``, no traceback, and nothing left in the output folder.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale import checkpoint as ckpt
+from timm_layerscale import conversion
+from timm_layerscale.cli import main
+from timm_layerscale.conversion import convert_checkpoint, verify_checkpoint, write_official_checkpoint
+from timm_layerscale.errors import CheckpointError
+from timm_layerscale.remap import to_gamma
+from timm_layerscale.variants import get_variant, target_shapes
+
+MODEL = "cait_xxs24_224_ls"
+REFERENCE = "cait_xxs24_224"
+ROOT = Path(__file__).resolve().parents[1]
+ERROR = "timm-layerscale: error: "
+
+
+def shared_official_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's one real-size official-layout checkpoint (written on first use)."""
+    path = tmp_path_factory.getbasetemp() / "shared-xxs24" / "XXS24_224.pth"
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        write_official_checkpoint(path, REFERENCE, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Two intra-op threads on two shared, busy cores spin against each other.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory) -> Path:
+    return shared_official_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def converted(official, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli-converted") / f"{MODEL}.safetensors"
+    convert_checkpoint(official, out, verify=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def light_sd() -> dict[str, torch.Tensor]:
+    """Official-layout keys and shapes of cait_xxs24_224 with tiny storage (rows broadcast).
+
+    Detection and key checks only read shapes, so bad-input files built from this are
+    a few hundred kB instead of 48 MB.
+    """
+    gen = torch.Generator().manual_seed(0)
+    shapes = to_gamma(target_shapes(get_variant(MODEL)), "cait")
+    return {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}
+
+
+@pytest.fixture
+def few_inputs(monkeypatch):
+    """Verification inside ``convert`` on 1 input instead of 8."""
+    monkeypatch.setattr(conversion, "verify_checkpoint", functools.partial(verify_checkpoint, num_inputs=1))
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, out: str, err: str, expect: str, status: int = 2) -> None:
+    assert code == status, (code, out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(ERROR), err
+    assert expect in lines[0], err
+    assert out == ""
+
+
+def folder_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# ---- help and the console script --------------------------------------------------------
+
+
+def _python(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_console_script_help_lists_examples():
+    proc = _python("-m", "timm_layerscale", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "examples:" in proc.stdout
+    for cmd in ("convert", "verify", "list", "demo"):
+        assert f"timm-layerscale {cmd}" in proc.stdout
+    assert proc.stderr == ""
+
+
+_NO_TORCH = """
+import contextlib, io, json, runpy, sys
+results = {}
+for argv in (["--help"], ["convert", "--help"], ["convert", "only-one-arg"]):
+    sys.argv = ["timm-layerscale", *argv]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("timm_layerscale", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+    results[" ".join(argv)] = [code, out.getvalue(), err.getvalue()]
+results["torch imported"] = "torch" in sys.modules
+print(json.dumps(results))
+"""
+
+
+def test_help_and_argument_errors_do_not_import_torch():
+    proc = _python("-c", _NO_TORCH)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    code, out, _ = res["--help"]
+    assert code == 0 and "examples:" in out
+    code, out, _ = res["convert --help"]
+    assert code == 0 and "SOURCE" in out and "--overwrite" in out and "--no-verify" in out
+    code, out, err = res["convert only-one-arg"]
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "error:" in err and "OUTPUT" in err
+    assert res["torch imported"] is False, "--help and argument errors must not import torch"
+
+
+def test_argument_errors_exit_2(capsys):
+    for argv in (["convert"], ["convert", "a", "b", "--to", "nope"], ["verify", "a"], ["bogus"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and "error:" in err
+    assert main([]) == 2
+    assert "examples:" in capsys.readouterr().err
+
+
+# ---- convert ----------------------------------------------------------------------------
+
+
+def test_convert_prints_the_parity_table(official, tmp_path, capsys, few_inputs):
+    out = tmp_path / "xxs24.safetensors"
+    code, stdout, err = cli(capsys, "convert", official, out)
+    assert code == 0, err
+    assert err == ""
+    assert f"as {MODEL}" in stdout and "(gamma layout)" in stdout and "(ls layout)" in stdout
+    rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in stdout.splitlines()[1:] if "  " in line}
+    assert rows["bit-exact"] == "yes" and rows["result"] == "PASS"
+    assert rows["reference"] == REFERENCE and rows["converted"] == MODEL
+    assert folder_names(tmp_path) == ["xxs24.safetensors"]
+
+
+def test_convert_json(official, tmp_path, capsys, few_inputs):
+    out = tmp_path / "xxs24.safetensors"
+    code, stdout, err = cli(capsys, "convert", official, out, "--json")
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["ok"] is True and res["model"] == MODEL and res["output"] == str(out)
+    assert res["source_sha256"] == hashlib.sha256(official.read_bytes()).hexdigest()
+    assert (res["source_layout"], res["target_layout"]) == ("gamma", "ls")
+    assert res["metadata"]["format"] == "pt" and res["metadata"]["architecture"] == MODEL
+    rep = res["report"]
+    assert rep["bit_exact"] is True and rep["passed"] is True and rep["max_abs_diff"] == 0
+    for key in ("max_rel_diff", "cosine_min", "top1_agreement", "top5_agreement", "dtype", "device", "attention", "versions"):
+        assert key in rep
+
+    code, stdout, _ = cli(capsys, "convert", official, tmp_path / "g.pth", "--to", "gamma", "--no-verify", "--json")
+    res = json.loads(stdout)
+    assert code == 0 and res["report"] is None and res["target_layout"] == "gamma"
+    assert "ls1.gamma" not in str(list(torch.load(tmp_path / "g.pth", weights_only=True)))
+
+
+def test_convert_dtype_and_format_options(official, tmp_path, capsys):
+    out = tmp_path / "half.bin"
+    code, stdout, err = cli(capsys, "convert", official, out, "--format", "safetensors", "--dtype", "fp16", "--no-verify")
+    assert code == 0, err
+    sd = safetensors.torch.load_file(str(out))
+    assert {v.dtype for v in sd.values()} == {torch.float16}
+
+
+def test_convert_failed_parity_exits_1_and_removes_the_output(official, tmp_path, capsys, monkeypatch):
+    from timm_layerscale.parity import ParityReport
+
+    failing = ParityReport(
+        reference=REFERENCE, model=MODEL, family="cait", inputs="1 image", num_inputs=1, dtype="float32",
+        device="cpu", attention="manual", max_abs_diff=0.5, max_rel_diff=0.1, cosine_min=0.99,
+        top1_agreement=1.0, top5_agreement=1.0, bit_exact=False, atol=0.0, rtol=0.0, passed=False,
+    )
+    monkeypatch.setattr(conversion, "verify_checkpoint", lambda *a, **k: failing)
+    out = tmp_path / "x.safetensors"
+    code, stdout, err = cli(capsys, "convert", official, out)
+    assert code == 1
+    assert "FAIL" in stdout and len(err.splitlines()) == 1 and "does not match" in err
+    code, stdout, err = cli(capsys, "convert", official, out, "--json")
+    assert code == 1 and json.loads(stdout)["ok"] is False
+    assert folder_names(tmp_path) == []
+
+
+# ---- verify: exit 0 / 1 / 2 -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def perturbed(converted, tmp_path_factory) -> Path:
+    """The converted file with one class-attention gamma moved by 1e-3."""
+    sd = safetensors.torch.load_file(str(converted))
+    sd["blocks_token_only.1.ls2.gamma"] = sd["blocks_token_only.1.ls2.gamma"] + 1e-3
+    out = tmp_path_factory.mktemp("perturbed") / "perturbed.safetensors"
+    safetensors.torch.save_file(sd, str(out))
+    return out
+
+
+def test_verify_exit_0_when_parity_holds(official, converted, capsys):
+    code, stdout, err = cli(capsys, "verify", official, converted, "--num-inputs", "1")
+    assert code == 0, err
+    assert any(line.split() == ["bit-exact", "yes"] for line in stdout.splitlines())
+    assert any(line.split() == ["result", "PASS"] for line in stdout.splitlines())
+
+
+def test_verify_exit_1_when_one_weight_differs(official, perturbed, capsys):
+    code, stdout, err = cli(capsys, "verify", official, perturbed, "--num-inputs", "1", "--json")
+    assert code == 1, err
+    rep = json.loads(stdout)
+    assert rep["passed"] is False and rep["bit_exact"] is False and rep["max_abs_diff"] > 0
+    loose = rep["max_abs_diff"] * 10
+    code, stdout, err = cli(capsys, "verify", official, perturbed, "--num-inputs", "1", "--atol", loose)
+    assert code == 0, err
+    assert any(line.split() == ["bit-exact", "no"] for line in stdout.splitlines())
+    assert any(line.split() == ["result", "PASS"] for line in stdout.splitlines())
+
+
+def test_verify_exit_2_for_bad_input(official, converted, tmp_path, capsys):
+    assert_one_line_error(*cli(capsys, "verify", official, tmp_path / "nope.safetensors"), "not found")
+    assert_one_line_error(*cli(capsys, "verify", tmp_path / "nope.pth", converted), "not found")
+    assert_one_line_error(*cli(capsys, "verify", official, converted, "--model", "cait_nope"), "unknown model")
+    assert_one_line_error(*cli(capsys, "verify", official, converted, "--model", "cait_s24_224_ls"), "mis-shaped")
+
+
+# ---- list and demo ----------------------------------------------------------------------
+
+
+def test_list(capsys, monkeypatch):
+    from timm_layerscale import catalog
+    from timm_layerscale.models import cait_ls
+
+    # Build the catalogue once for both output formats (each build makes every model on meta).
+    monkeypatch.setattr(catalog, "model_catalog", functools.lru_cache(catalog.model_catalog))
+
+    code, stdout, err = cli(capsys, "list")
+    assert code == 0, err
+    header, *lines = stdout.splitlines()
+    assert header.split()[:2] == ["model", "reference"] and "params" in header and "pretrained" in header
+    by_name = {line.split()[0]: line.split() for line in lines}
+    for name, ref in cait_ls.REFERENCE.items():
+        assert by_name[name][1] == ref
+    assert by_name[MODEL][2:5] == ["12.0", "224", "1e-05"]
+
+    code, stdout, _ = cli(capsys, "list", "--json")
+    rows = {r["name"]: r for r in json.loads(stdout)}
+    assert code == 0 and set(rows) == set(by_name)
+    row = rows[MODEL]
+    assert (row["reference"], row["resolution"], row["init_value"]) == (REFERENCE, 224, 1e-5)
+    assert 11_000_000 < row["params"] < 13_000_000 and isinstance(row["pretrained"], list)
+
+
+def test_demo_refuses_a_non_empty_folder(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert_one_line_error(*cli(capsys, "demo", "--out", tmp_path), "--overwrite")
+    assert folder_names(tmp_path) == ["keep.txt"]
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path, capsys):
+    code, stdout, err = cli(capsys, "demo", "--out", tmp_path / "demo")
+    assert code == 0, err
+    assert any(line.split() == ["bit-exact", "yes"] for line in stdout.splitlines())
+    assert "bit-exact: yes" in stdout and "demo passed" in stdout
+
+
+# ---- bad input: one line, exit 2, nothing left behind -----------------------------------
+
+
+class _TouchOnLoad:
+    """Unpickling this calls ``Path(path).touch()``: code run by loading a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def _write(kind: str, src: Path, light_sd: dict) -> None:
+    plain = {k.removeprefix("module."): v for k, v in light_sd.items()}
+    if kind == "directory":
+        src.mkdir()
+    elif kind == "empty":
+        src.touch()
+    elif kind == "truncated-pth":
+        torch.save({"model": light_sd}, src)
+        src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    elif kind == "truncated-safetensors":
+        safetensors.torch.save_file({k: plain[k].contiguous() for k in ("cls_token", "pos_embed", "norm.weight")}, str(src))
+        src.write_bytes(src.read_bytes()[:-100])
+    elif kind == "text":
+        src.write_text("<!DOCTYPE html>\n<html><body>Not Found</body></html>\n")
+    elif kind == "resnet":
+        import timm
+
+        torch.save({"state_dict": timm.create_model("resnet10t", num_classes=10).state_dict()}, src)
+    elif kind == "missing-key":
+        torch.save({"model": {k: v for k, v in light_sd.items() if k != "module.blocks.0.norm1.bias"}}, src)
+    elif kind == "extra-key":
+        torch.save({"model": dict(light_sd, **{"module.blocks.24.norm1.weight": torch.ones(192)})}, src)
+    elif kind == "unknown-key":
+        torch.save({"model": dict(light_sd, **{"module.blocks.0.attn.rope.freqs": torch.ones(4)})}, src)
+    elif kind == "misshaped":
+        torch.save({"model": dict(light_sd, **{"module.blocks.3.mlp.fc1.bias": torch.zeros(700)})}, src)
+    elif kind in ("nan", "inf"):
+        bad = light_sd["module.blocks.5.attn.proj.weight"].clone()
+        bad[3, 7] = float(kind)
+        torch.save({"model": dict(light_sd, **{"module.blocks.5.attn.proj.weight": bad})}, src)
+    elif kind == "no-ema":
+        torch.save({"model": light_sd}, src)
+    else:
+        raise AssertionError(kind)
+
+
+BAD_INPUTS = [
+    # (kind, file name, extra arguments, expected text in the one-line error)
+    ("missing", "XXS24_224.pth", [], "not found"),
+    ("directory", "XXS24_224.pth", [], "is a directory"),
+    ("empty", "XXS24_224.pth", [], "is empty"),
+    ("truncated-pth", "XXS24_224.pth", [], "truncated"),
+    ("truncated-safetensors", "model.safetensors", [], "truncated"),
+    ("text", "XXS24_224.pth", [], "text file"),
+    ("resnet", "resnet.pth", [], "does not fit any convertible model"),
+    ("missing-key", "XXS24_224.pth", [], "closest is cait_xxs24_224_ls"),
+    ("missing-key", "XXS24_224.pth", ["--model", MODEL], "1 missing (blocks.0.norm1.bias [192])"),
+    ("extra-key", "XXS24_224.pth", [], "closest is cait_xxs24_224_ls"),
+    ("extra-key", "XXS24_224.pth", ["--model", MODEL], "1 unexpected (blocks.24.norm1.weight [192])"),
+    ("unknown-key", "XXS24_224.pth", ["--model", MODEL], "not part of a cait checkpoint: blocks.0.attn.rope.freqs"),
+    ("misshaped", "XXS24_224.pth", ["--model", MODEL], "1 mis-shaped (blocks.3.mlp.fc1.bias [700] != [768])"),
+    ("nan", "XXS24_224.pth", [], "NaN or Inf, first 'blocks.5.attn.proj.weight'; check the source checkpoint, or pass --allow-nonfinite"),
+    ("inf", "XXS24_224.pth", [], "--allow-nonfinite"),
+    ("no-ema", "XXS24_224.pth", ["--ema"], "no 'model_ema' state dict"),
+    ("missing-key", "XXS24_224.pth", ["--model", "cait_xxs24_224_lss"], "unknown model 'cait_xxs24_224_lss'; did you mean cait_xxs24_224_ls"),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,name,extra,expect", BAD_INPUTS, ids=[f"{k}{'-' + e[-1] if e else ''}" for k, _, e, _ in BAD_INPUTS]
+)
+def test_bad_input(kind, name, extra, expect, light_sd, tmp_path, capsys):
+    src = tmp_path / "src" / name
+    src.parent.mkdir()
+    if kind != "missing":
+        _write(kind, src, light_sd)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.safetensors", *extra), expect)
+    assert folder_names(out_dir) == []
+
+
+def test_nonfinite_values_convert_with_allow_nonfinite(light_sd, tmp_path, capsys):
+    src = tmp_path / "nan.pth"
+    _write("nan", src, light_sd)
+    out = tmp_path / "nan.safetensors"
+    code, _, err = cli(capsys, "convert", src, out, "--allow-nonfinite", "--no-verify")
+    assert code == 0, err
+    assert safetensors.torch.load_file(str(out))["blocks.5.attn.proj.weight"].isnan().sum() == 1
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+def test_pickle_that_runs_code_is_refused_and_not_run(fmt, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    src = tmp_path / "evil.pth"
+    torch.save({"model": {"cls_token": torch.zeros(1, 1, 192), "x": _TouchOnLoad(marker)}}, src,
+               _use_new_zipfile_serialization=fmt == "zip")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.safetensors"), "was not loaded")
+    assert_one_line_error(*cli(capsys, "verify", src, src), "was not loaded")
+    assert not marker.exists(), "loading the checkpoint ran code from it"
+    assert folder_names(out_dir) == []
+    # The payload is live: an unsafe load does run it.
+    torch.load(src, weights_only=False)
+    assert marker.exists()
+
+
+def test_existing_output_without_overwrite(light_sd, tmp_path, capsys):
+    src = tmp_path / "XXS24_224.pth"
+    _write("no-ema", src, light_sd)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"earlier result")
+    assert_one_line_error(*cli(capsys, "convert", src, out), "exists; pass --overwrite")
+    assert out.read_bytes() == b"earlier result"
+    assert folder_names(tmp_path) == ["XXS24_224.pth", "out.safetensors"]
+    code, _, err = cli(capsys, "convert", src, out, "--overwrite", "--no-verify")
+    assert code == 0, err
+    assert len(safetensors.torch.load_file(str(out))) == len(light_sd)
+    assert folder_names(tmp_path) == ["XXS24_224.pth", "out.safetensors"]
+
+
+def test_output_under_a_file_is_refused(light_sd, tmp_path, capsys):
+    src = tmp_path / "XXS24_224.pth"
+    _write("no-ema", src, light_sd)
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    assert_one_line_error(*cli(capsys, "convert", src, blocker / "out.safetensors", "--no-verify"), str(blocker))
+    assert folder_names(tmp_path) == ["XXS24_224.pth", "afile"] and blocker.read_text() == "not a folder"
+
+
+def test_unwritable_output_folder(light_sd, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "XXS24_224.pth"
+    _write("no-ema", src, light_sd)
+    out_dir = tmp_path / "ro"
+    out_dir.mkdir()
+    out_dir.chmod(0o500)
+    try:
+        if os.access(out_dir, os.W_OK):  # root writes anyway: let the permission check see what others would
+            real_access = os.access
+
+            def access(path, mode, *a, **k):
+                if Path(path).resolve() == out_dir.resolve() and mode & os.W_OK:
+                    return False
+                return real_access(path, mode, *a, **k)
+
+            monkeypatch.setattr(os, "access", access)
+        assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.safetensors"), "not writable")
+        assert folder_names(out_dir) == []
+    finally:
+        out_dir.chmod(0o700)
+
+
+def test_output_folder_refusing_the_write(light_sd, tmp_path, capsys, monkeypatch):
+    """The folder looks writable but creating the file fails (read-only mount, ACL)."""
+    src = tmp_path / "XXS24_224.pth"
+    _write("no-ema", src, light_sd)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    real_open = os.open
+
+    def refusing_open(path, flags, *a, **k):
+        if Path(path).parent == out_dir and flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.safetensors", "--no-verify"), "Permission denied")
+    assert folder_names(out_dir) == []
+
+
+class _InterruptAfter(dict):
+    """A state dict that raises KeyboardInterrupt once ``n`` tensors have been read."""
+
+    def __init__(self, sd, n: int, folder: Path, seen: list) -> None:
+        super().__init__(sd)
+        self.n, self.folder, self.seen = n, folder, seen
+
+    def __getitem__(self, key):
+        self.n -= 1
+        if self.n < 0:
+            self.seen += [p.stat().st_size for p in self.folder.iterdir()]
+            raise KeyboardInterrupt
+        return super().__getitem__(key)
+
+
+def test_interrupted_safetensors_write_leaves_nothing(light_sd, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "XXS24_224.pth"
+    _write("no-ema", src, light_sd)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    seen: list[int] = []
+    real = ckpt.save_state_dict
+
+    def save(path, sd, *a, **k):
+        # Every tensor is read once to plan the header, then again to write it: stop mid-way.
+        return real(path, _InterruptAfter(sd, len(sd) + len(sd) // 2, out_dir, seen), *a, **k)
+
+    monkeypatch.setattr(ckpt, "save_state_dict", save)
+    assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.safetensors"), "interrupted", status=130)
+    assert len(seen) == 1 and seen[0] > 10_000_000, "the interruption must hit a half-written temporary file"
+    assert folder_names(out_dir) == []
+
+
+def test_interrupted_pth_write_leaves_nothing(light_sd, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "XXS24_224.pth"
+    _write("no-ema", src, light_sd)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):
+        if isinstance(f, (str, os.PathLike)) and Path(f).parent == out_dir:
+            Path(f).write_bytes(b"PK\x03\x04" + b"\0" * 4096)  # half a file, then the user hits Ctrl-C
+            raise KeyboardInterrupt
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.pth"), "interrupted", status=130)
+    assert folder_names(out_dir) == []
+
+
+def test_interrupted_verification_removes_the_output(official, tmp_path, capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conversion, "verify_checkpoint", interrupted)
+    assert_one_line_error(*cli(capsys, "convert", official, tmp_path / "x.safetensors"), "interrupted", status=130)
+    assert folder_names(tmp_path) == []
+
+
+def test_unreadable_image_file_leaves_no_output(official, tmp_path, capsys, few_inputs):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    result = cli(capsys, "convert", official, out_dir / "x.safetensors", "--images", tmp_path / "missing.png")
+    assert_one_line_error(*result, "cannot read image")
+    assert folder_names(out_dir) == []
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        main(["--debug", "convert", str(tmp_path / "nope.pth"), str(tmp_path / "out.safetensors")])
+    with pytest.raises(CheckpointError, match="not found"):
+        main(["convert", str(tmp_path / "nope.pth"), str(tmp_path / "out.safetensors"), "--debug"])
+
+
+# ---- remote sources: the right cache call, and a clear error offline ---------------------
+
+
+@pytest.fixture
+def torch_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "torch-home"
+    monkeypatch.setenv("TORCH_HOME", str(home))
+    return home
+
+
+def test_https_source_goes_through_the_torch_hub_cache(official, tmp_path, torch_home, capsys, monkeypatch):
+    import torch.hub
+
+    calls = []
+
+    def download(url, dst, hash_prefix=None, progress=True):
+        calls.append((url, Path(dst), progress))
+        shutil.copyfile(official, dst)
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    url = "https://dl.fbaipublicfiles.com/deit/XXS24_224.pth"
+    out = tmp_path / "out" / "x.safetensors"
+    out.parent.mkdir()
+    code, stdout, err = cli(capsys, "convert", url, out, "--no-verify", "--json")
+    assert code == 0, err
+    cached = torch_home / "hub" / "checkpoints" / "XXS24_224.pth"
+    assert calls == [(url, cached, True)]
+    res = json.loads(stdout)
+    assert res["model"] == MODEL and res["metadata"]["source_file"] == "XXS24_224.pth"
+    assert res["source_sha256"] == hashlib.sha256(official.read_bytes()).hexdigest()
+
+    # The second time the cached file is used; nothing is downloaded.
+    code, _, err = cli(capsys, "convert", url, out, "--no-verify", "--overwrite")
+    assert code == 0, err
+    assert len(calls) == 1
+
+
+def test_https_source_offline_is_one_line(tmp_path, torch_home, capsys, monkeypatch):
+    import urllib.error
+
+    import torch.hub
+
+    def download(url, dst, hash_prefix=None, progress=True):
+        raise urllib.error.URLError(OSError(-3, "Temporary failure in name resolution"))
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    url = "https://dl.fbaipublicfiles.com/deit/XXS24_224.pth"
+    assert_one_line_error(*cli(capsys, "convert", url, out_dir / "x.safetensors"), f"could not download {url}")
+    assert folder_names(out_dir) == []
+    assert not (torch_home / "hub" / "checkpoints" / "XXS24_224.pth").exists()
+
+
+@pytest.fixture(scope="module")
+def timm_hub_file(official, tmp_path_factory) -> Path:
+    """A file as on timm's Hub repositories: plain safetensors, gamma layout, no prefix."""
+    sd = torch.load(official, weights_only=True)["model"]
+    path = tmp_path_factory.mktemp("hf-cache") / "model.safetensors"
+    safetensors.torch.save_file({k.removeprefix("module."): v for k, v in sd.items()}, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    "source,repo,filename",
+    [
+        ("hf-hub:timm/cait_xxs24_224.fb_dist_in1k", "timm/cait_xxs24_224.fb_dist_in1k", "model.safetensors"),
+        ("hf-hub:someone/cait-weights/xxs24/model.safetensors", "someone/cait-weights", "xxs24/model.safetensors"),
+    ],
+)
+def test_hf_hub_source_goes_through_hf_hub_download(source, repo, filename, timm_hub_file, tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def download(repo_id, filename, *, revision=None, **kw):
+        calls.append((repo_id, filename, revision))
+        return str(timm_hub_file)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    out = tmp_path / "x.safetensors"
+    code, stdout, err = cli(capsys, "convert", source, out, "--no-verify", "--json")
+    assert code == 0, err
+    assert calls == [(repo, filename, None)]
+    res = json.loads(stdout)
+    assert res["model"] == MODEL and res["source_layout"] == "gamma"
+    assert res["metadata"]["source_file"] == "model.safetensors"
+
+
+@pytest.mark.parametrize(
+    "exc,offline,expect",
+    [
+        ("LocalEntryNotFoundError", False, "check the network"),  # what hf_hub_download raises when the Hub is unreachable
+        ("ConnectionError", False, "check the network"),
+        ("LocalEntryNotFoundError", True, "HF_HUB_OFFLINE"),  # offline mode and nothing cached
+    ],
+)
+def test_hf_hub_source_offline_is_one_line(exc, offline, expect, tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def download(repo_id, filename, **kw):
+        if exc == "ConnectionError":
+            raise ConnectionError("[Errno 111] Connection refused")
+        raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub.")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    result = cli(capsys, "convert", "hf-hub:timm/cait_xxs24_224.fb_dist_in1k", out_dir / "x.safetensors")
+    assert_one_line_error(*result, "hf-hub:timm/cait_xxs24_224.fb_dist_in1k")
+    assert expect in result[2]
+    assert folder_names(out_dir) == []
+
+
+def test_bad_hub_source_is_one_line(tmp_path, capsys):
+    assert_one_line_error(*cli(capsys, "convert", "hf-hub:only-org", tmp_path / "x.safetensors"), "hf-hub:ORG/REPO")

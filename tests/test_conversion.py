@@ -1,0 +1,419 @@
+"""Library-level conversion, verification and architecture detection.
+
+One real-size ``cait_xxs24_224`` checkpoint with seeded random weights (gammas of std
+0.1, so every branch shows in the outputs) is written once per session in the
+official layout, ``{'model': {'module.' + key: tensor}}``; every test here reads it or
+re-saves its tensors in another layout. Forward passes use few inputs except in the
+one default conversion, which runs the full default verification.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import timm
+import torch
+from safetensors import safe_open
+
+import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale import conversion
+from timm_layerscale._version import __version__
+from timm_layerscale.conversion import convert_checkpoint, verify_checkpoint, write_official_checkpoint
+from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, RemapError
+from timm_layerscale.parity import seeded_inputs
+from timm_layerscale.remap import to_layerscale
+from timm_layerscale.variants import detect_variant
+
+MODEL = "cait_xxs24_224_ls"
+REFERENCE = "cait_xxs24_224"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shared_official_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's one real-size official-layout checkpoint (written on first use)."""
+    path = tmp_path_factory.getbasetemp() / "shared-xxs24" / "XXS24_224.pth"
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        write_official_checkpoint(path, REFERENCE, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Two intra-op threads on two shared, busy cores spin against each other.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory) -> Path:
+    return shared_official_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def official_sd(official) -> dict[str, torch.Tensor]:
+    """The official file's inner state dict, ``module.`` prefixes included."""
+    return torch.load(official, map_location="cpu", weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def gamma_sd(official_sd) -> dict[str, torch.Tensor]:
+    """timm's layout: official keys without the DDP prefix."""
+    return {k.removeprefix("module."): v for k, v in official_sd.items()}
+
+
+@pytest.fixture(scope="module")
+def ls_sd(gamma_sd) -> dict[str, torch.Tensor]:
+    return to_layerscale(gamma_sd, "cait")
+
+
+@pytest.fixture(scope="module")
+def reference(gamma_sd) -> torch.nn.Module:
+    """timm's CaiT holding the official weights, loaded without this package's code."""
+    ref = timm.create_model(REFERENCE)
+    ref.load_state_dict(gamma_sd, strict=True)
+    return ref.eval()
+
+
+@pytest.fixture(scope="module")
+def converted(official, tmp_path_factory) -> conversion.ConversionResult:
+    """The official file converted with every default, full verification included."""
+    out = tmp_path_factory.mktemp("converted") / f"{MODEL}.safetensors"
+    return convert_checkpoint(official, out)
+
+
+@pytest.fixture
+def few_inputs(monkeypatch):
+    """Verification inside ``convert_checkpoint`` on 1 input instead of 8."""
+    monkeypatch.setattr(conversion, "verify_checkpoint", functools.partial(verify_checkpoint, num_inputs=1))
+
+
+def load_output(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return safetensors.torch.load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_tensors(got, expected, dtype: torch.dtype | None = None) -> None:
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        want = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+        assert got[k].dtype == want.dtype, k
+        assert torch.equal(got[k], want), k
+
+
+def no_leftovers(folder: Path, *keep: str) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(keep)
+
+
+# ---- the default conversion of an official file -----------------------------------------
+
+
+def test_default_conversion_is_verified_bit_exact(converted, official, ls_sd):
+    res = converted
+    assert res.variant.name == MODEL and res.num_classes is None
+    assert (res.source_layout, res.target_layout) == ("gamma", "ls")
+    rep = res.report
+    assert rep is not None and rep.passed and rep.bit_exact
+    assert rep.max_abs_diff == 0 and rep.max_rel_diff == 0 and rep.cosine_min == pytest.approx(1.0)
+    assert rep.top1_agreement == 1 and rep.top5_agreement == 1
+    assert (rep.reference, rep.model, rep.num_inputs) == (REFERENCE, MODEL, 8)
+    assert (rep.dtype, rep.device, rep.atol, rep.rtol) == ("float32", "cpu", 0, 0)
+    assert not rep.attention.startswith("reference:"), "both models must take the same attention path"
+    assert rep.versions["timm"] == timm.__version__ and rep.versions["torch"] == torch.__version__
+    table = rep.format_table()
+    for row in ("max abs diff", "max rel diff", "cosine", "top-1", "top-5", "attention", "versions"):
+        assert row in table
+    assert any(line.split() == ["bit-exact", "yes"] for line in table.splitlines())
+    json.dumps(rep.to_dict())
+
+    assert_same_tensors(load_output(res.output), ls_sd)
+    no_leftovers(res.output.parent, res.output.name)
+
+
+def test_safetensors_metadata(converted, official):
+    with safe_open(str(converted.output), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "pt"
+    assert meta["source_file"] == official.name
+    assert meta["source_sha256"] == hashlib.sha256(official.read_bytes()).hexdigest() == converted.source_sha256
+    assert meta["source_layout"] == "gamma"
+    assert meta["architecture"] == MODEL
+    assert __version__ in meta["converter"]
+
+
+def test_done_when_loads_with_timm_create_model(converted, reference):
+    """The issue's acceptance check: the file loads as pretrained weights and matches exactly."""
+    model = timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(converted.output)))
+    x = seeded_inputs(2, 224, seed=123)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), reference(x))
+
+
+def test_command_reproduces_the_options(official, converted, tmp_path, monkeypatch):
+    import shlex
+
+    from timm_layerscale.cli import build_parser
+
+    assert shlex.split(converted.command) == ["timm-layerscale", "convert", str(official), str(converted.output)]
+    monkeypatch.setattr(conversion, "verify_checkpoint", lambda *a, **k: converted.report)
+    out = tmp_path / "x.pth"
+    res = convert_checkpoint(official, out, to="gamma", dtype="fp16", atol=1e-3, rtol=1e-4, ema=False)
+    argv = shlex.split(res.command)
+    assert argv[:2] == ["timm-layerscale", "convert"]
+    a = build_parser().parse_args(argv[1:])
+    assert (a.source, a.output, a.to, a.dtype, a.atol, a.rtol, a.verify) == (str(official), str(out), "gamma", "fp16", 1e-3, 1e-4, True)
+
+
+# ---- source layouts ---------------------------------------------------------------------
+
+
+def _layouts(gamma_sd, ls_sd):
+    return {
+        "timm-gamma.safetensors": lambda: gamma_sd,  # timm's Hub copies: plain, no prefix
+        "ls.pth": lambda: ls_sd,
+        "compiled.pth": lambda: {"state_dict": {"_orig_mod." + k: v for k, v in gamma_sd.items()}},
+        "ddp-compiled.pth": lambda: {"model": {"module._orig_mod." + k: v for k, v in gamma_sd.items()}, "epoch": 3},
+    }
+
+
+@pytest.mark.parametrize("name", ["timm-gamma.safetensors", "ls.pth", "compiled.pth", "ddp-compiled.pth"])
+def test_source_layouts_convert_to_the_same_tensors(name, gamma_sd, ls_sd, tmp_path):
+    src = tmp_path / name
+    obj = _layouts(gamma_sd, ls_sd)[name]()
+    if src.suffix == ".safetensors":
+        safetensors.torch.save_file(obj, str(src))
+    else:
+        torch.save(obj, src)
+    out = tmp_path / "out" / "x.safetensors"
+    out.parent.mkdir()
+    res = convert_checkpoint(src, out, verify=False)
+    assert res.variant.name == MODEL and res.report is None
+    assert res.source_layout == ("ls" if name == "ls.pth" else "gamma")
+    assert_same_tensors(load_output(out), ls_sd)
+    no_leftovers(out.parent, "x.safetensors")
+
+
+def test_model_ema_is_taken_only_when_asked(gamma_sd, ls_sd, tmp_path):
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in gamma_sd.items()}
+    src = tmp_path / "train.pth"
+    torch.save({"model": other, "model_ema": gamma_sd, "optimizer": {}, "epoch": 400}, src)
+    res = convert_checkpoint(src, tmp_path / "ema.safetensors", verify=False, ema=True)
+    assert_same_tensors(load_output(res.output), ls_sd)
+    res = convert_checkpoint(src, tmp_path / "plain.safetensors", verify=False)
+    assert_same_tensors(load_output(res.output), to_layerscale(other, "cait"))
+
+    only_ema = tmp_path / "only-ema.pth"
+    torch.save({"model_ema": gamma_sd}, only_ema)
+    with pytest.raises(LayerScaleError, match="--ema"):
+        convert_checkpoint(only_ema, tmp_path / "x.safetensors", verify=False)
+    no_ema = tmp_path / "no-ema.pth"
+    torch.save({"model": gamma_sd}, no_ema)
+    with pytest.raises(LayerScaleError, match="no 'model_ema' state dict"):
+        convert_checkpoint(no_ema, tmp_path / "y.safetensors", verify=False, ema=True)
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "y.safetensors").exists()
+
+
+def test_to_gamma_round_trip_gives_back_the_official_keys(official, official_sd, converted, tmp_path, few_inputs):
+    back = tmp_path / "gamma.pth"
+    res = convert_checkpoint(official, back, to="gamma")
+    assert res.report is not None and res.report.bit_exact
+    assert res.target_layout == "gamma"
+    sd = load_output(back)
+    assert isinstance(sd, dict) and not any("ls1" in k or "ls2" in k for k in sd)
+    # Adding the DDP prefix back gives the official file's state dict, key for key, bit for bit.
+    assert_same_tensors({"module." + k: v for k, v in sd.items()}, official_sd)
+    assert list("module." + k for k in sd) == list(official_sd)
+
+    # And the gamma file converts back to the same ls file, byte for byte.
+    again = tmp_path / "again.safetensors"
+    convert_checkpoint(back, again, verify=False)
+    assert_same_tensors(load_output(again), load_output(converted.output))
+
+
+def test_pth_output_of_ls_layout(official, ls_sd, tmp_path):
+    res = convert_checkpoint(official, tmp_path / "x.pth", verify=False)
+    sd = load_output(res.output)
+    assert type(sd) is dict and list(sd) == list(ls_sd)
+    assert_same_tensors(sd, ls_sd)
+    out = tmp_path / "no-suffix"
+    convert_checkpoint(official, out, fmt="pth", verify=False)
+    assert_same_tensors(torch.load(out, weights_only=True), ls_sd)
+
+
+# ---- dtypes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_checkpoints_keep_their_dtype(dtype, gamma_sd, ls_sd, tmp_path):
+    src = tmp_path / "half.pth"
+    torch.save({"model": {"module." + k: v.to(dtype) for k, v in gamma_sd.items()}}, src)
+    for fmt in ("safetensors", "pth"):
+        res = convert_checkpoint(src, tmp_path / f"out.{fmt}", verify=False)
+        assert_same_tensors(load_output(res.output), ls_sd, dtype=dtype)
+
+
+def test_dtype_bf16_casts_and_verifies_in_bf16(official, ls_sd, tmp_path, few_inputs):
+    res = convert_checkpoint(official, tmp_path / "bf16.safetensors", dtype="bf16")
+    assert_same_tensors(load_output(res.output), ls_sd, dtype=torch.bfloat16)
+    rep = res.report
+    assert rep.dtype == "bfloat16" and rep.passed and rep.bit_exact and rep.num_inputs == 1
+
+
+def test_unknown_dtype_is_an_error(official, tmp_path):
+    with pytest.raises(LayerScaleError, match="unknown dtype"):
+        convert_checkpoint(official, tmp_path / "x.safetensors", dtype="fp8")
+    no_leftovers(tmp_path)
+
+
+# ---- verification -----------------------------------------------------------------------
+
+
+def test_verify_takes_state_dicts_and_image_files(gamma_sd, ls_sd, converted, official, tmp_path):
+    from PIL import Image
+
+    rep = verify_checkpoint(gamma_sd, ls_sd, num_inputs=1)
+    assert rep.passed and rep.bit_exact and rep.model == MODEL and rep.num_inputs == 1
+
+    img = tmp_path / "cat.png"
+    Image.fromarray((torch.arange(300 * 200 * 3) % 251).to(torch.uint8).reshape(200, 300, 3).numpy()).save(img)
+    rep = verify_checkpoint(official, converted.output, images=[str(img)], num_inputs=1)
+    assert rep.passed and rep.bit_exact and rep.num_inputs == 2 and "1 image file" in rep.inputs
+
+    bad = tmp_path / "not-an-image.png"
+    bad.write_text("hello")
+    with pytest.raises(CheckpointError, match="cannot read image"):
+        verify_checkpoint(official, converted.output, images=[str(bad)], num_inputs=1)
+
+
+def test_verify_detects_a_perturbed_weight_and_tolerances_loosen_it(ls_sd, gamma_sd):
+    bad = dict(ls_sd)
+    bad["blocks_token_only.1.ls2.gamma"] = ls_sd["blocks_token_only.1.ls2.gamma"] + 1e-3
+    rep = verify_checkpoint(gamma_sd, bad, num_inputs=1)
+    assert not rep.passed and not rep.bit_exact and rep.max_abs_diff > 0
+    loose = verify_checkpoint(gamma_sd, bad, num_inputs=1, atol=10 * rep.max_abs_diff)
+    assert loose.passed and not loose.bit_exact and (loose.atol, loose.rtol) == (10 * rep.max_abs_diff, 0)
+
+
+def test_fused_attention_off_runs_manual_attention_bit_exact(official, converted):
+    """With TIMM_FUSED_ATTN=0 both models compute attention by hand, as the official code does."""
+    env = dict(os.environ, TIMM_FUSED_ATTN="0", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "timm_layerscale", "verify", str(official), str(converted.output), "--num-inputs", "2", "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["attention"].startswith("manual"), rep["attention"]
+    assert rep["bit_exact"] and rep["passed"] and rep["max_abs_diff"] == 0
+
+
+# ---- failures at library level ----------------------------------------------------------
+
+
+def test_failed_parity_removes_the_output(official, tmp_path, monkeypatch, converted):
+    import dataclasses
+
+    failing = dataclasses.replace(converted.report, passed=False, bit_exact=False, max_abs_diff=0.25)
+    monkeypatch.setattr(conversion, "verify_checkpoint", lambda *a, **k: failing)
+    with pytest.raises(conversion.ParityError, match="does not match") as info:
+        convert_checkpoint(official, tmp_path / "x.safetensors")
+    assert info.value.report is failing
+    no_leftovers(tmp_path)
+
+
+def test_existing_output_is_kept_without_overwrite(official, tmp_path):
+    out = tmp_path / "x.safetensors"
+    out.write_bytes(b"keep me")
+    with pytest.raises(LayerScaleError, match="--overwrite"):
+        convert_checkpoint(official, out, verify=False)
+    assert out.read_bytes() == b"keep me"
+    convert_checkpoint(official, out, verify=False, overwrite=True)
+    assert out.stat().st_size > 1000
+    no_leftovers(tmp_path, "x.safetensors")
+
+
+# ---- architecture detection -------------------------------------------------------------
+
+
+def test_detection_from_each_layout(official_sd, gamma_sd, ls_sd):
+    for sd in ({"model": official_sd}, official_sd, gamma_sd, ls_sd, {"state_dict": {"_orig_mod." + k: v for k, v in ls_sd.items()}}):
+        variant, info = detect_variant(sd)
+        assert variant.name == MODEL and variant.reference == REFERENCE and variant.family == "cait"
+        assert "num_classes" not in info
+        assert (info["embed_dim"], info["depth"], info["num_heads"], info["class_attn_depth"], info["grid"]) == (192, 24, 4, 2, 14)
+
+
+def test_detection_reads_the_grid_from_pos_embed(gamma_sd):
+    sd = dict(gamma_sd, pos_embed=torch.zeros(1, 24 * 24, 192))
+    assert detect_variant(sd)[0].name == "cait_xxs24_384_ls"
+
+
+def test_detection_finds_a_finetuned_head(gamma_sd, official, tmp_path, few_inputs):
+    sd = dict(gamma_sd)
+    sd["head.weight"] = gamma_sd["head.weight"][:10].clone()
+    sd["head.bias"] = gamma_sd["head.bias"][:10].clone()
+    variant, info = detect_variant(sd)
+    assert variant.name == MODEL and info["num_classes"] == 10
+
+    src = tmp_path / "ft10.pth"
+    torch.save({"model": sd}, src)
+    res = convert_checkpoint(src, tmp_path / "ft10.safetensors")
+    assert res.num_classes == 10 and res.metadata["num_classes"] == "10"
+    assert res.report.passed and res.report.bit_exact
+    assert tuple(load_output(res.output)["head.weight"].shape) == (10, 192)
+
+
+def test_detection_error_says_what_was_found_and_the_closest_variant(gamma_sd):
+    sd = {k: v for k, v in gamma_sd.items() if not k.startswith("blocks.23.")}
+    with pytest.raises(ArchitectureError) as info:
+        detect_variant(sd)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for found in ("embed_dim=192", "depth=23", "num_heads=4", "class_attn_depth=2", "grid=14", "num_classes=1000"):
+        assert found in msg
+    assert "closest is cait_xxs24_224_ls" in msg
+
+
+def test_detection_of_another_architecture():
+    resnet = timm.create_model("resnet10t", num_classes=10).state_dict()
+    with pytest.raises(ArchitectureError, match="does not fit any convertible model") as info:
+        detect_variant({"state_dict": resnet})
+    assert "\n" not in str(info.value)
+
+
+def test_named_model_mismatch_lists_missing_unexpected_and_misshaped_keys(gamma_sd):
+    sd = dict(gamma_sd)
+    dropped = [f"blocks.{i}.norm1.bias" for i in range(7)]
+    for k in dropped:
+        del sd[k]
+    sd["blocks.24.norm1.weight"] = torch.ones(192)
+    sd["blocks.3.mlp.fc1.bias"] = torch.zeros(700)
+    with pytest.raises(RemapError) as info:
+        detect_variant(sd, MODEL)
+    msg = str(info.value)
+    assert "\n" not in msg and MODEL in msg
+    assert "7 missing (blocks.0.norm1.bias [192], blocks.1.norm1.bias [192]" in msg
+    assert "blocks.5.norm1.bias" not in msg and ", ...)" in msg  # first few, then a count
+    assert "1 unexpected (blocks.24.norm1.weight [192])" in msg
+    assert "1 mis-shaped (blocks.3.mlp.fc1.bias [700] != [768])" in msg
+
+    with pytest.raises(RemapError, match="not part of a cait checkpoint: blocks.0.attn.rope.freqs"):
+        detect_variant(dict(gamma_sd, **{"blocks.0.attn.rope.freqs": torch.ones(4)}), MODEL)
+    with pytest.raises(ArchitectureError, match="unknown model 'cait_xxs24_224_lss'; did you mean cait_xxs24_224_ls"):
+        detect_variant(gamma_sd, "cait_xxs24_224_lss")
+
+
+def test_named_model_of_another_size_is_checked_like_the_rest(gamma_sd):
+    with pytest.raises(RemapError, match="mis-shaped") as info:
+        detect_variant(gamma_sd, "cait_s24_224_ls")
+    assert "cait_s24_224_ls" in str(info.value)
+    assert detect_variant(gamma_sd, MODEL)[0].name == MODEL

@@ -1,0 +1,100 @@
+"""``timm-layerscale convert`` on official ViT-5 training dicts and official DeiT-III files."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import timm
+import torch
+
+import timm_layerscale  # noqa: F401
+from timm_layerscale.checkpoint import load_checkpoint
+from timm_layerscale.cli import main
+from timm_layerscale.parity import seed_parameters_
+from timm_layerscale.references import vit5_official
+from timm_layerscale.remap import to_gamma
+
+
+@pytest.fixture(scope="module")
+def vit5_training_dict(tmp_path_factory):
+    """An official-layout ViT-5 small training dict with distinct 'model' and 'model_ema' weights."""
+    ref = vit5_official.build_reference("vit5_small_patch16_224")
+    seed_parameters_(ref, seed=7)
+    model_sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    seed_parameters_(ref, seed=8)
+    ema_sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    path = tmp_path_factory.mktemp("vit5") / "vit5_small_patch16_224.pth"
+    torch.save(
+        {
+            "model": model_sd,
+            "model_ema": ema_sd,
+            "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3}]},
+            "epoch": 799,
+            "args": argparse.Namespace(model="vit5_small", lr=4e-3),
+        },
+        path,
+    )
+    return path, model_sd, ema_sd
+
+
+def _official_logits(sd, x):
+    ref = vit5_official.build_reference("vit5_small_patch16_224")
+    ref.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        return ref.eval()(x)
+
+
+def test_vit5_training_dict_converts_and_loads(vit5_training_dict, tmp_path, capsys):
+    src, model_sd, _ = vit5_training_dict
+    out = tmp_path / "vit5_small.safetensors"
+    assert main(["convert", str(src), str(out), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["model"] == "vit5_small_patch16_224" and res["family"] == "vit5"
+    assert res["report"]["bit_exact"] and res["report"]["attention"].startswith("manual")
+    sd = load_checkpoint(out)
+    assert not any(k.endswith(".freqs") for k in sd) and "blocks.0.ls1.gamma" in sd
+    model = timm.create_model(
+        "vit5_small_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(out))
+    ).eval()
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(x)
+    expected = _official_logits(model_sd, x)
+    assert (got - expected).abs().max() <= 1e-5
+    assert torch.equal(got.argmax(1), expected.argmax(1))
+
+
+def test_vit5_ema_and_gamma_round_trip(vit5_training_dict, tmp_path):
+    src, _, ema_sd = vit5_training_dict
+    ls = tmp_path / "ema.safetensors"
+    assert main(["convert", str(src), str(ls), "--ema", "--no-verify"]) == 0
+    back = tmp_path / "official.pth"
+    assert main(["convert", str(ls), str(back), "--to", "gamma", "--no-verify"]) == 0
+    restored = load_checkpoint(back)
+    assert restored.keys() == ema_sd.keys()
+    for k, v in ema_sd.items():
+        if k.endswith(".freqs"):
+            assert torch.allclose(restored[k], v, rtol=1e-6, atol=0), k
+        else:
+            assert torch.equal(restored[k], v), k
+    ref = vit5_official.build_reference("vit5_small_patch16_224")
+    ref.load_state_dict(restored, strict=True)
+
+
+def test_deit3_official_file_converts_bit_exact(tmp_path, capsys):
+    ref = timm.create_model("deit3_small_patch16_224")
+    seed_parameters_(ref, seed=3)
+    official = {"model": to_gamma(ref.state_dict(), "deit3")}
+    src = tmp_path / "deit_3_small_224_1k.pth"
+    torch.save(official, src)
+    out = tmp_path / "deit3_small.safetensors"
+    assert main(["convert", str(src), str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "deit3_small_patch16_224" in text and "bit-exact              yes" in text
+    model = timm.create_model(
+        "deit3_small_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(out))
+    ).eval()
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref.eval()(x))
