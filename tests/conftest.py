@@ -12,7 +12,6 @@ os.environ["TORCH_HOME"] = os.path.join(_HOME, "torch")
 os.environ.setdefault("TIMM_LAYERSCALE_AUTOLOAD", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 #: A CaiT small enough to run in milliseconds, with every feature of the real ones.

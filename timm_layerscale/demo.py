@@ -3,9 +3,11 @@
 1. Build timm's ``cait_xxs24_224`` with seeded random weights (every parameter,
    gammas of std 0.1) and save it exactly as the official training code does:
    ``{'model': {'module.' + key: tensor}}`` in a ``.pth`` file.
-2. Convert it to the LayerScale-module layout (``.safetensors``) and verify parity.
-3. Export a Hub-ready folder (weights, ``config.json``, model card).
-4. Load the results with ``timm.create_model`` and compare with the reference.
+2. Convert it to the LayerScale-module layout, verify parity against timm's
+   ``cait_xxs24_224``, and export a Hub-ready folder (``model.safetensors``,
+   ``config.json``, model card, gate plot).
+3. Load the results with ``timm.create_model`` (the file, and ``local-dir:``) and
+   compare with the reference.
 
 Nothing is downloaded.
 """
@@ -36,7 +38,8 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     import torch
 
     from . import models  # noqa: F401  (registers the models)
-    from .conversion import convert_checkpoint, write_official_checkpoint
+    from .conversion import write_official_checkpoint
+    from .hub import export_folder
     from .errors import OutputExistsError
     from .parity import compare_models, seeded_inputs
 
@@ -49,33 +52,24 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     t0 = time.perf_counter()
 
     official = out / "XXS24_224.pth"
-    _say(f"[1/4] writing a seeded {REFERENCE} in the official layout -> {official}")
+    _say(f"[1/3] writing a seeded {REFERENCE} in the official layout -> {official}")
     reference = write_official_checkpoint(official, REFERENCE, seed=seed)
 
-    converted = out / f"{MODEL}.safetensors"
-    _say(f"[2/4] converting -> {converted}")
-    res = convert_checkpoint(official, converted)
+    hub_dir = out / f"{MODEL}.fb_dist_in1k"
+    _say(f"[2/3] converting to the LayerScale-module layout, verifying against timm's {REFERENCE},")
+    _say(f"      and exporting a Hub-ready folder -> {hub_dir}")
+    exp = export_folder(official, hub_dir, overwrite=True)
+    res = exp.conversion
+    converted = hub_dir / "model.safetensors"
     _say(f"      detected {res.variant.name}; source sha256 {res.source_sha256[:16]}...; {res.seconds:.1f} s")
+    _say("      wrote " + ", ".join(sorted(p.name for p in hub_dir.iterdir())))
     assert res.report is not None
     _say("")
     _say(res.report.format_table())
     _say("")
     ok = res.report.passed
 
-    try:
-        from .hub import export_folder
-    except ImportError:
-        export_folder = None
-    hub_dir = out / f"{MODEL}.fb_dist_in1k"
-    if export_folder is not None:
-        _say(f"[3/4] exporting a Hub-ready folder -> {hub_dir}")
-        exp = export_folder(official, hub_dir, overwrite=True)
-        _say("      " + ", ".join(sorted(p.name for p in hub_dir.iterdir())))
-    else:
-        _say("[3/4] Hub export not available in this version; skipped")
-        exp = None
-
-    _say("[4/4] loading with timm.create_model and comparing with the reference")
+    _say("[3/3] loading the results with timm.create_model and comparing with the reference")
     inputs = seeded_inputs(4, 224, seed=seed + 1)
     loaded = timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(converted)))
     rep = compare_models(reference, loaded, inputs, reference_name=REFERENCE, model_name=f"{MODEL} (file)",
@@ -83,13 +77,12 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     _say(f"      timm.create_model('{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)): "
          f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})")
     ok = ok and rep.passed
-    if exp is not None:
-        hub_model = timm.create_model(f"local-dir:{hub_dir}", pretrained=True)
-        rep = compare_models(reference, hub_model, inputs, reference_name=REFERENCE, model_name=f"{MODEL} (local-dir)",
-                             family="cait", inputs_desc="4 seeded images")
-        _say(f"      timm.create_model('local-dir:{hub_dir}', pretrained=True): "
-             f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})")
-        ok = ok and rep.passed
+    hub_model = timm.create_model(f"local-dir:{hub_dir}", pretrained=True)
+    rep = compare_models(reference, hub_model, inputs, reference_name=REFERENCE, model_name=f"{MODEL} (local-dir)",
+                         family="cait", inputs_desc="4 seeded images")
+    _say(f"      timm.create_model('local-dir:{hub_dir}', pretrained=True): "
+         f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})")
+    ok = ok and rep.passed
     _say("")
     _say(f"demo {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; outputs in {out}/")
     return ok
