@@ -206,7 +206,7 @@ def run_release(
         ``params``, ``source_sha256``, ``max_abs_diff``, ``bit_exact``, ``seconds``,
         ``peak_memory_mib``, ``folder``, ``repo_id`` and ``url``.
     """
-    from timm_layerscale.hub import export_folder
+    from timm_layerscale.export import export_folder
 
     row: dict[str, Any] = {
         "variant": rel.model, "reference": rel.reference, "file": rel.file, "status": "failed", "error": None,

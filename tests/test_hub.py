@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 import huggingface_hub.constants
 from timm_layerscale.errors import HubError, OutputExistsError
-from timm_layerscale.hub import export_folder, plan_push, push_folder, resolve_source
+from timm_layerscale.export import export_folder
+from timm_layerscale.hub import plan_push, push_folder, resolve_source
 
 TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,21 +1,66 @@
 """LayerScale models for timm, checkpoint conversion between layouts, and parity checks.
 
 Importing this package registers its models with timm, so that
-``timm.create_model("cait_s24_224_ls")`` works.
+``timm.create_model("cait_s24_224_ls")`` works. If timm is not imported yet, the
+models are registered the moment it is (right after timm's own import finishes),
+so ``import timm_layerscale`` alone loads neither torch nor timm and the command
+line starts instantly. The public names below are imported on first use.
 """
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
 from ._version import __version__
 from .errors import LayerScaleError
-from .layer_scale import LayerScale, cait_init_value, param_groups
 from .remap import to_gamma, to_layerscale
-from . import models
 
 __all__ = [
     "__version__",
     "LayerScale",
     "LayerScaleError",
     "cait_init_value",
+    "fuse_layerscale",
     "param_groups",
     "to_layerscale",
     "to_gamma",
     "models",
 ]
+
+_LAZY = {
+    "LayerScale": ".layer_scale",
+    "cait_init_value": ".layer_scale",
+    "param_groups": ".layer_scale",
+    "fuse_layerscale": ".fuse",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    if name == "models":
+        return importlib.import_module(".models", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def _register_when_timm_is_imported() -> None:
+    if "timm" in sys.modules:
+        importlib.import_module(".models", __name__)
+        return
+    try:
+        import _timm_layerscale_autoload as hook
+    except ImportError:  # the hook module ships with the package; a partial copy registers now
+        importlib.import_module(".models", __name__)
+        return
+    # An explicit import registers even where the start-up hook is switched off.
+    hook.install(force=True)
+
+
+_register_when_timm_is_imported()

@@ -219,7 +219,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 def _cmd_export(a: argparse.Namespace) -> int:
     from .conversion import ParityError
-    from .hub import export_folder
+    from .export import export_folder
 
     try:
         res = export_folder(

@@ -39,7 +39,7 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
 
     from . import models  # noqa: F401  (registers the models)
     from .conversion import write_official_checkpoint
-    from .hub import export_folder
+    from .export import export_folder
     from .errors import OutputExistsError
     from .parity import compare_models, seeded_inputs
 

@@ -1,0 +1,39 @@
+"""``import timm_layerscale``: cheap, and it always registers the models."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str, **env: str) -> str:
+    full = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_import_loads_neither_torch_nor_timm():
+    code = "import sys, timm_layerscale; print('torch' in sys.modules, 'timm' in sys.modules)"
+    assert _run(code) == "False False"
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+@pytest.mark.parametrize("order", ["timm_layerscale, timm", "timm, timm_layerscale"])
+def test_explicit_import_registers_whatever_the_switch(order, switch):
+    code = f"import {order}; m = timm.create_model('cait_xxs24_224_ls', device='meta'); print(type(m).__name__)"
+    assert _run(code, TIMM_LAYERSCALE_AUTOLOAD=switch) == "CaitLS"
+
+
+def test_public_names_load_on_first_use():
+    code = (
+        "import sys, timm_layerscale as t; print('torch' in sys.modules); "
+        "ls = t.LayerScale(4); print(type(ls).__name__, callable(t.param_groups), callable(t.fuse_layerscale)); "
+        "print(sorted(set(t.__all__) - set(dir(t))))"
+    )
+    assert _run(code).splitlines() == ["False", "LayerScale True True", "[]"]

@@ -1,0 +1,260 @@
+"""Hub-ready folders: convert, verify and write a folder that timm loads as it is.
+
+:func:`export_folder` converts and verifies a checkpoint and writes a folder that
+``timm.create_model("local-dir:DIR", pretrained=True)`` (and, once uploaded,
+``"hf-hub:ORG/NAME"``) loads as it is: ``model.safetensors``, timm's ``config.json``,
+a ``README.md`` model card (both written by :mod:`timm_layerscale.card`) and, when
+matplotlib is installed, ``gates.png``.
+
+This module sends no request itself: a remote source is fetched through
+:func:`~timm_layerscale.hub.resolve_source` (by the converter) and ``push_to_hub``
+uploads through :func:`~timm_layerscale.hub.push_folder`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card, write_config
+from .errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
+from .hub import PushResult, _check_repo_id, _one_line, push_folder
+
+__all__ = ["export_folder", "ExportResult"]
+
+
+def _count_params(weights: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(weights), framework="pt") as f:
+        for name in f.keys():
+            total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def _export_command(source: str, out: Path, model: str | None, ema: bool, images: Sequence[str], push_to_hub: str | None, private: bool) -> str:
+    parts = ["timm-layerscale", "export", source, str(out)]
+    if model:
+        parts += ["--model", model]
+    if ema:
+        parts.append("--ema")
+    if images:
+        parts += ["--images", *images]
+    if push_to_hub:
+        parts += ["--push-to-hub", push_to_hub]
+        if private:
+            parts.append("--private")
+    return shlex.join(parts)
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_folder` wrote.
+
+    Attributes:
+        folder: The export folder.
+        files: Files in it, sorted.
+        conversion: The :class:`~timm_layerscale.conversion.ConversionResult`.
+        repo_id: Hub id written into the card's usage code.
+        num_params: Parameters in the weights.
+        plot: The gate plot, or ``None``.
+        plot_note: Why there is no plot, when there is none.
+        push: The upload, with ``push_to_hub``.
+    """
+
+    folder: Path
+    files: list[Path]
+    conversion: Any
+    repo_id: str
+    num_params: int
+    plot: Path | None = None
+    plot_note: str | None = None
+    push: PushResult | None = None
+    gates: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """Human-readable account for the command line."""
+        c = self.conversion
+        lines = [f"exported {c.source} as {c.variant.name} to {self.folder} in {c.seconds:.1f} s"]
+        lines += [f"  {p.name}" for p in self.files]
+        if self.plot_note:
+            lines.append(f"note: {self.plot_note}")
+        if c.report is not None:
+            lines.append(c.report.format_table())
+        if self.push is not None:
+            lines.append(self.push.summary())
+        else:
+            lines.append(f"upload with: timm-layerscale push {shlex.quote(str(self.folder))} {self.repo_id}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.conversion
+        return {
+            "folder": str(self.folder),
+            "files": [p.name for p in self.files],
+            "model": c.variant.name,
+            "repo_id": self.repo_id,
+            "num_params": self.num_params,
+            "source": c.source,
+            "source_sha256": c.source_sha256,
+            "seconds": round(c.seconds, 3),
+            "report": c.report.to_dict() if c.report is not None else None,
+            "plot": self.plot.name if self.plot else None,
+            "push": self.push.to_dict() if self.push else None,
+        }
+
+
+def _check_reload(folder: Path, weights: Path, num_classes: int | None) -> None:
+    """Load the folder as timm does and check that every weight matches the file."""
+    import timm
+    import torch
+    from safetensors import safe_open
+
+    try:
+        model = timm.create_model(f"local-dir:{folder}", pretrained=True)
+    except Exception as e:
+        raise LayerScaleError(f"timm cannot load the exported folder ({_one_line(e, 120)}); this is a bug, please report it") from e
+    state = model.state_dict()
+    with safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+        if names != set(state):
+            raise LayerScaleError("the exported folder loads with other keys than it holds; this is a bug, please report it")
+        for name in names:
+            if not torch.equal(state[name], f.get_tensor(name)):
+                raise LayerScaleError(f"reloaded weight {name!r} differs from the file; this is a bug, please report it")
+
+
+def _prepare_target(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; export needs a folder path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{out.parent} is not writable; choose another folder")
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_folder(
+    source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    model: str | None = None,
+    overwrite: bool = False,
+    push_to_hub: str | None = None,
+    images: Sequence[str] = (),
+    ema: bool = False,
+    private: bool = False,
+    commit_message: str | None = None,
+    repo_id: str | None = None,
+    plot: bool = True,
+    command: str | None = None,
+) -> ExportResult:
+    """Convert, verify and write a folder that timm loads as it is, and optionally upload it.
+
+    The folder holds ``model.safetensors`` (LayerScale-module layout, safetensors
+    metadata ``format=pt`` plus the converter's provenance fields), ``config.json``
+    (timm's format, written by timm's ``save_config_for_hf``), ``README.md`` (the
+    model card) and, when matplotlib is installed, ``gates.png``. It is built in a
+    temporary folder next to ``out_dir``, loaded back with
+    ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for
+    weight, and only then moved into place: a failed export leaves nothing behind.
+
+    Args:
+        source: Checkpoint file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
+        out_dir: The folder to write (parents are created).
+        model: Model name overriding architecture detection.
+        overwrite: Replace ``out_dir`` if it exists and is not empty.
+        push_to_hub: Upload the folder to this ``ORG/NAME`` after writing it.
+        images: Image files added to the parity inputs.
+        ema: Take the ``'model_ema'`` weights of a training checkpoint.
+        private: With ``push_to_hub``, create the repository as private.
+        commit_message: With ``push_to_hub``, the commit message.
+        repo_id: Hub id for the card's usage code (default ``push_to_hub``, else
+            ``ORG/<folder name>``).
+        plot: Draw ``gates.png`` when matplotlib is installed.
+        command: Command line recorded in the card (default: the equivalent
+            ``timm-layerscale export`` command).
+
+    Returns:
+        An :class:`ExportResult`; ``summary()`` prints it.
+
+    Raises:
+        OutputExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
+        ParityError: The converted model does not match the reference.
+        HubError: Download or upload failed (the folder is kept when only the upload failed).
+        LayerScaleError: Any other problem with the source or the folder.
+    """
+    from .conversion import convert_checkpoint
+    from .gates import MissingPlotDependency, gate_profile, plot_gates
+
+    out = Path(out_dir)
+    if push_to_hub:
+        _check_repo_id(push_to_hub)
+    repo = repo_id or push_to_hub or f"ORG/{out.name}"
+    _prepare_target(out, overwrite)
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        weights = tmp / WEIGHTS_NAME
+        conv = convert_checkpoint(source, weights, model=model, to="ls", fmt="safetensors", ema=ema, images=images)
+        config = write_config(conv.variant.name, tmp / CONFIG_NAME, num_classes=conv.num_classes)
+        _check_reload(tmp, weights, conv.num_classes)
+        gates = gate_profile(weights)
+        plot_path, plot_note = None, None
+        if plot:
+            try:
+                plot_path = plot_gates(gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates across depth")
+            except MissingPlotDependency as e:
+                plot_note = f"no {PLOT_NAME}: {e}"
+        num_params = _count_params(weights)
+        cmd = command or _export_command(str(source), out, model, ema, images, push_to_hub, private)
+        card = build_model_card(
+            conv, repo_id=repo, config=config, num_params=num_params, command=cmd, gates=gates,
+            plot=PLOT_NAME if plot_path else None,
+        )
+        card.save(tmp / CARD_NAME)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    conv.output = out / WEIGHTS_NAME
+    result = ExportResult(
+        folder=out,
+        files=sorted(p for p in out.iterdir() if p.is_file()),
+        conversion=conv,
+        repo_id=repo,
+        num_params=num_params,
+        plot=out / PLOT_NAME if plot_path else None,
+        plot_note=plot_note,
+        gates=gates,
+    )
+    if push_to_hub:
+        try:
+            result.push = push_folder(out, push_to_hub, private=private, commit_message=commit_message)
+        except HubError as e:
+            raise HubError(f"{e} (the folder {out} was written; upload it later with: timm-layerscale push {out} {push_to_hub})") from e
+    return result
