@@ -25,7 +25,7 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale import checkpoint as ckpt
 from timm_layerscale import conversion
 from timm_layerscale.cli import main
-from timm_layerscale.conversion import convert_checkpoint, verify_checkpoint, write_official_checkpoint
+from timm_layerscale.conversion import convert_checkpoint, verify_checkpoint
 from timm_layerscale.errors import CheckpointError
 from timm_layerscale.remap import to_gamma
 from timm_layerscale.variants import get_variant, target_shapes
@@ -34,29 +34,6 @@ MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
 ROOT = Path(__file__).resolve().parents[1]
 ERROR = "timm-layerscale: error: "
-
-
-def shared_official_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's one real-size official-layout checkpoint (written on first use)."""
-    path = tmp_path_factory.getbasetemp() / "shared-xxs24" / "XXS24_224.pth"
-    if not path.exists():
-        path.parent.mkdir(exist_ok=True)
-        write_official_checkpoint(path, REFERENCE, seed=0)
-    return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Two intra-op threads on two shared, busy cores spin against each other.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def official(tmp_path_factory) -> Path:
-    return shared_official_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
