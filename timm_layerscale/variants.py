@@ -38,6 +38,8 @@ class Variant:
     img_size: int
     init_value: float | None
     target_layout: str = "ls"
+    embed_dim: int | None = None
+    depth: int | None = None
 
 
 def _img_size(name: str) -> int:
@@ -53,7 +55,8 @@ def all_variants() -> tuple[Variant, ...]:
     from .models import cait_ls
 
     out = [
-        Variant(name, "cait", cait_ls.REFERENCE[name], _img_size(name), args["init_values"])
+        Variant(name, "cait", cait_ls.REFERENCE[name], _img_size(name), args["init_values"],
+                embed_dim=args["embed_dim"], depth=args["depth"])
         for name, args in cait_ls.MODEL_ARGS.items()
     ]
     try:
@@ -62,7 +65,8 @@ def all_variants() -> tuple[Variant, ...]:
         vit5 = None
     if vit5 is not None:
         out += [
-            Variant(name, "vit5", None, _img_size(name), args.get("init_values", 1e-4))
+            Variant(name, "vit5", None, _img_size(name), args.get("init_values", 1e-4),
+                    embed_dim=args.get("embed_dim"), depth=args.get("depth"))
             for name, args in vit5.MODEL_ARGS.items()
         ]
     from .remap import FAMILIES
@@ -157,6 +161,21 @@ def _mismatch(sd: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> i
     return bad + sum(1 for k in sd if k not in shapes)
 
 
+def _unlikeliness(v: Variant, info: Mapping[str, Any]) -> float:
+    """How many cheap facts (width, depth, resolution) rule a variant out; unknowns count half."""
+    score = 0.0
+    for have, want in (
+        (v.embed_dim, info.get("embed_dim")),
+        (v.depth, info.get("depth")),
+        (v.img_size, info["grid"] * info["patch_size"] if "grid" in info and "patch_size" in info else None),
+    ):
+        if have is None or want is None:
+            score += 0.5
+        elif have != want:
+            score += 1.0
+    return score
+
+
 def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> tuple[Variant, dict[str, Any]]:
     """Find the registered variant a checkpoint fits, from its keys and shapes alone.
 
@@ -186,14 +205,18 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
     best: tuple[int, Variant | None] = (1 << 30, None)
     info: dict[str, Any] = {}
     converted: dict[str, dict[str, Any] | None] = {}
+    for family in dict.fromkeys(v.family for v in candidates):
+        try:
+            converted[family] = to_layerscale(raw, FAMILIES[family])
+        except RemapError:
+            if model:  # a named model: say which keys its rules do not cover
+                raise
+            converted[family] = None
+    # Building a candidate's shapes costs a model construction (on meta): try the
+    # variants whose width, depth and resolution already agree first.
+    described = {f: describe_state_dict(sd) for f, sd in converted.items() if sd is not None}
+    candidates.sort(key=lambda v: _unlikeliness(v, described[v.family]) if v.family in described else 99)
     for v in candidates:
-        if v.family not in converted:
-            try:
-                converted[v.family] = to_layerscale(raw, FAMILIES[v.family])
-            except RemapError:
-                if model:  # a named model: say which keys its rules do not cover
-                    raise
-                converted[v.family] = None
         sd = converted[v.family]
         if sd is None:
             continue
