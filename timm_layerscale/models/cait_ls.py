@@ -40,12 +40,60 @@ def _layer_scale(dim: int, init_values: Optional[float], **dd: Any) -> nn.Module
     return LayerScale(dim, init_values, **dd) if init_values is not None else nn.Identity()
 
 
+def _linear_flops(linear: nn.Linear, tokens: int) -> int:
+    return tokens * linear.in_features * linear.out_features
+
+
+def _block_tail_flops(blk: nn.Module, tokens: int) -> int:
+    """MLP linears and LayerScale multiplies of a block whose branches see ``tokens`` tokens."""
+    total = sum(_linear_flops(m, tokens) for m in blk.mlp.modules() if isinstance(m, nn.Linear))
+    for ls in (blk.ls1, blk.ls2):
+        if isinstance(ls, LayerScale):
+            total += ls.flop_count(tokens)
+    return total
+
+
 class TalkingHeadAttn(nn.Module):
     """Multi-head self-attention with talking heads (Shazeer et al., arXiv 2003.02436).
 
     Heads are mixed by ``proj_l`` (a ``(H, H)`` linear map over the head axis) on the
     attention logits before the softmax, and by ``proj_w`` after it.
+
+    Two formulations compute the same floats. The reference one (timm's ``cait_*``,
+    the official code) applies ``proj_l`` / ``proj_w`` as ``nn.Linear`` to the logits
+    permuted to ``(B, N, N, H)``: a permuted copy of the ``(B, H, N, N)`` tensor before
+    and after every mix, and fresh tensors at every step. The inference path works on
+    the contiguous logits instead:
+
+    * each mix is one batched matmul ``W @ logits.view(B, H, N * N)`` followed by an
+      in-place bias add. An output element is still one GEMM dot product of length
+      ``H`` over the same operands, then one rounded bias add, as in the reference
+      (a bias inside the GEMM, ``baddbmm``, rounds once instead and differs in bf16);
+    * ``q * scale``, ``k^T`` and ``v`` are written once in the contiguous layouts that
+      the reference's ``matmul`` copies them to, so both ``bmm`` calls see identical
+      operands;
+    * the logits, the mixes, the softmax and ``attn @ v`` share two ``(B, H, N, N)``
+      buffers and the ``q`` buffer.
+
+    The parity tests check the result is ``torch.equal`` to timm's in fp32 and bf16.
+    The path runs on CPU when autograd does not record the call (``no_grad`` /
+    ``inference_mode``, or nothing involved requires grad), without autocast or
+    active attention dropout, and outside ``torch.compile`` / ``torch.jit`` tracing;
+    otherwise the reference formulation runs, so gradients, dropout masks and
+    compiled or exported graphs are the reference's. Set ``fast_inference = False``
+    on an instance (or the class) to always run the reference formulation.
+
+    Args:
+        dim: Token width ``C``; divisible by ``num_heads``.
+        num_heads: Heads ``H``.
+        qkv_bias: Bias on the qkv projection.
+        attn_drop: Dropout on the mixed attention weights.
+        proj_drop: Dropout after the output projection.
+        device: Device to build on.
+        dtype: Parameter dtype.
     """
+
+    fast_inference: bool = True
 
     def __init__(
         self,
@@ -73,6 +121,8 @@ class TalkingHeadAttn(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x: tokens ``(B, N, C)``. Returns: ``(B, N, C)``."""
+        if self._inference_path(x):
+            return self._forward_inference(x)
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
@@ -85,6 +135,53 @@ class TalkingHeadAttn(nn.Module):
         x = self.proj(x)
         x = self.proj_drop(x)
         return x
+
+    @torch.jit.ignore
+    def _inference_path(self, x: torch.Tensor) -> bool:
+        if not self.fast_inference or x.device.type != "cpu":
+            return False
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return False
+        if torch.is_autocast_enabled("cpu") or (self.training and self.attn_drop.p > 0.0):
+            return False
+        if torch.is_grad_enabled():
+            inputs = [x, self.qkv.weight, self.qkv.bias, self.proj_l.weight, self.proj_l.bias,
+                      self.proj_w.weight, self.proj_w.bias]
+            if any(t is not None and t.requires_grad for t in inputs):
+                return False
+        return True
+
+    @torch.jit.ignore
+    def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        H, d = self.num_heads, self.head_dim
+        qkv = self.qkv(x).view(B, N, 3, H, d)
+        dd = {"device": qkv.device, "dtype": qkv.dtype}
+        # q, k^T and v in the contiguous layouts the reference's matmuls copy them to
+        q = torch.empty(B, H, N, d, **dd)
+        torch.mul(qkv[:, :, 0].transpose(1, 2), self.scale, out=q)
+        k_t = qkv[:, :, 1].permute(0, 2, 3, 1).contiguous()
+        v = qkv[:, :, 2].transpose(1, 2).contiguous()
+        logits = torch.empty(B, H, N, N, **dd)
+        torch.bmm(q.view(B * H, N, d), k_t.view(B * H, d, N), out=logits.view(B * H, N, N))
+        mixed = torch.empty_like(logits)
+        self._mix_heads(logits, self.proj_l, out=mixed)
+        torch.softmax(mixed, dim=-1, out=logits)
+        self._mix_heads(logits, self.proj_w, out=mixed)
+        out = torch.bmm(mixed.view(B * H, N, N), v.view(B * H, N, d), out=q.view(B * H, N, d))
+        x = out.view(B, H, N, d).transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+    @staticmethod
+    def _mix_heads(attn: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:
+        """``out[b, o] = sum_h W[o, h] * attn[b, h] + bias[o]`` over ``(B, H, N, N)``, into ``out``."""
+        B, H, N, M = attn.shape
+        torch.matmul(linear.weight, attn.view(B, H, N * M), out=out.view(B, H, N * M))
+        if linear.bias is not None:
+            out += linear.bias.view(H, 1, 1)
+        return out
 
 
 class ClassAttn(nn.Module):
@@ -239,6 +336,9 @@ class CaitLS(nn.Module):
         dynamic_img_size: Accept any input size divisible by the patch size; the
             position embedding is resampled on the fly.
         dynamic_img_pad: Pad inputs to a multiple of the patch size.
+        fused_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
+            ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
+            folded into ``attn.proj`` and ``mlp.fc2`` (:func:`timm_layerscale.fuse_layerscale`).
         norm_layer, act_layer, block_layer, block_layer_token, attn_layer,
         attn_layer_token_only, mlp_layer, embed_layer: Layer types.
         device: Device to build on (``"meta"`` allowed).
@@ -269,6 +369,7 @@ class CaitLS(nn.Module):
         mlp_ratio_token_only: float = 4.0,
         dynamic_img_size: bool = False,
         dynamic_img_pad: bool = False,
+        fused_layerscale: bool = False,
         norm_layer: Callable[..., nn.Module] = partial(nn.LayerNorm, eps=1e-6),
         act_layer: Type[nn.Module] = nn.GELU,
         block_layer: Type[nn.Module] = LayerScaleBlock,
@@ -288,6 +389,8 @@ class CaitLS(nn.Module):
             init_values = cait_init_value(depth)
         elif isinstance(init_values, str):
             raise ValueError(f"init_values must be a number, 'auto' or None, got {init_values!r}")
+        if fused_layerscale:
+            init_values = None
 
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -296,6 +399,7 @@ class CaitLS(nn.Module):
         self.num_prefix_tokens = 1
         self.dynamic_img_size = dynamic_img_size
         self.init_values = init_values
+        self.fused_layerscale = fused_layerscale
         self.grad_checkpointing = False
 
         embed_args: dict[str, Any] = {}
@@ -532,6 +636,46 @@ class CaitLS(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+    def flop_count(self, batch_size: int = 1) -> int:
+        """Multiplications of one forward pass at the model's ``img_size``.
+
+        Multiply-only convention, as :meth:`LayerScale.flop_count`: a multiply-add
+        counts 1 (``torch.utils.flop_counter.FlopCounterMode`` counts it 2). Counted:
+        the patch-embedding conv; every linear layer (``qkv``, ``proj``, the MLPs, the
+        class-attention ``q`` / ``k`` / ``v`` / ``proj`` and the classifier); ``q @ k^T``
+        and ``attn @ v`` (``N^2 C`` each in a self-attention block, ``(1 + N) C`` in a
+        class-attention block); the talking-heads mixes ``proj_l`` and ``proj_w``
+        (``H^2`` per entry of the ``N x N`` logits); LayerScale (``tokens * C`` per
+        module; none when ``fused_layerscale``). Not counted: norms, softmax, GELU,
+        the attention scale, bias, residual and position-embedding additions. Inputs
+        of another size (``dynamic_img_size``) are not accounted for.
+
+        Args:
+            batch_size: Images per forward pass.
+
+        Returns:
+            The count for ``batch_size`` images.
+        """
+        n = self.patch_embed.num_patches
+        conv = self.patch_embed.proj
+        kh, kw = conv.kernel_size
+        total = n * conv.out_channels * (conv.in_channels // conv.groups) * kh * kw
+        for blk in self.blocks:
+            attn = blk.attn
+            total += _linear_flops(attn.qkv, n) + _linear_flops(attn.proj, n)
+            total += 2 * n * n * attn.num_heads * attn.head_dim
+            total += 2 * n * n * attn.num_heads * attn.num_heads
+            total += _block_tail_flops(blk, n)
+        for blk in self.blocks_token_only or ():
+            attn = blk.attn
+            total += _linear_flops(attn.q, 1) + _linear_flops(attn.k, n + 1) + _linear_flops(attn.v, n + 1)
+            total += 2 * (n + 1) * attn.num_heads * attn.head_dim
+            total += _linear_flops(attn.proj, 1)
+            total += _block_tail_flops(blk, 1)
+        if isinstance(self.head, nn.Linear):
+            total += _linear_flops(self.head, 1)
+        return int(total) * int(batch_size)
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> dict[str, torch.Tensor]:

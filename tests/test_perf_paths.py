@@ -1,0 +1,357 @@
+"""Fast paths stay exact: the inference attention, LayerScale folding, FLOP counts.
+
+The inference formulation of the talking-heads attention must give the floats of
+timm's ``cait_*`` reference bit for bit; folding LayerScale must keep outputs within
+1e-5; ``flop_count`` must agree with ``torch.utils.flop_counter`` within 1%.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import timm
+import torch
+from timm.layers import set_fused_attn, use_fused_attn
+from timm.models.cait import Cait, TalkingHeadAttn as RefTalkingHeadAttn
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from timm_layerscale import LayerScale, fuse_layerscale, to_gamma, to_layerscale
+from timm_layerscale.models.cait_ls import CaitLS, TalkingHeadAttn
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5)
+
+
+def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every parameter random; gammas with std 0.1 so that every branch matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.1 if "gamma" in name else 0.05
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def _images(n: int, size: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _pair(name: str, **kwargs) -> tuple[nn.Module, nn.Module]:
+    """timm's model and ours with the same random weights (built on meta: no init cost)."""
+    ref = timm.create_model(name, device="meta", **kwargs).to_empty(device="cpu")
+    _randomize(ref).eval()
+    ours = timm.create_model(name + "_ls", device="meta", **kwargs).eval()
+    state = {k: v.clone() for k, v in to_layerscale(ref.state_dict(), "cait").items()}
+    ours.load_state_dict(state, strict=True, assign=True)
+    return ref, ours
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """Cached ``(ref, ours)`` pairs by ``(name, fused_attn)``; copy before changing one."""
+    cache: dict = {}
+
+    def get(name: str, fused: bool = True) -> tuple[nn.Module, nn.Module]:
+        if (name, fused) not in cache:
+            initial = use_fused_attn()
+            set_fused_attn(fused)
+            try:
+                cache[name, fused] = _pair(name)
+            finally:
+                set_fused_attn(initial)
+        return cache[name, fused]
+
+    return get
+
+
+def _tiny_pair(**kwargs) -> tuple[nn.Module, nn.Module]:
+    args = dict(TINY, **kwargs)
+    ref = _randomize(Cait(**args)).eval()
+    ours = CaitLS(**args).eval()
+    ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
+    return ref, ours
+
+
+@pytest.fixture
+def fused_attn():
+    """Run a test with timm's fused attention on, then off; restore the default."""
+    initial = use_fused_attn()
+
+    def _set(enable: bool) -> None:
+        set_fused_attn(enable)
+        assert use_fused_attn() == enable
+
+    yield _set
+    set_fused_attn(initial)
+
+
+@pytest.fixture
+def count_fast_calls(monkeypatch):
+    calls = []
+    original = TalkingHeadAttn._forward_inference
+
+    def spy(self, x):
+        calls.append(x.shape)
+        return original(self, x)
+
+    monkeypatch.setattr(TalkingHeadAttn, "_forward_inference", spy)
+    return calls
+
+
+# --- the inference attention ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,N,C,H", [(2, 17, 32, 4), (3, 50, 96, 6), (2, 197, 128, 8), (1, 65, 256, 16)])
+def test_attention_module_bit_exact(B, N, C, H, dtype, count_fast_calls):
+    ref = _randomize(RefTalkingHeadAttn(C, num_heads=H, qkv_bias=True)).eval().to(dtype)
+    ours = TalkingHeadAttn(C, num_heads=H, qkv_bias=True).eval().to(dtype)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(B, N, C, generator=torch.Generator().manual_seed(B * N)).to(dtype)
+    with torch.inference_mode():
+        expected, got = ref(x), ours(x)
+    assert count_fast_calls == [x.shape]
+    assert got.dtype == dtype and torch.equal(got, expected)
+
+
+def test_inference_path_selection():
+    attn = TalkingHeadAttn(32, num_heads=4, qkv_bias=True).eval()
+    x = torch.randn(1, 5, 32)
+    with torch.inference_mode():
+        assert attn._inference_path(x)
+    with torch.no_grad():
+        assert attn._inference_path(x)
+    assert not attn._inference_path(x), "autograd records: reference formulation"
+    frozen = copy.deepcopy(attn).requires_grad_(False)
+    assert frozen._inference_path(x)
+    assert not frozen._inference_path(x.clone().requires_grad_())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not attn._inference_path(x)
+    dropping = TalkingHeadAttn(32, num_heads=4, attn_drop=0.1).train()
+    with torch.no_grad():
+        assert not dropping._inference_path(x)
+        assert dropping.eval()._inference_path(x)
+        attn.fast_inference = False
+        assert not attn._inference_path(x)
+
+
+@pytest.mark.parametrize(
+    "name,fused", [("cait_xxs24_224", True), ("cait_xxs24_224", False), ("cait_s24_224", True)]
+)
+def test_model_bit_exact_eval_and_train(name, fused, pairs, count_fast_calls):
+    ref, ours = pairs(name, fused)
+    assert ours.blocks_token_only[0].attn.fused_attn == ref.blocks_token_only[0].attn.fused_attn == fused
+    x = _images(1, 224)
+    try:
+        with torch.inference_mode():
+            expected = ref(x)
+            assert torch.equal(ours(x), expected)
+        assert len(count_fast_calls) == len(ours.blocks)
+        with torch.no_grad():
+            assert torch.equal(ours(x), expected)
+            ref.train()
+            ours.train()
+            assert torch.equal(ours(x), ref(x))
+    finally:
+        ref.eval()
+        ours.eval()
+
+
+def test_model_bf16_bit_exact(pairs, count_fast_calls):
+    ref, ours = (copy.deepcopy(m).to(torch.bfloat16) for m in pairs("cait_xxs24_224"))
+    x = _images(2, 224).to(torch.bfloat16)
+    with torch.inference_mode():
+        a, b = ref(x), ours(x)
+    assert count_fast_calls
+    assert b.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
+@pytest.mark.parametrize("drop", [0.0, 0.1], ids=["no_dropout", "dropout"])
+def test_train_mode_gradients_bit_exact(fused, drop, fused_attn):
+    fused_attn(fused)
+    rates = dict(proj_drop_rate=drop, attn_drop_rate=drop, drop_path_rate=drop)
+    ref, ours = _tiny_pair(**rates)
+    ref.train()
+    ours.train()
+    x = _images(3, 32)
+    torch.manual_seed(7)
+    a = ref(x)
+    torch.manual_seed(7)
+    b = ours(x)
+    assert torch.equal(a, b)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    our_grads = to_gamma({k: p.grad for k, p in ours.named_parameters()}, "cait")
+    assert ref_grads.keys() == our_grads.keys()
+    for key, grad in ref_grads.items():
+        assert torch.equal(grad, our_grads[key]), key
+
+
+# --- LayerScale folding --------------------------------------------------------------
+
+
+def test_fused_layerscale_constructor():
+    model = CaitLS(**TINY, fused_layerscale=True)
+    assert model.fused_layerscale
+    blocks = [*model.blocks, *model.blocks_token_only]
+    assert all(isinstance(b.ls1, nn.Identity) and isinstance(b.ls2, nn.Identity) for b in blocks)
+    assert not any(k.endswith("gamma") for k in model.state_dict())
+    assert not CaitLS(**TINY).fused_layerscale
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def test_fuse_tiny_cait_close_and_loads():
+    _, ours = _tiny_pair()
+    fused = fuse_layerscale(copy.deepcopy(ours))
+    assert fused.fused_layerscale
+    assert not any(isinstance(m, LayerScale) for m in fused.modules())
+    x = _images(4, 32)
+    with torch.inference_mode():
+        assert _max_diff(fused(x), ours(x)) <= 1e-5
+    target = CaitLS(**TINY, fused_layerscale=True)
+    target.load_state_dict(fused.state_dict(), strict=True)
+    with torch.inference_mode():
+        assert torch.equal(target.eval()(x), fused(x))
+
+
+def test_fuse_cait_xxs24_close_and_loads_into_registered_model(pairs):
+    ours = copy.deepcopy(pairs("cait_xxs24_224")[1])
+    x = _images(1, 224)
+    with torch.inference_mode():
+        expected = ours(x)
+    assert fuse_layerscale(ours) is ours
+    with torch.inference_mode():
+        assert _max_diff(ours(x), expected) <= 1e-5
+    target = timm.create_model("cait_xxs24_224_ls", fused_layerscale=True, device="meta")
+    target.load_state_dict(ours.state_dict(), strict=True, assign=True)
+
+
+def test_fuse_keeps_train_mode_function():
+    _, ours = _tiny_pair(proj_drop_rate=0.1, drop_path_rate=0.1)
+    fused = fuse_layerscale(copy.deepcopy(ours))
+    ours.train()
+    fused.train()
+    x = _images(2, 32)
+    torch.manual_seed(3)
+    a = ours(x)
+    torch.manual_seed(3)
+    b = fused(x)
+    assert _max_diff(a, b) <= 1e-5
+
+
+def test_fuse_timm_layerscale_blocks():
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2, init_values=0.1, num_classes=10)
+    _randomize(model).eval()
+    x = _images(2, 32)
+    with torch.inference_mode():
+        expected = model(x)
+    fuse_layerscale(model)
+    assert isinstance(model.blocks[0].ls1, nn.Identity)
+    with torch.inference_mode():
+        assert _max_diff(model(x), expected) <= 1e-5
+
+
+def test_fuse_without_foldable_linear_fails_and_leaves_model_alone():
+    _, ours = _tiny_pair()
+    ours.blocks[1].mlp.fc2 = nn.Identity()
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(ValueError, match=r"blocks\.1\.ls2.*blocks\.1\.mlp\.fc2.*Identity"):
+        fuse_layerscale(ours)
+    assert isinstance(ours.blocks[0].ls1, LayerScale)
+    after = ours.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+    _, ours = _tiny_pair()
+    ours.blocks[0].attn.proj = nn.Linear(32, 16)
+    with pytest.raises(ValueError, match="16 outputs"):
+        fuse_layerscale(ours)
+
+
+def test_fuse_without_layerscale_is_a_no_op():
+    model = CaitLS(**dict(TINY, init_values=None))
+    before = copy.deepcopy(model.state_dict())
+    fuse_layerscale(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _vit5_module():
+    try:
+        mod = importlib.import_module("timm_layerscale.models.vit5")
+    except ImportError:
+        pytest.skip("no ViT-5 model file")
+    if "fused_layerscale" not in mod.Vit5.__init__.__code__.co_varnames:
+        pytest.skip("ViT-5 has no fused_layerscale")
+    return mod
+
+
+def test_fuse_vit5_close_and_loads():
+    vit5 = _vit5_module()
+    args = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
+    model = _randomize(vit5.Vit5(**args)).eval()
+    x = _images(2, 32)
+    with torch.inference_mode():
+        expected = model(x)
+    fuse_layerscale(model)
+    assert model.fused_layerscale
+    with torch.inference_mode():
+        assert _max_diff(model(x), expected) <= 1e-5
+    vit5.Vit5(**args, fused_layerscale=True).load_state_dict(model.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo_exporter", "torchscript_exporter"])
+def test_onnx_export_of_fused_model(tmp_path, dynamo):
+    onnx = pytest.importorskip("onnx")
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    _, ours = _tiny_pair()
+    fuse_layerscale(ours)
+    x = _images(1, 32)
+    path = tmp_path / "cait_tiny_fused.onnx"
+    torch.onnx.export(ours, (x,), str(path), dynamo=dynamo, input_names=["images"], output_names=["logits"])
+    onnx.checker.check_model(onnx.load(str(path)))
+    try:
+        import onnxruntime
+    except ImportError:
+        return
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.inference_mode():
+        assert _max_diff(torch.from_numpy(got), ours(x)) <= 1e-5
+
+
+# --- FLOP counts ---------------------------------------------------------------------
+
+
+def _counted_multiplies(model: nn.Module, size: int) -> float:
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randn(1, 3, size, size))
+    return counter.get_total_flops() / 2
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
+def test_flop_count_matches_flop_counter_tiny(fused, fused_attn):
+    fused_attn(fused)
+    for kwargs in ({}, dict(fused_layerscale=True), dict(global_pool="avg", depth_token_only=1)):
+        model = CaitLS(**TINY, **kwargs).eval()
+        ours, counted = model.flop_count(), _counted_multiplies(model, 32)
+        assert abs(ours - counted) / counted < 0.01, (kwargs, ours, counted)
+        assert model.flop_count(batch_size=3) == 3 * ours
+
+
+def test_flop_count_matches_flop_counter_xxs24(pairs):
+    model = pairs("cait_xxs24_224")[1]
+    ours, counted = model.flop_count(), _counted_multiplies(model, 224)
+    assert abs(ours - counted) / counted < 0.01, (ours, counted)
+
+
+def test_flop_count_of_fused_model_drops_layerscale():
+    patches, dim = (32 // 8) ** 2, TINY["embed_dim"]
+    layerscale = 2 * dim * (TINY["depth"] * patches + 2 * 1)  # two per block; class blocks see 1 token
+    unfused = CaitLS(**TINY).flop_count()
+    assert CaitLS(**TINY, fused_layerscale=True).flop_count() == unfused - layerscale

@@ -1,0 +1,98 @@
+"""Fold LayerScale into the linear layer before it, for deployment.
+
+A residual branch ending in a linear layer and LayerScale computes
+``gamma * (W x + b) = (diag(gamma) W) x + gamma * b``: the gate is a linear layer with
+rows scaled by ``gamma``. Folding removes one elementwise pass per branch at inference
+time. Dropout and stochastic depth between the two commute with the per-channel scale,
+so the folded model computes the same function in train mode too; training it further
+is another parameterisation, though (no separate, undecayed ``gamma``).
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from timm.layers import LayerScale as TimmLayerScale
+from torch import nn
+
+from .layer_scale import LayerScale
+
+__all__ = ["fuse_layerscale", "FOLD_TARGETS"]
+
+#: LayerScale child name -> path (from the same parent) of the linear layer it follows.
+FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
+
+
+def _is_layerscale(module: nn.Module) -> bool:
+    # this package's LayerScale or timm's: both scale by a per-channel ``gamma``
+    return isinstance(module, (LayerScale, TimmLayerScale))
+
+
+def _target_linear(parent: nn.Module, path: Tuple[str, ...]) -> nn.Module | None:
+    module: nn.Module | None = parent
+    for name in path:
+        module = getattr(module, name, None) if isinstance(module, nn.Module) else None
+    return module
+
+
+@torch.no_grad()
+def _fold(linear: nn.Linear, gamma: torch.Tensor) -> None:
+    work = torch.promote_types(linear.weight.dtype, torch.float32)
+    g = gamma.detach().to(linear.weight.device, work)
+    linear.weight.copy_((linear.weight.to(work) * g[:, None]).to(linear.weight.dtype))
+    if linear.bias is not None:
+        linear.bias.copy_((linear.bias.to(work) * g).to(linear.bias.dtype))
+
+
+def fuse_layerscale(model: nn.Module) -> nn.Module:
+    """Fold every ``ls1`` / ``ls2`` LayerScale into the linear layer before it, in place.
+
+    For each module with LayerScale children ``ls1`` / ``ls2`` (CaiT's self- and
+    class-attention blocks, ViT-5 blocks, timm's ViT / DeiT-III blocks), ``ls1.gamma``
+    is folded into ``attn.proj`` and ``ls2.gamma`` into ``mlp.fc2``
+    (``W' = diag(gamma) W``, ``b' = gamma * b``, computed in at least fp32 and cast
+    back to the layer's dtype), and the LayerScale is replaced by ``nn.Identity``. The
+    result computes the same function up to rounding (fp32: within 1e-5) and its state
+    dict loads into the model built with ``fused_layerscale=True``. Every block is
+    checked before anything changes, so a failure leaves the model untouched. A model
+    without LayerScale is returned as it is.
+
+    Args:
+        model: The model; modified in place. ``model.fused_layerscale`` is set to
+            ``True`` when the model has that attribute.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: A block has LayerScale but no ``nn.Linear`` to fold it into, or
+            the linear layer's output width is not the LayerScale's width.
+    """
+    plan: List[Tuple[nn.Module, str, nn.Linear, torch.Tensor]] = []
+    for prefix, parent in model.named_modules():
+        for ls_name, path in FOLD_TARGETS.items():
+            ls = parent._modules.get(ls_name)
+            if ls is None or not _is_layerscale(ls):
+                continue
+            where = f"{prefix}.{ls_name}" if prefix else ls_name
+            target = ".".join((prefix, *path)) if prefix else ".".join(path)
+            linear = _target_linear(parent, path)
+            if not isinstance(linear, nn.Linear):
+                found = "nothing" if linear is None else type(linear).__name__
+                raise ValueError(
+                    f"cannot fold LayerScale {where!r}: expected an nn.Linear at {target!r}, found {found}"
+                )
+            gamma = ls.gamma
+            if gamma.ndim != 1 or gamma.shape[0] != linear.out_features:
+                raise ValueError(
+                    f"cannot fold LayerScale {where!r} (gamma of shape {tuple(gamma.shape)}) into "
+                    f"{target!r} with {linear.out_features} outputs"
+                )
+            plan.append((parent, ls_name, linear, gamma))
+    for parent, ls_name, linear, gamma in plan:
+        _fold(linear, gamma)
+        setattr(parent, ls_name, nn.Identity())
+    inner = getattr(model, "_orig_mod", model)
+    if hasattr(inner, "fused_layerscale"):
+        inner.fused_layerscale = True
+    return model
