@@ -458,7 +458,8 @@ class CaitLS(nn.Module):
         self.norm = norm_layer(embed_dim, **dd)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.init_weights()
+        if not self.pos_embed.is_meta:  # a meta build is filled by load_state_dict or init_weights() later
+            self.init_weights()
 
     def init_weights(self) -> None:
         """Initialise as CaiT does: truncated normal (std 0.02) for embeddings and
