@@ -10,7 +10,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-__all__ = ["LayerScale", "cait_init_value", "param_groups", "NO_WEIGHT_DECAY_ATTR"]
+__all__ = ["LayerScale", "layer_scale_or_identity", "cait_init_value", "param_groups", "NO_WEIGHT_DECAY_ATTR"]
 
 #: Attribute set to ``True`` on parameters that must not receive weight decay.
 NO_WEIGHT_DECAY_ATTR = "_no_weight_decay"
@@ -117,6 +117,11 @@ class LayerScale(nn.Module):
         super().__setattr__(name, value)
         if name == "gamma":
             self._retag()
+
+
+def layer_scale_or_identity(dim: int, init_values: float | None, **dd: Any) -> nn.Module:
+    """A :class:`LayerScale` of ``dim`` channels, or ``nn.Identity`` when ``init_values`` is ``None``."""
+    return LayerScale(dim, init_values, **dd) if init_values is not None else nn.Identity()
 
 
 def cait_init_value(depth: int) -> float:

@@ -28,16 +28,13 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint, checkpoint_seq
 
-from ..layer_scale import LayerScale, cait_init_value
+from ..layer_scale import LayerScale, cait_init_value, layer_scale_or_identity
 from ..remap import to_layerscale, unwrap_state_dict
 
 __all__ = ["CaitLS", "TalkingHeadAttn", "ClassAttn", "LayerScaleBlock", "LayerScaleBlockClassAttn"]
 
 InitValues = Union[float, str, None]
 
-
-def _layer_scale(dim: int, init_values: Optional[float], **dd: Any) -> nn.Module:
-    return LayerScale(dim, init_values, **dd) if init_values is not None else nn.Identity()
 
 
 def _linear_flops(linear: nn.Linear, tokens: int) -> int:
@@ -257,11 +254,11 @@ class LayerScaleBlock(nn.Module):
         dd = {"device": device, "dtype": dtype}
         self.norm1 = norm_layer(dim, **dd)
         self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
-        self.ls1 = _layer_scale(dim, init_values, **dd)
+        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim, **dd)
         self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = _layer_scale(dim, init_values, **dd)
+        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -295,11 +292,11 @@ class LayerScaleBlockClassAttn(nn.Module):
         dd = {"device": device, "dtype": dtype}
         self.norm1 = norm_layer(dim, **dd)
         self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
-        self.ls1 = _layer_scale(dim, init_values, **dd)
+        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim, **dd)
         self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = _layer_scale(dim, init_values, **dd)
+        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 
 from ..errors import RemapError
-from ..layer_scale import LayerScale
+from ..layer_scale import LayerScale, layer_scale_or_identity
 from ..remap import WRAPPER_KEYS, strip_prefixes, to_layerscale, unwrap_state_dict
 
 __all__ = [
@@ -194,9 +194,6 @@ class Vit5Attention(nn.Module):
         return x
 
 
-def _layer_scale(dim: int, init_values: Optional[float], **dd: Any) -> nn.Module:
-    return LayerScale(dim, init_values, **dd) if init_values is not None else nn.Identity()
-
 
 class Vit5Block(nn.Module):
     """Pre-norm transformer block with LayerScale on both residual branches."""
@@ -226,11 +223,11 @@ class Vit5Block(nn.Module):
             dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
             proj_drop=proj_drop, norm_layer=norm_layer, **dd,
         )
-        self.ls1 = _layer_scale(dim, init_values, **dd)
+        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim, **dd)
         self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = _layer_scale(dim, init_values, **dd)
+        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
