@@ -29,12 +29,26 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint, checkpoint_seq
 
 from ..layer_scale import LayerScale, cait_init_value, layer_scale_or_identity
+from ..layers.talking_heads import (
+    ATTN_IMPLS,
+    BufferedTalkingHeadAttn,
+    FastTalkingHeadAttn,
+    TalkingHeadAttn,
+    attention_workspace,
+)
 from ..remap import to_layerscale, unwrap_state_dict
 
-__all__ = ["CaitLS", "TalkingHeadAttn", "ClassAttn", "LayerScaleBlock", "LayerScaleBlockClassAttn"]
+__all__ = [
+    "CaitLS",
+    "TalkingHeadAttn",
+    "BufferedTalkingHeadAttn",
+    "FastTalkingHeadAttn",
+    "ClassAttn",
+    "LayerScaleBlock",
+    "LayerScaleBlockClassAttn",
+]
 
 InitValues = Union[float, str, None]
-
 
 
 def _linear_flops(linear: nn.Linear, tokens: int) -> int:
@@ -48,137 +62,6 @@ def _block_tail_flops(blk: nn.Module, tokens: int) -> int:
         if isinstance(ls, LayerScale):
             total += ls.flop_count(tokens)
     return total
-
-
-class TalkingHeadAttn(nn.Module):
-    """Multi-head self-attention with talking heads (Shazeer et al., arXiv 2003.02436).
-
-    Heads are mixed by ``proj_l`` (a ``(H, H)`` linear map over the head axis) on the
-    attention logits before the softmax, and by ``proj_w`` after it.
-
-    Two formulations compute the same floats. The reference one (timm's ``cait_*``,
-    the official code) applies ``proj_l`` / ``proj_w`` as ``nn.Linear`` to the logits
-    permuted to ``(B, N, N, H)``: a permuted copy of the ``(B, H, N, N)`` tensor before
-    and after every mix, and fresh tensors at every step. The inference path works on
-    the contiguous logits instead:
-
-    * each mix is one batched matmul ``W @ logits.view(B, H, N * N)`` followed by an
-      in-place bias add. An output element is still one GEMM dot product of length
-      ``H`` over the same operands, then one rounded bias add, as in the reference
-      (a bias inside the GEMM, ``baddbmm``, rounds once instead and differs in bf16);
-    * ``q * scale``, ``k^T`` and ``v`` are written once in the contiguous layouts that
-      the reference's ``matmul`` copies them to, so both ``bmm`` calls see identical
-      operands;
-    * the logits, the mixes, the softmax and ``attn @ v`` share two ``(B, H, N, N)``
-      buffers and the ``q`` buffer.
-
-    The parity tests check the result is ``torch.equal`` to timm's in fp32 and bf16.
-    The path runs on CPU when autograd does not record the call (``no_grad`` /
-    ``inference_mode``, or nothing involved requires grad), without autocast or
-    active attention dropout, and outside ``torch.compile`` / ``torch.jit`` tracing;
-    otherwise the reference formulation runs, so gradients, dropout masks and
-    compiled or exported graphs are the reference's. Set ``fast_inference = False``
-    on an instance (or the class) to always run the reference formulation.
-
-    Args:
-        dim: Token width ``C``; divisible by ``num_heads``.
-        num_heads: Heads ``H``.
-        qkv_bias: Bias on the qkv projection.
-        attn_drop: Dropout on the mixed attention weights.
-        proj_drop: Dropout after the output projection.
-        device: Device to build on.
-        dtype: Parameter dtype.
-    """
-
-    fast_inference: bool = True
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = False,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim, **dd)
-        self.proj_l = nn.Linear(num_heads, num_heads, **dd)
-        self.proj_w = nn.Linear(num_heads, num_heads, **dd)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x: tokens ``(B, N, C)``. Returns: ``(B, N, C)``."""
-        if self._inference_path(x):
-            return self._forward_inference(x)
-        B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
-        attn = q @ k.transpose(-2, -1)
-        attn = self.proj_l(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-        attn = attn.softmax(dim=-1)
-        attn = self.proj_w(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-        attn = self.attn_drop(attn)
-        x = (attn @ v).transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
-
-    @torch.jit.ignore
-    def _inference_path(self, x: torch.Tensor) -> bool:
-        if not self.fast_inference or x.device.type != "cpu":
-            return False
-        if torch.jit.is_tracing() or torch.compiler.is_compiling():
-            return False
-        if torch.is_autocast_enabled("cpu") or (self.training and self.attn_drop.p > 0.0):
-            return False
-        if torch.is_grad_enabled():
-            inputs = [x, self.qkv.weight, self.qkv.bias, self.proj_l.weight, self.proj_l.bias,
-                      self.proj_w.weight, self.proj_w.bias]
-            if any(t is not None and t.requires_grad for t in inputs):
-                return False
-        return True
-
-    @torch.jit.ignore
-    def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, C = x.shape
-        H, d = self.num_heads, self.head_dim
-        qkv = self.qkv(x).view(B, N, 3, H, d)
-        dd = {"device": qkv.device, "dtype": qkv.dtype}
-        # q, k^T and v in the contiguous layouts the reference's matmuls copy them to
-        q = torch.empty(B, H, N, d, **dd)
-        torch.mul(qkv[:, :, 0].transpose(1, 2), self.scale, out=q)
-        k_t = qkv[:, :, 1].permute(0, 2, 3, 1).contiguous()
-        v = qkv[:, :, 2].transpose(1, 2).contiguous()
-        logits = torch.empty(B, H, N, N, **dd)
-        torch.bmm(q.view(B * H, N, d), k_t.view(B * H, d, N), out=logits.view(B * H, N, N))
-        mixed = torch.empty_like(logits)
-        self._mix_heads(logits, self.proj_l, out=mixed)
-        torch.softmax(mixed, dim=-1, out=logits)
-        self._mix_heads(logits, self.proj_w, out=mixed)
-        out = torch.bmm(mixed.view(B * H, N, N), v.view(B * H, N, d), out=q.view(B * H, N, d))
-        x = out.view(B, H, N, d).transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
-
-    @staticmethod
-    def _mix_heads(attn: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:
-        """``out[b, o] = sum_h W[o, h] * attn[b, h] + bias[o]`` over ``(B, H, N, N)``, into ``out``."""
-        B, H, N, M = attn.shape
-        torch.matmul(linear.weight, attn.view(B, H, N * M), out=out.view(B, H, N * M))
-        if linear.bias is not None:
-            out += linear.bias.view(H, 1, 1)
-        return out
 
 
 class ClassAttn(nn.Module):
@@ -245,7 +128,7 @@ class LayerScaleBlock(nn.Module):
         init_values: Optional[float] = 1e-4,
         act_layer: Type[nn.Module] = nn.GELU,
         norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
-        attn_layer: Type[nn.Module] = TalkingHeadAttn,
+        attn_layer: Type[nn.Module] = BufferedTalkingHeadAttn,
         mlp_layer: Type[nn.Module] = Mlp,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
@@ -333,6 +216,11 @@ class CaitLS(nn.Module):
         dynamic_img_size: Accept any input size divisible by the patch size; the
             position embedding is resampled on the fly.
         dynamic_img_pad: Pad inputs to a multiple of the patch size.
+        attn_impl: Talking-heads attention implementation (``attn_layer`` overrides it):
+            ``"buffered"`` (default; CPU inference in reused buffers, bit-identical to
+            ``"reference"``), ``"reference"`` (timm's formulation) or ``"fast"`` (fewer
+            copies, within :data:`~timm_layerscale.layers.talking_heads.FAST_ATTN_RTOL`
+            of the reference, not bit-exact). All three train identically.
         fused_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
             ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
             folded into ``attn.proj`` and ``mlp.fc2`` (:func:`timm_layerscale.fuse_layerscale`).
@@ -371,7 +259,8 @@ class CaitLS(nn.Module):
         act_layer: Type[nn.Module] = nn.GELU,
         block_layer: Type[nn.Module] = LayerScaleBlock,
         block_layer_token: Type[nn.Module] = LayerScaleBlockClassAttn,
-        attn_layer: Type[nn.Module] = TalkingHeadAttn,
+        attn_layer: Optional[Type[nn.Module]] = None,
+        attn_impl: str = "buffered",
         attn_layer_token_only: Type[nn.Module] = ClassAttn,
         mlp_layer: Type[nn.Module] = Mlp,
         embed_layer: Type[nn.Module] = PatchEmbed,
@@ -388,6 +277,10 @@ class CaitLS(nn.Module):
             raise ValueError(f"init_values must be a number, 'auto' or None, got {init_values!r}")
         if fused_layerscale:
             init_values = None
+        if attn_layer is None:
+            if attn_impl not in ATTN_IMPLS:
+                raise ValueError(f"attn_impl must be one of {', '.join(map(repr, ATTN_IMPLS))}, got {attn_impl!r}")
+            attn_layer = ATTN_IMPLS[attn_impl]
 
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -568,13 +461,14 @@ class CaitLS(nn.Module):
             blocks = self.blocks
         else:
             blocks = self.blocks[: max_index + 1]
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x)
-            else:
-                x = blk(x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        with attention_workspace():
+            for i, blk in enumerate(blocks):
+                if self.grad_checkpointing and not torch.jit.is_scripting():
+                    x = checkpoint(blk, x)
+                else:
+                    x = blk(x)
+                if i in take_indices:
+                    intermediates.append(self.norm(x) if norm else x)
 
         if reshape:
             H, W = self.patch_embed.dynamic_feat_size((height, width))
@@ -620,7 +514,8 @@ class CaitLS(nn.Module):
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.blocks, x)
         else:
-            x = self.blocks(x)
+            with attention_workspace():
+                x = self.blocks(x)
         if self.blocks_token_only is not None:
             x = self.forward_cls(x)
         return self.norm(x)

@@ -1,0 +1,66 @@
+"""Exact-parity checks of the buffered CaiT attention, run in a fresh interpreter.
+
+``tests/test_exact_attention.py`` runs this file under several CPU kernel dispatches
+(``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``, ``ONEDNN_MAX_CPU_ISA``), which
+are read once at start-up. It prints one JSON object: the active ATen capability and,
+per check, whether the outputs were ``torch.equal``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import timm  # noqa: E402
+from timm.layers import set_fused_attn  # noqa: E402
+from timm.models.cait import TalkingHeadAttn as RefAttn  # noqa: E402
+
+import timm_layerscale  # noqa: E402,F401
+from timm_layerscale import to_layerscale  # noqa: E402
+from timm_layerscale.layers import BufferedTalkingHeadAttn  # noqa: E402
+
+SHAPES = [(2, 17, 32, 4), (3, 50, 96, 6), (1, 65, 256, 16), (4, 196, 192, 4)]
+
+
+def _randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "gamma" in name else 0.05))
+    return model
+
+
+def attention_checks() -> dict[str, bool]:
+    out = {}
+    for B, N, C, H in SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            ref = _randomize(RefAttn(C, num_heads=H, qkv_bias=True)).eval().to(dtype)
+            ours = BufferedTalkingHeadAttn(C, num_heads=H, qkv_bias=True).eval().to(dtype)
+            ours.load_state_dict(ref.state_dict())
+            x = torch.randn(B, N, C, generator=torch.Generator().manual_seed(N)).to(dtype)
+            with torch.inference_mode():
+                out[f"attention {B}x{N}x{C} H{H} {str(dtype)[6:]}"] = torch.equal(ref(x), ours(x))
+    return out
+
+
+def model_checks() -> dict[str, bool]:
+    out = {}
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    for fused in (True, False):
+        set_fused_attn(fused)
+        ref = _randomize(timm.create_model("cait_xxs24_224")).eval()
+        ours = timm.create_model("cait_xxs24_224_ls").eval()
+        ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
+        with torch.inference_mode():
+            out[f"cait_xxs24_224 fp32 fused_attn={fused}"] = torch.equal(ref(x), ours(x))
+    return out
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    result = {"capability": torch.backends.cpu.get_cpu_capability(), "checks": {**attention_checks(), **model_checks()}}
+    print(json.dumps(result))

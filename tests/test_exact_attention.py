@@ -1,0 +1,270 @@
+"""The buffered talking-heads attention is timm's arithmetic by construction, on any CPU.
+
+Three kinds of evidence:
+
+* kernel traces: the buffered attention (and a whole LayerScale CaiT) makes the same
+  ATen reductions as timm's, on operands of the same shapes, strides and dtypes;
+* outputs ``torch.equal`` to timm's on this machine;
+* the same equalities in fresh interpreters under other CPU kernel dispatches, so that a
+  formulation that agrees only by accident of this CPU's kernels fails here too.
+
+The opt-in ``fast`` attention is a different formulation: it is checked against the
+reference with its documented tolerance instead.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from timm.layers import set_fused_attn, use_fused_attn
+from timm.models.cait import Cait, TalkingHeadAttn as RefAttn
+from torch import nn
+
+from kernel_trace import reduction_trace
+from timm_layerscale import to_layerscale
+from timm_layerscale.layers.talking_heads import (
+    FAST_ATTN_RTOL,
+    BufferedTalkingHeadAttn,
+    FastTalkingHeadAttn,
+    TalkingHeadAttn,
+)
+from timm_layerscale.models.cait_ls import CaitLS
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5)
+#: (B, N, C, H): real sizes, a single image, a single token, a single head.
+SHAPES = [(2, 17, 32, 4), (3, 50, 96, 6), (2, 197, 128, 8), (1, 65, 256, 16), (1, 5, 48, 6), (2, 1, 32, 4), (3, 7, 16, 1)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every parameter random; gammas with std 0.1 so that every branch matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "gamma" in name else 0.05))
+    return model
+
+
+def _attn_pair(C: int, H: int, dtype: torch.dtype, cls: type = BufferedTalkingHeadAttn) -> tuple[nn.Module, nn.Module]:
+    ref = _randomize(RefAttn(C, num_heads=H, qkv_bias=True)).eval().to(dtype)
+    ours = cls(C, num_heads=H, qkv_bias=True).eval().to(dtype)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ref, ours
+
+
+def _tokens(B: int, N: int, C: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(B, N, C, generator=torch.Generator().manual_seed(B * N + C)).to(dtype)
+
+
+@pytest.fixture
+def buffered_calls(monkeypatch):
+    """Shapes the buffered formulation ran on (it falls back to the reference elsewhere)."""
+    calls = []
+    original = BufferedTalkingHeadAttn._forward_buffered
+
+    def spy(self, x):
+        calls.append(tuple(x.shape))
+        return original(self, x)
+
+    monkeypatch.setattr(BufferedTalkingHeadAttn, "_forward_buffered", spy)
+    return calls
+
+
+@pytest.fixture
+def fused_attn():
+    initial = use_fused_attn()
+    yield set_fused_attn
+    set_fused_attn(initial)
+
+
+# --- construction: the same kernel calls ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,N,C,H", SHAPES)
+def test_buffered_attention_makes_timms_kernel_calls(B, N, C, H, dtype, buffered_calls):
+    ref, ours = _attn_pair(C, H, dtype)
+    x = _tokens(B, N, C, dtype)
+    expected = reduction_trace(lambda: ref(x))
+    got = reduction_trace(lambda: ours(x))
+    assert buffered_calls == [x.shape], "the buffered formulation ran"
+    assert [c[0] for c in got] == [c[0] for c in expected]
+    assert got == expected
+
+
+def test_frozen_mixing_weights_take_the_reference_formulation(buffered_calls):
+    # With requires_grad off, matmul picks mm or bmm by stride; the buffered path then steps aside.
+    ref, ours = _attn_pair(48, 6, torch.float32)
+    ref.requires_grad_(False)
+    ours.requires_grad_(False)
+    x = _tokens(1, 5, 48, torch.float32)
+    assert reduction_trace(lambda: ours(x)) == reduction_trace(lambda: ref(x))
+    assert buffered_calls == []
+    with torch.inference_mode():
+        assert torch.equal(ours(x), ref(x))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
+def test_model_makes_timms_kernel_calls(fused, fused_attn, buffered_calls):
+    fused_attn(fused)
+    ref = _randomize(Cait(**TINY)).eval()
+    ours = CaitLS(**TINY).eval()
+    ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    expected = reduction_trace(lambda: ref(x))
+    got = reduction_trace(lambda: ours(x))
+    assert len(buffered_calls) == TINY["depth"]
+    assert got == expected
+
+
+# --- results on this machine ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,N,C,H", SHAPES)
+def test_buffered_attention_bit_exact(B, N, C, H, dtype, buffered_calls):
+    ref, ours = _attn_pair(C, H, dtype)
+    x = _tokens(B, N, C, dtype)
+    with torch.inference_mode():
+        expected = ref(x)
+        assert torch.equal(ours(x), expected)
+    with torch.no_grad():
+        assert torch.equal(ours(x), expected)
+    assert len(buffered_calls) == 2
+
+
+def test_path_selection(buffered_calls):
+    attn = BufferedTalkingHeadAttn(32, num_heads=4, qkv_bias=True).eval()
+    x = torch.randn(1, 5, 32)
+    with torch.inference_mode():
+        attn(x)
+    with torch.no_grad():
+        attn(x)
+    assert len(buffered_calls) == 2
+    attn(x)  # autograd records: the reference formulation, so gradients are timm's
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(x)
+    dropping = BufferedTalkingHeadAttn(32, num_heads=4, attn_drop=0.1).train()
+    with torch.no_grad():
+        dropping(x)
+        assert len(buffered_calls) == 2
+        dropping.eval()(x)
+    assert len(buffered_calls) == 3
+    with torch.no_grad():
+        TalkingHeadAttn(32, num_heads=4).eval()(x)
+    assert len(buffered_calls) == 3
+
+
+def test_attention_workspace_shares_buffers_and_keeps_outputs_apart(buffered_calls):
+    from timm_layerscale.layers.talking_heads import attention_workspace
+
+    ref, ours = _attn_pair(32, 4, torch.float32)
+    x1, x2 = _tokens(2, 9, 32, torch.float32), _tokens(3, 9, 32, torch.float32)
+    with torch.inference_mode():
+        with attention_workspace():
+            a = ours(x1)
+            b = ours(x2)  # larger: the shared buffers grow
+            c = ours(x1)  # smaller: served from the larger buffers (views from offset 0)
+        assert torch.equal(a, ref(x1)) and torch.equal(b, ref(x2)) and torch.equal(c, a)
+    assert len(buffered_calls) == 3
+
+
+@pytest.mark.parametrize("name,fused", [("cait_xxs24_224", True), ("cait_xxs24_224", False)])
+def test_cait_xxs24_bit_exact_eval_and_train(name, fused, fused_attn, buffered_calls):
+    fused_attn(fused)
+    ref = _randomize(timm.create_model(name)).eval()
+    ours = timm.create_model(name + "_ls").eval()
+    ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
+    assert ours.blocks_token_only[0].attn.fused_attn == ref.blocks_token_only[0].attn.fused_attn == fused
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = ref(x)
+        assert torch.equal(ours(x), expected)
+    assert len(buffered_calls) == len(ours.blocks)
+    with torch.no_grad():
+        ref.train()
+        ours.train()
+        assert torch.equal(ours(x), ref(x))
+    bf16_ref, bf16_ours = copy.deepcopy(ref).eval().bfloat16(), copy.deepcopy(ours).eval().bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(bf16_ours(x.bfloat16()), bf16_ref(x.bfloat16()))
+
+
+# --- other kernel dispatches ---------------------------------------------------------
+
+DISPATCHES = {
+    "best": ({}, None),
+    "aten-default": ({"ATEN_CPU_CAPABILITY": "default"}, "DEFAULT"),
+    "aten-avx2-mkl-avx2": (
+        {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        "AVX2",
+    ),
+}
+
+
+@pytest.mark.parametrize("dispatch", list(DISPATCHES))
+def test_exact_parity_under_other_kernel_dispatch(dispatch):
+    env_update, capability = DISPATCHES[dispatch]
+    if capability == "AVX2" and "avx2" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
+        pytest.skip("this CPU has no AVX2")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
+    env.update(env_update)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "exact_parity_check.py")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if capability:
+        assert result["capability"] == capability
+    failed = [name for name, ok in result["checks"].items() if not ok]
+    assert len(result["checks"]) == 10
+    assert not failed, f"not bit-exact under {dispatch} ({result['capability']}): {failed}"
+
+
+# --- the opt-in fast formulation -----------------------------------------------------
+
+
+def _within_fast_bound(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    rtol = FAST_ATTN_RTOL[expected.dtype]
+    err = (got.float() - expected.float()).abs().max().item()
+    return err, rtol * expected.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,N,C,H", SHAPES)
+def test_fast_attention_within_its_bound(B, N, C, H, dtype):
+    ref, fast = _attn_pair(C, H, dtype, FastTalkingHeadAttn)
+    x = _tokens(B, N, C, dtype)
+    with torch.inference_mode():
+        err, bound = _within_fast_bound(fast(x), ref(x))
+    assert err <= bound
+
+
+def test_fast_model_within_its_bound_and_trains_like_the_reference():
+    ref = _randomize(timm.create_model("cait_xxs24_224")).eval()
+    fast = timm.create_model("cait_xxs24_224_ls", attn_impl="fast").eval()
+    assert isinstance(fast.blocks[0].attn, FastTalkingHeadAttn)
+    fast.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        err, bound = _within_fast_bound(fast(x), ref(x))
+    assert err <= bound
+    ref.train()
+    fast.train()
+    assert torch.equal(fast(x), ref(x)), "with autograd recording, the reference formulation runs"
+
+
+def test_attn_impl_argument():
+    assert type(CaitLS(**TINY).blocks[0].attn) is BufferedTalkingHeadAttn
+    assert type(CaitLS(**TINY, attn_impl="reference").blocks[0].attn) is TalkingHeadAttn
+    with pytest.raises(ValueError, match="attn_impl must be one of 'reference', 'buffered', 'fast'"):
+        CaitLS(**TINY, attn_impl="flash")

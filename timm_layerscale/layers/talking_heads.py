@@ -1,0 +1,296 @@
+"""Talking-heads self-attention (Shazeer et al., arXiv 2003.02436), as used by CaiT.
+
+Three classes compute the same function:
+
+* :class:`TalkingHeadAttn`: the reference formulation, the arithmetic of timm's
+  ``cait_*`` and of the official CaiT code. Training, autograd, dropout, autocast,
+  ``torch.compile`` and tracing always run it.
+* :class:`BufferedTalkingHeadAttn` (the default in :class:`~timm_layerscale.models.cait_ls.CaitLS`):
+  for CPU inference, the same reductions on the same operands as the reference, with
+  the large ``(B, H, N, N)`` intermediates held in three buffers instead of about ten
+  fresh tensors. Its outputs are bit-identical to the reference on any CPU.
+* :class:`FastTalkingHeadAttn` (opt-in, ``attn_impl="fast"``): mixes heads on the
+  contiguous logits with one batched GEMM, which skips four permuted copies but sums
+  each length-``H`` mix in an order of the BLAS's choosing. Within a stated tolerance
+  of the reference, never bit-exact by construction; verification never uses it.
+
+Why the buffered path is exact by construction: two computations give identical
+floats on every machine when every reduction (GEMM, bmm, softmax) is the same ATen
+call on operands of identical shape, strides, dtype, values and alignment; data
+movement, single elementwise operations in the same order, and where results are
+stored may change. The reference's ``nn.Linear`` on logits permuted to
+``(B, N, N, H)`` is ``torch.matmul`` and an in-place bias add; when the weight
+requires grad (its own flag decides, also under ``no_grad`` and ``inference_mode``)
+``matmul`` folds the input with ``reshape(-1, H)``, a contiguous copy unless a view
+does, and calls ``mm`` with ``weight.t()``. CPU ``softmax`` runs its kernel on
+``input.contiguous()`` (``Tensor.softmax`` reaches it as ``_softmax``, which the
+buffered path calls directly); ``q @ k^T`` and ``attn @ v`` are ``bmm`` on
+``reshape(B * H, ...)`` of their operands. The buffered path makes the same calls, with
+each large copy (a copy exactly when ATen's ``reshape`` / ``contiguous`` would make
+one) and each large result written into a buffer with the strides of the fresh
+tensor it replaces; buffers start at the allocator's alignment, as fresh tensors do.
+With frozen mixing weights (``requires_grad_(False)``) ``matmul`` takes a
+stride-dependent ``mm`` / ``bmm`` choice instead, and the buffered class runs the
+reference formulation. The parity tests record the ATen calls of both classes and
+compare them operand by operand, and run both under several CPU kernel dispatches.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from typing import Any, ContextManager, Iterator, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "TalkingHeadAttn",
+    "BufferedTalkingHeadAttn",
+    "FastTalkingHeadAttn",
+    "ATTN_IMPLS",
+    "FAST_ATTN_RTOL",
+    "attention_workspace",
+]
+
+#: Relative bound of :class:`FastTalkingHeadAttn` against the reference, fp32 (see its docstring).
+FAST_ATTN_RTOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+class TalkingHeadAttn(nn.Module):
+    """Multi-head self-attention with talking heads: the reference formulation.
+
+    Heads are mixed by ``proj_l`` (a ``(H, H)`` linear map over the head axis) on the
+    attention logits before the softmax, and by ``proj_w`` after it:
+    ``attn = proj_w(softmax(proj_l(q k^T / sqrt(d))))``, ``out = proj(attn v)``.
+
+    Args:
+        dim: Token width ``C``; divisible by ``num_heads``.
+        num_heads: Heads ``H``.
+        qkv_bias: Bias on the qkv projection.
+        attn_drop: Dropout on the mixed attention weights.
+        proj_drop: Dropout after the output projection.
+        device: Device to build on.
+        dtype: Parameter dtype.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_l = nn.Linear(num_heads, num_heads, **dd)
+        self.proj_w = nn.Linear(num_heads, num_heads, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x: tokens ``(B, N, C)``. Returns: ``(B, N, C)``."""
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
+        attn = q @ k.transpose(-2, -1)
+        attn = self.proj_l(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        attn = attn.softmax(dim=-1)
+        attn = self.proj_w(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        attn = self.attn_drop(attn)
+        x = (attn @ v).transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+    @torch.jit.ignore
+    def _eager_inference(self, x: torch.Tensor) -> bool:
+        """True when no autograd, autocast, dropout, compiler or tracer is involved, on CPU."""
+        if x.device.type != "cpu" or torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return False
+        if torch.is_autocast_enabled("cpu") or (self.training and self.attn_drop.p > 0.0):
+            return False
+        if torch.is_grad_enabled():
+            if x.requires_grad or any(p.requires_grad for p in self.parameters()):
+                return False
+        return True
+
+
+_WORKSPACE: ContextVar[Optional[dict]] = ContextVar("timm_layerscale_attention_workspace", default=None)
+
+
+@contextmanager
+def _workspace() -> Iterator[None]:
+    token = _WORKSPACE.set({})
+    try:
+        yield
+    finally:
+        _WORKSPACE.reset(token)
+
+
+def attention_workspace() -> ContextManager[None]:
+    """Share the buffered attention's buffers between the calls inside the ``with`` block.
+
+    A model runs its blocks inside one, so a forward pass allocates the three
+    ``(B, H, N, N)`` buffers once instead of once per block; they are released when
+    the block ends. Outside one, each call allocates its own. Under ``torch.compile``
+    it does nothing (the reference formulation runs there).
+    """
+    if torch.jit.is_scripting() or torch.compiler.is_compiling():
+        return nullcontext()
+    return _workspace()
+
+
+def _buffers(numel: int, like: torch.Tensor) -> list[torch.Tensor]:
+    """Three flat buffers of ``numel`` elements, shared within an :func:`attention_workspace`.
+
+    Shared buffers grow to the largest request; a smaller one gets their first
+    ``numel`` elements, so every buffer starts at an allocation's start.
+    """
+    shared = _WORKSPACE.get()
+    key = (like.dtype, like.device)
+    if shared is not None and key in shared and shared[key][0].numel() >= numel:
+        return [b[:numel] for b in shared[key]]
+    bufs = [torch.empty(numel, dtype=like.dtype, device=like.device) for _ in range(3)]
+    if shared is not None:
+        shared[key] = bufs
+    return bufs
+
+
+def _reshape_into(t: torch.Tensor, shape: tuple[int, ...], buf: torch.Tensor) -> torch.Tensor:
+    """``t.reshape(shape)``: a view where ATen's reshape gives one, else its contiguous copy made in ``buf``."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return buf[: t.numel()].view(t.shape).copy_(t).view(shape)
+
+
+def _contiguous_into(t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``, its copy (if one is needed) made in ``buf``."""
+    return t if t.is_contiguous() else buf[: t.numel()].view(t.shape).copy_(t)
+
+
+def _linear_into(t: torch.Tensor, linear: nn.Linear, scratch: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``linear(t)`` over the last axis of ``t``, as ``nn.Linear`` computes it, with buffers.
+
+    For a non-contiguous input whose weight requires grad, ``nn.Linear`` is
+    ``matmul(t, weight.t())`` folded to ``mm(t.reshape(-1, K), weight.t())``, then
+    ``add_(bias)``. This makes the same calls, with the reshape's copy (if any) made in
+    ``scratch`` and the product written to ``out`` (flat buffers). A contiguous input
+    takes ``nn.Linear`` itself (one ``addmm``, nothing to save).
+    """
+    if t.is_contiguous():
+        return F.linear(t, linear.weight, linear.bias)
+    k, n = linear.in_features, linear.out_features
+    a = _reshape_into(t, (-1, k), scratch)
+    y = torch.mm(a, linear.weight.t(), out=out[: a.shape[0] * n].view(a.shape[0], n))
+    y = y.view(*t.shape[:-1], n)
+    if linear.bias is not None:
+        y.add_(linear.bias)
+    return y
+
+
+class BufferedTalkingHeadAttn(TalkingHeadAttn):
+    """:class:`TalkingHeadAttn` whose CPU inference keeps the ``(B, H, N, N)`` tensors in three buffers.
+
+    Bit-identical to the reference on any CPU (module docstring: the same ATen
+    reductions on the same operands). It runs when :meth:`TalkingHeadAttn._eager_inference`
+    holds; otherwise, and on other devices (whose caching allocators already reuse
+    memory), the reference formulation runs, so gradients, dropout masks and compiled
+    or exported graphs are the reference's.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x: tokens ``(B, N, C)``. Returns: ``(B, N, C)``."""
+        if not (self._eager_inference(x) and self.proj_l.weight.requires_grad and self.proj_w.weight.requires_grad):
+            return super().forward(x)
+        return self._forward_buffered(x)
+
+    @torch.jit.ignore
+    def _forward_buffered(self, x: torch.Tensor) -> torch.Tensor:
+        # Each step is the reference's, with every (B, H, N, N)-sized result or copy
+        # written into one of three flat buffers (views from offset 0) instead of a fresh tensor.
+        B, N, C = x.shape
+        H = self.num_heads
+        qkv = self.qkv(x).reshape(B, N, 3, H, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
+        buf = _buffers(B * H * N * N, qkv)
+        logits = torch.bmm(
+            q.reshape(B * H, N, -1), k.transpose(-2, -1).reshape(B * H, -1, N), out=buf[0].view(B * H, N, N)
+        ).view(B, H, N, N)
+        attn = _linear_into(logits.permute(0, 2, 3, 1), self.proj_l, buf[1], buf[2]).permute(0, 3, 1, 2)
+        attn = torch._softmax(_contiguous_into(attn, buf[0]), -1, False, out=buf[1].view(B, H, N, N))
+        attn = _linear_into(attn.permute(0, 2, 3, 1), self.proj_w, buf[0], buf[2]).permute(0, 3, 1, 2)
+        x = torch.bmm(_reshape_into(attn, (B * H, N, N), buf[0]), v.reshape(B * H, N, -1))
+        x = x.view(B, H, N, -1).transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class FastTalkingHeadAttn(TalkingHeadAttn):
+    """:class:`TalkingHeadAttn` that mixes heads on the contiguous logits (opt-in, not exact).
+
+    Each mix is ``W @ logits.view(B, H, N * N)`` (one batched GEMM) plus the bias,
+    which skips the reference's four permuted copies of the ``(B, H, N, N)`` tensor.
+    An output element is still a length-``H`` dot product over the same operands,
+    but another GEMM kernel sums it, so the order of the ``H`` additions differs.
+
+    Bound: each mixed logit differs from the reference's by at most
+    ``2 * gamma_H * sum_h |W[o, h] * a[h]|`` (``gamma_H = H * u / (1 - H * u)``,
+    ``u`` the unit roundoff: ``2**-24`` fp32, ``2**-8`` bf16), i.e. a few ulp of the
+    terms' magnitude. Softmax and the following layers carry such differences to
+    the output at the same relative size, so against the reference's outputs the
+    check is ``|fast - ref| <= rtol * max|ref|`` per tensor with
+    :data:`FAST_ATTN_RTOL` (fp32 ``1e-5``). Runs under the same conditions as
+    :class:`BufferedTalkingHeadAttn`, else the reference formulation.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x: tokens ``(B, N, C)``. Returns: ``(B, N, C)``."""
+        if not self._eager_inference(x):
+            return super().forward(x)
+        return self._forward_fast(x)
+
+    @torch.jit.ignore
+    def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        H, d = self.num_heads, self.head_dim
+        qkv = self.qkv(x).view(B, N, 3, H, d)
+        dd = {"device": qkv.device, "dtype": qkv.dtype}
+        q = torch.empty(B, H, N, d, **dd)
+        torch.mul(qkv[:, :, 0].transpose(1, 2), self.scale, out=q)
+        k_t = qkv[:, :, 1].permute(0, 2, 3, 1).contiguous()
+        v = qkv[:, :, 2].transpose(1, 2).contiguous()
+        logits = torch.empty(B, H, N, N, **dd)
+        mixed = torch.empty_like(logits)
+        torch.bmm(q.view(B * H, N, d), k_t.view(B * H, d, N), out=logits.view(B * H, N, N))
+        self._mix(logits, self.proj_l, mixed)
+        torch.softmax(mixed, dim=-1, out=logits)
+        self._mix(logits, self.proj_w, mixed)
+        out = torch.bmm(mixed.view(B * H, N, N), v.view(B * H, N, d), out=q.view(B * H, N, d))
+        x = out.view(B, H, N, d).transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+    @staticmethod
+    def _mix(attn: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> None:
+        B, H, N, M = attn.shape
+        torch.matmul(linear.weight, attn.view(B, H, N * M), out=out.view(B, H, N * M))
+        if linear.bias is not None:
+            out += linear.bias.view(H, 1, 1)
+
+
+#: ``attn_impl`` values of :class:`~timm_layerscale.models.cait_ls.CaitLS` and their classes.
+ATTN_IMPLS = {"reference": TalkingHeadAttn, "buffered": BufferedTalkingHeadAttn, "fast": FastTalkingHeadAttn}
