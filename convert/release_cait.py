@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from timm_layerscale.cli import add_verify_args, verify_options
+from timm_layerscale.errors import LayerScaleError
+
 __all__ = ["Release", "RELEASES", "TAG", "select", "run_release", "write_summary", "main"]
 
 TAG = "fb_dist_in1k"
@@ -178,7 +181,10 @@ def _check_sha256(rel: Release, path: Path) -> str:
     return digest
 
 
-def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool) -> str:
+def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
+    from timm_layerscale.conversion import verify_flags
+    from timm_layerscale.parity import VerifyOptions
+
     parts = ["python", "-m", "convert", "--only", rel.reference, "--out", str(out)]
     if sources is not None:
         parts += ["--sources", str(sources)]
@@ -186,6 +192,9 @@ def _command(rel: Release, out: Path, sources: Path | None, org: str | None, pri
         parts += ["--org", org]
         if private:
             parts.append("--private")
+    for key, value in verify_flags(options or VerifyOptions()).items():
+        flag = "--" + key.replace("_", "-")
+        parts += [flag] if value is True else [flag, *map(str, value if isinstance(value, list) else [value])]
     return shlex.join(parts)
 
 
@@ -197,7 +206,7 @@ def run_release(
     org: str | None = None,
     private: bool = False,
     overwrite: bool = False,
-    images: Sequence[str] = (),
+    options: Any = None,
 ) -> dict[str, Any]:
     """Fetch, check, convert, verify, export (and push) one checkpoint; never raises for a bad variant.
 
@@ -219,8 +228,8 @@ def run_release(
             source, path = _fetch(rel, sources)
             row["source_sha256"] = _check_sha256(rel, path)
             result = export_folder(
-                source, out / rel.name, model=rel.model, overwrite=overwrite, images=images,
-                push_to_hub=row["repo_id"], private=private, command=_command(rel, out, sources, org, private),
+                source, out / rel.name, model=rel.model, overwrite=overwrite, options=options,
+                push_to_hub=row["repo_id"], private=private, command=_command(rel, out, sources, org, private, options),
             )
             report = result.conversion.report
             row.update(
@@ -318,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="with --org, create the repositories as private")
     p.add_argument("--only", nargs="+", metavar="NAME", help="process only these variants (cait_s24_224, S24_224, ...)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output folders")
-    p.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the parity inputs")
     p.add_argument("--list", action="store_true", help="print the release table and exit")
+    add_verify_args(p)
     return p
 
 
@@ -335,6 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipelineError as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 2
+    try:
+        options = verify_options(args)
+    except LayerScaleError as e:
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 2
     sources = Path(args.sources) if args.sources else None
     if sources is not None and not sources.is_dir():
         print(f"convert: error: --sources {sources} is not a folder", file=sys.stderr)
@@ -347,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rel in bar:
         bar.set_postfix_str(rel.reference)
         row = run_release(
-            rel, out, sources=sources, org=args.org, private=args.private, overwrite=args.overwrite, images=args.images
+            rel, out, sources=sources, org=args.org, private=args.private, overwrite=args.overwrite, options=options
         )
         rows.append(row)
         done = "ok" if row["status"] == "ok" else f"FAILED: {row['error']}"

@@ -8,7 +8,8 @@ one default conversion, which runs the full default verification.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
+
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale import conversion
 from timm_layerscale._version import __version__
 from timm_layerscale.conversion import convert_checkpoint, verify_checkpoint
+from timm_layerscale.parity import VerifyOptions
 from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, RemapError
 from timm_layerscale.parity import seeded_inputs
 from timm_layerscale.remap import to_layerscale
@@ -71,7 +73,12 @@ def converted(official, tmp_path_factory) -> conversion.ConversionResult:
 @pytest.fixture
 def few_inputs(monkeypatch):
     """Verification inside ``convert_checkpoint`` on 1 input instead of 8."""
-    monkeypatch.setattr(conversion, "verify_checkpoint", functools.partial(verify_checkpoint, num_inputs=1))
+    real = conversion.verify_state_dicts
+
+    def one_input(*args, options=None, **kwargs):
+        return real(*args, options=dataclasses.replace(options or VerifyOptions(), num_inputs=1), **kwargs)
+
+    monkeypatch.setattr(conversion, "verify_state_dicts", one_input)
 
 
 def load_output(path: Path) -> dict[str, torch.Tensor]:
@@ -126,6 +133,9 @@ def test_safetensors_metadata(converted, official):
     assert meta["source_layout"] == "gamma"
     assert meta["architecture"] == MODEL
     assert __version__ in meta["converter"]
+    assert meta["parity"] == "bit-exact" and meta["parity_weights"] == "equal"
+    assert (meta["parity_atol"], meta["parity_rtol"], meta["parity_max_abs_diff"]) == ("0", "0", "0")
+    assert meta["parity_reference"] == REFERENCE and meta["parity_dtype"] == "float32"
 
 
 def test_done_when_loads_with_timm_create_model(converted, reference):
@@ -142,9 +152,9 @@ def test_command_reproduces_the_options(official, converted, tmp_path, monkeypat
     from timm_layerscale.cli import build_parser
 
     assert shlex.split(converted.command) == ["timm-layerscale", "convert", str(official), str(converted.output)]
-    monkeypatch.setattr(conversion, "verify_checkpoint", lambda *a, **k: converted.report)
+    monkeypatch.setattr(conversion, "verify_state_dicts", lambda *a, **k: converted.report)
     out = tmp_path / "x.pth"
-    res = convert_checkpoint(official, out, to="gamma", dtype="fp16", atol=1e-3, rtol=1e-4, ema=False)
+    res = convert_checkpoint(official, out, to="gamma", dtype="fp16", options=VerifyOptions(atol=1e-3, rtol=1e-4), ema=False)
     argv = shlex.split(res.command)
     assert argv[:2] == ["timm-layerscale", "convert"]
     a = build_parser().parse_args(argv[1:])
@@ -258,27 +268,31 @@ def test_unknown_dtype_is_an_error(official, tmp_path):
 def test_verify_takes_state_dicts_and_image_files(gamma_sd, ls_sd, converted, official, tmp_path):
     from PIL import Image
 
-    rep = verify_checkpoint(gamma_sd, ls_sd, num_inputs=1)
+    rep = verify_checkpoint(gamma_sd, ls_sd, options=VerifyOptions(num_inputs=1))
     assert rep.passed and rep.bit_exact and rep.model == MODEL and rep.num_inputs == 1
 
     img = tmp_path / "cat.png"
     Image.fromarray((torch.arange(300 * 200 * 3) % 251).to(torch.uint8).reshape(200, 300, 3).numpy()).save(img)
-    rep = verify_checkpoint(official, converted.output, images=[str(img)], num_inputs=1)
+    rep = verify_checkpoint(official, converted.output, options=VerifyOptions(images=(str(img),), num_inputs=1))
     assert rep.passed and rep.bit_exact and rep.num_inputs == 2 and "1 image file" in rep.inputs
 
     bad = tmp_path / "not-an-image.png"
     bad.write_text("hello")
     with pytest.raises(CheckpointError, match="cannot read image"):
-        verify_checkpoint(official, converted.output, images=[str(bad)], num_inputs=1)
+        verify_checkpoint(official, converted.output, options=VerifyOptions(images=(str(bad),), num_inputs=1))
 
 
-def test_verify_detects_a_perturbed_weight_and_tolerances_loosen_it(ls_sd, gamma_sd):
+def test_verify_detects_a_perturbed_weight_whatever_the_tolerance(ls_sd, gamma_sd):
     bad = dict(ls_sd)
     bad["blocks_token_only.1.ls2.gamma"] = ls_sd["blocks_token_only.1.ls2.gamma"] + 1e-3
-    rep = verify_checkpoint(gamma_sd, bad, num_inputs=1)
+    rep = verify_checkpoint(gamma_sd, bad, options=VerifyOptions(num_inputs=1))
     assert not rep.passed and not rep.bit_exact and rep.max_abs_diff > 0
-    loose = verify_checkpoint(gamma_sd, bad, num_inputs=1, atol=10 * rep.max_abs_diff)
-    assert loose.passed and not loose.bit_exact and (loose.atol, loose.rtol) == (10 * rep.max_abs_diff, 0)
+    assert rep.weights_equal is False and rep.weights_compared == len(ls_sd)
+    # A tolerance loosens the output check, never the weight check.
+    loose = verify_checkpoint(gamma_sd, bad, options=VerifyOptions(num_inputs=1, atol=10 * rep.max_abs_diff))
+    assert (loose.atol, loose.rtol) == (10 * rep.max_abs_diff, 0) and loose.max_abs_diff <= loose.atol
+    assert not loose.passed and loose.weights_equal is False
+    assert "NOT equal" in loose.format_table()
 
 
 def test_fused_attention_off_runs_manual_attention_bit_exact(official, converted):
@@ -300,7 +314,7 @@ def test_failed_parity_removes_the_output(official, tmp_path, monkeypatch, conve
     import dataclasses
 
     failing = dataclasses.replace(converted.report, passed=False, bit_exact=False, max_abs_diff=0.25)
-    monkeypatch.setattr(conversion, "verify_checkpoint", lambda *a, **k: failing)
+    monkeypatch.setattr(conversion, "verify_state_dicts", lambda *a, **k: failing)
     with pytest.raises(conversion.ParityError, match="does not match") as info:
         convert_checkpoint(official, tmp_path / "x.safetensors")
     assert info.value.report is failing

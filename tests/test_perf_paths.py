@@ -279,3 +279,61 @@ def test_flop_count_of_fused_model_drops_layerscale():
     layerscale = 2 * dim * (TINY["depth"] * patches + 2 * 1)  # two per block; class blocks see 1 token
     unfused = CaitLS(**TINY).flop_count()
     assert CaitLS(**TINY, fused_layerscale=True).flop_count() == unfused - layerscale
+
+
+# --- one folding rule: modules, state dicts and pretrained loading -------------------------
+
+
+def test_fold_state_dict_equals_module_fold(tmp_path):
+    from timm_layerscale import fold_state_dict
+
+    _, ours = _tiny_pair()
+    folded_sd = fold_state_dict(ours.state_dict())
+    module_sd = fuse_layerscale(copy.deepcopy(ours)).state_dict()
+    assert folded_sd.keys() == module_sd.keys()
+    assert all(torch.equal(folded_sd[k], module_sd[k]) for k in module_sd), "the same rule, the same floats"
+    assert fold_state_dict(folded_sd).keys() == folded_sd.keys(), "nothing left to fold"
+    bad = dict(ours.state_dict())
+    del bad["blocks.0.attn.proj.weight"]
+    with pytest.raises(ValueError, match=r"blocks\.0\.ls1\.gamma.*blocks\.0\.attn\.proj"):
+        fold_state_dict(bad)
+
+
+@pytest.mark.parametrize("layout", ["official", "ls"])
+def test_fused_model_loads_pretrained_weights(tmp_path, layout):
+    from safetensors.torch import save_file
+
+    from timm_layerscale import fold_state_dict
+    from timm_layerscale.parity import FUSED_TOLERANCE
+
+    ref = _randomize(timm.create_model("cait_xxs24_224")).eval()
+    if layout == "official":
+        path = tmp_path / "XXS24_224.pth"
+        torch.save({"model": {"module." + k: v for k, v in ref.state_dict().items()}}, path)
+    else:
+        path = tmp_path / "ls.safetensors"
+        save_file(to_layerscale(ref.state_dict(), "cait"), path)
+    fused = timm.create_model(
+        "cait_xxs24_224_ls", pretrained=True, fused_layerscale=True, pretrained_cfg_overlay=dict(file=str(path))
+    ).eval()
+    expected = fold_state_dict(to_layerscale(ref.state_dict(), "cait"))
+    assert fused.state_dict().keys() == expected.keys()
+    assert all(torch.equal(fused.state_dict()[k], v) for k, v in expected.items())
+    x = _images(2, 224)
+    atol, rtol = FUSED_TOLERANCE[torch.float32]
+    with torch.inference_mode():
+        a, b = ref(x), fused(x)
+    assert ((a - b).abs() <= atol + rtol * a.abs()).all()
+
+
+def test_vit5_filter_folds_with_the_same_rule():
+    vit5 = _vit5_module()
+    from timm_layerscale import fold_state_dict
+
+    args = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
+    model = _randomize(vit5.Vit5(**args)).eval()
+    target = vit5.Vit5(**args, fused_layerscale=True)
+    filtered = vit5.checkpoint_filter_fn(model.state_dict(), target)
+    expected = fold_state_dict(model.state_dict())
+    assert filtered.keys() == expected.keys()
+    assert all(torch.equal(filtered[k], expected[k]) for k in expected)

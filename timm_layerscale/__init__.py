@@ -21,8 +21,10 @@ __all__ = [
     "LayerScale",
     "LayerScaleError",
     "cait_init_value",
+    "fold_state_dict",
     "fuse_layerscale",
     "param_groups",
+    "VerifyOptions",
     "to_layerscale",
     "to_gamma",
     "models",
@@ -33,6 +35,8 @@ _LAZY = {
     "cait_init_value": ".layer_scale",
     "param_groups": ".layer_scale",
     "fuse_layerscale": ".fuse",
+    "fold_state_dict": ".fuse",
+    "VerifyOptions": ".parity",
 }
 
 

@@ -235,9 +235,17 @@ def build_model_card(
     add("## Parity")
     add("")
     if report is not None:
+        if report.bit_exact and report.passed:
+            verdict = "**bit-exact**: every output equals the reference's (`torch.equal`)"
+        else:
+            verdict = (
+                f"**within tolerance** `|ref - out| <= {report.atol:g} + {report.rtol:g} * |ref|` "
+                f"({report.tolerance_reason}); largest difference {report.max_abs_diff:.3g}"
+            )
         add(
             f"The converted model was run against the reference `{report.reference}` loaded from the source file, "
-            "on the same inputs:"
+            f"on the same inputs. Result: {verdict}. Every converted tensor was compared with its source tensor: "
+            f"{'identical' if report.weights_equal else 'not compared' if report.weights_equal is None else 'DIFFERENT'}."
         )
         add("")
         add(report.to_markdown())

@@ -44,6 +44,50 @@ def _add_common(p: argparse.ArgumentParser, top: bool = False) -> None:
     p.add_argument("--debug", action="store_true", default=default, help="show the full traceback on errors")
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_verify_args(p: argparse.ArgumentParser) -> None:
+    """The verification options, the same for every command that verifies."""
+    g = p.add_argument_group("verification")
+    g.add_argument("--exact", action="store_true", help="demand bit-exact outputs (torch.equal), whatever the family")
+    g.add_argument("--atol", type=_non_negative, metavar="X",
+                   help="absolute tolerance (default: the family's rule; 0 = bit-exact for CaiT and DeiT-III)")
+    g.add_argument("--rtol", type=_non_negative, metavar="X", help="relative tolerance (default: the family's rule)")
+    g.add_argument("--num-inputs", type=_positive_int, default=8, metavar="K", help="seeded random images (default 8)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random images (default 0)")
+    g.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
+    g.add_argument("--device", default="cpu", help="run both models on cpu (default) or cuda")
+    g.add_argument("--batch-size", type=_positive_int, default=4, metavar="N", help="images per forward pass (default 4)")
+
+
+def verify_options(a: argparse.Namespace) -> Any:
+    """The :class:`~timm_layerscale.parity.VerifyOptions` of parsed :func:`add_verify_args` options."""
+    from .parity import VerifyOptions
+
+    return VerifyOptions(
+        atol=a.atol, rtol=a.rtol, exact=a.exact, num_inputs=a.num_inputs, seed=a.seed, images=tuple(a.images),
+        device=a.device, batch_size=a.batch_size,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (imports nothing heavy)."""
     parser = _Parser(
@@ -66,10 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", metavar="NAME", help="model name; overrides architecture detection")
         p.add_argument("--ema", action="store_true", help="take the 'model_ema' weights of a training checkpoint")
 
-    def tol_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit-exact)")
-        p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit-exact)")
-
     p = add(
         "convert",
         "convert a checkpoint between layouts and verify parity",
@@ -86,9 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check")
     p.add_argument("--allow-nonfinite", action="store_true", help="convert even if tensors hold NaN/Inf")
-    p.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the parity inputs")
-    tol_args(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_verify_args(p)
 
     p = add(
         "verify",
@@ -99,11 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="SOURCE")
     p.add_argument("converted", metavar="CONVERTED")
     source_args(p)
-    p.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
-    p.add_argument("--num-inputs", type=int, default=8, metavar="K", help="seeded random images (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random images")
-    tol_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_verify_args(p)
 
     p = add("list", "list the registered models, their references and pretrained tags")
     p.add_argument("--flops", action="store_true", help="add multiply counts of one forward pass")
@@ -112,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("demo", "offline end to end: write an official-layout checkpoint, convert, verify, export, reload")
     p.add_argument("--out", default="demo-out", metavar="DIR", help="output folder (default: demo-out)")
     p.add_argument("--overwrite", action="store_true", help="replace earlier demo output")
+    add_verify_args(p)
 
     p = add(
         "export",
@@ -122,12 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR")
     source_args(p)
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
-    p.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the parity inputs")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder after exporting it")
     p.add_argument("--repo-id", metavar="ORG/NAME", help="repo id shown in the model card's usage code (default: --push-to-hub, else ORG/<DIR name>)")
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
     p.add_argument("--commit-message", metavar="M", help="commit message of the upload")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_verify_args(p)
 
     p = add(
         "push",
@@ -162,8 +199,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     try:
         res = convert_checkpoint(
             a.source, a.output, model=a.model, to=a.to, fmt=a.fmt, dtype=a.dtype, overwrite=a.overwrite,
-            verify=a.verify, allow_nonfinite=a.allow_nonfinite, ema=a.ema, images=a.images, fuse=a.fuse,
-            atol=a.atol, rtol=a.rtol,
+            verify=a.verify, allow_nonfinite=a.allow_nonfinite, ema=a.ema, fuse=a.fuse, options=verify_options(a),
         )
     except ParityError as e:
         if a.json:
@@ -189,10 +225,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
 def _cmd_verify(a: argparse.Namespace) -> int:
     from .conversion import verify_checkpoint
 
-    rep = verify_checkpoint(
-        a.source, a.converted, model=a.model, images=a.images, num_inputs=a.num_inputs, seed=a.seed,
-        atol=a.atol, rtol=a.rtol, ema=a.ema,
-    )
+    rep = verify_checkpoint(a.source, a.converted, model=a.model, ema=a.ema, options=verify_options(a))
     if a.json:
         _print_json(rep.to_dict())
     else:
@@ -214,7 +247,7 @@ def _cmd_list(a: argparse.Namespace) -> int:
 def _cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return 0 if run_demo(a.out, overwrite=a.overwrite) else 1
+    return 0 if run_demo(a.out, overwrite=a.overwrite, options=verify_options(a)) else 1
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
@@ -223,7 +256,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
     try:
         res = export_folder(
-            a.source, a.dir, model=a.model, overwrite=a.overwrite, images=a.images, ema=a.ema,
+            a.source, a.dir, model=a.model, overwrite=a.overwrite, ema=a.ema, options=verify_options(a),
             push_to_hub=a.push_to_hub, private=a.private, commit_message=a.commit_message, repo_id=a.repo_id,
         )
     except ParityError as e:

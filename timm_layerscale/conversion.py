@@ -20,7 +20,16 @@ from torch import nn
 from . import checkpoint as ckpt
 from ._version import __version__
 from .errors import CheckpointError, LayerScaleError, OutputExistsError, RemapError
-from .parity import ParityReport, compare_models, image_inputs, seed_parameters_, seeded_inputs
+from .parity import (
+    ParityReport,
+    VerifyOptions,
+    compare_models,
+    compare_weights,
+    image_inputs,
+    resolve_tolerance,
+    seed_parameters_,
+    seeded_inputs,
+)
 from .remap import FAMILIES, detect_layout, strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict, check_state_dict
 from .variants import Variant, detect_variant, target_shapes
 
@@ -32,6 +41,9 @@ __all__ = [
     "load_source",
     "build_reference",
     "build_converted",
+    "command_line",
+    "verify_state_dicts",
+    "verify_flags",
     "write_official_checkpoint",
 ]
 
@@ -207,35 +219,117 @@ def _dtype_of(sd: Mapping[str, torch.Tensor]) -> torch.dtype:
     return torch.float32
 
 
+def _has_layerscale(sd: Mapping[str, torch.Tensor]) -> bool:
+    return any(k.endswith(("ls1.gamma", "ls2.gamma", "gamma_1", "gamma_2")) for k in sd)
+
+
+def _expected_weights(
+    src_sd: Mapping[str, torch.Tensor], conv_ls: Mapping[str, torch.Tensor], family: str, fused: bool
+) -> dict[str, torch.Tensor]:
+    """The source's tensors as the converted ones must be: remapped, folded if ``fused``, cast to their dtypes."""
+    from .fuse import fold_state_dict
+
+    expected = to_layerscale(src_sd, family)
+    if fused:
+        expected = fold_state_dict(expected)
+    out = {}
+    for k, v in expected.items():
+        want = conv_ls.get(k)
+        out[k] = v.to(want.dtype) if want is not None and v.is_floating_point() else v
+    return out
+
+
+def _device(options: VerifyOptions) -> torch.device:
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CheckpointError(f"--device {options.device}: no CUDA device is available here; use --device cpu")
+    return torch.device(options.device)
+
+
+def verify_state_dicts(
+    src_sd: Mapping[str, torch.Tensor],
+    conv_sd: Mapping[str, torch.Tensor],
+    variant: Variant,
+    *,
+    num_classes: int | None = None,
+    options: VerifyOptions | None = None,
+    fused: bool | None = None,
+) -> ParityReport:
+    """Compare the reference on the original weights with the converted model, and the weights themselves.
+
+    Args:
+        src_sd: The original weights (unwrapped, prefixes stripped), any dtype.
+        conv_sd: The converted weights, any layout; their float dtype is the check's.
+        variant: The architecture.
+        num_classes: Classifier size when it differs from the variant's default.
+        options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.VerifyOptions`).
+        fused: The converted weights have LayerScale folded in; default: detected
+            (the source has gammas, the converted weights none).
+
+    Returns:
+        The :class:`~timm_layerscale.parity.ParityReport`.
+    """
+    options = options or VerifyOptions()
+    device = _device(options)
+    family = FAMILIES[variant.family]
+    if fused is None:
+        fused = _has_layerscale(src_sd) and not _has_layerscale(conv_sd)
+    conv_ls = to_layerscale(conv_sd, family)
+    weights = compare_weights(_expected_weights(src_sd, conv_ls, family, fused), conv_ls)
+    dtype = _dtype_of(conv_sd)
+    tolerance = resolve_tolerance(variant.family, dtype, options, fused=fused)
+    ref, ref_name = build_reference(variant, dict(src_sd), num_classes)
+    out = build_converted(variant, conv_sd, num_classes, **({"fused_layerscale": True} if fused else {}))
+    align_attention(ref, out)
+    ref.to(device, dtype)
+    out.to(device, dtype)
+    img = variant.img_size
+    cfg_size = getattr(out, "pretrained_cfg", {}).get("input_size")
+    if cfg_size:
+        img = tuple(cfg_size[-2:])
+    inputs = seeded_inputs(options.num_inputs, img, options.seed)
+    size = img if isinstance(img, int) else "x".join(map(str, img))
+    desc = f"{options.num_inputs} seeded N(0,1) images (seed {options.seed}) at {size}"
+    if options.images:
+        files = image_inputs(options.images, out)
+        if files.shape[-2:] != inputs.shape[-2:]:
+            raise CheckpointError("image files resolve to another input size than the model's; check --images")
+        inputs = torch.cat([inputs, files])
+        desc += f" + {len(options.images)} image file(s)"
+    return compare_models(
+        ref,
+        out,
+        inputs,
+        reference_name=ref_name,
+        model_name=f"{variant.name} (fused_layerscale)" if fused else variant.name,
+        family=variant.family,
+        inputs_desc=desc,
+        batch_size=options.batch_size,
+        tolerance=tolerance,
+        weights=weights,
+    )
+
+
 def verify_checkpoint(
     source: str | os.PathLike | Mapping[str, torch.Tensor],
     converted: str | os.PathLike | Mapping[str, torch.Tensor],
     *,
     model: str | None = None,
-    images: Sequence[str] = (),
-    num_inputs: int = 8,
-    seed: int = 0,
-    batch_size: int = 4,
-    atol: float = 0.0,
-    rtol: float = 0.0,
     ema: bool = False,
+    options: VerifyOptions | None = None,
 ) -> ParityReport:
     """Compare the reference model on the original weights with the converted model.
 
     Both models run in the converted file's float dtype (the source weights are
-    cast to it), on the CPU, on ``num_inputs`` seeded images at the model's
-    resolution plus any image files.
+    cast to it) on ``options.device``, on seeded images at the model's resolution
+    plus any image files; every converted tensor is also compared with its source.
 
     Args:
         source: The original checkpoint (file, URL, ``hf-hub:`` id, or a state dict).
-        converted: The converted checkpoint (file or state dict), any layout.
+        converted: The converted checkpoint (file or state dict), any layout, folded or not.
         model: Model name overriding detection.
-        images: Image files, run through timm's eval transforms for the model.
-        num_inputs: Number of seeded random images.
-        seed: Seed of the random images.
-        batch_size: Images per forward pass.
-        atol, rtol: Tolerances; 0 and 0 ask for bit-exact outputs.
         ema: Take the source's ``'model_ema'`` weights.
+        options: Tolerances, inputs and device; the default asks for what the
+            family's construction guarantees (:func:`~timm_layerscale.parity.resolve_tolerance`).
 
     Returns:
         The :class:`~timm_layerscale.parity.ParityReport`.
@@ -249,41 +343,14 @@ def verify_checkpoint(
         conv_sd = strip_prefixes(unwrap_state_dict(converted))
     else:
         conv_sd = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(_resolve(converted))))
-    num_classes = info.get("num_classes")
-    dtype = _dtype_of(conv_sd)
-    ref, ref_name = build_reference(variant, {k: v for k, v in src_sd.items()}, num_classes)
-    out = build_converted(variant, conv_sd, num_classes)
-    align_attention(ref, out)
-    ref.to(dtype)
-    out.to(dtype)
-    img = variant.img_size
-    cfg_size = getattr(out, "pretrained_cfg", {}).get("input_size")
-    if cfg_size:
-        img = tuple(cfg_size[-2:])
-    inputs = seeded_inputs(num_inputs, img, seed)
-    desc = f"{num_inputs} seeded N(0,1) images (seed {seed}) at {img if isinstance(img, int) else 'x'.join(map(str, img))}"
-    if images:
-        files = image_inputs(images, out)
-        if files.shape[-2:] != inputs.shape[-2:]:
-            raise CheckpointError("image files resolve to another input size than the model's; check --images")
-        inputs = torch.cat([inputs, files])
-        desc += f" + {len(images)} image file(s)"
-    return compare_models(
-        ref,
-        out,
-        inputs,
-        reference_name=ref_name,
-        model_name=variant.name,
-        family=variant.family,
-        inputs_desc=desc,
-        batch_size=batch_size,
-        atol=atol,
-        rtol=rtol,
-    )
+    return verify_state_dicts(src_sd, conv_sd, variant, num_classes=info.get("num_classes"), options=options)
 
 
-def _command(source: str, output: Path, **opts: Any) -> str:
-    parts = ["timm-layerscale", "convert", str(source), str(output)]
+def command_line(subcommand: str, positional: Sequence[str], options: VerifyOptions | None = None, **opts: Any) -> str:
+    """A ``timm-layerscale`` command line: ``opts`` as flags (``True``: bare flag; ``None``/``False``/empty: left out)."""
+    parts = ["timm-layerscale", subcommand, *map(str, positional)]
+    if options is not None:
+        opts.update(verify_flags(options))
     for key, value in opts.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -291,6 +358,17 @@ def _command(source: str, output: Path, **opts: Any) -> str:
         elif value not in (None, False, (), []):
             parts += [flag] + ([str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)])
     return shlex.join(parts)
+
+
+def verify_flags(options: VerifyOptions) -> dict[str, Any]:
+    """The non-default verification options as ``{flag_name: value}`` for a command line."""
+    default = VerifyOptions()
+    flags: dict[str, Any] = {}
+    for name in ("exact", "atol", "rtol", "num_inputs", "seed", "images", "device", "batch_size"):
+        value = getattr(options, name)
+        if value != getattr(default, name):
+            flags[name] = list(value) if name == "images" else value
+    return flags
 
 
 def convert_checkpoint(
@@ -305,16 +383,18 @@ def convert_checkpoint(
     verify: bool = True,
     allow_nonfinite: bool = False,
     ema: bool = False,
-    images: Sequence[str] = (),
     fuse: bool = False,
-    atol: float = 0.0,
-    rtol: float = 0.0,
+    options: VerifyOptions | None = None,
 ) -> ConversionResult:
     """Convert a checkpoint to the LayerScale-module layout (or back) and verify it.
 
-    The output is written atomically: it appears complete or not at all. With
-    ``verify`` the written file is loaded back and compared with the reference;
-    a failed check removes it and raises :class:`ParityError`.
+    With ``verify``, the converted weights (cast to ``dtype``) are compared with the
+    source tensor by tensor and the converted model with the reference
+    (:func:`verify_state_dicts`) before anything is written; a failed check raises
+    :class:`ParityError` and writes nothing. The result goes into the safetensors
+    metadata (``parity``: ``bit-exact``, ``within tolerance`` or ``not verified``, with
+    the tolerance). The output is written atomically, then read back and compared
+    with the verified tensors.
 
     Args:
         source: Local file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
@@ -328,10 +408,9 @@ def convert_checkpoint(
         verify: Check parity of the written file against the reference.
         allow_nonfinite: Convert even if some tensors hold NaN or Inf.
         ema: Take the source's ``'model_ema'`` weights.
-        images: Image files added to the verification inputs.
         fuse: Fold every LayerScale gamma into the preceding Linear (``ls`` only);
             the output loads into the model built with ``fused_layerscale=True``.
-        atol, rtol: Verification tolerances (0, 0 = bit-exact).
+        options: Verification tolerances, inputs and device.
 
     Returns:
         A :class:`ConversionResult`.
@@ -362,10 +441,9 @@ def convert_checkpoint(
     shapes = target_shapes(variant, num_classes)
     check_state_dict(to_layerscale(target, FAMILIES[variant.family]), shapes, variant.name)
     if fuse:
-        from .fuse import fuse_layerscale
+        from .fuse import fold_state_dict
 
-        fused = fuse_layerscale(build_converted(variant, target, num_classes))
-        target = fused.state_dict()
+        target = fold_state_dict(to_layerscale(target, FAMILIES[variant.family]))
 
     sha = ckpt.sha256_file(path)
     metadata = {
@@ -382,29 +460,38 @@ def convert_checkpoint(
         metadata["num_classes"] = str(num_classes)
     if fuse:
         metadata["fused_layerscale"] = "true"
-    ckpt.save_state_dict(output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype)
 
     report = None
     if verify:
+        if torch_dtype is not None:
+            target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
+        report = verify_state_dicts(sd, target, variant, num_classes=num_classes, options=options, fused=fuse)
+        if not report.passed:
+            what = (
+                "converted weights differ from the source" if report.weights_equal is False
+                else f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}, "
+                f"{'bit-exact required' if report.atol == 0 and report.rtol == 0 else f'atol={report.atol:g}, rtol={report.rtol:g}'})"
+            )
+            raise ParityError(f"{what}; nothing written", report)
+        metadata.update(report.metadata())
+    else:
+        metadata["parity"] = "not verified"
+    ckpt.save_state_dict(output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype)
+    if verify:
         try:
-            if fuse:
-                report = _verify_fused(sd, output, variant, num_classes, images)
-            else:
-                report = verify_checkpoint(sd, output, model=variant.name, images=images, atol=atol, rtol=rtol)
+            written = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(output)))
+            same, _, detail = compare_weights(target, written)
         except BaseException:
             output.unlink(missing_ok=True)
             raise
-        if not report.passed:
+        if not same:
             output.unlink(missing_ok=True)
-            raise ParityError(
-                f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}); "
-                "output removed; pass --atol/--rtol to accept a tolerance",
-                report,
-            )
-    command = _command(
-        str(source), output, model=model, to=None if to == "ls" else to, format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
+            raise LayerScaleError(f"{output} does not read back as written ({detail}); output removed")
+    command = command_line(
+        "convert", (source, output), options if verify else None, model=model, to=None if to == "ls" else to,
+        format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
         dtype=dtype, overwrite=overwrite or None, no_verify=not verify, allow_nonfinite=allow_nonfinite, ema=ema,
-        images=list(images), fuse=fuse, atol=atol, rtol=rtol,
+        fuse=fuse,
     )
     return ConversionResult(
         output=output,
@@ -419,32 +506,6 @@ def convert_checkpoint(
         report=report,
         seconds=time.perf_counter() - t0,
         command=command,
-    )
-
-
-def _verify_fused(
-    src_sd: Mapping[str, torch.Tensor], output: Path, variant: Variant, num_classes: int | None, images: Sequence[str]
-) -> ParityReport:
-    """Folding changes rounding: a fused model is checked with a 1e-5 absolute tolerance."""
-    import timm
-
-    ref, ref_name = build_reference(variant, src_sd, num_classes)
-    kwargs: dict[str, Any] = {"fused_layerscale": True}
-    if num_classes is not None:
-        kwargs["num_classes"] = num_classes
-    model = timm.create_model(variant.name, **kwargs)
-    sd = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(output)))
-    model.load_state_dict(dict(sd), strict=True)
-    align_attention(ref, model)
-    dtype = _dtype_of(sd)
-    ref.to(dtype)
-    model.to(dtype).eval()
-    inputs = seeded_inputs(8, variant.img_size, 0)
-    if images:
-        inputs = torch.cat([inputs, image_inputs(images, model)])
-    return compare_models(
-        ref, model, inputs, reference_name=ref_name, model_name=f"{variant.name} (fused_layerscale)",
-        family=variant.family, inputs_desc=f"{inputs.shape[0]} images, seed 0", atol=1e-5, rtol=0.0,
     )
 
 

@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["run_demo"]
 
@@ -28,8 +29,10 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed: int = 0) -> bool:
+def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
     """Run the demo into folder ``out``; return whether every parity check held.
+
+    ``options`` (:class:`~timm_layerscale.parity.VerifyOptions`) set the verification of step 2.
 
     Raises:
         OutputExistsError: ``out`` exists and is not empty, without ``overwrite``.
@@ -58,7 +61,7 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     hub_dir = out / f"{MODEL}.fb_dist_in1k"
     _say(f"[2/3] converting to the LayerScale-module layout, verifying against timm's {REFERENCE},")
     _say(f"      and exporting a Hub-ready folder -> {hub_dir}")
-    exp = export_folder(official, hub_dir, overwrite=True)
+    exp = export_folder(official, hub_dir, overwrite=True, options=options)
     res = exp.conversion
     converted = hub_dir / "model.safetensors"
     _say(f"      detected {res.variant.name}; source sha256 {res.source_sha256[:16]}...; {res.seconds:.1f} s")

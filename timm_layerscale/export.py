@@ -38,21 +38,6 @@ def _count_params(weights: Path) -> int:
     return total
 
 
-def _export_command(source: str, out: Path, model: str | None, ema: bool, images: Sequence[str], push_to_hub: str | None, private: bool) -> str:
-    parts = ["timm-layerscale", "export", source, str(out)]
-    if model:
-        parts += ["--model", model]
-    if ema:
-        parts.append("--ema")
-    if images:
-        parts += ["--images", *images]
-    if push_to_hub:
-        parts += ["--push-to-hub", push_to_hub]
-        if private:
-            parts.append("--private")
-    return shlex.join(parts)
-
-
 @dataclass
 class ExportResult:
     """What :func:`export_folder` wrote.
@@ -165,8 +150,8 @@ def export_folder(
     model: str | None = None,
     overwrite: bool = False,
     push_to_hub: str | None = None,
-    images: Sequence[str] = (),
     ema: bool = False,
+    options: Any = None,
     private: bool = False,
     commit_message: str | None = None,
     repo_id: str | None = None,
@@ -189,8 +174,8 @@ def export_folder(
         model: Model name overriding architecture detection.
         overwrite: Replace ``out_dir`` if it exists and is not empty.
         push_to_hub: Upload the folder to this ``ORG/NAME`` after writing it.
-        images: Image files added to the parity inputs.
         ema: Take the ``'model_ema'`` weights of a training checkpoint.
+        options: Verification options (:class:`~timm_layerscale.parity.VerifyOptions`).
         private: With ``push_to_hub``, create the repository as private.
         commit_message: With ``push_to_hub``, the commit message.
         repo_id: Hub id for the card's usage code (default ``push_to_hub``, else
@@ -208,7 +193,7 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
-    from .conversion import convert_checkpoint
+    from .conversion import command_line, convert_checkpoint
     from .gates import MissingPlotDependency, gate_profile, plot_gates
 
     out = Path(out_dir)
@@ -220,7 +205,7 @@ def export_folder(
     tmp.mkdir()
     try:
         weights = tmp / WEIGHTS_NAME
-        conv = convert_checkpoint(source, weights, model=model, to="ls", fmt="safetensors", ema=ema, images=images)
+        conv = convert_checkpoint(source, weights, model=model, to="ls", fmt="safetensors", ema=ema, options=options)
         config = write_config(conv.variant.name, tmp / CONFIG_NAME, num_classes=conv.num_classes)
         _check_reload(tmp, weights, conv.num_classes)
         gates = gate_profile(weights)
@@ -231,7 +216,10 @@ def export_folder(
             except MissingPlotDependency as e:
                 plot_note = f"no {PLOT_NAME}: {e}"
         num_params = _count_params(weights)
-        cmd = command or _export_command(str(source), out, model, ema, images, push_to_hub, private)
+        cmd = command or command_line(
+            "export", (source, out), options, model=model, ema=ema, push_to_hub=push_to_hub,
+            private=bool(push_to_hub and private),
+        )
         card = build_model_card(
             conv, repo_id=repo, config=config, num_params=num_params, command=cmd, gates=gates,
             plot=PLOT_NAME if plot_path else None,

@@ -9,7 +9,7 @@ is another parameterisation, though (no separate, undecayed ``gamma``).
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from timm.layers import LayerScale as TimmLayerScale
@@ -17,7 +17,7 @@ from torch import nn
 
 from .layer_scale import LayerScale
 
-__all__ = ["fuse_layerscale", "FOLD_TARGETS"]
+__all__ = ["fuse_layerscale", "fold_state_dict", "fold_weights", "FOLD_TARGETS"]
 
 #: LayerScale child name -> path (from the same parent) of the linear layer it follows.
 FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
@@ -36,12 +36,61 @@ def _target_linear(parent: nn.Module, path: Tuple[str, ...]) -> nn.Module | None
 
 
 @torch.no_grad()
+def fold_weights(
+    weight: torch.Tensor, bias: Optional[torch.Tensor], gamma: torch.Tensor
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(diag(gamma) W, gamma * b)``: the one folding rule, used for modules and state dicts alike.
+
+    Computed in at least fp32 and rounded once to the weight's (and bias's) dtype.
+
+    Args:
+        weight: Linear weight ``(C_out, C_in)``.
+        bias: Linear bias ``(C_out,)`` or ``None``.
+        gamma: LayerScale ``(C_out,)``.
+
+    Returns:
+        The folded weight and bias (new tensors).
+    """
+    work = torch.promote_types(weight.dtype, torch.float32)
+    g = gamma.detach().to(weight.device, work)
+    w = (weight.detach().to(work) * g[:, None]).to(weight.dtype)
+    b = None if bias is None else (bias.detach().to(work) * g).to(bias.dtype)
+    return w, b
+
+
+@torch.no_grad()
 def _fold(linear: nn.Linear, gamma: torch.Tensor) -> None:
-    work = torch.promote_types(linear.weight.dtype, torch.float32)
-    g = gamma.detach().to(linear.weight.device, work)
-    linear.weight.copy_((linear.weight.to(work) * g[:, None]).to(linear.weight.dtype))
-    if linear.bias is not None:
-        linear.bias.copy_((linear.bias.to(work) * g).to(linear.bias.dtype))
+    w, b = fold_weights(linear.weight, linear.bias, gamma)
+    linear.weight.copy_(w)
+    if b is not None:
+        linear.bias.copy_(b)
+
+
+def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Fold every ``*.ls1.gamma`` / ``*.ls2.gamma`` of an ``ls``-layout state dict into its linear layer.
+
+    The state-dict twin of :func:`fuse_layerscale` (same :func:`fold_weights`, so the
+    two give identical tensors): ``ls1.gamma`` goes into ``attn.proj``, ``ls2.gamma``
+    into ``mlp.fc2``, and the gammas are dropped. A state dict without gammas comes
+    back unchanged.
+
+    Raises:
+        ValueError: A gamma without its linear layer, or of another width.
+    """
+    out = dict(state_dict)
+    for key in [k for k in state_dict if k.endswith((".ls1.gamma", ".ls2.gamma"))]:
+        prefix, ls_name, _ = key.rsplit(".", 2)
+        target = ".".join((prefix, *FOLD_TARGETS[ls_name]))
+        weight = out.get(f"{target}.weight")
+        gamma = out.pop(key)
+        if weight is None or weight.ndim != 2 or weight.shape[0] != gamma.shape[0]:
+            found = "nothing" if weight is None else f"a weight of shape {tuple(weight.shape)}"
+            raise ValueError(f"cannot fold {key!r} (shape {tuple(gamma.shape)}): expected a linear weight at {target!r}, found {found}")
+        w, b = fold_weights(weight, out.get(f"{target}.bias"), gamma)
+        out[f"{target}.weight"] = w
+        if b is not None:
+            out[f"{target}.bias"] = b
+    return out
 
 
 def fuse_layerscale(model: nn.Module) -> nn.Module:

@@ -28,6 +28,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint, checkpoint_seq
 
+from ..fuse import fold_state_dict
 from ..layer_scale import LayerScale, cait_init_value, layer_scale_or_identity
 from ..layers.talking_heads import (
     ATTN_IMPLS,
@@ -577,7 +578,9 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> 
     Accepts the official file (``{'model': {'module.' + key: ...}}``), timm's
     ``cait_*`` state dict (``gamma_1``/``gamma_2``) and the ``ls`` layout. The
     position embedding is resampled when the checkpoint's grid differs from the
-    model's (pretrained loading at another ``img_size``).
+    model's (pretrained loading at another ``img_size``). For a model built with
+    ``fused_layerscale=True`` the gammas are folded into ``attn.proj`` and ``mlp.fc2``
+    (:func:`timm_layerscale.fuse.fold_state_dict`).
     """
     out = to_layerscale(unwrap_state_dict(state_dict), "cait")
     pe = out.get("pos_embed")
@@ -585,6 +588,8 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> 
         out["pos_embed"] = resample_abs_pos_embed(
             pe, new_size=model.patch_embed.grid_size, num_prefix_tokens=0, verbose=False
         )
+    if model.fused_layerscale:
+        out = fold_state_dict(out)
     return out
 
 

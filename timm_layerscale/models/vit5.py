@@ -48,6 +48,7 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 
 from ..errors import RemapError
+from ..fuse import fold_state_dict
 from ..layer_scale import LayerScale, layer_scale_or_identity
 from ..remap import WRAPPER_KEYS, strip_prefixes, to_layerscale, unwrap_state_dict
 
@@ -667,19 +668,6 @@ def check_rope_buffers(state_dict: Mapping[str, Any], name_or_model: Union[str, 
             )
 
 
-def _fold_layerscale(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Fold ``ls1.gamma`` into ``attn.proj`` and ``ls2.gamma`` into ``mlp.fc2`` (rows scaled by gamma)."""
-    out = dict(sd)
-    for key in [k for k in sd if k.endswith((".ls1.gamma", ".ls2.gamma"))]:
-        gamma = out.pop(key)
-        prefix, which = key.rsplit(".", 2)[0], key.rsplit(".", 2)[1]
-        target = f"{prefix}.attn.proj" if which == "ls1" else f"{prefix}.mlp.fc2"
-        w, b = out[f"{target}.weight"], out[f"{target}.bias"]
-        out[f"{target}.weight"] = w * gamma.to(w.dtype)[:, None]
-        out[f"{target}.bias"] = b * gamma.to(b.dtype)
-    return out
-
-
 def _wants_ema(model: nn.Module) -> bool:
     tag = (getattr(model, "pretrained_cfg", None) or {}).get("tag") or ""
     return tag.endswith("_ema")
@@ -715,7 +703,7 @@ def checkpoint_filter_fn(
             pe, new_size=model.patch_embed.grid_size, num_prefix_tokens=0, verbose=False
         )
     if not isinstance(model.blocks[0].ls1, LayerScale):
-        out = _fold_layerscale(out)
+        out = fold_state_dict(out)
     return out
 
 

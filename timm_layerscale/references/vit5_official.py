@@ -87,14 +87,14 @@ class VisionRope(nn.Module):
         if side * side != x.shape[1]:
             raise ValueError(f"rotary embedding expects a square grid of tokens, got {x.shape[1]}")
         t = torch.arange(side, device=x.device) / side * self.pt_seq_len
-        angles = torch.einsum("i,f->if", t, self.freqs.to(x.device))
+        angles = torch.einsum("i,f->if", t, self.freqs.to(x.device, torch.float32))
         angles = angles.repeat_interleave(2, dim=-1)
         rows = angles[:, None, :].expand(side, side, -1)
         cols = angles[None, :, :].expand(side, side, -1)
         angles = torch.cat((rows, cols), dim=-1)
         cos = angles.cos().view(-1, 1, angles.shape[-1])
         sin = angles.sin().view(-1, 1, angles.shape[-1])
-        return x * cos + rotate_pairs(x) * sin
+        return (x * cos + rotate_pairs(x) * sin).to(x.dtype)  # angles in fp32, result in the input's dtype
 
 
 class Attention(nn.Module):
