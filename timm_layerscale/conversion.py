@@ -7,6 +7,7 @@ together for the command line and for library users.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import time
@@ -21,7 +22,9 @@ from . import checkpoint as ckpt
 from ._version import __version__
 from .errors import CheckpointError, LayerScaleError, OutputExistsError, RemapError
 from .parity import ParityReport, compare_models, image_inputs, seed_parameters_, seeded_inputs
-from .remap import FAMILIES, detect_layout, strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict, check_state_dict
+from .remap import (
+    FAMILIES, check_state_dict, detect_layout, official_checkpoint, strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict,
+)
 from .variants import Variant, detect_variant, target_shapes
 
 __all__ = [
@@ -38,6 +41,8 @@ __all__ = [
 
 class ParityError(LayerScaleError):
     """The converted model's outputs do not match the reference's (exit code 1)."""
+
+    exit_code = 1
 
     def __init__(self, message: str, report: ParityReport) -> None:
         super().__init__(message)
@@ -61,6 +66,8 @@ class ConversionResult:
         report: The parity report, or ``None`` with ``verify=False``.
         seconds: Wall time of the conversion, verification included.
         command: A command line that reproduces the conversion.
+        container: How the output holds the state dict: ``"plain"``, or the
+            official training code's wrapper (``"{'model': {'module.' + key: tensor}}"``).
     """
 
     output: Path
@@ -75,6 +82,7 @@ class ConversionResult:
     report: ParityReport | None
     seconds: float
     command: str
+    container: str = "plain"
 
 
 def _resolve(source: str | os.PathLike) -> Path:
@@ -265,7 +273,7 @@ def verify_checkpoint(
     if images:
         files = image_inputs(images, out)
         if files.shape[-2:] != inputs.shape[-2:]:
-            raise CheckpointError("image files resolve to another input size than the model's; check --images")
+            raise CheckpointError("image files resolve to another input size than the model's; check the image files")
         inputs = torch.cat([inputs, files])
         desc += f" + {len(images)} image file(s)"
     return compare_models(
@@ -309,12 +317,22 @@ def convert_checkpoint(
     fuse: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
+    plain: bool = False,
 ) -> ConversionResult:
     """Convert a checkpoint to the LayerScale-module layout (or back) and verify it.
 
     The output is written atomically: it appears complete or not at all. With
     ``verify`` the written file is loaded back and compared with the reference;
     a failed check removes it and raises :class:`ParityError`.
+
+    ``to="gamma"`` writes what the official training code saves: a ``.pth`` file
+    holding ``{'model': {'module.' + key: tensor}}`` for CaiT (the official loader
+    expects the prefix) and ``{'model': state_dict}`` for DeiT-III and ViT-5, so
+    the official code loads it as it is; ``plain=True`` writes the bare state dict
+    instead. A safetensors file always holds the bare state dict (timm's own
+    layout for its ``cait_*`` Hub copies). A source already in the ``gamma``
+    layout is refused for ``to="gamma"``; one already in the ``ls`` layout is
+    re-saved for ``to="ls"`` (format, ``dtype`` and ``fuse`` apply).
 
     Args:
         source: Local file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
@@ -332,9 +350,15 @@ def convert_checkpoint(
         fuse: Fold every LayerScale gamma into the preceding Linear (``ls`` only);
             the output loads into the model built with ``fused_layerscale=True``.
         atol, rtol: Verification tolerances (0, 0 = bit-exact).
+        plain: With ``to="gamma"``, write a ``.pth`` file without the official wrapper.
 
     Returns:
         A :class:`ConversionResult`.
+
+    Raises:
+        LayerScaleError: Bad options, a source already in the ``gamma`` layout for
+            ``to="gamma"``, or any error of reading, detecting or writing.
+        ParityError: The written file does not match the reference.
     """
     t0 = time.perf_counter()
     output = Path(output)
@@ -344,9 +368,11 @@ def convert_checkpoint(
     if to not in ("ls", "gamma"):
         raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
     if fuse and to != "ls":
-        raise LayerScaleError("--fuse applies to the ls layout only; drop --to gamma or --fuse")
+        raise LayerScaleError("fusing applies to the ls layout only; convert to 'ls', or do not fuse")
+    if plain and to != "gamma":
+        raise LayerScaleError("plain applies to the gamma layout only (an ls file is always plain); leave it out")
     if output.exists() and not overwrite:
-        raise OutputExistsError(f"{output} exists; pass --overwrite to replace it")
+        raise OutputExistsError(f"{output} exists; pass overwrite=True to replace it")
     if not output.parent.is_dir():
         raise CheckpointError(f"output folder {output.parent} does not exist; create it first")
     if not os.access(output.parent, os.W_OK):
@@ -356,6 +382,11 @@ def convert_checkpoint(
     path, sd, variant, info = load_source(source, model=model, ema=ema)
     num_classes = info.get("num_classes")
     layout = detect_layout(sd, FAMILIES[variant.family])
+    if layout == "gamma" and to == "gamma":
+        raise LayerScaleError(
+            f"{path.name} is already in the gamma layout; nothing to convert "
+            "(convert it to the ls layout, the default, to get ls1.gamma / ls2.gamma)"
+        )
     if not allow_nonfinite:
         ckpt.check_finite(sd)
     target = _to_target(sd, variant, to)
@@ -382,7 +413,17 @@ def convert_checkpoint(
         metadata["num_classes"] = str(num_classes)
     if fuse:
         metadata["fused_layerscale"] = "true"
-    ckpt.save_state_dict(output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype)
+    wrap = None
+    container = "plain"
+    if to == "gamma" and fmt == "pth" and not plain:
+        family = FAMILIES[variant.family]
+        wrap = functools.partial(official_checkpoint, family=family)
+        prefix = family.official_prefix
+        container = f"{{'model': {{{prefix!r} + key: tensor}}}}" if prefix else "{'model': state_dict}"
+    ckpt.save_state_dict(
+        output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype,
+        wrap=wrap,
+    )
 
     report = None
     if verify:
@@ -404,7 +445,7 @@ def convert_checkpoint(
     command = _command(
         str(source), output, model=model, to=None if to == "ls" else to, format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
         dtype=dtype, overwrite=overwrite or None, no_verify=not verify, allow_nonfinite=allow_nonfinite, ema=ema,
-        images=list(images), fuse=fuse, atol=atol, rtol=rtol,
+        images=list(images), fuse=fuse, atol=atol, rtol=rtol, plain=plain,
     )
     return ConversionResult(
         output=output,
@@ -419,6 +460,7 @@ def convert_checkpoint(
         report=report,
         seconds=time.perf_counter() - t0,
         command=command,
+        container=container,
     )
 
 
@@ -451,12 +493,10 @@ def _verify_fused(
 def official_layout(model: nn.Module, family: str = "cait") -> dict[str, Any]:
     """A model's weights as the official training code saves them.
 
-    For CaiT: ``{'model': {'module.' + key: tensor}}`` with ``gamma_1``/``gamma_2``.
+    For CaiT: ``{'model': {'module.' + key: tensor}}`` with ``gamma_1``/``gamma_2``
+    (see :func:`~timm_layerscale.remap.official_checkpoint`).
     """
-    sd = to_gamma(model.state_dict(), family)
-    if family == "cait":
-        return {"model": {"module." + k: v for k, v in sd.items()}}
-    return {"model": sd}
+    return official_checkpoint(to_gamma(model.state_dict(), family), family)
 
 
 def write_official_checkpoint(
