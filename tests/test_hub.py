@@ -543,7 +543,7 @@ def test_export_pushed_the_folder(exported) -> None:
 
 def test_export_refuses_a_non_empty_folder(exported, tmp_path: Path) -> None:
     result, _, _, source = exported
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    with pytest.raises(OutputExistsError, match="pass overwrite=True"):
         export_folder(source, result.folder)
 
 

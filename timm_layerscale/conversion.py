@@ -21,6 +21,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from ._version import __version__
 from .errors import CheckpointError, LayerScaleError, OutputExistsError, RemapError
+from .progress import verification_passes
 from .parity import ParityReport, compare_models, image_inputs, seed_parameters_, seeded_inputs
 from .remap import (
     FAMILIES, check_state_dict, detect_layout, official_checkpoint, strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict,
@@ -287,6 +288,7 @@ def verify_checkpoint(
         batch_size=batch_size,
         atol=atol,
         rtol=rtol,
+        progress=verification_passes,
     )
 
 

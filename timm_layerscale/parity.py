@@ -222,6 +222,7 @@ def compare_models(
     atol: float = 0.0,
     rtol: float = 0.0,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    progress: Callable[[Iterable[torch.Tensor]], Iterable[torch.Tensor]] | None = None,
 ) -> ParityReport:
     """Run both models on the same inputs and measure how far apart the outputs are.
 
@@ -236,6 +237,8 @@ def compare_models(
         batch_size: Images per forward pass.
         atol, rtol: Tolerances; both 0 asks for bit-exact equality.
         forward: ``forward(model, x) -> output``; defaults to ``model(x)``.
+        progress: Wraps the iterable of input batches, for a progress bar
+            (:func:`timm_layerscale.progress.verification_passes`); default none.
 
     Returns:
         The :class:`ParityReport`.
@@ -246,7 +249,7 @@ def compare_models(
     p = next(reference.parameters())
     dtype, device = p.dtype, p.device
     outs_ref, outs = [], []
-    for chunk in inputs.split(batch_size):
+    for chunk in (progress or iter)(inputs.split(batch_size)):
         x = chunk.to(device=device, dtype=dtype)
         outs_ref.append(forward(reference, x).float().cpu())
         outs.append(forward(model, x).float().cpu())
