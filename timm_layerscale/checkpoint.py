@@ -508,14 +508,17 @@ def save_pth(
         _check_entry(name, t)
         t = t.detach()
         plain[name] = _compact(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
-    total = sum(t.numel() * t.element_size() for t in plain.values())
     obj = wrap(plain) if wrap is not None else plain
-    with (
-        atomic_output(path, overwrite) as tmp,
-        open(tmp, "r+b") as f,
-        progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B", unit_scale=True) as bar,
-    ):
-        torch.save(obj, progress.ByteCounter(f, bar))
+    with atomic_output(path, overwrite) as tmp:
+        if not progress.enabled():
+            torch.save(obj, tmp)
+            return
+        total = sum(t.numel() * t.element_size() for t in plain.values())
+        with (
+            open(tmp, "r+b") as f,
+            progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B", unit_scale=True) as bar,
+        ):
+            torch.save(obj, progress.ByteCounter(f, bar))
 
 
 def save_state_dict(
