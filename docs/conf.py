@@ -23,7 +23,6 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
-    "sphinx.ext.mathjax",
     "myst_parser",
     "sphinxarg.ext",
     "models_table",

@@ -28,23 +28,21 @@ def _tag_no_weight_decay(param: torch.Tensor | None) -> None:
 
 
 class LayerScale(nn.Module):
-    r"""Learnable per-channel scaling of a residual branch, ``output = x * gamma``.
+    """Learnable per-channel scaling of a residual branch, ``output = x * gamma``.
 
-    **Operation.** LayerScale is the diagonal linear map :math:`\operatorname{diag}(\gamma)`
-    applied to the output of a residual branch before it is added back to the stream,
-    :math:`x_{l+1} = x_l + \operatorname{diag}(\gamma_l)\, f_l(\operatorname{norm}(x_l))`:
+    **Operation.** LayerScale is the diagonal linear map ``diag(gamma)`` applied to the
+    output ``f(norm(x))`` of a residual branch before it is added back to the stream::
 
-    .. math::
-
-        \mathrm{out}[\ldots, c] = x[\ldots, c] \cdot \gamma[c], \qquad c = 0, \ldots, C - 1.
+        x = x + diag(gamma) @ f(norm(x))     # per token
+        out[..., c] = x[..., c] * gamma[c]   # for c in 0 .. C-1: what forward computes
 
     It has ``C`` parameters, against the ``C^2`` of a full linear layer, and is applied
     once per residual branch (``ls1`` after attention, ``ls2`` after the MLP).
 
-    **Training dynamics.** With every :math:`\gamma` small at initialisation, each block
+    **Training dynamics.** With every ``gamma`` small at initialisation, each block
     starts close to the identity: the residual stream is dominated by the patch
     embedding and every branch adds only a little, whatever the depth. Gradients still
-    reach every branch (the gate scales them by :math:`\gamma`, it does not block them),
+    reach every branch (the gate scales them by ``gamma``, it does not block them),
     and each channel learns its own gate, so branches are switched on channel by channel
     as training needs them. This is what let CaiT train stably beyond depth 24, where
     plain pre-norm ViTs (and a scalar gate, as in ReZero or SkipInit) stop improving.
@@ -71,7 +69,7 @@ class LayerScale(nn.Module):
     the input's dtype first, then one elementwise multiply).
 
     **Cost.** :meth:`flop_count`: one multiplication per element, ``N * C`` for ``N``
-    tokens. For deployment, :func:`~timm_layerscale.fuse_layerscale` folds ``gamma``
+    tokens. For deployment, :func:`~timm_layerscale.fuse.fuse_layerscale` folds ``gamma``
     into the linear layer before it and removes the module.
 
     Args:

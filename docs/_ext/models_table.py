@@ -18,17 +18,16 @@ class ModelsTable(SphinxDirective):
     def run(self) -> list[nodes.Node]:
         from timm_layerscale.catalog import model_catalog
 
-        head = ["model", "family", "timm reference twin", "params (M)", "resolution", "LayerScale init", "pretrained tags"]
+        head = ["model", "timm twin", "params (M)", "res.", "init", "pretrained tags"]
         rows = []
         for row in model_catalog():
             tags = ", ".join(t.split(".", 1)[1] for t in row["pretrained"]) or "none released"
             rows.append([
                 nodes.literal(text=row["name"]),
-                nodes.Text(row["family"]),
                 nodes.literal(text=row["reference"]) if row["reference"] != "-" else nodes.Text("-"),
                 nodes.Text(f"{row['params'] / 1e6:.1f}"),
                 nodes.Text(str(row["resolution"])),
-                nodes.Text(f"{row['init_value']:g}"),
+                nodes.Text(f"{row['init_value']:.0e}"),
                 nodes.Text(tags),
             ])
         table = nodes.table(classes=["models-table"])
