@@ -37,14 +37,7 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
         OutputExistsError: ``out`` exists and is not empty, without ``overwrite``.
         CheckpointError: ``out`` is a file, or cannot be created.
     """
-    import timm
-    import torch
-
-    from . import models  # noqa: F401  (registers the models)
-    from .conversion import ParityError, write_official_checkpoint
-    from .export import export_folder
     from .errors import CheckpointError, OutputExistsError
-    from .parity import compare_models, seeded_inputs
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -58,6 +51,13 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     except OSError as e:
         raise CheckpointError(f"cannot create {out} ({e.strerror or e}); choose another folder") from None
     t0 = time.perf_counter()
+
+    import timm
+
+    from . import models  # noqa: F401  (registers the models)
+    from .conversion import ParityError, write_official_checkpoint
+    from .export import export_folder
+    from .parity import compare_models, seeded_inputs
 
     def finish(ok: bool) -> bool:
         _say("")

@@ -138,7 +138,7 @@ def check_online(url: str, action: str) -> None:
         raise HubError(f"HF_HUB_OFFLINE is set, so {action} is not possible; unset HF_HUB_OFFLINE and retry")
     if not _resolves(url):
         host = urlparse(url).hostname
-        raise HubError(f"cannot resolve {host} while {action} (no network?); check the network and retry")
+        raise HubError(f"cannot resolve {host} (no network?) while {action}; check the network and retry")
 
 
 def cached_url_path(url: str) -> Path:
@@ -191,7 +191,7 @@ def _download_from_hub(repo_id: str, revision: str | None, filename: str | None)
                     return Path(hf_hub_download(repo_id, name, revision=revision, endpoint=endpoint, local_files_only=True))
                 except LocalEntryNotFoundError:
                     continue
-            check_online(endpoint, f"downloading {what}, which is not in the local cache,")
+            check_online(endpoint, f"downloading {what} (not in the local cache)")
         for name in candidates:
             try:
                 return Path(hf_hub_download(repo_id, name, revision=revision, endpoint=endpoint))
