@@ -12,7 +12,8 @@ How blocks run
 - ``python`` blocks: each runs in a fresh interpreter, one top-level statement at a time.
 - ``bash`` blocks: each line is one command, split like a shell does (``#`` starts a
   comment, ``~`` is ``HOME``). ``timm-layerscale ...``, ``python -m timm_layerscale ...``
-  and ``python -m convert ...`` run in this process and must exit 0. Commands of other
+  and ``python -m convert ...`` run in this process and must exit 0 (their verification
+  runs on one seeded image instead of eight, to save time). Commands of other
   programs are not run: ``make`` (its targets are what CI runs), ``pip`` and ``hf``
   (third-party tools; see :data:`NOT_RUN`). Any other program fails the test, so a new
   kind of command has to be handled here first.
