@@ -147,6 +147,7 @@ def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys,
     assert cli.cli_message("closest is x; pass model='cait_s24_224_ls' to see") == "closest is x; pass --model cait_s24_224_ls to see"
     assert cli.cli_message("or pass allow_nonfinite=True to convert") == "or pass --allow-nonfinite to convert"
     assert cli.cli_message("or pass fmt='pth'") == "or pass --format pth"
+    assert cli.cli_message("pass atol=1e-5 to accept") == "pass --atol 1e-5 to accept"
     assert cli.cli_message("found embed_dim=192, depth=12") == "found embed_dim=192, depth=12"
 
 

@@ -339,7 +339,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 #: Advice in library messages is written for Python callers (``pass overwrite=True``);
 #: :func:`cli_message` rewrites it as options (``pass --overwrite``).
-_KEYWORD_ADVICE = re.compile(r"\bpass (\w+)=(True|'[^']*')")
+_KEYWORD_ADVICE = re.compile(r"\bpass (\w+)=(True|'[^']*'|[0-9][0-9.eE+-]*)")
 #: Keyword arguments whose option has another name.
 _OPTION_NAMES = {"fmt": "format"}
 
@@ -348,13 +348,15 @@ def cli_message(message: str) -> str:
     """A library error message as the command line says it: keyword advice becomes options.
 
     ``pass overwrite=True`` becomes ``pass --overwrite``; ``pass model='cait_s24_224_ls'``
-    becomes ``pass --model cait_s24_224_ls``.
+    becomes ``pass --model cait_s24_224_ls``; ``pass atol=1e-5`` becomes ``pass --atol 1e-5``.
     """
 
     def option(m: re.Match) -> str:
         name = _OPTION_NAMES.get(m.group(1), m.group(1)).replace("_", "-")
         value = m.group(2)
-        return f"pass --{name}" if value == "True" else f"pass --{name} {value[1:-1]}"
+        if value == "True":
+            return f"pass --{name}"
+        return f"pass --{name} {value.strip(chr(39))}"
 
     return _KEYWORD_ADVICE.sub(option, message)
 
