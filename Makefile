@@ -3,7 +3,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench clean
+DOCS_STAMP := $(VENV)/.docs-installed
+
+.PHONY: demo test test-all bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +27,14 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -e '.[test,docs]'
+	touch $(DOCS_STAMP)
+
+# The documentation site, warnings as errors, then the doctests of its pages and docstrings.
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	$(PY) -m sphinx -b doctest -W --keep-going -q docs docs/_build/doctest
+
 clean:
-	rm -rf $(VENV) demo-out build dist *.egg-info
+	rm -rf $(VENV) demo-out build dist *.egg-info docs/_build

@@ -332,27 +332,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _preflight(releases: Sequence[Release], sources: Path | None, org: str | None) -> None:
+    """Check, before converting anything, what would make every variant fail: no network, no token.
+
+    Raises:
+        HubError: The official files must be downloaded (or the folders uploaded)
+            and the network is off (``HF_HUB_OFFLINE``, or names do not resolve),
+            or ``org`` is given and no Hub token is set.
+    """
+    from timm_layerscale.hub import cached_url_path, check_online, hub_endpoint, require_token
+
+    missing = [r for r in releases if sources is None and not cached_url_path(r.url).is_file()]
+    if missing:
+        check_online(BASE_URL, f"downloading {len(missing)} official file(s) such as {missing[0].file}")
+    if org:
+        check_online(hub_endpoint(), f"uploading to {org}")
+        require_token()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the pipeline; return 0 when every variant succeeded, 1 when any failed, 2 on bad arguments."""
+    """Run the pipeline; return 0 when every variant succeeded, 1 when any failed, 2 on bad input.
+
+    Every error line starts with ``python -m convert: error:``.
+    """
     args_list = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(args_list)
+    parser = build_parser()
+    args = parser.parse_args(args_list)
     if args.list:
         print(format_table())
         return 0
+
+    def error(message: str) -> int:
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        return 2
+
     try:
         releases = select(args.only)
     except PipelineError as e:
-        print(f"convert: error: {e}", file=sys.stderr)
-        return 2
+        return error(str(e))
     try:
         options = verify_options(args)
     except LayerScaleError as e:
-        print(f"convert: error: {e}", file=sys.stderr)
-        return 2
+        return error(str(e))
     sources = Path(args.sources) if args.sources else None
     if sources is not None and not sources.is_dir():
-        print(f"convert: error: --sources {sources} is not a folder", file=sys.stderr)
-        return 2
+        return error(f"--sources {sources} is not a folder")
+    from timm_layerscale.errors import HubError
+
+    try:
+        _preflight(releases, sources, args.org)
+    except HubError as e:
+        return error(str(e))
     out = Path(args.out)
     from tqdm.auto import tqdm
 
@@ -372,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"summary written to {md} and {js}")
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
-        print(f"convert: {len(failed)} of {len(rows)} variant(s) failed:", file=sys.stderr)
+        print(f"{parser.prog}: error: {len(failed)} of {len(rows)} variant(s) failed:", file=sys.stderr)
         for r in failed:
             print(f"  {r['reference']}: {r['error']}", file=sys.stderr)
         return 1

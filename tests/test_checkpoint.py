@@ -230,7 +230,7 @@ def test_check_finite():
     bad = dict(good)
     bad["blocks.0.gamma_1"] = torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)
     bad["z"] = torch.tensor([float("inf")])
-    with pytest.raises(CheckpointError, match=r"2 tensor\(s\).*first 'blocks.0.gamma_1'.*--allow-nonfinite"):
+    with pytest.raises(CheckpointError, match=r"2 tensor\(s\).*first 'blocks.0.gamma_1'.*allow_nonfinite=True"):
         check_finite(bad)
 
 
@@ -467,7 +467,7 @@ def test_overwrite_refused_before_any_work(tmp_path):
     watched = Interrupting({"a": torch.ones(1)}, after=10**9, error=RuntimeError())
     for save in (lambda: save_safetensors(out, watched), lambda: save_state_dict(out, watched),
                  lambda: save_pth(out, watched)):
-        with pytest.raises(OutputExistsError, match="exists; pass --overwrite to replace it"):
+        with pytest.raises(OutputExistsError, match="exists; pass overwrite=True to replace it"):
             save()
     assert watched.reads == 0
     assert out.read_bytes() == b"keep me" and out.stat().st_mtime_ns == before

@@ -178,10 +178,11 @@ def test_convert_json(official, tmp_path, capsys, few_inputs):
     for key in ("max_rel_diff", "cosine_min", "top1_agreement", "top5_agreement", "dtype", "device", "attention", "versions"):
         assert key in rep
 
-    code, stdout, _ = cli(capsys, "convert", official, tmp_path / "g.pth", "--to", "gamma", "--no-verify", "--json")
+    code, stdout, _ = cli(capsys, "convert", out, tmp_path / "g.pth", "--to", "gamma", "--no-verify", "--json")
     res = json.loads(stdout)
     assert code == 0 and res["report"] is None and res["target_layout"] == "gamma"
-    assert "ls1.gamma" not in str(list(torch.load(tmp_path / "g.pth", weights_only=True)))
+    assert res["container"] == "{'model': {'module.' + key: tensor}}"
+    assert "ls1.gamma" not in str(list(torch.load(tmp_path / "g.pth", weights_only=True)["model"]))
 
 
 def test_convert_dtype_and_format_options(official, tmp_path, capsys):
@@ -549,8 +550,18 @@ def torch_home(tmp_path, monkeypatch) -> Path:
     return home
 
 
+def _online(monkeypatch):
+    """As if the network were up: offline mode off, every host name resolves."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("timm_layerscale.hub._resolves", lambda url: True)
+
+
 def test_https_source_goes_through_the_torch_hub_cache(official, tmp_path, torch_home, capsys, monkeypatch):
     import torch.hub
+
+    _online(monkeypatch)
 
     calls = []
 
@@ -565,7 +576,7 @@ def test_https_source_goes_through_the_torch_hub_cache(official, tmp_path, torch
     code, stdout, err = cli(capsys, "convert", url, out, "--no-verify", "--json")
     assert code == 0, err
     cached = torch_home / "hub" / "checkpoints" / "XXS24_224.pth"
-    assert calls == [(url, cached, True)]
+    assert calls == [(url, cached, False)]  # no progress bar: stderr is not a terminal
     res = json.loads(stdout)
     assert res["model"] == MODEL and res["metadata"]["source_file"] == "XXS24_224.pth"
     assert res["source_sha256"] == hashlib.sha256(official.read_bytes()).hexdigest()
@@ -583,6 +594,8 @@ def test_https_source_offline_is_one_line(tmp_path, torch_home, capsys, monkeypa
 
     def download(url, dst, hash_prefix=None, progress=True):
         raise urllib.error.URLError(OSError(-3, "Temporary failure in name resolution"))
+
+    _online(monkeypatch)
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", download)
     out_dir = tmp_path / "out"

@@ -154,11 +154,16 @@ def test_command_reproduces_the_options(official, converted, tmp_path, monkeypat
     assert shlex.split(converted.command) == ["timm-layerscale", "convert", str(official), str(converted.output)]
     monkeypatch.setattr(conversion, "verify_state_dicts", lambda *a, **k: converted.report)
     out = tmp_path / "x.pth"
-    res = convert_checkpoint(official, out, to="gamma", dtype="fp16", options=VerifyOptions(atol=1e-3, rtol=1e-4), ema=False)
+    source = converted.output
+    res = convert_checkpoint(
+        source, out, to="gamma", dtype="fp16", options=VerifyOptions(atol=1e-3, rtol=1e-4), ema=False, plain=True
+    )
     argv = shlex.split(res.command)
     assert argv[:2] == ["timm-layerscale", "convert"]
     a = build_parser().parse_args(argv[1:])
-    assert (a.source, a.output, a.to, a.dtype, a.atol, a.rtol, a.verify) == (str(official), str(out), "gamma", "fp16", 1e-3, 1e-4, True)
+    assert (a.source, a.output, a.to, a.dtype, a.atol, a.rtol, a.verify, a.plain) == (
+        str(source), str(out), "gamma", "fp16", 1e-3, 1e-4, True, True
+    )
 
 
 # ---- source layouts ---------------------------------------------------------------------
@@ -201,7 +206,7 @@ def test_model_ema_is_taken_only_when_asked(gamma_sd, ls_sd, tmp_path):
 
     only_ema = tmp_path / "only-ema.pth"
     torch.save({"model_ema": gamma_sd}, only_ema)
-    with pytest.raises(LayerScaleError, match="--ema"):
+    with pytest.raises(LayerScaleError, match="pass ema=True"):
         convert_checkpoint(only_ema, tmp_path / "x.safetensors", verify=False)
     no_ema = tmp_path / "no-ema.pth"
     torch.save({"model": gamma_sd}, no_ema)
@@ -210,21 +215,36 @@ def test_model_ema_is_taken_only_when_asked(gamma_sd, ls_sd, tmp_path):
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "y.safetensors").exists()
 
 
-def test_to_gamma_round_trip_gives_back_the_official_keys(official, official_sd, converted, tmp_path, few_inputs):
+def test_to_gamma_round_trip_gives_back_the_official_file(official, official_sd, converted, tmp_path, few_inputs):
     back = tmp_path / "gamma.pth"
-    res = convert_checkpoint(official, back, to="gamma")
+    res = convert_checkpoint(converted.output, back, to="gamma")
     assert res.report is not None and res.report.bit_exact
-    assert res.target_layout == "gamma"
-    sd = load_output(back)
-    assert isinstance(sd, dict) and not any("ls1" in k or "ls2" in k for k in sd)
-    # Adding the DDP prefix back gives the official file's state dict, key for key, bit for bit.
-    assert_same_tensors({"module." + k: v for k, v in sd.items()}, official_sd)
-    assert list("module." + k for k in sd) == list(official_sd)
+    assert (res.source_layout, res.target_layout) == ("ls", "gamma")
+    assert res.container == "{'model': {'module.' + key: tensor}}"
+    # The official training code's file: the 'model' wrapper and the DDP prefix, key for key, bit for bit.
+    obj = load_output(back)
+    assert list(obj) == ["model"]
+    assert_same_tensors(obj["model"], official_sd)
 
-    # And the gamma file converts back to the same ls file, byte for byte.
+    # plain=True writes the bare state dict; a safetensors file is always bare (timm's Hub copies).
+    bare = convert_checkpoint(converted.output, tmp_path / "bare.pth", to="gamma", plain=True, verify=False)
+    flat = convert_checkpoint(converted.output, tmp_path / "flat.safetensors", to="gamma", verify=False)
+    assert bare.container == flat.container == "plain"
+    for path in (bare.output, flat.output):
+        assert_same_tensors({"module." + k: v for k, v in load_output(path).items()}, official_sd)
+
+    # And the official file converts back to the same ls file.
     again = tmp_path / "again.safetensors"
     convert_checkpoint(back, again, verify=False)
     assert_same_tensors(load_output(again), load_output(converted.output))
+
+
+def test_a_gamma_file_to_gamma_says_it_is_already_in_that_layout(official, tmp_path):
+    with pytest.raises(LayerScaleError, match="XXS24_224.pth is already in the gamma layout; nothing to convert"):
+        convert_checkpoint(official, tmp_path / "again.pth", to="gamma", verify=False)
+    with pytest.raises(LayerScaleError, match="plain applies to the gamma layout only"):
+        convert_checkpoint(official, tmp_path / "x.pth", plain=True, verify=False)
+    no_leftovers(tmp_path)
 
 
 def test_pth_output_of_ls_layout(official, ls_sd, tmp_path):
@@ -324,7 +344,7 @@ def test_failed_parity_removes_the_output(official, tmp_path, monkeypatch, conve
 def test_existing_output_is_kept_without_overwrite(official, tmp_path):
     out = tmp_path / "x.safetensors"
     out.write_bytes(b"keep me")
-    with pytest.raises(LayerScaleError, match="--overwrite"):
+    with pytest.raises(LayerScaleError, match="pass overwrite=True"):
         convert_checkpoint(official, out, verify=False)
     assert out.read_bytes() == b"keep me"
     convert_checkpoint(official, out, verify=False, overwrite=True)

@@ -101,7 +101,9 @@ def test_vit5_ema_and_gamma_round_trip(vit5_training_dict, tmp_path):
     assert main(["convert", str(src), str(ls), "--ema", "--no-verify"]) == 0
     back = tmp_path / "official.pth"
     assert main(["convert", str(ls), str(back), "--to", "gamma", "--no-verify"]) == 0
-    restored = load_checkpoint(back)
+    wrapped = load_checkpoint(back)
+    assert list(wrapped) == ["model"]  # the official code loads checkpoint['model']
+    restored = wrapped["model"]
     assert restored.keys() == ema_sd.keys()
     for k, v in ema_sd.items():
         if k.endswith(".freqs"):

@@ -89,7 +89,7 @@ def test_errors_are_one_line(official: dict) -> None:
         gate_profile({"head.weight": torch.zeros(2, 2)})
     with pytest.raises(LayerScaleError, match="mixes"):
         gate_profile({"blocks.0.gamma_1": torch.ones(2), "blocks.1.ls1.gamma": torch.ones(2)})
-    with pytest.raises(LayerScaleError, match="--ema"):
+    with pytest.raises(LayerScaleError, match="pass ema=True"):
         gate_profile({"model_ema": official["model"]})
     assert len(gate_profile({"model_ema": official["model"]}, ema=True)) == 5
 

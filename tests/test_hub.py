@@ -238,6 +238,7 @@ def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, tmp_path: Path, token: 
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("timm_layerscale.hub._resolves", lambda url: True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-here"))
 
 
@@ -429,6 +430,7 @@ def test_resolve_source_reuses_a_cached_download(tmp_path: Path, monkeypatch) ->
 
 def test_resolve_source_network_failure_is_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     with pytest.raises(HubError, match="could not download .*check the network and retry"):
         resolve_source(_free_port_url() + "/deit/XXS24_224.pth")
     assert not (tmp_path / "checkpoints" / "XXS24_224.pth").exists()
@@ -527,7 +529,7 @@ def test_export_model_card(exported) -> None:
     assert "`blocks.N.gamma_1` | `blocks.N.ls1.gamma`" in text
     usage = text.index("import timm_layerscale")
     assert usage < text.index('timm.create_model("hf-hub:my-org/cait_xxs24_224_ls.fb_dist_in1k"')
-    assert "Going Deeper With Image Transformers" in text and "@InProceedings" in text
+    assert "Going Deeper With Image Transformers" in text and "@inproceedings{touvron2021cait," in text
     if result.plot is not None:
         assert "](gates.png)" in text
 
@@ -543,7 +545,7 @@ def test_export_pushed_the_folder(exported) -> None:
 
 def test_export_refuses_a_non_empty_folder(exported, tmp_path: Path) -> None:
     result, _, _, source = exported
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    with pytest.raises(OutputExistsError, match="pass overwrite=True"):
         export_folder(source, result.folder)
 
 

@@ -24,15 +24,33 @@ CONFIG_NAME = "config.json"
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
 
-_CAIT_BIBTEX = """\
-@InProceedings{Touvron_2021_ICCV,
-    author    = {Touvron, Hugo and Cord, Matthieu and Sablayrolles, Alexandre and Synnaeve, Gabriel and J\\'egou, Herv\\'e},
-    title     = {Going Deeper With Image Transformers},
-    booktitle = {Proceedings of the IEEE/CVF International Conference on Computer Vision (ICCV)},
-    month     = {October},
-    year      = {2021},
-    pages     = {32-42}
-}"""
+#: The paper of each family, as BibTeX; a card cites its own family's paper only.
+BIBTEX = {
+    "cait": """\
+@inproceedings{touvron2021cait,
+  title     = {Going Deeper With Image Transformers},
+  author    = {Touvron, Hugo and Cord, Matthieu and Sablayrolles, Alexandre and Synnaeve, Gabriel and J{\\'e}gou, Herv{\\'e}},
+  booktitle = {Proceedings of the IEEE/CVF International Conference on Computer Vision (ICCV)},
+  pages     = {32--42},
+  year      = {2021}
+}""",
+    "deit3": """\
+@inproceedings{touvron2022deit3,
+  title     = {{DeiT III}: Revenge of the {ViT}},
+  author    = {Touvron, Hugo and Cord, Matthieu and J{\\'e}gou, Herv{\\'e}},
+  booktitle = {European Conference on Computer Vision (ECCV)},
+  pages     = {516--533},
+  publisher = {Springer},
+  year      = {2022}
+}""",
+    "vit5": """\
+@article{wang2026vit5,
+  title   = {{ViT-5}: Vision Transformers for the Mid-2020s},
+  author  = {Wang, Feng and Ren, Sucheng and Zhang, Tiezheng and Neskovic, Predrag and Bhattad, Anand and Xie, Cihang and Yuille, Alan},
+  journal = {arXiv preprint arXiv:2602.08071},
+  year    = {2026}
+}""",
+}
 
 _FAMILY_TEXT = {
     "cait": (
@@ -188,7 +206,7 @@ def build_model_card(
     add("")
     add(f"- **Architecture:** `{variant.name}`, registered with timm by `import timm_layerscale`")
     if reference:
-        add(f"- **Reference:** timm's `{reference}`, which computes the same function from the original layout")
+        add(f"- **Reference:** {_reference_text(family, reference)}, which computes the same function from the original layout")
     add("- **Model type:** image classification / feature backbone")
     add(f"- **Params (M):** {num_params / 1e6:.1f}")
     add(f"- **Image size:** {size[-2]} x {size[-1]}")
@@ -291,18 +309,32 @@ def build_model_card(
     add("")
     add("## Citation")
     add("")
-    add("```bibtex")
-    add(_CAIT_BIBTEX if family == "cait" else _generic_citation(pcfg))
-    add("```")
+    if family in BIBTEX:
+        add("```bibtex")
+        add(BIBTEX[family])
+        add("```")
+    else:
+        add(_generic_citation(pcfg))
     add("")
     body = "\n".join(lines)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
 
 
+def _reference_text(family: str, reference: str) -> str:
+    """Name a parity reference honestly: timm's model, or this package's own implementation."""
+    if family == "vit5":
+        name = reference.rsplit("/", 1)[-1]
+        return (
+            f"the official-layout ViT-5 reference implementation of timm-layerscale "
+            f"(`timm_layerscale.references.vit5_official`, `{name}`; timm has no ViT-5)"
+        )
+    return f"timm's `{reference}`"
+
+
 def _generic_citation(pcfg: Mapping[str, Any]) -> str:
-    paper = pcfg.get("paper_name") or "the paper that introduced this model"
+    paper = pcfg.get("paper_name")
     ids = pcfg.get("paper_ids") or ""
-    return f"% {paper} {ids}".rstrip()
+    return f"Please cite {paper} ({ids})." if paper and ids else "Please cite the paper that introduced this model."
 
 
 def _gate_summary(gates: Sequence[Mapping[str, Any]]) -> str:

@@ -22,7 +22,7 @@ import re
 import secrets
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import progress
 from .errors import CheckpointError, OutputExistsError
 
 __all__ = [
@@ -257,7 +258,7 @@ def check_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
     if bad:
         raise CheckpointError(
             f"{len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; "
-            "check the source checkpoint, or pass --allow-nonfinite to convert anyway"
+            "check the source checkpoint, or pass allow_nonfinite=True to convert anyway"
         )
 
 
@@ -267,7 +268,7 @@ def _check_output(target: Path, overwrite: bool) -> None:
             f"output {target} is a directory; pass a file path such as {target / 'model.safetensors'}"
         )
     if target.exists() and not overwrite:
-        raise OutputExistsError(f"output {target} exists; pass --overwrite to replace it")
+        raise OutputExistsError(f"output {target} exists; pass overwrite=True to replace it")
     parent = target.parent
     if not parent.is_dir():
         raise CheckpointError(f"output folder {parent} does not exist; create it or choose another output path")
@@ -446,9 +447,14 @@ def save_safetensors(
     encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
     pages = _MappedPages()
-    with atomic_output(target, overwrite) as tmp, open(tmp, "r+b") as f:  # not "wb": truncating makes ext4 flush on close
+    with (
+        atomic_output(target, overwrite) as tmp,
+        open(tmp, "r+b") as f,  # not "wb": truncating makes ext4 flush on close
+        progress.bar(total=8 + len(encoded) + offset, desc=f"writing {target.name}", unit="B", unit_scale=True) as bar,
+    ):
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
+        bar.update(8 + len(encoded))
         for name, out, shape in plan:
             source = tensors[name].detach()
             if list(source.shape) != shape:
@@ -458,7 +464,7 @@ def save_safetensors(
             if t.numel():
                 data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                 for i in range(0, len(data), _WRITE_CHUNK):
-                    f.write(data[i : i + _WRITE_CHUNK])
+                    bar.update(f.write(data[i : i + _WRITE_CHUNK]))
             del t
             pages.release(source)
 
@@ -476,8 +482,9 @@ def save_pth(
     *,
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
+    wrap: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
 ) -> None:
-    """Write a plain ``{name: tensor}`` dict with ``torch.save``.
+    """Write a ``{name: tensor}`` dict with ``torch.save``, plain or wrapped.
 
     Views are stored compactly (not with their whole parent storage). Unlike
     :func:`save_safetensors` this holds every cast tensor in memory at once.
@@ -487,6 +494,9 @@ def save_pth(
         state_dict: Name to tensor.
         overwrite: Replace ``path`` if it exists.
         dtype: Cast floating-point tensors to this dtype; others are kept.
+        wrap: Turns the (cast) state dict into the object saved, such as
+            :func:`~timm_layerscale.remap.official_checkpoint` for the official
+            training code's ``{'model': ...}``; default saves the plain dict.
 
     Raises:
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
@@ -498,8 +508,17 @@ def save_pth(
         _check_entry(name, t)
         t = t.detach()
         plain[name] = _compact(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+    obj = wrap(plain) if wrap is not None else plain
     with atomic_output(path, overwrite) as tmp:
-        torch.save(plain, tmp)
+        if not progress.enabled():
+            torch.save(obj, tmp)
+            return
+        total = sum(t.numel() * t.element_size() for t in plain.values())
+        with (
+            open(tmp, "r+b") as f,
+            progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B", unit_scale=True) as bar,
+        ):
+            torch.save(obj, progress.ByteCounter(f, bar))
 
 
 def save_state_dict(
@@ -510,6 +529,7 @@ def save_state_dict(
     fmt: str | None = None,
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
+    wrap: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
 ) -> None:
     """Write a state dict as safetensors or PyTorch, by ``fmt`` or else the suffix of ``path``.
 
@@ -521,9 +541,12 @@ def save_state_dict(
         fmt: ``'safetensors'`` or ``'pth'``.
         overwrite: Replace ``path`` if it exists.
         dtype: Cast floating-point tensors to this dtype.
+        wrap: PyTorch files only: the container the state dict is saved in (see
+            :func:`save_pth`); a safetensors file always holds the flat dict.
 
     Raises:
-        CheckpointError: Unknown ``fmt`` or suffix, or any error of the writers.
+        CheckpointError: Unknown ``fmt`` or suffix, ``wrap`` with safetensors, or
+            any error of the writers.
     """
     if fmt is None:
         suffix = Path(path).suffix.lower()
@@ -533,12 +556,14 @@ def save_state_dict(
             fmt = "pth"
         else:
             raise CheckpointError(
-                f"cannot tell the output format from {path}; name it .safetensors or .pth, or pass --format"
+                f"cannot tell the output format from {path}; name it .safetensors or .pth, or pass format='pth'"
             )
     if fmt == "safetensors":
+        if wrap is not None:
+            raise CheckpointError("a safetensors file holds a flat state dict; write a .pth file for a wrapped checkpoint")
         save_safetensors(path, state_dict, metadata, overwrite=overwrite, dtype=dtype)
     elif fmt == "pth":
-        save_pth(path, state_dict, overwrite=overwrite, dtype=dtype)
+        save_pth(path, state_dict, overwrite=overwrite, dtype=dtype, wrap=wrap)
     else:
         raise CheckpointError(f"unknown output format {fmt!r}; use 'safetensors' or 'pth'")
 

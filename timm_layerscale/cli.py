@@ -2,24 +2,43 @@
 
 A thin argparse front end: each subcommand parses its arguments and calls one
 library function. Nothing heavy is imported until a subcommand runs, so ``--help``
-and argument errors are instant. Known errors print one line to stderr and exit
-non-zero (2 for bad input, 1 for a failed parity check); ``--debug`` shows the
-traceback.
+and argument errors are instant. Every error is one line on stderr starting with
+``timm-layerscale: error:``; ``--debug`` shows the traceback. Exit status, for
+every command:
+
+====  ==========================================================================
+0     success
+1     verification failed: the converted model does not match its reference
+2     user error: bad arguments, unreadable or unsuitable input, existing output,
+      network or Hub failure (the message says what to do)
+3     internal error: a bug; rerun with ``--debug`` and report the traceback
+130   interrupted (Ctrl-C)
+====  ==========================================================================
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from typing import Any, Callable, Sequence
 
 from ._version import __version__
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_VERIFICATION_FAILED", "EXIT_USER_ERROR", "EXIT_INTERNAL_ERROR"]
 
 PROG = "timm-layerscale"
 
+EXIT_OK = 0
+EXIT_VERIFICATION_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 3
+EXIT_INTERRUPTED = 130
+
 EXAMPLES = """\
+exit status: 0 ok, 1 verification failed, 2 user error, 3 internal error.
+
 examples:
   timm-layerscale demo                                  # offline end-to-end run
   timm-layerscale convert S24_224.pth cait_s24_224_ls.safetensors
@@ -34,48 +53,55 @@ examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+    def error(self, message: str) -> None:  # one line, exit 2, the prefix of every error
+        self.exit(EXIT_USER_ERROR, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _add_common(p: argparse.ArgumentParser, top: bool = False) -> None:
-    # Subcommands must not reset a --debug given before them.
-    default = False if top else argparse.SUPPRESS
-    p.add_argument("--debug", action="store_true", default=default, help="show the full traceback on errors")
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a count of inputs or a batch size)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def tolerance(text: str) -> float:
+    """argparse type: a finite number >= 0 (an absolute or relative tolerance)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser, top: bool = False, quiet: bool = True) -> None:
+    # Subcommands must not reset a --debug or --quiet given before them.
+    default = False if top else argparse.SUPPRESS
+    p.add_argument("--debug", action="store_true", default=default, help="show the full traceback on errors")
+    if quiet:
+        p.add_argument(
+            "-q", "--quiet", action="store_true", default=default,
+            help="no progress bars (they are shown only when stderr is a terminal)",
+        )
 
 
 def add_verify_args(p: argparse.ArgumentParser) -> None:
     """The verification options, the same for every command that verifies."""
     g = p.add_argument_group("verification")
     g.add_argument("--exact", action="store_true", help="demand bit-exact outputs (torch.equal), whatever the family")
-    g.add_argument("--atol", type=_non_negative, metavar="X",
+    g.add_argument("--atol", type=tolerance, metavar="X",
                    help="absolute tolerance (default: the family's rule; 0 = bit-exact for CaiT and DeiT-III)")
-    g.add_argument("--rtol", type=_non_negative, metavar="X", help="relative tolerance (default: the family's rule)")
-    g.add_argument("--num-inputs", type=_positive_int, default=8, metavar="K", help="seeded random images (default 8)")
+    g.add_argument("--rtol", type=tolerance, metavar="X", help="relative tolerance (default: the family's rule)")
+    g.add_argument("--num-inputs", type=positive_int, default=8, metavar="K", help="seeded random images (default 8)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random images (default 0)")
     g.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
     g.add_argument("--device", default="cpu", help="run both models on cpu (default) or cuda")
-    g.add_argument("--batch-size", type=_positive_int, default=4, metavar="N", help="images per forward pass (default 4)")
+    g.add_argument("--batch-size", type=positive_int, default=4, metavar="N", help="images per forward pass (default 4)")
 
 
 def verify_options(a: argparse.Namespace) -> Any:
@@ -101,9 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def add(name: str, help: str, epilog: str = "") -> argparse.ArgumentParser:
+    def add(name: str, help: str, epilog: str = "", quiet: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-        _add_common(p)
+        _add_common(p, quiet=quiet)
         return p
 
     def source_args(p: argparse.ArgumentParser) -> None:
@@ -119,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="SOURCE")
     p.add_argument("output", metavar="OUTPUT")
     source_args(p)
-    p.add_argument("--to", choices=("ls", "gamma"), default="ls", help="target layout (default: ls)")
+    p.add_argument(
+        "--to", choices=("ls", "gamma"), default="ls",
+        help="target layout (default: ls). gamma writes the official file: a .pth holding "
+        "{'model': {'module.' + key: tensor}} for CaiT, {'model': state_dict} for DeiT-III and ViT-5",
+    )
+    p.add_argument("--plain", action="store_true", help="with --to gamma: write the bare state dict, without the official wrapper")
     p.add_argument("--format", dest="fmt", choices=("safetensors", "pth"), help="output format (default: from OUTPUT's suffix, else safetensors)")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
     p.add_argument("--fuse", action="store_true", help="fold LayerScale into the preceding Linear layers")
@@ -141,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_verify_args(p)
 
-    p = add("list", "list the registered models, their references and pretrained tags")
+    p = add("list", "list the registered models, their references and pretrained tags", quiet=False)
     p.add_argument("--flops", action="store_true", help="add multiply counts of one forward pass")
     p.add_argument("--json", action="store_true", help="print as JSON")
 
@@ -199,24 +230,27 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     try:
         res = convert_checkpoint(
             a.source, a.output, model=a.model, to=a.to, fmt=a.fmt, dtype=a.dtype, overwrite=a.overwrite,
-            verify=a.verify, allow_nonfinite=a.allow_nonfinite, ema=a.ema, fuse=a.fuse, options=verify_options(a),
+            verify=a.verify, allow_nonfinite=a.allow_nonfinite, ema=a.ema, fuse=a.fuse, plain=a.plain,
+            options=verify_options(a),
         )
     except ParityError as e:
         if a.json:
-            _print_json({"ok": False, "error": str(e), "report": e.report.to_dict()})
+            _print_json({"ok": False, "error": cli_message(str(e)), "report": e.report.to_dict()})
         else:
             print(e.report.format_table())
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 1
+        _error(cli_message(str(e)))
+        return EXIT_VERIFICATION_FAILED
     if a.json:
         _print_json({
             "ok": True, "output": str(res.output), "model": res.variant.name, "family": res.variant.family,
             "source_sha256": res.source_sha256, "source_layout": res.source_layout, "target_layout": res.target_layout,
+            "container": res.container,
             "seconds": round(res.seconds, 3), "metadata": res.metadata,
             "report": res.report.to_dict() if res.report else None,
         })
         return 0
-    print(f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({res.target_layout} layout) as {res.variant.name} in {res.seconds:.1f} s")
+    target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
+    print(f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s")
     if res.report is not None:
         print(res.report.format_table())
     return 0
@@ -230,7 +264,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
         _print_json(rep.to_dict())
     else:
         print(rep.format_table())
-    return 0 if rep.passed else 1
+    return EXIT_OK if rep.passed else EXIT_VERIFICATION_FAILED
 
 
 def _cmd_list(a: argparse.Namespace) -> int:
@@ -247,7 +281,10 @@ def _cmd_list(a: argparse.Namespace) -> int:
 def _cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return 0 if run_demo(a.out, overwrite=a.overwrite, options=verify_options(a)) else 1
+    if run_demo(a.out, overwrite=a.overwrite, options=verify_options(a)):
+        return EXIT_OK
+    _error("the demo's parity check failed; see the report above")
+    return EXIT_VERIFICATION_FAILED
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
@@ -261,8 +298,8 @@ def _cmd_export(a: argparse.Namespace) -> int:
         )
     except ParityError as e:
         print(e.report.format_table())
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 1
+        _error(cli_message(str(e)))
+        return EXIT_VERIFICATION_FAILED
     if a.json:
         _print_json(res.to_dict())
     else:
@@ -285,8 +322,10 @@ def _cmd_push(a: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
-    from .gates import format_gate_table, gate_profile, plot_gates
+    from .gates import format_gate_table, gate_profile, plot_gates, require_matplotlib
 
+    if a.plot:
+        require_matplotlib()  # before any output or download
     profile = gate_profile(a.source, model=a.model, ema=a.ema)
     if a.json:
         _print_json(profile)
@@ -312,28 +351,69 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+#: Advice in library messages is written for Python callers (``pass overwrite=True``);
+#: :func:`cli_message` rewrites it as options (``pass --overwrite``).
+_KEYWORD_ADVICE = re.compile(r"\bpass (\w+)=(True|'[^']*'|[0-9][0-9.eE+-]*)")
+#: Keyword arguments whose option has another name.
+_OPTION_NAMES = {"fmt": "format"}
+
+
+def cli_message(message: str) -> str:
+    """A library error message as the command line says it: keyword advice becomes options.
+
+    ``pass overwrite=True`` becomes ``pass --overwrite``; ``pass model='cait_s24_224_ls'``
+    becomes ``pass --model cait_s24_224_ls``; ``pass atol=1e-5`` becomes ``pass --atol 1e-5``.
+    """
+
+    def option(m: re.Match) -> str:
+        name = _OPTION_NAMES.get(m.group(1), m.group(1)).replace("_", "-")
+        value = m.group(2)
+        if value == "True":
+            return f"pass --{name}"
+        return f"pass --{name} {value.strip(chr(39))}"
+
+    return _KEYWORD_ADVICE.sub(option, message)
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    Exit status: 0 ok, 1 verification failed, 2 user error, 3 internal error
+    (130 when interrupted). Every error is one line on stderr starting with
+    ``timm-layerscale: error:``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help(sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    if getattr(args, "quiet", False):
+        from .progress import disable_progress_bars
+
+        disable_progress_bars()
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        print(f"{PROG}: error: interrupted", file=sys.stderr)
-        return 130
+        _error("interrupted")
+        return EXIT_INTERRUPTED
     except Exception as e:
         from .errors import LayerScaleError
 
         if args.debug:
             raise
         if isinstance(e, LayerScaleError):
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return 2
-        print(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
-        return 3
+            _error(cli_message(str(e)))
+            return getattr(e, "exit_code", EXIT_USER_ERROR)
+        if isinstance(e, OSError) and e.filename is not None:
+            # The file system refused a path the user chose (permissions, a full disk, /proc).
+            _error(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
+            return EXIT_USER_ERROR
+        _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
+        return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":

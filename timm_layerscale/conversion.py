@@ -7,6 +7,7 @@ together for the command line and for library users.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import time
@@ -30,7 +31,10 @@ from .parity import (
     seed_parameters_,
     seeded_inputs,
 )
-from .remap import FAMILIES, detect_layout, strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict, check_state_dict
+from .progress import verification_passes
+from .remap import (
+    FAMILIES, check_state_dict, detect_layout, official_checkpoint, strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict,
+)
 from .variants import Variant, detect_variant, target_shapes
 
 __all__ = [
@@ -50,6 +54,8 @@ __all__ = [
 
 class ParityError(LayerScaleError):
     """The converted model's outputs do not match the reference's (exit code 1)."""
+
+    exit_code = 1
 
     def __init__(self, message: str, report: ParityReport) -> None:
         super().__init__(message)
@@ -73,6 +79,8 @@ class ConversionResult:
         report: The parity report, or ``None`` with ``verify=False``.
         seconds: Wall time of the conversion, verification included.
         command: A command line that reproduces the conversion.
+        container: How the output holds the state dict: ``"plain"``, or the
+            official training code's wrapper (``"{'model': {'module.' + key: tensor}}"``).
     """
 
     output: Path
@@ -87,6 +95,7 @@ class ConversionResult:
     report: ParityReport | None
     seconds: float
     command: str
+    container: str = "plain"
 
 
 def _resolve(source: str | os.PathLike) -> Path:
@@ -292,7 +301,7 @@ def verify_state_dicts(
     if options.images:
         files = image_inputs(options.images, out)
         if files.shape[-2:] != inputs.shape[-2:]:
-            raise CheckpointError("image files resolve to another input size than the model's; check --images")
+            raise CheckpointError("image files resolve to another input size than the model's; check the image files")
         inputs = torch.cat([inputs, files])
         desc += f" + {len(options.images)} image file(s)"
     return compare_models(
@@ -306,6 +315,7 @@ def verify_state_dicts(
         batch_size=options.batch_size,
         tolerance=tolerance,
         weights=weights,
+        progress=verification_passes,
     )
 
 
@@ -385,6 +395,7 @@ def convert_checkpoint(
     ema: bool = False,
     fuse: bool = False,
     options: VerifyOptions | None = None,
+    plain: bool = False,
 ) -> ConversionResult:
     """Convert a checkpoint to the LayerScale-module layout (or back) and verify it.
 
@@ -395,6 +406,15 @@ def convert_checkpoint(
     metadata (``parity``: ``bit-exact``, ``within tolerance`` or ``not verified``, with
     the tolerance). The output is written atomically, then read back and compared
     with the verified tensors.
+
+    ``to="gamma"`` writes what the official training code saves: a ``.pth`` file
+    holding ``{'model': {'module.' + key: tensor}}`` for CaiT (the official loader
+    expects the prefix) and ``{'model': state_dict}`` for DeiT-III and ViT-5, so
+    the official code loads it as it is; ``plain=True`` writes the bare state dict
+    instead. A safetensors file always holds the bare state dict (timm's own
+    layout for its ``cait_*`` Hub copies). A source already in the ``gamma``
+    layout is refused for ``to="gamma"``; one already in the ``ls`` layout is
+    re-saved for ``to="ls"`` (format, ``dtype`` and ``fuse`` apply).
 
     Args:
         source: Local file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
@@ -411,9 +431,15 @@ def convert_checkpoint(
         fuse: Fold every LayerScale gamma into the preceding Linear (``ls`` only);
             the output loads into the model built with ``fused_layerscale=True``.
         options: Verification tolerances, inputs and device.
+        plain: With ``to="gamma"``, write a ``.pth`` file without the official wrapper.
 
     Returns:
         A :class:`ConversionResult`.
+
+    Raises:
+        LayerScaleError: Bad options, a source already in the ``gamma`` layout for
+            ``to="gamma"``, or any error of reading, detecting or writing.
+        ParityError: The written file does not match the reference.
     """
     t0 = time.perf_counter()
     output = Path(output)
@@ -423,9 +449,11 @@ def convert_checkpoint(
     if to not in ("ls", "gamma"):
         raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
     if fuse and to != "ls":
-        raise LayerScaleError("--fuse applies to the ls layout only; drop --to gamma or --fuse")
+        raise LayerScaleError("fusing applies to the ls layout only; convert to 'ls', or do not fuse")
+    if plain and to != "gamma":
+        raise LayerScaleError("plain applies to the gamma layout only (an ls file is always plain); leave it out")
     if output.exists() and not overwrite:
-        raise OutputExistsError(f"{output} exists; pass --overwrite to replace it")
+        raise OutputExistsError(f"{output} exists; pass overwrite=True to replace it")
     if not output.parent.is_dir():
         raise CheckpointError(f"output folder {output.parent} does not exist; create it first")
     if not os.access(output.parent, os.W_OK):
@@ -435,6 +463,11 @@ def convert_checkpoint(
     path, sd, variant, info = load_source(source, model=model, ema=ema)
     num_classes = info.get("num_classes")
     layout = detect_layout(sd, FAMILIES[variant.family])
+    if layout == "gamma" and to == "gamma":
+        raise LayerScaleError(
+            f"{path.name} is already in the gamma layout; nothing to convert "
+            "(convert it to the ls layout, the default, to get ls1.gamma / ls2.gamma)"
+        )
     if not allow_nonfinite:
         ckpt.check_finite(sd)
     target = _to_target(sd, variant, to)
@@ -460,6 +493,13 @@ def convert_checkpoint(
         metadata["num_classes"] = str(num_classes)
     if fuse:
         metadata["fused_layerscale"] = "true"
+    wrap = None
+    container = "plain"
+    if to == "gamma" and fmt == "pth" and not plain:
+        family = FAMILIES[variant.family]
+        wrap = functools.partial(official_checkpoint, family=family)
+        prefix = family.official_prefix
+        container = f"{{'model': {{{prefix!r} + key: tensor}}}}" if prefix else "{'model': state_dict}"
 
     report = None
     if verify:
@@ -476,7 +516,10 @@ def convert_checkpoint(
         metadata.update(report.metadata())
     else:
         metadata["parity"] = "not verified"
-    ckpt.save_state_dict(output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype)
+    ckpt.save_state_dict(
+        output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype,
+        wrap=wrap,
+    )
     if verify:
         try:
             written = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(output)))
@@ -491,7 +534,7 @@ def convert_checkpoint(
         "convert", (source, output), options if verify else None, model=model, to=None if to == "ls" else to,
         format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
         dtype=dtype, overwrite=overwrite or None, no_verify=not verify, allow_nonfinite=allow_nonfinite, ema=ema,
-        fuse=fuse,
+        fuse=fuse, plain=plain,
     )
     return ConversionResult(
         output=output,
@@ -506,18 +549,17 @@ def convert_checkpoint(
         report=report,
         seconds=time.perf_counter() - t0,
         command=command,
+        container=container,
     )
 
 
 def official_layout(model: nn.Module, family: str = "cait") -> dict[str, Any]:
     """A model's weights as the official training code saves them.
 
-    For CaiT: ``{'model': {'module.' + key: tensor}}`` with ``gamma_1``/``gamma_2``.
+    For CaiT: ``{'model': {'module.' + key: tensor}}`` with ``gamma_1``/``gamma_2``
+    (see :func:`~timm_layerscale.remap.official_checkpoint`).
     """
-    sd = to_gamma(model.state_dict(), family)
-    if family == "cait":
-        return {"model": {"module." + k: v for k, v in sd.items()}}
-    return {"model": sd}
+    return official_checkpoint(to_gamma(model.state_dict(), family), family)
 
 
 def write_official_checkpoint(

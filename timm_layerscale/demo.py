@@ -33,26 +33,38 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     """Run the demo into folder ``out``; return whether every parity check held.
 
     ``options`` (:class:`~timm_layerscale.parity.VerifyOptions`) set the verification of step 2.
+    A failed check prints its report and ends the demo with a ``demo FAILED`` line.
 
     Raises:
         OutputExistsError: ``out`` exists and is not empty, without ``overwrite``.
+        CheckpointError: ``out`` is a file, or cannot be created.
     """
-    import timm
-    import torch
-
-    from . import models  # noqa: F401  (registers the models)
-    from .conversion import write_official_checkpoint
-    from .export import export_folder
-    from .errors import OutputExistsError
-    from .parity import compare_models, seeded_inputs
+    from .errors import CheckpointError, OutputExistsError
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; the demo needs a folder path")
+    if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise OutputExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
+            raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
         shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {out} ({e.strerror or e}); choose another folder") from None
     t0 = time.perf_counter()
+
+    import timm
+
+    from . import models  # noqa: F401  (registers the models)
+    from .conversion import ParityError, write_official_checkpoint
+    from .export import export_folder
+    from .parity import compare_models, seeded_inputs
+
+    def finish(ok: bool) -> bool:
+        _say("")
+        _say(f"demo {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; outputs in {out}/")
+        return ok
 
     official = out / "XXS24_224.pth"
     _say(f"[1/3] writing a seeded {REFERENCE} in the official layout -> {official}")
@@ -61,7 +73,13 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     hub_dir = out / f"{MODEL}.fb_dist_in1k"
     _say(f"[2/3] converting to the LayerScale-module layout, verifying against timm's {REFERENCE},")
     _say(f"      and exporting a Hub-ready folder -> {hub_dir}")
-    exp = export_folder(official, hub_dir, overwrite=True, options=options)
+    try:
+        exp = export_folder(official, hub_dir, overwrite=True, options=options)
+    except ParityError as e:
+        _say("")
+        _say(e.report.format_table())
+        _say(f"      {e}")
+        return finish(False)
     res = exp.conversion
     converted = hub_dir / "model.safetensors"
     _say(f"      detected {res.variant.name}; source sha256 {res.source_sha256[:16]}...; {res.seconds:.1f} s")
@@ -86,6 +104,4 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     _say(f"      timm.create_model('local-dir:{hub_dir}', pretrained=True): "
          f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})")
     ok = ok and rep.passed
-    _say("")
-    _say(f"demo {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; outputs in {out}/")
-    return ok
+    return finish(ok)

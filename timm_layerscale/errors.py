@@ -2,8 +2,8 @@
 
 Every error a user can cause (a bad file, a wrong model name, a failed upload)
 is a :class:`LayerScaleError` whose message is one line saying what is wrong and
-what to do. The command line prints that line and exits non-zero; ``--debug``
-shows the traceback.
+what to do. The command line prints that line and exits with the error's
+:attr:`~LayerScaleError.exit_code`; ``--debug`` shows the traceback.
 """
 from __future__ import annotations
 
@@ -18,7 +18,17 @@ __all__ = [
 
 
 class LayerScaleError(Exception):
-    """Base class of the errors a user can cause; the message is one line."""
+    """Base class of the errors a user can cause; the message is one line.
+
+    Advice in the message is written for Python callers (``pass overwrite=True``);
+    the command line says it as options (``pass --overwrite``).
+
+    Attributes:
+        exit_code: The command line's exit status for this error: 2, a user error
+            (a failed verification is 1).
+    """
+
+    exit_code = 2
 
 
 class CheckpointError(LayerScaleError):

@@ -115,17 +115,35 @@ def _check_reload(folder: Path, weights: Path, num_classes: int | None) -> None:
                 raise LayerScaleError(f"reloaded weight {name!r} differs from the file; this is a bug, please report it")
 
 
-def _prepare_target(out: Path, overwrite: bool) -> None:
+def _prepare_target(out: Path, overwrite: bool) -> list[Path]:
+    """Check ``out`` and create its missing parent folders; return those created, deepest first."""
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; export needs a folder path")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
+        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    created = []
+    parent = out.absolute().parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        _remove_empty(created)
         raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
     if not os.access(out.parent, os.W_OK | os.X_OK):
+        _remove_empty(created)
         raise CheckpointError(f"{out.parent} is not writable; choose another folder")
+    return created
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove folders this export created, deepest first, while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
@@ -166,7 +184,8 @@ def export_folder(
     model card) and, when matplotlib is installed, ``gates.png``. It is built in a
     temporary folder next to ``out_dir``, loaded back with
     ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for
-    weight, and only then moved into place: a failed export leaves nothing behind.
+    weight, and only then moved into place: a failed export leaves nothing behind,
+    not even the parent folders it created.
 
     Args:
         source: Checkpoint file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
@@ -200,9 +219,13 @@ def export_folder(
     if push_to_hub:
         _check_repo_id(push_to_hub)
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
-    _prepare_target(out, overwrite)
+    created = _prepare_target(out, overwrite)
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except BaseException:
+        _remove_empty(created)
+        raise
     try:
         weights = tmp / WEIGHTS_NAME
         conv = convert_checkpoint(source, weights, model=model, to="ls", fmt="safetensors", ema=ema, options=options)
@@ -228,6 +251,7 @@ def export_folder(
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
     conv.output = out / WEIGHTS_NAME
     result = ExportResult(

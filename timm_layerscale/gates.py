@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from .errors import LayerScaleError
 
-__all__ = ["gate_profile", "format_gate_table", "plot_gates", "gate_stats", "MissingPlotDependency"]
+__all__ = ["gate_profile", "format_gate_table", "plot_gates", "gate_stats", "require_matplotlib", "MissingPlotDependency"]
 
 #: ``<block>.gamma_1`` (official layout) or ``<block>.ls1.gamma`` (module layout).
 _GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
@@ -181,7 +181,7 @@ def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
     extra = sorted(have - want)
     if missing or extra:
         what = f"{len(missing)} missing (first {'.'.join(missing[0])})" if missing else f"{len(extra)} unexpected (first {'.'.join(extra[0])})"
-        raise LayerScaleError(f"checkpoint gates do not fit {model}: {what}; check --model")
+        raise LayerScaleError(f"checkpoint gates do not fit {model}: {what}; check the model name")
 
 
 def _fmt(x: float | None) -> str:
@@ -239,7 +239,8 @@ def _footer(rows: Sequence[Mapping[str, Any]]) -> str:
     return text
 
 
-def _require_matplotlib() -> Any:
+def require_matplotlib() -> Any:
+    """Import and return matplotlib; :class:`MissingPlotDependency` says what to install when it is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -286,7 +287,7 @@ def plot_gates(
         MissingPlotDependency: matplotlib is not installed.
         LayerScaleError: ``rows`` is empty or the file cannot be written.
     """
-    _require_matplotlib()
+    require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

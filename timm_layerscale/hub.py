@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,6 +35,8 @@ __all__ = [
     "build_model_card",
     "write_config",
     "hub_endpoint",
+    "check_online",
+    "require_token",
     "WEIGHTS_NAME",
     "CONFIG_NAME",
     "CARD_NAME",
@@ -101,19 +104,66 @@ def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
     return repo_id, revision, filename
 
 
-def _download_url(url: str) -> Path:
-    """Download ``url`` into torch.hub's checkpoint cache (reused when already there)."""
+def _offline() -> bool:
+    """``HF_HUB_OFFLINE`` is set (read now, as huggingface_hub reads it)."""
+    from huggingface_hub import constants
+
+    return bool(constants.is_offline_mode())
+
+
+def _resolves(url: str) -> bool:
+    """Whether the host of ``url`` has an address; ``False`` when name resolution fails (no network)."""
+    host = urlparse(url).hostname
+    if not host:
+        return True
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    except (OSError, UnicodeError):
+        return True  # let the download itself report it
+    return True
+
+
+def check_online(url: str, action: str) -> None:
+    """Fail at once, with one line, when ``url`` cannot be reached for ``action``.
+
+    Raised when ``HF_HUB_OFFLINE`` is set or the host's name does not resolve, so
+    that an offline machine gets its answer before any retry loop starts.
+
+    Raises:
+        HubError: Offline mode is on, or the host's name does not resolve.
+    """
+    if _offline():
+        raise HubError(f"HF_HUB_OFFLINE is set, so {action} is not possible; unset HF_HUB_OFFLINE and retry")
+    if not _resolves(url):
+        host = urlparse(url).hostname
+        raise HubError(f"cannot resolve {host} (no network?) while {action}; check the network and retry")
+
+
+def cached_url_path(url: str) -> Path:
+    """Where :func:`resolve_source` keeps the download of ``url``: torch.hub's checkpoint cache."""
     import torch.hub
 
     name = os.path.basename(urlparse(url).path)
     if not name:
         raise HubError(f"cannot tell a file name from {url}; give the URL of the checkpoint file")
-    target = Path(torch.hub.get_dir()) / "checkpoints" / name
+    return Path(torch.hub.get_dir()) / "checkpoints" / name
+
+
+def _download_url(url: str) -> Path:
+    """Download ``url`` into torch.hub's checkpoint cache (reused when already there)."""
+    import torch.hub
+
+    from . import progress
+
+    target = cached_url_path(url)
     if target.is_file() and target.stat().st_size > 0:
         return target
+    check_online(url, f"downloading {url}")
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        torch.hub.download_url_to_file(url, str(target), progress=True)
+        torch.hub.download_url_to_file(url, str(target), progress=progress.enabled())
     except Exception as e:  # urllib raises HTTPError, URLError, OSError, ValueError
         code = getattr(e, "code", None)
         if code == 404:
@@ -128,12 +178,23 @@ def _download_from_hub(repo_id: str, revision: str | None, filename: str | None)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     what = f"hf-hub:{repo_id}" + (f"@{revision}" if revision else "")
     candidates = [filename] if filename else [WEIGHTS_NAME, "pytorch_model.bin"]
+    endpoint = hub_endpoint()
     with _hub_errors(f"downloading {what}", repo_id, download=True):
+        if _offline() or not _resolves(endpoint):
+            # No network: serve the cache at once instead of retrying for half a minute.
+            for name in candidates:
+                try:
+                    return Path(hf_hub_download(repo_id, name, revision=revision, endpoint=endpoint, local_files_only=True))
+                except LocalEntryNotFoundError:
+                    continue
+            check_online(endpoint, f"downloading {what} (not in the local cache)")
         for name in candidates:
             try:
-                return Path(hf_hub_download(repo_id, name, revision=revision, endpoint=hub_endpoint()))
+                return Path(hf_hub_download(repo_id, name, revision=revision, endpoint=endpoint))
             except RemoteEntryNotFoundError:
                 continue
     raise HubError(f"{what} has no file {' or '.join(candidates)}; name the file: hf-hub:{repo_id}/FILE")
@@ -142,20 +203,31 @@ def _download_from_hub(repo_id: str, revision: str | None, filename: str | None)
 # ---- Uploads: the one function that talks to the Hub for push -----------------------
 
 
+def require_token() -> str:
+    """The Hub token of ``hf auth login`` or ``HF_TOKEN``, read locally (no request, never printed).
+
+    Raises:
+        HubError: No token is set.
+    """
+    from huggingface_hub import get_token
+
+    token = get_token()
+    if not token:
+        raise HubError("no Hugging Face token found; run 'hf auth login' or set HF_TOKEN to a token with write access")
+    return token
+
+
 def _upload(plan: "PushResult") -> tuple[str, str | None, str | None]:
     """Create the repository if needed and commit the folder in ``plan``.
 
     Returns:
         ``(repo_url, commit_url, pr_url)``.
     """
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import HfApi
 
+    check_online(plan.endpoint, f"uploading to {plan.repo_id}")
     with _hub_errors(f"uploading to {plan.repo_id}", plan.repo_id, revision=plan.revision):
-        token = get_token()
-        if not token:
-            raise HubError(
-                "no Hugging Face token found; run 'hf auth login' or set HF_TOKEN to a token with write access"
-            )
+        token = require_token()
         api = HfApi(endpoint=plan.endpoint, token=token)
         repo_url = api.create_repo(plan.repo_id, repo_type="model", private=plan.private, exist_ok=True)
         if plan.revision and not plan.create_pr:

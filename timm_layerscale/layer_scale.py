@@ -1,5 +1,11 @@
 """LayerScale: a learnable per-channel gate on residual-branch outputs.
 
+A transformer block with LayerScale computes, for a token stream ``x`` of shape
+``(B, N, C)``::
+
+    x = x + ls1(attn(norm1(x)))      # ls1(y) = y * gamma_1
+    x = x + ls2(mlp(norm2(x)))       # ls2(y) = y * gamma_2
+
 Reference: Touvron et al., "Going deeper with Image Transformers", ICCV 2021
 (arXiv 2103.17239), section 2.
 """
@@ -24,28 +30,81 @@ def _tag_no_weight_decay(param: torch.Tensor | None) -> None:
 class LayerScale(nn.Module):
     """Learnable per-channel scaling of a residual branch, ``output = x * gamma``.
 
-    LayerScale is a diagonal linear map ``diag(gamma)`` applied to the output of a
-    residual branch before it is added back to the stream: ``C`` parameters instead
-    of the ``C^2`` of a full linear layer. A small initial value (1e-4) suppresses the
-    residual branches early in training, which lets deep networks (depth >= 24)
-    train stably; 1e-5 was used for the deepest CaiT models. An initial value of 1.0
-    effectively disables the gating, which suits fine-tuning from a strong
-    checkpoint. Weight decay is not applied to ``gamma``: the parameter carries
-    ``gamma._no_weight_decay = True`` and :func:`param_groups` honours it.
+    **Operation.** LayerScale is the diagonal linear map ``diag(gamma)`` applied to the
+    output ``f(norm(x))`` of a residual branch before it is added back to the stream::
 
-    ``gamma`` has shape ``(C,)`` and broadcasts over every leading axis, so inputs of
-    shape ``(B, T, C)``, ``(B, H, W, C)`` or ``(B, T, H, W, C)`` all work. The output
-    has the shape and dtype of the input: a bf16/fp16 input with an fp32 ``gamma``
-    returns bf16/fp16.
+        x = x + diag(gamma) @ f(norm(x))     # per token
+        out[..., c] = x[..., c] * gamma[c]   # for c in 0 .. C-1: what forward computes
+
+    It has ``C`` parameters, against the ``C^2`` of a full linear layer, and is applied
+    once per residual branch (``ls1`` after attention, ``ls2`` after the MLP).
+
+    **Training dynamics.** With every ``gamma`` small at initialisation, each block
+    starts close to the identity: the residual stream is dominated by the patch
+    embedding and every branch adds only a little, whatever the depth. Gradients still
+    reach every branch (the gate scales them by ``gamma``, it does not block them),
+    and each channel learns its own gate, so branches are switched on channel by channel
+    as training needs them. This is what let CaiT train stably beyond depth 24, where
+    plain pre-norm ViTs (and a scalar gate, as in ReZero or SkipInit) stop improving.
+
+    **Init choices.** ``init_value`` is the value of every element of ``gamma`` after
+    :meth:`reset_parameters`:
+
+    - the paper's rule by depth, :func:`cait_init_value`: 0.1 up to 18 blocks, 1e-5 up
+      to 24, 1e-6 beyond (the models here build with ``init_values="auto"`` to use it);
+    - 1e-4 (the default here), used by DeiT III and ViT-5;
+    - the released CaiT checkpoints: 1e-5 (XXS, XS, S24) and 1e-6 (S36, M36, M48);
+    - 1.0 turns the gate into the identity at the start, for fine-tuning a network
+      trained without LayerScale.
+
+    Weight decay is not applied to ``gamma``: a decayed gate is pulled towards 0,
+    which switches its branch off. The parameter carries ``gamma._no_weight_decay = True``
+    (kept through ``copy.deepcopy``, ``to_empty`` and ``load_state_dict(assign=True)``)
+    and :func:`param_groups` honours it.
+
+    **Shapes and dtypes.** ``gamma`` has shape ``(C,)`` and broadcasts over every
+    leading axis, so inputs of shape ``(B, N, C)``, ``(B, H, W, C)`` or
+    ``(B, T, H, W, C)`` all work. The output has the shape and dtype of the input:
+    a bf16/fp16 input with an fp32 ``gamma`` returns bf16/fp16 (``gamma`` is cast to
+    the input's dtype first, then one elementwise multiply).
+
+    **Cost.** :meth:`flop_count`: one multiplication per element, ``N * C`` for ``N``
+    tokens. For deployment, :func:`~timm_layerscale.fuse.fuse_layerscale` folds ``gamma``
+    into the linear layer before it and removes the module.
 
     Args:
-        dim: Number of channels ``C``; the size of the input's last dimension.
+        dim: Number of channels ``C``; the size of the input's last dimension, >= 1.
         init_value: Initial value of every element of ``gamma``.
         device: Device on which ``gamma`` is created (``"meta"`` allowed).
         dtype: dtype of ``gamma``.
 
+    Attributes:
+        gamma: The learned gate, an ``nn.Parameter`` of shape ``(C,)``; in a state dict
+            it is ``<module>.gamma`` (``blocks.N.ls1.gamma``), where the official
+            checkpoints keep ``blocks.N.gamma_1``.
+        dim: ``C``.
+        init_value: The value ``gamma`` is reset to.
+
     Raises:
-        ValueError: In ``forward``, when the input's last dimension is not ``dim``.
+        ValueError: ``dim`` < 1; in ``forward``, an input whose last dimension is not ``dim``.
+
+    Example:
+        >>> import torch
+        >>> from timm_layerscale import LayerScale
+        >>> ls = LayerScale(4, init_value=1e-5)
+        >>> ls
+        LayerScale(dim=4, init_value=1e-05)
+        >>> ls.gamma.shape, ls.gamma._no_weight_decay
+        (torch.Size([4]), True)
+        >>> x = torch.ones(2, 3, 4)               # (B, N, C)
+        >>> ls(x).shape
+        torch.Size([2, 3, 4])
+        >>> torch.equal(ls(x), x * ls.gamma)
+        True
+        >>> ls(x.bfloat16()).dtype
+        torch.bfloat16
+        >>> ls.flop_count(num_tokens=3)           # N * C
+        12
     """
 
     def __init__(
@@ -74,10 +133,14 @@ class LayerScale(nn.Module):
         """Scale the last dimension of ``x`` by ``gamma``.
 
         Args:
-            x: Tensor of shape ``(..., C)``.
+            x: Tensor of shape ``(..., C)``: ``(B, N, C)`` tokens in a transformer
+                block, ``(B, H, W, C)`` channels-last feature maps; any float dtype.
 
         Returns:
             Tensor of the same shape and dtype, ``out[..., c] = x[..., c] * gamma[c]``.
+
+        Raises:
+            ValueError: ``x.shape[-1] != C``.
         """
         if x.shape[-1] != self.dim:
             raise ValueError(
@@ -88,7 +151,15 @@ class LayerScale(nn.Module):
         return x * self.gamma.to(x.dtype)
 
     def flop_count(self, num_tokens: int) -> int:
-        """Multiplications of one forward pass over ``num_tokens`` tokens (``num_tokens * C``)."""
+        """Multiplications of one forward pass over ``num_tokens`` tokens.
+
+        Args:
+            num_tokens: Number of ``C``-vectors scaled: ``B * N`` for a ``(B, N, C)``
+                input (``B * H * W`` for ``(B, H, W, C)``).
+
+        Returns:
+            ``num_tokens * C``: one multiplication per element, no additions.
+        """
         return int(num_tokens) * self.dim
 
     def extra_repr(self) -> str:
@@ -136,6 +207,14 @@ def cait_init_value(depth: int) -> float:
 
     Returns:
         The initial value of every ``gamma`` element.
+
+    Raises:
+        ValueError: ``depth`` < 1.
+
+    Example:
+        >>> from timm_layerscale import cait_init_value
+        >>> [cait_init_value(d) for d in (12, 18, 24, 36)]
+        [0.1, 0.1, 1e-05, 1e-06]
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")

@@ -400,6 +400,7 @@ def compare_models(
     tolerance: Tolerance | None = None,
     weights: tuple[bool, int, str] | None = None,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    progress: Callable[[Iterable[torch.Tensor]], Iterable[torch.Tensor]] | None = None,
 ) -> ParityReport:
     """Run both models on the same inputs and measure how far apart the outputs are.
 
@@ -415,6 +416,8 @@ def compare_models(
         tolerance: What the check accepts; ``None`` asks for bit-exact equality.
         weights: :func:`compare_weights` of the converted weights against the source, if made.
         forward: ``forward(model, x) -> output``; defaults to ``model(x)``.
+        progress: Wraps the iterable of input batches, for a progress bar
+            (:func:`timm_layerscale.progress.verification_passes`); default none.
 
     Returns:
         The :class:`ParityReport`.
@@ -425,7 +428,7 @@ def compare_models(
     p = next(reference.parameters())
     dtype, device = p.dtype, p.device
     outs_ref, outs = [], []
-    for chunk in inputs.split(batch_size):
+    for chunk in (progress or iter)(inputs.split(batch_size)):
         x = chunk.to(device=device, dtype=dtype)
         outs_ref.append(forward(reference, x).float().cpu())
         outs.append(forward(model, x).float().cpu())

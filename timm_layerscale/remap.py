@@ -30,6 +30,7 @@ __all__ = [
     "detect_layout",
     "to_layerscale",
     "to_gamma",
+    "official_checkpoint",
     "check_state_dict",
     "WRAPPER_KEYS",
     "PREFIXES",
@@ -80,6 +81,8 @@ class Family:
         to_gamma: Rules from the ``ls`` layout back to the official ``gamma`` layout.
         gamma_pattern: Matches keys of the official layout's LayerScale parameters.
         ls_pattern: Matches keys of the module layout's LayerScale parameters.
+        official_prefix: Prefix of every key in the official training code's files
+            (``"module."`` for CaiT, saved from DistributedDataParallel).
     """
 
     name: str
@@ -87,6 +90,7 @@ class Family:
     to_gamma: tuple[Rule, ...]
     gamma_pattern: str = r".*\.gamma_[12]"
     ls_pattern: str = r".*\.ls[12]\.gamma"
+    official_prefix: str = ""
 
 
 FAMILIES: dict[str, Family] = {}
@@ -106,6 +110,17 @@ def get_family(name: str) -> Family:
         raise RemapError(
             f"unknown model family {name!r}; choose one of: {', '.join(sorted(FAMILIES))}"
         ) from None
+
+
+def official_checkpoint(state_dict: Mapping[str, V], family: str | Family) -> dict[str, Any]:
+    """Wrap a ``gamma``-layout state dict the way the official training code saves it.
+
+    ``{'model': {prefix + key: tensor}}``, where the prefix is the family's
+    :attr:`Family.official_prefix`: ``'module.'`` for CaiT (the official loader
+    expects it), none for DeiT-III and ViT-5. Tensors are passed through.
+    """
+    fam = family if isinstance(family, Family) else get_family(family)
+    return {"model": {fam.official_prefix + k: v for k, v in state_dict.items()}}
 
 
 def _is_state_dict(obj: Any) -> bool:
@@ -148,7 +163,7 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
         hasattr(v, "shape") for v in checkpoint.values()
     ):
         raise RemapError(
-            "checkpoint holds only an EMA state dict ('model_ema'); ask for it explicitly (--ema)"
+            "checkpoint holds only an EMA state dict ('model_ema'); ask for it explicitly: pass ema=True"
         )
     return checkpoint
 
@@ -215,7 +230,7 @@ def _apply_rules(
         shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
         raise RemapError(
             f"{len(unknown)} key(s) are not part of a {family} checkpoint: {shown}; "
-            "check that the file is a checkpoint of this model family (or pass --model)"
+            "check that the file is a checkpoint of this model family"
         )
     return out
 
@@ -327,6 +342,7 @@ register_family(
             Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
             Rule(r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
         ),
+        official_prefix="module.",
     )
 )
 

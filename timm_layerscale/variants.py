@@ -176,6 +176,37 @@ def _unlikeliness(v: Variant, info: Mapping[str, Any]) -> float:
     return score
 
 
+def _kinds(keys: Any) -> set[str]:
+    """Key names with block indices removed: what kinds of tensors a state dict holds."""
+    return {re.sub(r"\.\d+\.", ".N.", k) for k in keys}
+
+
+def _distance(
+    v: Variant, shapes: Mapping[str, tuple[int, ...]], info: Mapping[str, Any], kinds: set[str]
+) -> tuple[float, float, float, float]:
+    """How far a variant is from a checkpoint: kinds of keys, then width, depth and resolution."""
+
+    def gap(have: int | None, want: int | None) -> float:
+        return math.inf if have is None or want is None else abs(have - want)
+
+    described = describe_state_dict({k: _Shape(s) for k, s in shapes.items()})
+    size = info["grid"] * info["patch_size"] if "grid" in info and "patch_size" in info else None
+    return (
+        len(_kinds(shapes) ^ kinds),
+        gap(described.get("embed_dim"), info.get("embed_dim")),
+        gap(described.get("depth"), info.get("depth")),
+        gap(v.img_size, size),
+    )
+
+
+class _Shape:
+    """A stand-in tensor with only a shape, for :func:`describe_state_dict`."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+        self.ndim = len(shape)
+
+
 def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> tuple[Variant, dict[str, Any]]:
     """Find the registered variant a checkpoint fits, from its keys and shapes alone.
 
@@ -190,7 +221,9 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
 
     Raises:
         ArchitectureError: Nothing fits; the message says what was found and names
-            the closest variant.
+            the closest variant: the one with the same kinds of keys (block indices
+            aside), then the nearest width, depth and resolution, then the fewest
+            mismatched keys.
         RemapError: ``model`` is given and the checkpoint does not fit it; the
             message lists the missing, unexpected and mis-shaped keys.
     """
@@ -202,7 +235,7 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
     except RemapError as e:
         raise ArchitectureError(str(e)) from None
     candidates = [get_variant(model)] if model else list(all_variants())
-    best: tuple[int, Variant | None] = (1 << 30, None)
+    best: tuple[tuple[float, ...], int, Variant | None] = ((math.inf,), 0, None)
     info: dict[str, Any] = {}
     converted: dict[str, dict[str, Any] | None] = {}
     for family in dict.fromkeys(v.family for v in candidates):
@@ -233,18 +266,19 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
             if num_classes is not None and num_classes == _meta_shapes(v.name, None).get("head.weight", (None,))[0]:
                 out.pop("num_classes")
             return v, out
-        if bad < best[0]:
-            best = (bad, v)
+        rank = (*_distance(v, shapes, info, _kinds(sd)), bad)
+        if rank < best[0]:
+            best = (rank, bad, v)
     if not info:
         from .remap import strip_prefixes
 
         info = describe_state_dict(strip_prefixes(raw))
     found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(raw)} keys of no known family"
-    if best[1] is None:
+    if best[2] is None:
         what = f"model {model!r}" if model else "any convertible model (CaiT, ViT-5, DeiT-III)"
         raise ArchitectureError(f"checkpoint does not fit {what}: found {found}; check the file")
     target = f"model {model!r}" if model else "any registered variant"
     raise ArchitectureError(
-        f"checkpoint does not fit {target}: found {found}; closest is {best[1].name} "
-        f"({best[0]} mismatched keys); pass --model to convert it as that and see the mismatches"
+        f"checkpoint does not fit {target}: found {found}; closest is {best[2].name} "
+        f"({best[1]} mismatched keys); pass model={best[2].name!r} to convert it as that and see the mismatches"
     )

@@ -1,0 +1,362 @@
+"""The command line's contract: one exit-code table, one error prefix, user mistakes as user errors.
+
+Exit status, for every command: 0 ok, 1 verification failed, 2 user error, 3 internal
+error. Every error is one line on stderr starting with ``timm-layerscale: error:``.
+Also here: what ``convert --to gamma`` writes, progress bars, failing fast offline, and
+the model card's reference and citation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale import cli, conversion, progress
+from timm_layerscale.cli import main
+from timm_layerscale.conversion import ParityError, convert_checkpoint
+from timm_layerscale.errors import ArchitectureError, RemapError
+from timm_layerscale.parity import ParityReport
+
+ROOT = Path(__file__).resolve().parents[1]
+ERROR = "timm-layerscale: error: "
+MODEL = "cait_xxs24_224_ls"
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code: int, err: str, status: int, expect: str = "") -> str:
+    assert code == status, (code, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR), err
+    assert "Traceback" not in err
+    assert expect in lines[0], err
+    return lines[0]
+
+
+def failing_report() -> ParityReport:
+    return ParityReport(
+        reference="cait_xxs24_224", model=MODEL, family="cait", inputs="1 image", num_inputs=1, dtype="float32",
+        device="cpu", attention="manual", max_abs_diff=0.5, max_rel_diff=0.1, cosine_min=0.99,
+        top1_agreement=1.0, top5_agreement=1.0, bit_exact=False, atol=0.0, rtol=0.0, passed=False,
+    )
+
+
+# ---- exit codes and the error prefix ------------------------------------------------------
+
+
+def test_an_internal_error_exits_3_with_the_common_prefix(capsys, monkeypatch):
+    def broken(args):
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setitem(cli.COMMANDS, "list", broken)
+    line = one_line_error(*run(capsys, "list")[::2], 3, "internal error: TypeError: unsupported operand")
+    assert "--debug" in line
+
+
+def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
+    def failing(args):
+        raise ParityError("converted model does not match cait_xxs24_224", failing_report())
+
+    monkeypatch.setitem(cli.COMMANDS, "list", failing)
+    one_line_error(*run(capsys, "list")[::2], 1, "does not match")
+
+
+def test_demo_parity_failure_prints_the_report_and_exits_1(tmp_path, capsys, monkeypatch):
+    from timm_layerscale import export
+
+    def export_folder(*args, **kwargs):
+        raise ParityError("converted model does not match cait_xxs24_224 (max abs diff 0.5)", failing_report())
+
+    monkeypatch.setattr(export, "export_folder", export_folder)
+    monkeypatch.setattr(conversion, "write_official_checkpoint", lambda path, *a, **k: Path(path).touch())
+    code, out, err = run(capsys, "demo", "--out", tmp_path / "demo")
+    one_line_error(code, err, 1, "parity check failed")
+    assert any(line.split() == ["result", "FAIL"] for line in out.splitlines()), out
+    assert "demo FAILED" in out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_demo_into_a_folder_that_cannot_be_created_is_a_user_error(where, tmp_path, capsys):
+    if where == "proc":
+        if not Path("/proc/self").is_dir():
+            pytest.skip("no /proc on this system")
+        out = Path("/proc/nope")
+    else:
+        (tmp_path / "a-file").write_text("x")
+        out = tmp_path / "a-file" / "demo"
+    code, stdout, err = run(capsys, "demo", "--out", out)
+    one_line_error(code, err, 2, f"cannot create {out}")
+    assert stdout == ""
+
+
+_ARGUMENTS = """
+import contextlib, io, json, runpy, sys
+results = {}
+for argv in (["verify", "a.pth", "b.safetensors", "--num-inputs", "0"], ["verify", "a", "b", "--atol", "-1"],
+             ["convert", "a", "b", "--rtol", "nan"], ["verify", "a", "b", "--num-inputs", "many"]):
+    sys.argv = ["timm-layerscale", *argv]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_module("timm_layerscale", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+    results[argv[-2] + " " + argv[-1]] = [code, err.getvalue()]
+results["torch imported"] = "torch" in sys.modules
+print(json.dumps(results))
+"""
+
+
+def test_bad_counts_and_tolerances_are_argument_errors_without_importing_torch():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _ARGUMENTS], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res.pop("torch imported") is False
+    expected = {
+        "--num-inputs 0": "argument --num-inputs: must be at least 1, got 0",
+        "--atol -1": "argument --atol: must be a finite number >= 0, got '-1'",
+        "--rtol nan": "argument --rtol: must be a finite number >= 0, got 'nan'",
+        "--num-inputs many": "argument --num-inputs: expected a whole number >= 1, got 'many'",
+    }
+    for key, text in expected.items():
+        code, err = res[key]
+        assert code == 2 and len(err.splitlines()) == 1 and err.startswith(ERROR) and text in err, (key, err)
+
+
+def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys, official):
+    out = tmp_path / "x.safetensors"
+    out.write_bytes(b"keep me")
+    with pytest.raises(Exception, match="pass overwrite=True to replace it"):
+        convert_checkpoint(official, out, verify=False)
+    one_line_error(*run(capsys, "convert", official, out)[::2], 2, "pass --overwrite to replace it")
+    assert out.read_bytes() == b"keep me"
+    assert cli.cli_message("closest is x; pass model='cait_s24_224_ls' to see") == "closest is x; pass --model cait_s24_224_ls to see"
+    assert cli.cli_message("or pass allow_nonfinite=True to convert") == "or pass --allow-nonfinite to convert"
+    assert cli.cli_message("or pass fmt='pth'") == "or pass --format pth"
+    assert cli.cli_message("pass atol=1e-5 to accept") == "pass --atol 1e-5 to accept"
+    assert cli.cli_message("found embed_dim=192, depth=12") == "found embed_dim=192, depth=12"
+
+
+def test_a_library_key_error_gives_no_command_line_advice():
+    from timm_layerscale.remap import to_layerscale
+
+    with pytest.raises(RemapError) as info:
+        to_layerscale({"blocks.0.attn.rope.freqs": torch.ones(2)}, "cait")
+    assert "--" not in str(info.value) and "check that the file is a checkpoint of this model family" in str(info.value)
+
+
+def test_a_vit_tiny_like_deit3_file_is_told_the_nearest_width(tmp_path):
+    import timm
+
+    from timm_layerscale.remap import to_gamma
+    from timm_layerscale.variants import detect_variant
+
+    with torch.device("meta"):
+        tiny = timm.create_model("vit_tiny_patch16_224", no_embed_class=True, init_values=1e-5)
+    sd = to_gamma(tiny.state_dict(), "deit3")
+    with pytest.raises(ArchitectureError) as info:
+        detect_variant({"model": sd})
+    msg = str(info.value)
+    assert "embed_dim=192" in msg and "closest is deit3_small_patch16_224" in msg, msg
+    assert "pass model='deit3_small_patch16_224'" in msg
+
+
+# ---- inspect and export ---------------------------------------------------------------
+
+
+def test_inspect_plot_without_matplotlib_fails_before_printing(official, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = run(capsys, "inspect", official, "--plot", "gates.png")
+    one_line_error(code, err, 2, "pip install 'timm-layerscale[plot]'")
+    assert out == ""
+
+
+def test_a_failed_export_leaves_no_folder_it_created(tmp_path):
+    from timm_layerscale.export import export_folder
+
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"PK\x03\x04 not really a zip file")
+    with pytest.raises(Exception, match="could not be read"):
+        export_folder(bad, tmp_path / "hub" / "deeper" / "cait_xxs24_224_ls.fb_dist_in1k")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pth"]
+
+
+# ---- convert --to gamma -----------------------------------------------------------------
+
+
+def test_convert_to_gamma_on_the_command_line(official, tmp_path, capsys):
+    ls = tmp_path / "ls.safetensors"
+    assert run(capsys, "convert", official, ls, "--no-verify")[0] == 0
+    code, out, err = run(capsys, "convert", ls, tmp_path / "official.pth", "--to", "gamma", "--no-verify")
+    assert code == 0, err
+    assert "(gamma layout, official file {'model': {'module.' + key: tensor}})" in out
+    obj = torch.load(tmp_path / "official.pth", weights_only=True)
+    assert list(obj) == ["model"] and all(k.startswith("module.") for k in obj["model"])
+
+    code, out, err = run(capsys, "convert", ls, tmp_path / "plain.pth", "--to", "gamma", "--plain", "--no-verify", "--json")
+    assert code == 0 and json.loads(out)["container"] == "plain"
+    assert "blocks.0.gamma_1" in torch.load(tmp_path / "plain.pth", weights_only=True)
+
+    code, out, err = run(capsys, "convert", official, tmp_path / "again.pth", "--to", "gamma")
+    one_line_error(code, err, 2, "XXS24_224.pth is already in the gamma layout; nothing to convert")
+    assert not (tmp_path / "again.pth").exists()
+
+
+# ---- progress bars ----------------------------------------------------------------------
+
+
+def test_progress_bars_show_on_a_terminal_and_not_with_quiet(official, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(progress, "enabled", lambda: not progress._disabled)
+    monkeypatch.setattr(progress, "DELAY", 0)
+    monkeypatch.setattr(progress, "_disabled", False)
+    monkeypatch.setattr(conversion, "seeded_inputs", lambda n, img, seed: torch.randn(2, 3, 224, 224))
+    code, _, err = run(capsys, "convert", official, tmp_path / "a.safetensors")
+    assert code == 0, err
+    assert "writing a.safetensors" in err and "verifying" in err and "batch" in err
+
+    code, _, err = run(capsys, "convert", official, tmp_path / "b.pth", "--no-verify")
+    assert code == 0 and "writing b.pth" in err
+
+    code, _, err = run(capsys, "convert", official, tmp_path / "c.safetensors", "--quiet")
+    assert code == 0 and err == ""
+    progress.enable_progress_bars()
+
+
+def test_no_progress_bars_when_stderr_is_not_a_terminal(official, tmp_path, capsys):
+    assert not sys.stderr.isatty()
+    code, _, err = run(capsys, "convert", official, tmp_path / "x.safetensors", "--no-verify")
+    assert code == 0 and err == ""
+
+
+def test_a_pth_written_through_the_progress_counter_loads_memory_mapped(tmp_path, monkeypatch):
+    from timm_layerscale.checkpoint import load_checkpoint, save_pth
+
+    monkeypatch.setattr(progress, "enabled", lambda: True)
+    monkeypatch.setattr(progress, "DELAY", 0)
+    sd = {"a": torch.arange(1000.0), "b": torch.ones(33, 4, dtype=torch.bfloat16)}
+    save_pth(tmp_path / "x.pth", sd)
+    loaded = load_checkpoint(tmp_path / "x.pth")  # torch.load(mmap=True, weights_only=True)
+    assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.pth"]
+
+
+# ---- offline fails fast -----------------------------------------------------------------
+
+
+def _unresolvable(monkeypatch):
+    def getaddrinfo(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+@pytest.mark.parametrize("source", ["hf-hub:timm/cait_xxs24_224.fb_dist_in1k", "https://dl.fbaipublicfiles.com/deit/XXS24_224.pth"])
+def test_no_name_resolution_fails_at_once(source, tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    _unresolvable(monkeypatch)
+    t0 = time.perf_counter()
+    code, out, err = run(capsys, "convert", source, tmp_path / "x.safetensors")
+    assert time.perf_counter() - t0 < 10
+    one_line_error(code, err, 2, "cannot resolve")
+    assert "check the network" in err and out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_hf_hub_offline_fails_at_once_in_a_fresh_process(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), TORCH_HOME=str(tmp_path / "torch"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    for source in ("hf-hub:timm/cait_xxs24_224.fb_dist_in1k", "https://dl.fbaipublicfiles.com/deit/XXS24_224.pth"):
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "timm_layerscale", "convert", source, str(tmp_path / "x.safetensors")],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert time.perf_counter() - t0 < 10 + 5  # generous: a cold interpreter imports torch first
+        one_line_error(proc.returncode, proc.stderr, 2, "HF_HUB_OFFLINE is set")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_push_offline_fails_before_reading_a_token(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: pytest.fail("read the token"), raising=False)
+    one_line_error(*run(capsys, "push", folder, "org/name")[::2], 2, "HF_HUB_OFFLINE is set, so uploading to org/name")
+
+
+def test_release_checks_network_and_token_before_converting(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    from convert.release_cait import main as release
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    out = tmp_path / "release"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert release(["--out", str(out), "--only", "cait_xxs24_224"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m convert: error: HF_HUB_OFFLINE is set") and len(err.splitlines()) == 1
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr("timm_layerscale.hub._resolves", lambda url: True)
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    assert release(["--out", str(out), "--sources", str(sources), "--org", "my-org"]) == 2
+    err = capsys.readouterr().err
+    assert "no Hugging Face token found" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+# ---- the model card ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,reference,cites,not_cited",
+    [
+        ("cait_s24_224_ls", "cait_s24_224", "Going Deeper With Image Transformers", ("Revenge", "ViT-5")),
+        ("deit3_small_patch16_224", "deit3_small_patch16_224", "Revenge of the {ViT}", ("Going Deeper", "ViT-5")),
+        ("vit5_small_patch16_224", "vit5_official/vit5_small_patch16_224", "Vision Transformers for the Mid-2020s", ("Going Deeper", "Revenge")),
+    ],
+)
+def test_model_card_names_its_reference_and_cites_its_family(name, reference, cites, not_cited, tmp_path):
+    from timm_layerscale.card import build_model_card
+    from timm_layerscale.variants import get_variant
+
+    report = SimpleNamespace(reference=reference, to_markdown=lambda: "| check | value |")
+    conversion = SimpleNamespace(
+        variant=get_variant(name), source=str(tmp_path / "w.pth"), source_path=tmp_path / "w.pth",
+        source_sha256="ab" * 32, source_layout="gamma", report=report,
+    )
+    config = {"architecture": name, "num_classes": 1000, "pretrained_cfg": {"input_size": [3, 224, 224]}}
+    text = str(build_model_card(conversion, repo_id="org/x", config=config, num_params=1, command="timm-layerscale export a b"))
+    ref_line = next(line for line in text.splitlines() if line.startswith("- **Reference:**"))
+    if name.startswith("vit5"):
+        assert "timm's" not in ref_line and "timm_layerscale.references.vit5_official" in ref_line
+        assert "timm has no ViT-5" in ref_line
+    else:
+        assert f"timm's `{reference}`" in ref_line
+    citation = text.split("## Citation", 1)[1]
+    assert "```bibtex" in citation and cites in citation and "%" not in citation
+    assert not any(other in citation for other in not_cited)

@@ -1,0 +1,268 @@
+"""README.md as a contract: every fenced code block runs as written.
+
+How blocks run
+--------------
+- Blocks run in README order, in one working folder shared by all of them (files a
+  command writes are there for later blocks), prepared with the files the README names:
+  ``XXS24_224.pth`` (timm's ``cait_xxs24_224``, seeded random weights, saved as the
+  official CaiT code saves them), ``deit_3_small_224_1k.pth``, ``vit5_small_patch16_224.pth``
+  (an official ViT-5 training dict with ``model`` and ``model_ema``), ``cat.jpg``,
+  ``dog.jpg`` and ``~/deit/XXS24_224.pth`` (``HOME`` is a folder inside it). Everything
+  runs offline: ``HF_HUB_OFFLINE=1``, ``HF_HOME`` and ``TORCH_HOME`` inside the folder.
+- ``python`` blocks: each runs in a fresh interpreter, one top-level statement at a time.
+- ``bash`` blocks: each line is one command, split like a shell does (``#`` starts a
+  comment, ``~`` is ``HOME``). ``timm-layerscale ...``, ``python -m timm_layerscale ...``
+  and ``python -m convert ...`` run in this process and must exit 0 (their verification
+  runs on one seeded image instead of eight, to save time). Commands of other
+  programs are not run: ``make`` (its targets are what CI runs), ``pip`` and ``hf``
+  (third-party tools; see :data:`NOT_RUN`). Any other program fails the test, so a new
+  kind of command has to be handled here first.
+- Any other block language fails the test.
+
+Marking lines that need the network
+-----------------------------------
+A line whose comment starts with ``[network]`` (``... # [network] what it does``) needs
+the network. It runs up to the network boundary: a command must exit 2 at once (within
+:data:`FAST` seconds) with one ``error:`` line naming ``HF_HUB_OFFLINE``; a Python
+statement (any statement with a marked line) must raise at once with huggingface_hub's
+error for an offline machine with nothing cached (``LocalEntryNotFoundError``,
+``OfflineModeIsEnabled``) or this package's one-line ``HF_HUB_OFFLINE`` error, and the block goes on with its next statement, so later statements
+must not use what a marked one would have made. A marked line that succeeds fails the
+test: the mark is wrong.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+NETWORK = re.compile(r"#\s*\[network\]")
+#: Programs whose commands the README shows but this test does not run, and why.
+NOT_RUN = {
+    "make": "the make targets are the test harness itself; CI runs them",
+    "pip": "installs packages from PyPI",
+    "hf": "huggingface_hub's own command line (logs in to the Hub)",
+}
+#: Seconds within which a network line must fail when offline.
+FAST = 10.0
+
+
+@dataclass
+class Block:
+    language: str
+    code: str
+    line: int  # line of the opening fence in README.md
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}:{self.language}"
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """Every fenced code block of a Markdown text, in order."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, language = m.groups()
+        body, j = [], i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
+            j += 1
+        blocks.append(Block(language.lower(), "\n".join(body) + "\n", i + 1))
+        i = j + 1
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+
+
+# ---- the working folder -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    import shutil
+
+    import timm
+    import torch
+    from PIL import Image
+
+    import timm_layerscale  # noqa: F401
+    from timm_layerscale.conversion import write_official_checkpoint
+    from timm_layerscale.parity import seed_parameters_
+    from timm_layerscale.references import vit5_official
+    from timm_layerscale.remap import official_checkpoint, to_gamma
+
+    work = tmp_path_factory.mktemp("readme")
+    write_official_checkpoint(work / "XXS24_224.pth", "cait_xxs24_224", seed=0)
+    deit3 = seed_parameters_(timm.create_model("deit3_small_patch16_224"), seed=3)
+    torch.save(official_checkpoint(to_gamma(deit3.state_dict(), "deit3"), "deit3"), work / "deit_3_small_224_1k.pth")
+    vit5 = vit5_official.build_reference("vit5_small_patch16_224")
+    model_sd = {k: v.clone() for k, v in seed_parameters_(vit5, seed=7).state_dict().items()}
+    ema_sd = {k: v.clone() for k, v in seed_parameters_(vit5, seed=8).state_dict().items()}
+    torch.save({"model": model_sd, "model_ema": ema_sd, "optimizer": {}, "epoch": 799}, work / "vit5_small_patch16_224.pth")
+    gen = torch.Generator().manual_seed(0)
+    for name in ("cat.jpg", "dog.jpg"):
+        pixels = torch.randint(0, 256, (256, 320, 3), generator=gen, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(work / name)
+    (work / "home" / "deit").mkdir(parents=True)
+    shutil.copyfile(work / "XXS24_224.pth", work / "home" / "deit" / "XXS24_224.pth")
+    return work
+
+
+@pytest.fixture
+def offline_env(workdir, monkeypatch) -> dict[str, str]:
+    import huggingface_hub.constants
+
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(workdir / "hf"),
+        "TORCH_HOME": str(workdir / "torch"),
+        "HOME": str(workdir / "home"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(workdir)
+    # Commands verify on one seeded image instead of eight: the same code path, an eighth of
+    # the time (parity itself is tested in depth elsewhere).
+    from timm_layerscale import conversion
+
+    seeded = conversion.seeded_inputs
+    monkeypatch.setattr(conversion, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))
+    return env
+
+
+# ---- running commands -------------------------------------------------------------------
+
+
+def _entry_point(argv: list[str]):
+    """The in-process main function for a README command, and its arguments."""
+    if argv[0] == "timm-layerscale":
+        from timm_layerscale.cli import main
+
+        return main, argv[1:]
+    if argv[:3] == ["python", "-m", "timm_layerscale"]:
+        from timm_layerscale.cli import main
+
+        return main, argv[3:]
+    if argv[:3] == ["python", "-m", "convert"]:
+        from convert.release_cait import main
+
+        return main, argv[3:]
+    return None, argv
+
+
+def run_command(line: str) -> None:
+    argv = [os.path.expanduser(a) if a.startswith("~") else a for a in shlex.split(line, comments=True)]
+    if not argv:
+        return
+    if argv[0] in NOT_RUN:
+        return
+    main, args = _entry_point(argv)
+    assert main is not None, f"README command of an unknown program, handle it in tests/test_readme.py: {line}"
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as e:  # argparse
+            code = e.code
+    seconds = time.perf_counter() - t0
+    if NETWORK.search(line):
+        lines = err.getvalue().splitlines()
+        assert code == 2, f"{line!r} should stop at the network boundary with exit 2, got {code}: {err.getvalue()}"
+        assert len(lines) == 1 and "error: " in lines[0] and "HF_HUB_OFFLINE" in lines[0], err.getvalue()
+        assert seconds < FAST, f"{line!r} took {seconds:.1f} s to fail offline"
+    else:
+        assert code == 0, f"{line!r} exited {code}:\n{out.getvalue()[-2000:]}\n{err.getvalue()[-2000:]}"
+
+
+# ---- running Python blocks --------------------------------------------------------------
+
+_DRIVER = r'''
+import ast, sys, time, traceback
+source = open(sys.argv[1], encoding="utf-8").read()
+lines = source.splitlines()
+marker = __import__("re").compile(r"#\s*\[network\]")
+namespace = {"__name__": "__main__"}
+for stmt in ast.parse(source).body:
+    text = "\n".join(lines[stmt.lineno - 1 : stmt.end_lineno])
+    network = any(marker.search(line) for line in lines[stmt.lineno - 1 : stmt.end_lineno])
+    code = compile(ast.Module([stmt], []), sys.argv[1], "exec")
+    t0 = time.perf_counter()
+    try:
+        exec(code, namespace)
+    except Exception as e:
+        if not network:
+            traceback.print_exc()
+            sys.exit(f"README statement failed: {text}")
+        message = f"{type(e).__name__}: {e}"
+        # huggingface_hub's errors for "no network and not cached", or this package's one line.
+        offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled") or "HF_HUB_OFFLINE" in message
+        if not offline:
+            sys.exit(f"[network] statement failed, but not because it is offline: {text}\n{message}")
+        if time.perf_counter() - t0 >= FAST:
+            sys.exit(f"[network] statement took {time.perf_counter() - t0:.1f} s to fail offline: {text}")
+    else:
+        if network:
+            sys.exit(f"[network] statement succeeded offline; remove the mark: {text}")
+'''
+
+
+def run_python(block: Block, workdir: Path, env: dict[str, str]) -> None:
+    script = workdir / f"readme_block_{block.line}.py"
+    script.write_text(block.code, encoding="utf-8")
+    driver = workdir / "readme_driver.py"
+    driver.write_text(f"FAST = {FAST}\n" + textwrap.dedent(_DRIVER), encoding="utf-8")
+    full_env = dict(os.environ, **env)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(driver), str(script)], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"{block.id}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+# ---- the tests --------------------------------------------------------------------------
+
+
+def test_the_readme_has_blocks_of_both_kinds():
+    languages = {b.language for b in BLOCKS}
+    assert {"python", "bash"} <= languages, languages
+    assert any(NETWORK.search(b.code) for b in BLOCKS)
+
+
+def test_fence_parser_reads_languages_bodies_and_indented_fences():
+    text = "x\n```bash\na  # [network]\n```\n  ```python\n  print(1)\n  ```\n~~~\nplain\n~~~\n"
+    blocks = readme_blocks(text)
+    assert [(b.language, b.code, b.line) for b in blocks] == [
+        ("bash", "a  # [network]\n", 2), ("python", "print(1)\n", 5), ("", "plain\n", 8)
+    ]
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_readme_block_runs_as_written(block: Block, workdir: Path, offline_env: dict[str, str]):
+    if block.language in ("bash", "sh", "shell", "console"):
+        for line in block.code.splitlines():
+            if line.strip():
+                run_command(line)
+    elif block.language == "python":
+        run_python(block, workdir, offline_env)
+    else:
+        pytest.fail(f"{block.id}: no rule to run a {block.language or 'plain'!r} block; give it a language")
