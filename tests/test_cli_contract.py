@@ -344,7 +344,14 @@ def test_model_card_names_its_reference_and_cites_its_family(name, reference, ci
     from timm_layerscale.card import build_model_card
     from timm_layerscale.variants import get_variant
 
-    report = SimpleNamespace(reference=reference, to_markdown=lambda: "| check | value |")
+    from timm_layerscale.parity import ParityReport
+
+    report = ParityReport(
+        reference=reference, model=name, family=get_variant(name).family, inputs="1 image", num_inputs=1,
+        dtype="float32", device="cpu", attention="manual", max_abs_diff=0.0, max_rel_diff=0.0, cosine_min=1.0,
+        top1_agreement=1.0, top5_agreement=1.0, bit_exact=True, atol=0.0, rtol=0.0, passed=True,
+        weights_equal=True, weights_compared=3,
+    )
     conversion = SimpleNamespace(
         variant=get_variant(name), source=str(tmp_path / "w.pth"), source_path=tmp_path / "w.pth",
         source_sha256="ab" * 32, source_layout="gamma", report=report,

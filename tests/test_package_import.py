@@ -37,3 +37,12 @@ def test_public_names_load_on_first_use():
         "print(sorted(set(t.__all__) - set(dir(t))))"
     )
     assert _run(code).splitlines() == ["False", "LayerScale True True", "[]"]
+
+
+@pytest.mark.parametrize("first", ["timm_layerscale.fuse", "timm_layerscale.parity", "timm_layerscale.layers"])
+def test_any_module_imported_first_registers_the_models_cleanly(first):
+    # A module that imports timm while the models import it back must not break registration.
+    code = f"import {first}, timm; print(len(timm.list_models('*_ls')))"
+    full = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], env=full, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "10", out.stderr

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
-from timm.layers import LayerScale as TimmLayerScale
 from torch import nn
 
 from .layer_scale import LayerScale
@@ -25,6 +24,8 @@ FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
 
 def _is_layerscale(module: nn.Module) -> bool:
     # this package's LayerScale or timm's: both scale by a per-channel ``gamma``
+    from timm.layers import LayerScale as TimmLayerScale  # not at import: the models import this module
+
     return isinstance(module, (LayerScale, TimmLayerScale))
 
 
