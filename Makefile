@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench clean
+.PHONY: demo test test-all test-compat bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,13 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
 
+# The compatibility subset in one environment per timm x torch pair (compat/__main__.py);
+# COMPAT passes options, e.g. COMPAT="--only oldest --remove".
+test-compat:
+	$(PYTHON) -m compat $(COMPAT)
+
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
 clean:
-	rm -rf $(VENV) demo-out build dist *.egg-info
+	rm -rf $(VENV) .compat demo-out build dist *.egg-info
