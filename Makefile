@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-all bench docs clean
+.PHONY: demo test test-all test-compat bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
 
+# The compatibility subset in one environment per timm x torch pair (compat/__main__.py);
+# COMPAT passes options, e.g. COMPAT="--only oldest --remove".
+test-compat:
+	$(PYTHON) -m compat $(COMPAT)
+
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
@@ -37,4 +42,4 @@ docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -b doctest -W --keep-going -q docs docs/_build/doctest
 
 clean:
-	rm -rf $(VENV) demo-out build dist *.egg-info docs/_build
+	rm -rf $(VENV) .compat demo-out build dist *.egg-info docs/_build

@@ -440,7 +440,7 @@ def test_interrupted_write_leaves_nothing(tmp_path, error, existing):
 
 def test_interrupted_save_pth_leaves_nothing(tmp_path, monkeypatch):
     def failing_save(obj, f, *args, **kwargs):
-        Path(f).write_bytes(b"partial")
+        f.write(b"partial")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", failing_save)

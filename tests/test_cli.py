@@ -506,8 +506,10 @@ def test_interrupted_pth_write_leaves_nothing(light_sd, tmp_path, capsys, monkey
     real_save = torch.save
 
     def save(obj, f, *a, **k):
-        if isinstance(f, (str, os.PathLike)) and Path(f).parent == out_dir:
-            Path(f).write_bytes(b"PK\x03\x04" + b"\0" * 4096)  # half a file, then the user hits Ctrl-C
+        if not isinstance(f, (str, os.PathLike)):  # the writer hands torch.save its open temporary file
+            f.write(b"PK\x03\x04" + b"\0" * 4096)  # half a file, then the user hits Ctrl-C
+            f.flush()
+            assert [p.stat().st_size for p in out_dir.iterdir()] == [4100]
             raise KeyboardInterrupt
         return real_save(obj, f, *a, **k)
 

@@ -63,6 +63,11 @@ def test_prefixes_and_wrappers():
         unwrap_state_dict({"model_ema": ema, "epoch": 3})
     with pytest.raises(RemapError, match="no 'model_ema'"):
         unwrap_state_dict({"model": inner}, "model_ema")
+    # timm's train.py keeps its EMA under 'state_dict_ema'.
+    assert unwrap_state_dict({"state_dict": inner, "state_dict_ema": ema}, "model_ema") is ema
+    assert unwrap_state_dict({"state_dict": inner, "state_dict_ema": ema}) is inner
+    with pytest.raises(RemapError, match="only an EMA state dict \\('state_dict_ema'\\)"):
+        unwrap_state_dict({"state_dict_ema": ema, "epoch": 3})
     assert to_layerscale(inner) == {"blocks.0.ls1.gamma": 1, "pos_embed": 2}
 
 

@@ -5,7 +5,8 @@ memory-maps them, and opens safetensors files lazily (:class:`LazySafetensors`).
 Writing: :func:`save_safetensors` streams tensors to disk one at a time, so peak
 memory is about one tensor whatever the file size, and produces the same bytes as
 ``safetensors.torch.save_file``. Every write goes to a temporary file in the target
-folder and is renamed onto the target only when complete (:func:`atomic_output`).
+folder and is moved onto the target only when complete, without replacing a file that
+another process put there meanwhile unless asked to (:func:`atomic_output`).
 Bad input raises :class:`~timm_layerscale.errors.CheckpointError` with a one-line
 message saying what is wrong and what to do.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import math
@@ -37,6 +39,8 @@ __all__ = [
     "LazySafetensors",
     "load_checkpoint",
     "sha256_file",
+    "file_identity",
+    "check_unchanged",
     "check_finite",
     "atomic_output",
     "save_safetensors",
@@ -233,6 +237,38 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def file_identity(path: str | os.PathLike) -> tuple[int, ...] | None:
+    """What changes when a file is rewritten or replaced: device, inode, size, mtime, ctime.
+
+    Returns ``None`` when the file cannot be stat'ed.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def check_unchanged(path: str | os.PathLike, before: tuple[int, ...] | None) -> None:
+    """Raise if ``path`` is no longer the file :func:`file_identity` saw.
+
+    Taken before a file is first read and checked after it was last read, this proves
+    that everything read in between (tensors, hash) came from one version of the file:
+    another process that rewrote it in place changes its size or times, one that
+    replaced it changes its inode. A rewrite that keeps the size and lands within the
+    timestamp granularity of the previous change (coarse on some filesystems) is
+    the case this cannot see.
+
+    Raises:
+        CheckpointError: The file changed, was replaced or is gone.
+    """
+    if before is None or file_identity(path) != before:
+        raise CheckpointError(
+            f"{path} changed while it was being read (another process wrote it); "
+            "convert again once it is complete"
+        )
+
+
 def check_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
     """Raise if any floating-point tensor holds NaN or Inf.
 
@@ -276,22 +312,56 @@ def _check_output(target: Path, overwrite: bool) -> None:
         raise CheckpointError(f"output folder {parent} is not writable; choose another output path")
 
 
+# link(2) errors meaning "this filesystem has no hard links", not "the target exists".
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
+
+
+def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Move the finished ``tmp`` onto ``target``; without ``overwrite``, never replace a file.
+
+    ``os.link`` fails with ``EEXIST`` when ``target`` exists, atomically, so of two
+    writers racing for one name exactly one wins and the other gets
+    :class:`OutputExistsError`; the file is always one writer's whole output. Where
+    the filesystem has no hard links, the existence check and ``os.replace`` are two
+    steps, which leaves a short window for a writer in another process.
+    """
+    if overwrite:
+        os.replace(tmp, target)
+        return
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise OutputExistsError(f"output {target} exists; pass --overwrite to replace it") from None
+    except OSError as e:
+        if e.errno not in _NO_HARD_LINKS:
+            raise
+        _check_output(target, overwrite)
+        os.replace(tmp, target)
+        return
+    with contextlib.suppress(OSError):  # the output is complete; only a failing unlink keeps this name
+        tmp.unlink()
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; rename it onto ``path`` on success.
+    """Yield a temporary path next to ``path``; move it onto ``path`` on success.
 
     The temporary file (``.{name}.tmp-XXXXXXXX`` in the target folder) is created
     empty; the caller writes it by name. On any exception, including
-    ``KeyboardInterrupt``, it is deleted and ``path`` is left as it was. Protects
-    against failure of this process, not against power loss (no ``fsync``).
+    ``KeyboardInterrupt``, it is deleted and ``path`` is left as it was. Without
+    ``overwrite`` the last step is a hard link, which fails if ``path`` exists by
+    then (another process wrote it first), so an existing file is never replaced;
+    with ``overwrite`` it is a rename. Either way ``path`` holds one whole file,
+    never a mix. Protects against failure of this process, not against power loss
+    (no ``fsync``).
 
     Args:
         path: The final file.
         overwrite: Replace ``path`` if it exists.
 
     Raises:
-        OutputExistsError: ``path`` exists (checked before and after writing) and
-            ``overwrite`` is false.
+        OutputExistsError: ``path`` exists (checked before writing, and atomically
+            when the finished file is put in place) and ``overwrite`` is false.
         CheckpointError: ``path`` is a directory, its folder is missing or not
             writable, or writing failed (for example, disk full).
     """
@@ -311,7 +381,7 @@ def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[
     try:
         yield tmp
         _check_output(target, overwrite)
-        os.replace(tmp, target)
+        _publish(tmp, target, overwrite)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
@@ -469,6 +539,32 @@ def save_safetensors(
             pages.release(source)
 
 
+class _RecordingWriter:
+    """A binary file for ``torch.save`` that keeps the ``OSError`` a write raised.
+
+    ``torch.save`` turns a failed write (``ENOSPC``, ``EIO``) into a ``RuntimeError``
+    that does not say why; the recorded error does.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            self.error = e
+            raise
+
+
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if it owns exactly its storage, else a compact copy (so torch.save stores no extra bytes)."""
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
@@ -509,16 +605,19 @@ def save_pth(
         t = t.detach()
         plain[name] = _compact(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
     obj = wrap(plain) if wrap is not None else plain
-    with atomic_output(path, overwrite) as tmp:
-        if not progress.enabled():
-            torch.save(obj, tmp)
-            return
-        total = sum(t.numel() * t.element_size() for t in plain.values())
-        with (
-            open(tmp, "r+b") as f,
-            progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B", unit_scale=True) as bar,
-        ):
-            torch.save(obj, progress.ByteCounter(f, bar))
+    with atomic_output(path, overwrite) as tmp, open(tmp, "r+b") as f:
+        sink = _RecordingWriter(f)
+        try:
+            if not progress.enabled():
+                torch.save(obj, sink)
+            else:
+                total = sum(t.numel() * t.element_size() for t in plain.values())
+                with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B", unit_scale=True) as bar:
+                    torch.save(obj, progress.ByteCounter(sink, bar))
+        except RuntimeError:
+            if sink.error is not None:  # disk full and the like: report the OS error, not torch's wrapper
+                raise sink.error from None
+            raise
 
 
 def save_state_dict(

@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def source_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", metavar="NAME", help="model name; overrides architecture detection")
-        p.add_argument("--ema", action="store_true", help="take the 'model_ema' weights of a training checkpoint")
+        p.add_argument("--ema", action="store_true", help="take the EMA weights of a training checkpoint ('model_ema', or timm's 'state_dict_ema')")
 
     p = add(
         "convert",

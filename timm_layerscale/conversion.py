@@ -460,7 +460,9 @@ def convert_checkpoint(
         raise CheckpointError(f"output folder {output.parent} is not writable; choose another OUTPUT")
     torch_dtype = ckpt.parse_dtype(dtype) if dtype else None
 
-    path, sd, variant, info = load_source(source, model=model, ema=ema)
+    resolved = _resolve(source)
+    identity = ckpt.file_identity(resolved)  # checked once the source is no longer read
+    path, sd, variant, info = load_source(resolved, model=model, ema=ema)
     num_classes = info.get("num_classes")
     layout = detect_layout(sd, FAMILIES[variant.family])
     if layout == "gamma" and to == "gamma":
@@ -530,6 +532,11 @@ def convert_checkpoint(
         if not same:
             output.unlink(missing_ok=True)
             raise LayerScaleError(f"{output} does not read back as written ({detail}); output removed")
+    try:  # the tensors written and verified and the recorded sha256 all come from one version of the file
+        ckpt.check_unchanged(path, identity)
+    except CheckpointError:
+        output.unlink(missing_ok=True)
+        raise
     command = command_line(
         "convert", (source, output), options if verify else None, model=model, to=None if to == "ls" else to,
         format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,

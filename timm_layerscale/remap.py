@@ -33,13 +33,16 @@ __all__ = [
     "official_checkpoint",
     "check_state_dict",
     "WRAPPER_KEYS",
+    "EMA_KEYS",
     "PREFIXES",
 ]
 
 V = TypeVar("V")
 
 #: Keys that wrap a state dict inside a training checkpoint, in order of preference.
-WRAPPER_KEYS = ("model", "state_dict", "model_ema")
+WRAPPER_KEYS = ("model", "state_dict", "model_ema", "state_dict_ema")
+#: Names of the EMA weights: the official DeiT / ViT-5 training code's, then timm's train.py's.
+EMA_KEYS = ("model_ema", "state_dict_ema")
 #: Prefixes added by DistributedDataParallel and torch.compile.
 PREFIXES = ("module.", "_orig_mod.")
 
@@ -132,10 +135,11 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
 
     Args:
         checkpoint: A state dict, or a dict holding one under ``'model'``,
-            ``'state_dict'`` or ``'model_ema'``.
+            ``'state_dict'``, ``'model_ema'`` or ``'state_dict_ema'``.
         wrapper: Which wrapper key to take. ``None`` takes ``'model'`` or else
-            ``'state_dict'``; ``'model_ema'`` must be asked for by name. A checkpoint
-            that is already a state dict is returned as it is.
+            ``'state_dict'``; the EMA weights must be asked for by name, and
+            ``'model_ema'`` also finds them under timm's ``'state_dict_ema'``. A
+            checkpoint that is already a state dict is returned as it is.
 
     Returns:
         The inner mapping of parameter names to tensors.
@@ -149,21 +153,20 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
             f"checkpoint is a {type(checkpoint).__name__}, not a dict of tensors; save a state_dict()"
         )
     if wrapper is not None:
-        inner = checkpoint.get(wrapper)
-        if not _is_state_dict(inner):
-            found = ", ".join(k for k in WRAPPER_KEYS if k in checkpoint) or "none"
-            raise RemapError(
-                f"checkpoint has no {wrapper!r} state dict (wrappers found: {found})"
-            )
-        return inner
+        for key in EMA_KEYS if wrapper in EMA_KEYS else (wrapper,):
+            if _is_state_dict(checkpoint.get(key)):
+                return checkpoint[key]
+        found = ", ".join(k for k in WRAPPER_KEYS if k in checkpoint) or "none"
+        raise RemapError(
+            f"checkpoint has no {wrapper!r} state dict (wrappers found: {found})"
+        )
     for key in WRAPPER_KEYS[:2]:
         if _is_state_dict(checkpoint.get(key)):
             return checkpoint[key]
-    if _is_state_dict(checkpoint.get("model_ema")) and not any(
-        hasattr(v, "shape") for v in checkpoint.values()
-    ):
+    ema = [k for k in EMA_KEYS if _is_state_dict(checkpoint.get(k))]
+    if ema and not any(hasattr(v, "shape") for v in checkpoint.values()):
         raise RemapError(
-            "checkpoint holds only an EMA state dict ('model_ema'); ask for it explicitly: pass ema=True"
+            f"checkpoint holds only an EMA state dict ({ema[0]!r}); ask for it explicitly: pass ema=True"
         )
     return checkpoint
 

@@ -1,0 +1,29 @@
+"""The compatibility matrix agrees with what the package declares, and reads pytest's summary."""
+from __future__ import annotations
+
+from importlib.metadata import requires
+
+from packaging.requirements import Requirement
+
+from compat.__main__ import CELLS, TIMM_NEWEST, TIMM_OLDEST, TORCH_NEWEST, TORCH_OLDEST, _counts
+
+
+def test_declared_floors_are_the_oldest_tested_releases():
+    declared = {r.name: str(r.specifier) for r in map(Requirement, requires("timm-layerscale")) if not r.marker}
+    assert declared["timm"] == f">={TIMM_OLDEST}"
+    assert declared["torch"] == f">={TORCH_OLDEST[0]}"
+
+
+def test_matrix_crosses_both_ends_of_both_ranges():
+    pairs = {(c.timm, c.torch, c.torchvision) for c in CELLS}
+    assert pairs == {(t, *v) for t in (TIMM_OLDEST, TIMM_NEWEST) for v in (TORCH_OLDEST, TORCH_NEWEST)}
+    assert len({c.name for c in CELLS}) == len(CELLS) == 4
+
+
+def test_counts_read_the_pytest_summary(tmp_path):
+    log = tmp_path / "pytest.log"
+    log.write_text("....F.\n=== short test summary info ===\nFAILED tests/x.py::y\n"
+                   "1 failed, 73 passed, 2 skipped, 375 deselected, 1 error in 478.12s (0:07:58)\n")
+    assert _counts(log) == {"failed": 1, "passed": 73, "skipped": 2, "deselected": 375, "error": 1}
+    log.write_text("no summary here\n")
+    assert _counts(log) == {}

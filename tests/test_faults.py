@@ -1,0 +1,369 @@
+"""Conversion under faults: a full disk, two writers racing for one output, read-only folders,
+and a source that another process rewrites during the conversion.
+
+Each fault is made real where this machine allows it (a small tmpfs, a read-only bind mount:
+both need root and a ``mount`` that works, else those tests skip) and is also simulated by
+patching the failing call, which always runs. The expectations are the command line's: one
+line on stderr, a non-zero exit, no output and no temporary file left behind, the source
+untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from timm_layerscale import checkpoint as ckpt
+from timm_layerscale import conversion
+from timm_layerscale.checkpoint import atomic_output, load_checkpoint
+from timm_layerscale.cli import main
+from timm_layerscale.errors import CheckpointError, OutputExistsError
+from timm_layerscale.remap import to_gamma
+from timm_layerscale.variants import get_variant, target_shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "cait_xxs24_224_ls"
+ERROR = "timm-layerscale: error: "
+
+
+def light_checkpoint(path: Path, seed: int) -> Path:
+    """An official-layout cait_xxs24_224 file whose tensors are broadcast rows (about 300 kB).
+
+    Its conversion is the full 48 MB, which is what fills a small disk.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shapes = to_gamma(target_shapes(get_variant(MODEL)), "cait")
+    torch.save({"model": {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}}, path)
+    return path
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    folder = tmp_path / "src"
+    folder.mkdir()
+    return light_checkpoint(folder / "XXS24_224.pth", seed=0)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, out: str, err: str, expect: str) -> None:
+    assert code == 2, (code, out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR) and expect in lines[0], err
+    assert "Traceback" not in err and out == ""
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _mount(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["mount", *args], capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def mounted(*args: str, target: Path, then_ro: bool = False):
+    """``mount ARGS TARGET`` (and remount it read-only); skip the test where mounting is not allowed."""
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting needs root on Linux")
+    target.mkdir(exist_ok=True)
+    proc = _mount(*args, str(target))
+    if proc.returncode != 0:
+        pytest.skip(f"mount is not permitted here: {proc.stderr.strip()}")
+    try:
+        if then_ro:
+            proc = _mount("-o", "remount,bind,ro", str(target))
+            if proc.returncode != 0:
+                pytest.skip(f"read-only remount is not permitted here: {proc.stderr.strip()}")
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+# --- disk full ----------------------------------------------------------------------------------
+
+class _FillingFile:
+    """A file that takes ``room`` bytes and then fails every write with ENOSPC, as a full disk does."""
+
+    def __init__(self, f, room: int) -> None:
+        self._f, self._room = f, room
+
+    def write(self, data) -> int:
+        n = len(memoryview(data).cast("B"))
+        if n > self._room:
+            self._f.write(memoryview(data).cast("B")[: self._room])
+            self._room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= n
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_disk_full_simulated(source, tmp_path, capsys, monkeypatch, suffix):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    before = sha256(source)
+    real_open = open
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if Path(path).parent == out_dir and any(m in mode for m in "wa+"):
+            return _FillingFile(f, room=1 << 20)
+        return f
+
+    monkeypatch.setattr(ckpt, "open", filling_open, raising=False)
+    code, out, err = cli(capsys, "convert", source, out_dir / f"x{suffix}", "--no-verify")
+    assert_one_line_error(code, out, err, "No space left on device")
+    assert names(out_dir) == [] and sha256(source) == before
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_disk_full_on_a_small_tmpfs(source, tmp_path, capsys, suffix):
+    before = sha256(source)
+    with mounted("-t", "tmpfs", "-o", "size=8m", "tmpfs", target=tmp_path / "small") as small:
+        code, out, err = cli(capsys, "convert", source, small / f"x{suffix}", "--no-verify")
+        assert_one_line_error(code, out, err, "No space left on device")
+        assert names(small) == []
+        assert os.statvfs(small).f_bfree == os.statvfs(small).f_blocks  # the space is free again
+    assert sha256(source) == before
+
+
+# --- two writers, one output ----------------------------------------------------------------------
+
+def _leftovers(folder: Path) -> list[str]:
+    return [n for n in names(folder) if ".tmp-" in n]
+
+
+def test_final_step_never_replaces_a_file_that_appeared(tmp_path, monkeypatch):
+    """With the pre-checks out of the way, the hard link alone keeps the first writer's file."""
+    monkeypatch.setattr(ckpt, "_check_output", lambda target, overwrite: None)
+    out = tmp_path / "x.bin"
+    out.write_bytes(b"first writer")
+    with pytest.raises(OutputExistsError, match="exists; pass --overwrite"):
+        with atomic_output(out) as tmp:
+            tmp.write_bytes(b"second writer")
+    assert out.read_bytes() == b"first writer" and _leftovers(tmp_path) == []
+    with atomic_output(out, overwrite=True) as tmp:
+        tmp.write_bytes(b"replacement")
+    assert out.read_bytes() == b"replacement" and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EOPNOTSUPP])
+def test_filesystem_without_hard_links_falls_back_to_rename(tmp_path, monkeypatch, code):
+    def no_links(src, dst, *a, **k):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "link", no_links)
+    out = tmp_path / "x.bin"
+    with atomic_output(out) as tmp:
+        tmp.write_bytes(b"data")
+    assert out.read_bytes() == b"data" and _leftovers(tmp_path) == []
+
+
+def test_interleaved_writers_one_wins(tmp_path):
+    out = tmp_path / "x.bin"
+    first, second = atomic_output(out), atomic_output(out)
+    a, b = first.__enter__(), second.__enter__()  # both start while the output does not exist
+    a.write_bytes(b"A" * 4096)
+    b.write_bytes(b"B" * 4096)
+    first.__exit__(None, None, None)
+    with pytest.raises(OutputExistsError):
+        second.__exit__(None, None, None)
+    assert out.read_bytes() == b"A" * 4096 and _leftovers(tmp_path) == []
+
+
+# Run the command line with the final step held until both processes reach it, so that
+# they race for the output name at the same moment.
+_RACER = """
+import sys, time
+from pathlib import Path
+from timm_layerscale import checkpoint
+from timm_layerscale.cli import main
+
+barrier, me = Path(sys.argv[1]), sys.argv[2]
+publish = checkpoint._publish
+
+def held(tmp, target, overwrite):
+    (barrier / me).touch()
+    deadline = time.monotonic() + 300
+    while len(list(barrier.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    publish(tmp, target, overwrite)
+
+checkpoint._publish = held
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_two_processes_converting_to_one_output(tmp_path):
+    """Both pass every check, then race: exactly one writes the file, whole; the other says it exists."""
+    sources = [light_checkpoint(tmp_path / f"XXS24_224_{i}.pth", seed=i) for i in (0, 1)]
+    out_dir, barrier = tmp_path / "out", tmp_path / "barrier"
+    out_dir.mkdir()
+    barrier.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, str(barrier), str(i), "convert", str(src), str(out_dir / "x.safetensors"), "--no-verify"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i, src in enumerate(sources)
+    ]
+    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert names(barrier) == ["0", "1"], results  # both reached the final step
+    codes = [r[0] for r in results]
+    assert sorted(codes) == [0, 2], results
+    winner, loser = codes.index(0), codes.index(2)
+    lines = results[loser][2].splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR) and "exists; pass --overwrite" in lines[0], results[loser]
+    assert names(out_dir) == ["x.safetensors"]
+    alone = tmp_path / "alone" / "x.safetensors"
+    alone.parent.mkdir()
+    conversion.convert_checkpoint(sources[winner], alone, verify=False)
+    assert (out_dir / "x.safetensors").read_bytes() == alone.read_bytes()
+
+
+# --- read-only folders ----------------------------------------------------------------------------
+
+def test_read_only_source_folder_mounted(source, tmp_path, capsys):
+    before = sha256(source)
+    with mounted("--bind", str(source.parent), target=tmp_path / "ro-src", then_ro=True) as ro:
+        assert not os.access(ro, os.W_OK)
+        out = tmp_path / "x.safetensors"
+        code, stdout, err = cli(capsys, "convert", ro / source.name, out, "--no-verify")
+        assert code == 0 and err == "", err
+        assert len(stdout.splitlines()) == 1 and stdout.startswith("converted ")
+        assert names(ro) == [source.name]
+    assert load_checkpoint(out)["blocks.0.ls1.gamma"].shape == (192,)
+    assert sha256(source) == before
+
+
+def test_read_only_output_folder_mounted(source, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with mounted("--bind", str(out_dir), target=tmp_path / "ro-out", then_ro=True) as ro:
+        assert_one_line_error(*cli(capsys, "convert", source, ro / "x.safetensors"), "not writable")
+        assert names(ro) == []
+
+
+def test_read_only_source_folder_simulated(source, tmp_path, capsys, monkeypatch):
+    """Every attempt to create or write a file beside the source fails, as on a read-only mount: none is made."""
+    real_open, real_os_open = open, os.open
+    attempts: list[str] = []
+
+    def refuse(path) -> None:
+        attempts.append(str(path))
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    def guarded_open(path, mode="r", *args, **kwargs):
+        if isinstance(path, (str, os.PathLike)) and Path(path).parent == source.parent and any(m in mode for m in "wax+"):
+            refuse(path)
+        return real_open(path, mode, *args, **kwargs)
+
+    def guarded_os_open(path, flags, *args, **kwargs):
+        if Path(path).parent == source.parent and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "open", guarded_open, raising=False)
+    monkeypatch.setattr(os, "open", guarded_os_open)
+    out = tmp_path / "x.safetensors"
+    code, stdout, err = cli(capsys, "convert", source, out, "--no-verify")
+    assert code == 0 and err == "" and attempts == [], (err, attempts)
+    assert stdout.startswith("converted ") and out.is_file()
+
+
+def test_read_only_output_folder_simulated(source, tmp_path, capsys, monkeypatch):
+    """The folder passes the permission check but creating the file fails with EROFS."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    real_os_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if Path(path).parent == out_dir and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert_one_line_error(*cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify"), "Read-only file system")
+    assert names(out_dir) == []
+
+
+# --- a source rewritten during the conversion --------------------------------------------------------
+
+_REWRITE = {
+    # Truncate and write again through the same inode, as torch.save(path) does.
+    "in-place": "import sys; data = open(sys.argv[2], 'rb').read(); f = open(sys.argv[1], 'wb'); f.write(data); f.close()",
+    # Write a new file and rename it over the source, as atomic writers do.
+    "replaced": "import os, sys, shutil; shutil.copyfile(sys.argv[2], sys.argv[1] + '.new'); os.replace(sys.argv[1] + '.new', sys.argv[1])",
+}
+
+
+@pytest.mark.parametrize("how", sorted(_REWRITE))
+@pytest.mark.parametrize("when", ["before-hashing", "after-writing"])
+def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypatch, how, when):
+    (tmp_path / "other").mkdir()
+    other = light_checkpoint(tmp_path / "other" / source.name, seed=5)  # same name: the same size
+    assert other.stat().st_size == source.stat().st_size and sha256(other) != sha256(source)
+
+    def rewrite() -> None:
+        subprocess.run([sys.executable, "-c", _REWRITE[how], str(source), str(other)], check=True)
+
+    if when == "before-hashing":
+        real = ckpt.sha256_file
+
+        def hook(path):
+            rewrite()
+            return real(path)
+
+        monkeypatch.setattr(ckpt, "sha256_file", hook)
+    else:
+        real = ckpt.save_state_dict
+
+        def hook(*args, **kwargs):
+            real(*args, **kwargs)
+            rewrite()
+
+        monkeypatch.setattr(ckpt, "save_state_dict", hook)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, out, err = cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify")
+    assert_one_line_error(code, out, err, "changed while it was being read")
+    assert names(out_dir) == []
+    assert sha256(source) == sha256(other)  # the rewrite did happen
+
+
+def test_unchanged_source_records_the_hash_of_its_bytes(source, tmp_path):
+    result = conversion.convert_checkpoint(source, tmp_path / "x.safetensors", verify=False)
+    assert result.source_sha256 == result.metadata["source_sha256"] == sha256(source)
+
+
+def test_check_unchanged():
+    with pytest.raises(CheckpointError, match="changed while it was being read"):
+        ckpt.check_unchanged(Path("/nonexistent/file.pth"), None)

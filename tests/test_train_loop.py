@@ -1,0 +1,234 @@
+"""A LayerScale CaiT in timm's own training loop, driven the way timm's ``train.py`` drives a model.
+
+The model is built by name with ``timm.create_model``; data are synthetic; everything runs on
+the CPU. Covered: the optimizer factory's weight-decay groups, ``ModelEmaV3``, gradient
+checkpointing and ``torch.compile`` against eager gradients, bf16 autocast, the loss going
+down, and a checkpoint written by timm's ``CheckpointSaver`` converted to the official layout.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from timm.loss import LabelSmoothingCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.utils import CheckpointSaver, ModelEmaV3
+
+import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale import conversion
+from timm_layerscale.checkpoint import load_checkpoint
+from timm_layerscale.cli import main
+from timm_layerscale.remap import to_gamma
+
+NAME = "cait_xxs24_224_ls"
+#: The same architecture at toy size; init 0.1 (the paper's value for this depth) so that
+#: every branch carries gradient.
+TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=0.1)
+
+
+def tiny_model(seed: int = 0, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return timm.create_model(NAME, **{**TINY, **kwargs})
+
+
+def batch(n: int = 8, size: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def gammas(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if n.endswith(".gamma")}
+
+
+def grads(model: torch.nn.Module, forward, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(forward(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# --- optimizer and EMA -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer_decay", [None, 0.75], ids=["plain", "layer_decay"])
+def test_optimizer_factory_exempts_every_gamma_from_weight_decay(layer_decay):
+    model = tiny_model()
+    opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05, layer_decay=layer_decay)
+    decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    no_decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert len(decay) + len(no_decay) == len(names) and not decay & no_decay
+    gamma_ids = {id(p) for p in gammas(model).values()}
+    assert len(gamma_ids) == 2 * (TINY["depth"] + 2)
+    assert gamma_ids <= no_decay
+    assert {id(model.pos_embed), id(model.cls_token)} <= no_decay  # the model's no_weight_decay()
+    assert {"blocks.0.attn.qkv.weight", "blocks_token_only.1.mlp.fc2.weight", "head.weight"} <= {names[i] for i in decay}
+    # A step with zero gradients moves nothing but AdamW's decoupled weight decay.
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) == (id(p) in no_decay), n
+
+
+def test_model_ema_keeps_the_tag_and_tracks_the_model():
+    model = tiny_model().train()
+    ema = ModelEmaV3(model, decay=0.9)
+    ema_gammas = gammas(ema.module)
+    assert len(ema_gammas) == len(gammas(model))
+    for n, p in ema_gammas.items():
+        assert p is not gammas(model)[n] and getattr(p, "_no_weight_decay", False) is True, n
+    opt = create_optimizer_v2(model, "adamw", lr=1e-2, weight_decay=0.05)
+    x, y = batch()
+    for step in (1, 2):  # train.py counts updates from 1; the first EMA update copies the model
+        start = {k: v.clone() for k, v in ema.module.state_dict().items()}
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        ema.update(model, step=step)
+        for k, v in ema.module.state_dict().items():
+            target = model.state_dict()[k]
+            if step == 1:
+                assert torch.equal(v, target), k
+            else:
+                # One lerp per element; its vectorised and scalar kernels may round the
+                # multiply-add differently, so allow a couple of ulps.
+                torch.testing.assert_close(v, start[k].lerp(target, 0.1), rtol=3e-7, atol=1e-9)
+        moved = ema.module.blocks[0].ls1.gamma
+        assert not torch.equal(moved, start["blocks.0.ls1.gamma"]) and moved._no_weight_decay is True
+
+
+# --- gradients: checkpointing and compilation ---------------------------------------------------
+
+def test_grad_checkpointing_gives_the_eager_gradients_exactly():
+    """Equal by construction: recomputation runs the same ATen calls on the same tensors.
+
+    The checkpointed blocks rerun their forward during backward, with the RNG state
+    restored (so drop-path draws the same masks), and backward runs the same kernels on
+    the same operands; only when activations are held changes.
+    """
+    model = tiny_model(drop_path_rate=0.2).train()
+    x, y = batch()
+    torch.manual_seed(5)
+    eager = grads(model, model, x, y)
+    model.set_grad_checkpointing(True)
+    torch.manual_seed(5)
+    checkpointed = grads(model, model, x, y)
+    assert eager.keys() == checkpointed.keys()
+    for k in eager:
+        assert torch.equal(eager[k], checkpointed[k]), k
+    assert eager["blocks.1.ls2.gamma"].abs().max() > 0
+
+
+def test_compiled_train_step_gives_the_eager_gradients():
+    """``torch.compile`` (inductor) against eager, within a tolerance.
+
+    Inductor fuses LayerNorm, softmax, GELU and the residual and LayerScale multiplies into
+    generated kernels that reduce in another order than ATen's, and that changes results by
+    a few float32 ulps (2**-23 relative) per op. Through three blocks forward and backward
+    that stays far below 1e-4 of each gradient (measured: at most 6e-7 of a parameter's
+    largest gradient entry, and 1.2e-7 of the largest gradient overall).
+    Gradients that are zero in exact arithmetic (the talking-heads ``proj_l`` bias: softmax
+    ignores a constant shift) are rounding noise on both sides, hence the absolute floor of
+    1e-6 of the largest gradient.
+    """
+    model = tiny_model(depth=1).train()
+    x, y = batch()
+    eager = grads(model, model, x, y)
+    compiled = torch.compile(model)
+    got = grads(model, compiled, x, y)
+    scale = max(g.abs().max().item() for g in eager.values())
+    assert got.keys() == eager.keys() and scale > 1e-3
+    for k in eager:
+        torch.testing.assert_close(got[k], eager[k], rtol=1e-4, atol=1e-6 * scale, msg=k)
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+def test_a_few_bf16_autocast_steps_lower_the_loss():
+    model = tiny_model().train()
+    init = {n: p.detach().clone() for n, p in gammas(model).items()}
+    opt = create_optimizer_v2(model, "adamw", lr=3e-3, weight_decay=0.05)
+    ema = ModelEmaV3(model, decay=0.5)
+    loss_fn = LabelSmoothingCrossEntropy(smoothing=0.1)
+    x, y = batch(16)
+
+    def loss_of(m: torch.nn.Module) -> float:
+        was_training = m.training
+        with torch.no_grad():
+            value = loss_fn(m.eval()(x), y).item()
+        m.train(was_training)
+        return value
+
+    first = loss_of(model)
+    for step in range(1, 11):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+            loss = loss_fn(out, y)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema.update(model, step=step)
+    assert loss_of(model) < 0.7 * first
+    assert loss_of(ema.module) < 0.8 * first
+    assert all(not torch.equal(p, init[n]) for n, p in gammas(model).items())
+
+
+# --- a train.py checkpoint, converted to the official layout ------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``cait_xxs24_224_ls`` fine-tuned for a step to 10 classes, saved by timm's CheckpointSaver.
+
+    The EMA is updated with its fixed decay (no step count), so that it differs from the model.
+    """
+    torch.manual_seed(0)
+    model = timm.create_model(NAME, num_classes=10, drop_path_rate=0.1).train()
+    opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+    ema = ModelEmaV3(model, decay=0.9)
+    x, y = batch(1, 224)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    ema.update(model)
+    args = argparse.Namespace(
+        model=NAME, num_classes=10, opt="adamw", lr=1e-3, weight_decay=0.05, drop_path=0.1,
+        model_ema=True, model_ema_decay=0.9, amp=False, epochs=1,
+    )
+    folder = tmp_path_factory.mktemp("train-output")
+    saver = CheckpointSaver(model, opt, args=args, model_ema=ema, checkpoint_dir=str(folder), recovery_dir=str(folder))
+    saver.save_checkpoint(epoch=0, metric=10.0)
+    return model.eval(), ema.module.eval(), folder / "last.pth.tar"
+
+
+def test_train_py_checkpoint_holds_what_train_py_writes(trained):
+    _, _, path = trained
+    ckpt = load_checkpoint(path)
+    assert {"epoch", "arch", "state_dict", "state_dict_ema", "optimizer", "version", "args"} <= ckpt.keys()
+    assert ckpt["arch"] == NAME and isinstance(ckpt["args"], argparse.Namespace)
+    assert "blocks.0.ls1.gamma" in ckpt["state_dict"]
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["model", "ema"])
+def test_train_py_checkpoint_converts_to_gamma_and_loads_into_timm_cait(trained, ema, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(conversion, "verify_checkpoint", functools.partial(conversion.verify_checkpoint, num_inputs=2))
+    model, ema_model, path = trained
+    expected = ema_model if ema else model
+    assert not torch.equal(ema_model.blocks[0].ls1.gamma, model.blocks[0].ls1.gamma)
+    out = tmp_path / "XXS24_224_finetuned.pth"
+    argv = ["convert", str(path), str(out), "--to", "gamma"] + (["--ema"] if ema else [])
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    sd = torch.load(out, weights_only=True)
+    assert "blocks.0.gamma_1" in sd and not any(".ls1." in k or ".ls2." in k for k in sd)
+    reference = timm.create_model("cait_xxs24_224", num_classes=10)
+    reference.load_state_dict(sd, strict=True)
+    for k, v in to_gamma(expected.state_dict()).items():
+        assert torch.equal(sd[k], v), k
+    x, _ = batch(1, 224)
+    with torch.no_grad():
+        assert torch.equal(reference.eval()(x), expected(x))
