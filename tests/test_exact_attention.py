@@ -202,10 +202,10 @@ def test_cait_xxs24_bit_exact_eval_and_train(name, fused, fused_attn, buffered_c
 
 DISPATCHES = {
     "best": ({}, None),
-    "aten-default": ({"ATEN_CPU_CAPABILITY": "default"}, "DEFAULT"),
+    "aten-default": ({"ATEN_CPU_CAPABILITY": "default"}, ("DEFAULT", "NO AVX")),  # the name differs by torch version
     "aten-avx2-mkl-avx2": (
         {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-        "AVX2",
+        ("AVX2",),
     ),
 }
 
@@ -213,7 +213,7 @@ DISPATCHES = {
 @pytest.mark.parametrize("dispatch", list(DISPATCHES))
 def test_exact_parity_under_other_kernel_dispatch(dispatch):
     env_update, capability = DISPATCHES[dispatch]
-    if capability == "AVX2" and "avx2" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
+    if capability == ("AVX2",) and "avx2" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
         pytest.skip("this CPU has no AVX2")
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
     env.update(env_update)
@@ -224,7 +224,7 @@ def test_exact_parity_under_other_kernel_dispatch(dispatch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if capability:
-        assert result["capability"] == capability
+        assert result["capability"] in capability
     failed = [name for name, ok in result["checks"].items() if not ok]
     assert len(result["checks"]) == 10
     assert not failed, f"not bit-exact under {dispatch} ({result['capability']}): {failed}"
