@@ -182,20 +182,12 @@ def _check_sha256(rel: Release, path: Path) -> str:
 
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
-    from timm_layerscale.conversion import verify_flags
-    from timm_layerscale.parity import VerifyOptions
+    from timm_layerscale.conversion import command_line
 
-    parts = ["python", "-m", "convert", "--only", rel.reference, "--out", str(out)]
-    if sources is not None:
-        parts += ["--sources", str(sources)]
-    if org:
-        parts += ["--org", org]
-        if private:
-            parts.append("--private")
-    for key, value in verify_flags(options or VerifyOptions()).items():
-        flag = "--" + key.replace("_", "-")
-        parts += [flag] if value is True else [flag, *map(str, value if isinstance(value, list) else [value])]
-    return shlex.join(parts)
+    return command_line(
+        ("python", "-m", "convert"), options, only=rel.reference, out=out, sources=sources, org=org,
+        private=bool(org and private),
+    )
 
 
 def run_release(

@@ -356,9 +356,12 @@ def verify_checkpoint(
     return verify_state_dicts(src_sd, conv_sd, variant, num_classes=info.get("num_classes"), options=options)
 
 
-def command_line(subcommand: str, positional: Sequence[str], options: VerifyOptions | None = None, **opts: Any) -> str:
-    """A ``timm-layerscale`` command line: ``opts`` as flags (``True``: bare flag; ``None``/``False``/empty: left out)."""
-    parts = ["timm-layerscale", subcommand, *map(str, positional)]
+def command_line(words: Sequence[Any], options: VerifyOptions | None = None, **opts: Any) -> str:
+    """A command line: ``words`` as given, then ``opts`` and the non-default ``options`` as flags.
+
+    A flag's value ``True`` gives a bare flag; ``None``, ``False`` and empty values leave it out.
+    """
+    parts = [str(w) for w in words]
     if options is not None:
         opts.update(verify_flags(options))
     for key, value in opts.items():
@@ -538,7 +541,7 @@ def convert_checkpoint(
         output.unlink(missing_ok=True)
         raise
     command = command_line(
-        "convert", (source, output), options if verify else None, model=model, to=None if to == "ls" else to,
+        ("timm-layerscale", "convert", source, output), options if verify else None, model=model, to=None if to == "ls" else to,
         format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
         dtype=dtype, overwrite=overwrite or None, no_verify=not verify, allow_nonfinite=allow_nonfinite, ema=ema,
         fuse=fuse, plain=plain,

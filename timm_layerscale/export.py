@@ -240,7 +240,7 @@ def export_folder(
                 plot_note = f"no {PLOT_NAME}: {e}"
         num_params = _count_params(weights)
         cmd = command or command_line(
-            "export", (source, out), options, model=model, ema=ema, push_to_hub=push_to_hub,
+            ("timm-layerscale", "export", source, out), options, model=model, ema=ema, push_to_hub=push_to_hub,
             private=bool(push_to_hub and private),
         )
         card = build_model_card(
