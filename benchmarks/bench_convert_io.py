@@ -45,7 +45,7 @@ print(f"work_s={time.perf_counter() - start}")
 
 STREAM = """
 import sys, time
-from timm_layerscale.checkpoint import load_checkpoint, save_safetensors
+from timm_layerscale.conversion.io import load_checkpoint, save_safetensors
 start = time.perf_counter()
 ckpt = load_checkpoint(sys.argv[1])
 save_safetensors(sys.argv[2], {k.removeprefix("module."): v for k, v in ckpt["model"].items()}, {"format": "pt"}, overwrite=True)
@@ -54,7 +54,7 @@ print(f"work_s={time.perf_counter() - start}")
 
 CONVERT = """
 import sys, time
-from timm_layerscale.conversion import convert_checkpoint
+from timm_layerscale.conversion.pipeline import convert_checkpoint
 start = time.perf_counter()
 convert_checkpoint(sys.argv[1], sys.argv[2], verify=False, overwrite=True)
 print(f"work_s={time.perf_counter() - start}")

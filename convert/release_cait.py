@@ -160,7 +160,7 @@ def _one_line(e: BaseException) -> str:
 
 def _fetch(rel: Release, sources: Path | None) -> tuple[str, Path]:
     """The source to convert (as given to the converter) and its local file."""
-    from timm_layerscale.hub import resolve_source
+    from timm_layerscale.hub.download import resolve_source
 
     if sources is not None:
         path = sources / rel.file
@@ -171,7 +171,7 @@ def _fetch(rel: Release, sources: Path | None) -> tuple[str, Path]:
 
 
 def _check_sha256(rel: Release, path: Path) -> str:
-    from timm_layerscale.checkpoint import sha256_file
+    from timm_layerscale.conversion.io import sha256_file
 
     digest = sha256_file(path)
     if rel.sha256 is not None and digest != rel.sha256:
@@ -182,7 +182,7 @@ def _check_sha256(rel: Release, path: Path) -> str:
 
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
-    from timm_layerscale.conversion import command_line
+    from timm_layerscale.conversion.pipeline import command_line
 
     return command_line(
         ("python", "-m", "convert"), options, only=rel.reference, out=out, sources=sources, org=org,
@@ -207,7 +207,7 @@ def run_release(
         ``params``, ``source_sha256``, ``max_abs_diff``, ``bit_exact``, ``seconds``,
         ``peak_memory_mib``, ``folder``, ``repo_id`` and ``url``.
     """
-    from timm_layerscale.export import export_folder
+    from timm_layerscale.hub.export import export_folder
 
     row: dict[str, Any] = {
         "variant": rel.model, "reference": rel.reference, "file": rel.file, "status": "failed", "error": None,
@@ -281,7 +281,7 @@ def format_markdown(rows: Sequence[dict[str, Any]], title: str = "CaiT release")
 
 def write_summary(out: Path, rows: Sequence[dict[str, Any]], argv: Sequence[str]) -> tuple[Path, Path]:
     """Write ``summary.md`` and ``summary.json`` into ``out`` (each atomically)."""
-    from timm_layerscale.parity import versions
+    from timm_layerscale.parity.compare import versions
 
     out.mkdir(parents=True, exist_ok=True)
     data = {
@@ -332,7 +332,7 @@ def _preflight(releases: Sequence[Release], sources: Path | None, org: str | Non
             and the network is off (``HF_HUB_OFFLINE``, or names do not resolve),
             or ``org`` is given and no Hub token is set.
     """
-    from timm_layerscale.hub import cached_url_path, check_online, hub_endpoint, require_token
+    from timm_layerscale.hub.download import cached_url_path, check_online, hub_endpoint, require_token
 
     missing = [r for r in releases if sources is None and not cached_url_path(r.url).is_file()]
     if missing:

@@ -13,7 +13,7 @@ from timm.layers import set_fused_attn
 import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale import to_gamma, to_layerscale
 from timm_layerscale.models.cait_ls import MODEL_ARGS, REFERENCE, CaitLS
-from timm_layerscale.parity import seed_parameters_
+from timm_layerscale.parity.compare import seed_parameters_
 
 from kernel_trace import reduction_trace
 

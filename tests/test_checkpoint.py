@@ -1,4 +1,4 @@
-"""Tests for checkpoint reading and writing (timm_layerscale.checkpoint)."""
+"""Tests for checkpoint reading and writing (timm_layerscale.conversion.io)."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from timm_layerscale.checkpoint import (
+from timm_layerscale.conversion.io import (
     LazySafetensors,
     atomic_output,
     check_finite,

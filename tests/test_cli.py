@@ -24,14 +24,14 @@ import safetensors.torch
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale import checkpoint as ckpt
-from timm_layerscale import conversion
+from timm_layerscale.conversion import io as ckpt
+from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.cli import main
-from timm_layerscale.conversion import convert_checkpoint, verify_checkpoint
-from timm_layerscale.parity import VerifyOptions
+from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
+from timm_layerscale.parity.compare import VerifyOptions
 from timm_layerscale.errors import CheckpointError
-from timm_layerscale.remap import to_gamma
-from timm_layerscale.variants import get_variant, target_shapes
+from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.conversion.detect import get_variant, target_shapes
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -194,7 +194,7 @@ def test_convert_dtype_and_format_options(official, tmp_path, capsys):
 
 
 def test_convert_failed_parity_exits_1_and_removes_the_output(official, tmp_path, capsys, monkeypatch):
-    from timm_layerscale.parity import ParityReport
+    from timm_layerscale.parity.compare import ParityReport
 
     failing = ParityReport(
         reference=REFERENCE, model=MODEL, family="cait", inputs="1 image", num_inputs=1, dtype="float32",
@@ -557,7 +557,7 @@ def _online(monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("timm_layerscale.hub._resolves", lambda url: True)
+    monkeypatch.setattr("timm_layerscale.hub.download._resolves", lambda url: True)
 
 
 def test_https_source_goes_through_the_torch_hub_cache(official, tmp_path, torch_home, capsys, monkeypatch):

@@ -20,11 +20,12 @@ import pytest
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale import cli, conversion, progress
+from timm_layerscale import cli, progress
+from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.cli import main
-from timm_layerscale.conversion import ParityError, convert_checkpoint
+from timm_layerscale.conversion.pipeline import ParityError, convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, RemapError
-from timm_layerscale.parity import ParityReport
+from timm_layerscale.parity.compare import ParityReport
 
 ROOT = Path(__file__).resolve().parents[1]
 ERROR = "timm-layerscale: error: "
@@ -75,7 +76,7 @@ def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
 
 
 def test_demo_parity_failure_prints_the_report_and_exits_1(tmp_path, capsys, monkeypatch):
-    from timm_layerscale import export
+    from timm_layerscale.hub import export
 
     def export_folder(*args, **kwargs):
         raise ParityError("converted model does not match cait_xxs24_224 (max abs diff 0.5)", failing_report())
@@ -152,7 +153,7 @@ def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys,
 
 
 def test_a_library_key_error_gives_no_command_line_advice():
-    from timm_layerscale.remap import to_layerscale
+    from timm_layerscale.conversion.keys import to_layerscale
 
     with pytest.raises(RemapError) as info:
         to_layerscale({"blocks.0.attn.rope.freqs": torch.ones(2)}, "cait")
@@ -162,8 +163,8 @@ def test_a_library_key_error_gives_no_command_line_advice():
 def test_a_vit_tiny_like_deit3_file_is_told_the_nearest_width(tmp_path):
     import timm
 
-    from timm_layerscale.remap import to_gamma
-    from timm_layerscale.variants import detect_variant
+    from timm_layerscale.conversion.keys import to_gamma
+    from timm_layerscale.conversion.detect import detect_variant
 
     with torch.device("meta"):
         tiny = timm.create_model("vit_tiny_patch16_224", no_embed_class=True, init_values=1e-5)
@@ -186,7 +187,7 @@ def test_inspect_plot_without_matplotlib_fails_before_printing(official, capsys,
 
 
 def test_a_failed_export_leaves_no_folder_it_created(tmp_path):
-    from timm_layerscale.export import export_folder
+    from timm_layerscale.hub.export import export_folder
 
     bad = tmp_path / "bad.pth"
     bad.write_bytes(b"PK\x03\x04 not really a zip file")
@@ -243,7 +244,7 @@ def test_no_progress_bars_when_stderr_is_not_a_terminal(official, tmp_path, caps
 
 
 def test_a_pth_written_through_the_progress_counter_loads_memory_mapped(tmp_path, monkeypatch):
-    from timm_layerscale.checkpoint import load_checkpoint, save_pth
+    from timm_layerscale.conversion.io import load_checkpoint, save_pth
 
     monkeypatch.setattr(progress, "enabled", lambda: True)
     monkeypatch.setattr(progress, "DELAY", 0)
@@ -320,7 +321,7 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr("timm_layerscale.hub._resolves", lambda url: True)
+    monkeypatch.setattr("timm_layerscale.hub.download._resolves", lambda url: True)
     sources = tmp_path / "sources"
     sources.mkdir()
     assert release(["--out", str(out), "--sources", str(sources), "--org", "my-org"]) == 2
@@ -341,10 +342,10 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
     ],
 )
 def test_model_card_names_its_reference_and_cites_its_family(name, reference, cites, not_cited, tmp_path):
-    from timm_layerscale.card import build_model_card
-    from timm_layerscale.variants import get_variant
+    from timm_layerscale.hub.card import build_model_card
+    from timm_layerscale.conversion.detect import get_variant
 
-    from timm_layerscale.parity import ParityReport
+    from timm_layerscale.parity.compare import ParityReport
 
     report = ParityReport(
         reference=reference, model=name, family=get_variant(name).family, inputs="1 image", num_inputs=1,
@@ -360,7 +361,7 @@ def test_model_card_names_its_reference_and_cites_its_family(name, reference, ci
     text = str(build_model_card(conversion, repo_id="org/x", config=config, num_params=1, command="timm-layerscale export a b"))
     ref_line = next(line for line in text.splitlines() if line.startswith("- **Reference:**"))
     if name.startswith("vit5"):
-        assert "timm's" not in ref_line and "timm_layerscale.references.vit5_official" in ref_line
+        assert "timm's" not in ref_line and "timm_layerscale.parity.vit5_official" in ref_line
         assert "timm has no ViT-5" in ref_line
     else:
         assert f"timm's `{reference}`" in ref_line

@@ -12,10 +12,10 @@ import timm
 from safetensors.torch import save_file
 
 import timm_layerscale  # noqa: F401
-from timm_layerscale import remap
+from timm_layerscale.conversion import keys as remap
 from timm_layerscale.errors import RemapError
-from timm_layerscale.references import build_reference, load_reference, reference_state_dict
-from timm_layerscale.variants import detect_variant, get_variant
+from timm_layerscale.parity.references import build_reference, load_reference, reference_state_dict
+from timm_layerscale.conversion.detect import detect_variant, get_variant
 
 NAME = "deit3_small_patch16_224"
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from timm_layerscale import checkpoint as ckpt
-from timm_layerscale import conversion
-from timm_layerscale.checkpoint import atomic_output, load_checkpoint
+from timm_layerscale.conversion import io as ckpt
+from timm_layerscale.conversion import pipeline as conversion
+from timm_layerscale.conversion.io import atomic_output, load_checkpoint
 from timm_layerscale.cli import main
 from timm_layerscale.errors import CheckpointError, OutputExistsError
-from timm_layerscale.remap import to_gamma
-from timm_layerscale.variants import get_variant, target_shapes
+from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.conversion.detect import get_variant, target_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
@@ -202,7 +202,7 @@ def test_interleaved_writers_one_wins(tmp_path):
 _RACER = """
 import sys, time
 from pathlib import Path
-from timm_layerscale import checkpoint
+from timm_layerscale.conversion import io as checkpoint
 from timm_layerscale.cli import main
 
 barrier, me = Path(sys.argv[1]), sys.argv[2]

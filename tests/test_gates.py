@@ -1,4 +1,4 @@
-"""Tests for the LayerScale gate profile, table and plot (timm_layerscale.gates)."""
+"""Tests for the LayerScale gate profile, table and plot (timm_layerscale.inspection)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from timm_layerscale import to_layerscale
 from timm_layerscale.errors import LayerScaleError
-from timm_layerscale.gates import MissingPlotDependency, format_gate_table, gate_profile, plot_gates
-from timm_layerscale.parity import seed_parameters_
+from timm_layerscale.inspection import MissingPlotDependency, format_gate_table, gate_profile, plot_gates
+from timm_layerscale.parity.compare import seed_parameters_
 
 
 @pytest.fixture(scope="module")

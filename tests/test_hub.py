@@ -1,4 +1,4 @@
-"""Tests for the Hub folder, model card and upload (timm_layerscale.hub).
+"""Tests for the Hub folder, model card and upload (timm_layerscale.hub.download).
 
 Uploads run the real huggingface_hub client against :class:`FakeHub`, a small Hub
 API on 127.0.0.1 started by the test. It implements what ``create_repo``,
@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 
 import huggingface_hub.constants
 from timm_layerscale.errors import HubError, OutputExistsError
-from timm_layerscale.export import export_folder
-from timm_layerscale.hub import plan_push, push_folder, resolve_source
+from timm_layerscale.hub.export import export_folder
+from timm_layerscale.hub.download import plan_push, push_folder, resolve_source
 
 TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, tmp_path: Path, token: 
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("timm_layerscale.hub._resolves", lambda url: True)
+    monkeypatch.setattr("timm_layerscale.hub.download._resolves", lambda url: True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-here"))
 
 
@@ -460,7 +460,7 @@ def test_resolve_source_rejects_a_bad_hub_spec() -> None:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory):
     """One full export of a seeded official-layout cait_xxs24_224, pushed to a FakeHub."""
-    from timm_layerscale.conversion import write_official_checkpoint
+    from timm_layerscale.conversion.pipeline import write_official_checkpoint
 
     root = tmp_path_factory.mktemp("export")
     source = root / "XXS24_224.pth"
@@ -487,7 +487,7 @@ def test_export_writes_a_folder_timm_loads_bit_exactly(exported) -> None:
 def test_export_files_config_and_metadata(exported) -> None:
     from safetensors import safe_open
 
-    from timm_layerscale.checkpoint import sha256_file
+    from timm_layerscale.conversion.io import sha256_file
 
     result, _, _, source = exported
     names = sorted(p.name for p in result.folder.iterdir())
@@ -568,8 +568,8 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
 
     from huggingface_hub import ModelCard
 
-    from timm_layerscale.hub import build_model_card
-    from timm_layerscale.variants import get_variant
+    from timm_layerscale.hub.download import build_model_card
+    from timm_layerscale.conversion.detect import get_variant
 
     conversion = SimpleNamespace(
         variant=get_variant("cait_s24_224_ls"), source="https://dl.fbaipublicfiles.com/deit/S24_224.pth",

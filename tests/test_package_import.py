@@ -39,7 +39,7 @@ def test_public_names_load_on_first_use():
     assert _run(code).splitlines() == ["False", "LayerScale True True", "[]"]
 
 
-@pytest.mark.parametrize("first", ["timm_layerscale.fuse", "timm_layerscale.parity", "timm_layerscale.layers"])
+@pytest.mark.parametrize("first", ["timm_layerscale.conversion.fold", "timm_layerscale.parity.compare", "timm_layerscale.layers"])
 def test_any_module_imported_first_registers_the_models_cleanly(first):
     # A module that imports timm while the models import it back must not break registration.
     code = f"import {first}, timm; print(len(timm.list_models('*_ls')))"

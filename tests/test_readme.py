@@ -103,10 +103,10 @@ def workdir(tmp_path_factory) -> Path:
     from PIL import Image
 
     import timm_layerscale  # noqa: F401
-    from timm_layerscale.conversion import write_official_checkpoint
-    from timm_layerscale.parity import seed_parameters_
-    from timm_layerscale.references import vit5_official
-    from timm_layerscale.remap import official_checkpoint, to_gamma
+    from timm_layerscale.conversion.pipeline import write_official_checkpoint
+    from timm_layerscale.parity.compare import seed_parameters_
+    from timm_layerscale.parity.references import vit5_official
+    from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
 
     work = tmp_path_factory.mktemp("readme")
     write_official_checkpoint(work / "XXS24_224.pth", "cait_xxs24_224", seed=0)
@@ -142,7 +142,7 @@ def offline_env(workdir, monkeypatch) -> dict[str, str]:
     monkeypatch.chdir(workdir)
     # Commands verify on one seeded image instead of eight: the same code path, an eighth of
     # the time (parity itself is tested in depth elsewhere).
-    from timm_layerscale import conversion
+    from timm_layerscale.conversion import pipeline as conversion
 
     seeded = conversion.seeded_inputs
     monkeypatch.setattr(conversion, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))

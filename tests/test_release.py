@@ -73,7 +73,7 @@ def test_markdown_summary_format() -> None:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory):
-    from timm_layerscale.conversion import write_official_checkpoint
+    from timm_layerscale.conversion.pipeline import write_official_checkpoint
 
     root = tmp_path_factory.mktemp("release")
     sources = root / "sources"
@@ -107,7 +107,7 @@ def test_pipeline_runs_on_after_a_failure_and_exits_1(pipeline) -> None:
 
 
 def test_pipeline_summary_rows(pipeline) -> None:
-    from timm_layerscale.checkpoint import sha256_file
+    from timm_layerscale.conversion.io import sha256_file
 
     _, out, sources, _, _, _ = pipeline
     rows = {r["variant"]: r for r in json.loads((out / "summary.json").read_text())["results"]}

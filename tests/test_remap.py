@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import timm_layerscale  # noqa: F401
 from timm_layerscale.errors import RemapError
 from timm_layerscale.models.cait_ls import MODEL_ARGS, REFERENCE
-from timm_layerscale.remap import (
+from timm_layerscale.conversion.keys import (
     check_state_dict,
     detect_layout,
     strip_prefixes,

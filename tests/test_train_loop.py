@@ -18,9 +18,9 @@ from timm.optim import create_optimizer_v2
 from timm.utils import CheckpointSaver, ModelEmaV3
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale.checkpoint import load_checkpoint
+from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.cli import main
-from timm_layerscale.remap import to_gamma
+from timm_layerscale.conversion.keys import to_gamma
 
 NAME = "cait_xxs24_224_ls"
 #: The same architecture at toy size; init 0.1 (the paper's value for this depth) so that

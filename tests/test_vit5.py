@@ -16,11 +16,11 @@ import timm
 from torch.utils.flop_counter import FlopCounterMode
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale import remap
+from timm_layerscale.conversion import keys as remap
 from timm_layerscale.errors import RemapError
 from timm_layerscale.models import vit5
-from timm_layerscale.references import build_reference, load_reference, reference_state_dict, vit5_official
-from timm_layerscale.variants import detect_variant, get_variant
+from timm_layerscale.parity.references import build_reference, load_reference, reference_state_dict, vit5_official
+from timm_layerscale.conversion.detect import detect_variant, get_variant
 
 NAMES = list(vit5.MODEL_ARGS)
 RELEASED = [n for n in NAMES if "xlarge" not in n]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
 
+from ._lazy import lazy_attributes
 from ._version import __version__
 from .errors import LayerScaleError
-from .remap import to_gamma, to_layerscale
+from .conversion.keys import to_gamma, to_layerscale
 
 __all__ = [
     "__version__",
@@ -34,24 +34,13 @@ _LAZY = {
     "LayerScale": ".layer_scale",
     "cait_init_value": ".layer_scale",
     "param_groups": ".layer_scale",
-    "fuse_layerscale": ".fuse",
-    "fold_state_dict": ".fuse",
-    "VerifyOptions": ".parity",
+    "fuse_layerscale": ".conversion.fold",
+    "fold_state_dict": ".conversion.fold",
+    "VerifyOptions": ".parity.compare",
+    "models": ".models",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    if name == "models":
-        return importlib.import_module(".models", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 
 def _register_when_timm_is_imported() -> None:

@@ -15,7 +15,7 @@ def registered_models() -> list[str]:
 
     from . import models  # noqa: F401  (registers the models)
 
-    from .variants import all_variants
+    from .conversion.detect import all_variants
 
     ours = {name for module in MODEL_MODULES for name in timm.list_models(module=module)}
     return [v.name for v in all_variants() if v.name in ours]
@@ -32,7 +32,7 @@ def model_catalog(flops: bool = False) -> list[dict[str, Any]]:
     import timm
     import torch
 
-    from .variants import get_variant
+    from .conversion.detect import get_variant
 
     rows = []
     for name in registered_models():

@@ -105,8 +105,8 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
 
 
 def verify_options(a: argparse.Namespace) -> Any:
-    """The :class:`~timm_layerscale.parity.VerifyOptions` of parsed :func:`add_verify_args` options."""
-    from .parity import VerifyOptions
+    """The :class:`~timm_layerscale.parity.compare.VerifyOptions` of parsed :func:`add_verify_args` options."""
+    from .parity.compare import VerifyOptions
 
     return VerifyOptions(
         atol=a.atol, rtol=a.rtol, exact=a.exact, num_inputs=a.num_inputs, seed=a.seed, images=tuple(a.images),
@@ -225,7 +225,7 @@ def _print_json(obj: Any) -> None:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from .conversion import ParityError, convert_checkpoint
+    from .conversion.pipeline import ParityError, convert_checkpoint
 
     try:
         res = convert_checkpoint(
@@ -257,7 +257,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from .conversion import verify_checkpoint
+    from .conversion.pipeline import verify_checkpoint
 
     rep = verify_checkpoint(a.source, a.converted, model=a.model, ema=a.ema, options=verify_options(a))
     if a.json:
@@ -288,8 +288,8 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
-    from .conversion import ParityError
-    from .export import export_folder
+    from .conversion.pipeline import ParityError
+    from .hub.export import export_folder
 
     try:
         res = export_folder(
@@ -308,7 +308,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 
 def _cmd_push(a: argparse.Namespace) -> int:
-    from .hub import push_folder
+    from .hub.download import push_folder
 
     res = push_folder(
         a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
@@ -322,7 +322,7 @@ def _cmd_push(a: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
-    from .gates import format_gate_table, gate_profile, plot_gates, require_matplotlib
+    from .inspection import format_gate_table, gate_profile, plot_gates, require_matplotlib
 
     if a.plot:
         require_matplotlib()  # before any output or download

@@ -32,7 +32,7 @@ def _say(msg: str) -> None:
 def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
     """Run the demo into folder ``out``; return whether every parity check held.
 
-    ``options`` (:class:`~timm_layerscale.parity.VerifyOptions`) set the verification of step 2.
+    ``options`` (:class:`~timm_layerscale.parity.compare.VerifyOptions`) set the verification of step 2.
     A failed check prints its report and ends the demo with a ``demo FAILED`` line.
 
     Raises:
@@ -57,9 +57,9 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     import timm
 
     from . import models  # noqa: F401  (registers the models)
-    from .conversion import ParityError, write_official_checkpoint
-    from .export import export_folder
-    from .parity import compare_models, seeded_inputs
+    from .conversion.pipeline import ParityError, write_official_checkpoint
+    from .hub.export import export_folder
+    from .parity.compare import compare_models, seeded_inputs
 
     def finish(ok: bool) -> bool:
         _say("")

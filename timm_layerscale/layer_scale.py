@@ -69,7 +69,7 @@ class LayerScale(nn.Module):
     the input's dtype first, then one elementwise multiply).
 
     **Cost.** :meth:`flop_count`: one multiplication per element, ``N * C`` for ``N``
-    tokens. For deployment, :func:`~timm_layerscale.fuse.fuse_layerscale` folds ``gamma``
+    tokens. For deployment, :func:`~timm_layerscale.conversion.fold.fuse_layerscale` folds ``gamma``
     into the linear layer before it and removes the module.
 
     Args:

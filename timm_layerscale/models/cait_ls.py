@@ -28,7 +28,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint, checkpoint_seq
 
-from ..fuse import fold_state_dict
+from ..conversion.fold import fold_state_dict
 from ..layer_scale import LayerScale, cait_init_value, layer_scale_or_identity
 from ..layers.talking_heads import (
     ATTN_IMPLS,
@@ -37,7 +37,7 @@ from ..layers.talking_heads import (
     TalkingHeadAttn,
     attention_workspace,
 )
-from ..remap import to_layerscale, unwrap_state_dict
+from ..conversion.keys import to_layerscale, unwrap_state_dict
 
 __all__ = [
     "CaitLS",
@@ -580,7 +580,7 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> 
     position embedding is resampled when the checkpoint's grid differs from the
     model's (pretrained loading at another ``img_size``). For a model built with
     ``fused_layerscale=True`` the gammas are folded into ``attn.proj`` and ``mlp.fc2``
-    (:func:`timm_layerscale.fuse.fold_state_dict`).
+    (:func:`timm_layerscale.conversion.fold.fold_state_dict`).
     """
     out = to_layerscale(unwrap_state_dict(state_dict), "cait")
     pe = out.get("pos_embed")

@@ -48,9 +48,9 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 
 from ..errors import RemapError
-from ..fuse import fold_state_dict
+from ..conversion.fold import fold_state_dict
 from ..layer_scale import LayerScale, layer_scale_or_identity
-from ..remap import WRAPPER_KEYS, strip_prefixes, to_layerscale, unwrap_state_dict
+from ..conversion.keys import WRAPPER_KEYS, strip_prefixes, to_layerscale, unwrap_state_dict
 
 __all__ = [
     "Vit5",
@@ -773,7 +773,7 @@ MODEL_ARGS: Dict[str, Dict[str, Any]] = {
     "vit5_xlarge_patch16_224": _args(1152, 28, 16),
 }
 
-#: timm has no ViT-5: parity is checked against :mod:`timm_layerscale.references`.
+#: timm has no ViT-5: parity is checked against :mod:`timm_layerscale.parity.references`.
 REFERENCE: Dict[str, Optional[str]] = {name: None for name in MODEL_ARGS}
 
 

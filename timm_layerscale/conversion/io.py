@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import progress
-from .errors import CheckpointError, OutputExistsError
+from .. import progress
+from ..errors import CheckpointError, OutputExistsError
 
 __all__ = [
     "LazySafetensors",
@@ -591,7 +591,7 @@ def save_pth(
         overwrite: Replace ``path`` if it exists.
         dtype: Cast floating-point tensors to this dtype; others are kept.
         wrap: Turns the (cast) state dict into the object saved, such as
-            :func:`~timm_layerscale.remap.official_checkpoint` for the official
+            :func:`~timm_layerscale.conversion.keys.official_checkpoint` for the official
             training code's ``{'model': ...}``; default saves the plain dict.
 
     Raises:

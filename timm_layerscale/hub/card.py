@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
-from ._version import __version__
+from .._version import __version__
 
 __all__ = ["build_model_card", "write_config", "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "PLOT_NAME"]
 
@@ -147,12 +147,12 @@ def build_model_card(
     """Build the model card (a huggingface_hub ``ModelCard``) of an exported folder.
 
     Args:
-        conversion: The :class:`~timm_layerscale.conversion.ConversionResult`.
+        conversion: The :class:`~timm_layerscale.conversion.pipeline.ConversionResult`.
         repo_id: Hub id used in the usage code.
         config: The written ``config.json``.
         num_params: Number of parameters in the weights.
         command: The command line that made the folder.
-        gates: :func:`~timm_layerscale.gates.gate_profile` rows, summarised in the card.
+        gates: :func:`~timm_layerscale.inspection.gate_profile` rows, summarised in the card.
         plot: File name of the gate plot inside the folder, if one was drawn.
         reload_checked: The folder was reloaded with ``local-dir:`` and matched.
 
@@ -326,7 +326,7 @@ def _reference_text(family: str, reference: str) -> str:
         name = reference.rsplit("/", 1)[-1]
         return (
             f"the official-layout ViT-5 reference implementation of timm-layerscale "
-            f"(`timm_layerscale.references.vit5_official`, `{name}`; timm has no ViT-5)"
+            f"(`timm_layerscale.parity.vit5_official`, `{name}`; timm has no ViT-5)"
         )
     return f"timm's `{reference}`"
 

@@ -46,9 +46,9 @@ def gate_stats(gamma: Any) -> dict[str, float]:
 
 
 def _load_state_dict(source: str | os.PathLike, ema: bool) -> Mapping[str, Any]:
-    from .checkpoint import load_checkpoint
-    from .hub import resolve_source
-    from .remap import unwrap_state_dict
+    from .conversion.io import load_checkpoint
+    from .hub.download import resolve_source
+    from .conversion.keys import unwrap_state_dict
 
     path = Path(source)
     if not path.exists() and str(source).startswith(("http://", "https://", "hf-hub:")):
@@ -102,7 +102,7 @@ def gate_profile(
         LayerScaleError: The checkpoint cannot be read, holds no LayerScale
             gates, or lacks gates that ``model`` has.
     """
-    from .remap import strip_prefixes, unwrap_state_dict
+    from .conversion.keys import strip_prefixes, unwrap_state_dict
 
     if isinstance(source, Mapping):
         tensors = unwrap_state_dict(source, "model_ema" if ema else None)
@@ -161,7 +161,7 @@ def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
     import torch
 
     from .errors import ArchitectureError
-    from .variants import get_variant
+    from .conversion.detect import get_variant
 
     try:
         name = get_variant(model).name

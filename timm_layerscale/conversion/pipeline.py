@@ -1,8 +1,8 @@
 """Convert a checkpoint between layouts, verify the result, and run the offline demo.
 
-The pieces are pure key rules (:mod:`~timm_layerscale.remap`), file I/O
-(:mod:`~timm_layerscale.checkpoint`), the Hub/URL boundary (:mod:`~timm_layerscale.hub`)
-and the parity check (:mod:`~timm_layerscale.parity`); this module strings them
+The pieces are pure key rules (:mod:`~timm_layerscale.conversion.keys`), file I/O
+(:mod:`~timm_layerscale.conversion.io`), the Hub/URL boundary (:mod:`~timm_layerscale.hub.download`)
+and the parity check (:mod:`~timm_layerscale.parity.compare`); this module strings them
 together for the command line and for library users.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt
-from ._version import __version__
-from .errors import CheckpointError, LayerScaleError, OutputExistsError, RemapError
-from .parity import (
+from . import io as ckpt
+from .._version import __version__
+from ..errors import CheckpointError, LayerScaleError, OutputExistsError, RemapError
+from ..parity.compare import (
     ParityReport,
     VerifyOptions,
     compare_models,
@@ -31,11 +31,11 @@ from .parity import (
     seed_parameters_,
     seeded_inputs,
 )
-from .progress import verification_passes
-from .remap import (
+from ..progress import verification_passes
+from .keys import (
     FAMILIES, check_state_dict, detect_layout, official_checkpoint, strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict,
 )
-from .variants import Variant, detect_variant, target_shapes
+from .detect import Variant, detect_variant, target_shapes
 
 __all__ = [
     "ConversionResult",
@@ -101,7 +101,7 @@ class ConversionResult:
 def _resolve(source: str | os.PathLike) -> Path:
     s = str(source)
     if s.startswith(("http://", "https://", "hf-hub:")):
-        from .hub import resolve_source
+        from ..hub.download import resolve_source
 
         return resolve_source(s)
     return Path(s)
@@ -120,7 +120,7 @@ def load_source(
     Returns:
         ``(path, state_dict, variant, info)``: the local file, its state dict
         (unwrapped, prefixes stripped, tensors lazy where the format allows), the
-        detected variant and :func:`~timm_layerscale.variants.describe_state_dict` info.
+        detected variant and :func:`~timm_layerscale.conversion.detect.describe_state_dict` info.
     """
     path = _resolve(source)
     raw = ckpt.load_checkpoint(path)
@@ -137,7 +137,7 @@ def load_source(
 
 def _to_target(sd: Mapping[str, torch.Tensor], variant: Variant, to: str) -> dict[str, torch.Tensor]:
     if variant.family == "vit5":
-        from .models import vit5
+        from ..models import vit5
 
         vit5.check_rope_buffers(sd, variant.name)
     ls = to_layerscale(sd, FAMILIES[variant.family])
@@ -147,7 +147,7 @@ def _to_target(sd: Mapping[str, torch.Tensor], variant: Variant, to: str) -> dic
         out = to_gamma(ls, FAMILIES[variant.family])
         if variant.family == "vit5":
             # The official loader needs the rotary tables it keeps as buffers.
-            from .models import vit5
+            from ..models import vit5
 
             out.update(vit5.rope_buffers(variant.name))
         return out
@@ -203,7 +203,7 @@ def build_reference(
         ref = _create_empty(variant.reference, "cait", **kwargs)
         sd = to_gamma(to_layerscale(state_dict, "cait"), "cait")
         return _load_strict(ref, sd, variant.reference), variant.reference
-    from . import references
+    from ..parity import references
 
     return references.load_reference(variant, state_dict, num_classes)
 
@@ -236,7 +236,7 @@ def _expected_weights(
     src_sd: Mapping[str, torch.Tensor], conv_ls: Mapping[str, torch.Tensor], family: str, fused: bool
 ) -> dict[str, torch.Tensor]:
     """The source's tensors as the converted ones must be: remapped, folded if ``fused``, cast to their dtypes."""
-    from .fuse import fold_state_dict
+    from .fold import fold_state_dict
 
     expected = to_layerscale(src_sd, family)
     if fused:
@@ -270,12 +270,12 @@ def verify_state_dicts(
         conv_sd: The converted weights, any layout; their float dtype is the check's.
         variant: The architecture.
         num_classes: Classifier size when it differs from the variant's default.
-        options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.VerifyOptions`).
+        options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.compare.VerifyOptions`).
         fused: The converted weights have LayerScale folded in; default: detected
             (the source has gammas, the converted weights none).
 
     Returns:
-        The :class:`~timm_layerscale.parity.ParityReport`.
+        The :class:`~timm_layerscale.parity.compare.ParityReport`.
     """
     options = options or VerifyOptions()
     device = _device(options)
@@ -339,10 +339,10 @@ def verify_checkpoint(
         model: Model name overriding detection.
         ema: Take the source's ``'model_ema'`` weights.
         options: Tolerances, inputs and device; the default asks for what the
-            family's construction guarantees (:func:`~timm_layerscale.parity.resolve_tolerance`).
+            family's construction guarantees (:func:`~timm_layerscale.parity.compare.resolve_tolerance`).
 
     Returns:
-        The :class:`~timm_layerscale.parity.ParityReport`.
+        The :class:`~timm_layerscale.parity.compare.ParityReport`.
     """
     if isinstance(source, Mapping):
         src_sd = strip_prefixes(unwrap_state_dict(source))
@@ -479,7 +479,7 @@ def convert_checkpoint(
     shapes = target_shapes(variant, num_classes)
     check_state_dict(to_layerscale(target, FAMILIES[variant.family]), shapes, variant.name)
     if fuse:
-        from .fuse import fold_state_dict
+        from .fold import fold_state_dict
 
         target = fold_state_dict(to_layerscale(target, FAMILIES[variant.family]))
 
@@ -567,7 +567,7 @@ def official_layout(model: nn.Module, family: str = "cait") -> dict[str, Any]:
     """A model's weights as the official training code saves them.
 
     For CaiT: ``{'model': {'module.' + key: tensor}}`` with ``gamma_1``/``gamma_2``
-    (see :func:`~timm_layerscale.remap.official_checkpoint`).
+    (see :func:`~timm_layerscale.conversion.keys.official_checkpoint`).
     """
     return official_checkpoint(to_gamma(model.state_dict(), family), family)
 
@@ -577,7 +577,7 @@ def write_official_checkpoint(
 ) -> nn.Module:
     """Build timm's reference model with seeded weights and save it in the official layout.
 
-    Every parameter is random (:func:`~timm_layerscale.parity.seed_parameters_`,
+    Every parameter is random (:func:`~timm_layerscale.parity.compare.seed_parameters_`,
     gammas of std 0.1), so that a layout or math error shows in the outputs.
 
     Returns:

@@ -1,7 +1,7 @@
 """The convertible architectures: which model a checkpoint becomes, and its reference.
 
 A :class:`Variant` ties a target model name (registered with timm) to its family
-(whose key rules live in :mod:`timm_layerscale.remap`) and, where timm has one, the
+(whose key rules live in :mod:`timm_layerscale.conversion.keys`) and, where timm has one, the
 timm model that computes the same function from the original weights.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
 
-from .errors import ArchitectureError
+from ..errors import ArchitectureError
 
 __all__ = ["Variant", "all_variants", "get_variant", "describe_state_dict", "detect_variant", "target_shapes"]
 
@@ -52,7 +52,7 @@ def all_variants() -> tuple[Variant, ...]:
     """Every convertible architecture, CaiT first, then ViT-5, then timm's DeiT-III."""
     import timm
 
-    from .models import cait_ls
+    from ..models import cait_ls
 
     out = [
         Variant(name, "cait", cait_ls.REFERENCE[name], _img_size(name), args["init_values"],
@@ -60,7 +60,7 @@ def all_variants() -> tuple[Variant, ...]:
         for name, args in cait_ls.MODEL_ARGS.items()
     ]
     try:
-        from .models import vit5
+        from ..models import vit5
     except ImportError:
         vit5 = None
     if vit5 is not None:
@@ -69,7 +69,7 @@ def all_variants() -> tuple[Variant, ...]:
                     embed_dim=args.get("embed_dim"), depth=args.get("depth"))
             for name, args in vit5.MODEL_ARGS.items()
         ]
-    from .remap import FAMILIES
+    from .keys import FAMILIES
 
     if "deit3" in FAMILIES:
         out += [
@@ -227,8 +227,8 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
         RemapError: ``model`` is given and the checkpoint does not fit it; the
             message lists the missing, unexpected and mis-shaped keys.
     """
-    from .remap import FAMILIES, check_state_dict, to_layerscale, unwrap_state_dict
-    from .errors import RemapError
+    from .keys import FAMILIES, check_state_dict, to_layerscale, unwrap_state_dict
+    from ..errors import RemapError
 
     try:
         raw = unwrap_state_dict(checkpoint)
@@ -270,7 +270,7 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
         if rank < best[0]:
             best = (rank, bad, v)
     if not info:
-        from .remap import strip_prefixes
+        from .keys import strip_prefixes
 
         info = describe_state_dict(strip_prefixes(raw))
     found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(raw)} keys of no known family"

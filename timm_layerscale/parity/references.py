@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..remap import strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict
+from ..conversion.keys import strip_prefixes, to_gamma, to_layerscale, unwrap_state_dict
 from . import vit5_official
 
 __all__ = ["build_reference", "reference_state_dict", "load_reference", "reference_name", "FAMILIES"]
@@ -122,7 +122,7 @@ def load_reference(
     """Build a variant's reference and load the original weights strictly.
 
     Args:
-        variant: A :class:`timm_layerscale.variants.Variant` (``name`` and ``family``).
+        variant: A :class:`timm_layerscale.conversion.detect.Variant` (``name`` and ``family``).
         state_dict: The original weights.
         num_classes: Classifier outputs when they differ from the default.
 
@@ -132,7 +132,7 @@ def load_reference(
     Raises:
         RemapError: Missing, unexpected or mis-shaped keys.
     """
-    from ..remap import check_state_dict
+    from ..conversion.keys import check_state_dict
 
     name = reference_name(variant.name, variant.family)
     model = build_reference(variant.name, variant.family, num_classes)

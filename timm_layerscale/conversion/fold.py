@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from .layer_scale import LayerScale
+from ..layer_scale import LayerScale
 
 __all__ = ["fuse_layerscale", "fold_state_dict", "fold_weights", "FOLD_TARGETS"]
 

@@ -2,7 +2,7 @@
 
 :func:`resolve_source` turns a checkpoint source (local path, ``https://`` URL or
 ``hf-hub:ORG/REPO[/FILE]``) into a local file, and :func:`push_folder` uploads a
-folder written by :func:`timm_layerscale.export.export_folder` to a Hub model
+folder written by :func:`timm_layerscale.hub.export.export_folder` to a Hub model
 repository (:func:`plan_push` describes that upload without sending anything).
 
 Every request to the network goes through three small functions at the top of this
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
-from ._version import __version__
+from .._version import __version__
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card, write_config
-from .errors import HubError, LayerScaleError
+from ..errors import HubError, LayerScaleError
 
 __all__ = [
     "resolve_source",
@@ -155,7 +155,7 @@ def _download_url(url: str) -> Path:
     """Download ``url`` into torch.hub's checkpoint cache (reused when already there)."""
     import torch.hub
 
-    from . import progress
+    from .. import progress
 
     target = cached_url_path(url)
     if target.is_file() and target.stat().st_size > 0:
@@ -472,7 +472,7 @@ def push_folder(
     logged or written anywhere.
 
     Args:
-        folder: Folder written by :func:`~timm_layerscale.export.export_folder`.
+        folder: Folder written by :func:`~timm_layerscale.hub.export.export_folder`.
         repo_id: ``ORG/NAME``.
         private: Create the repository as private.
         revision: Branch to commit to (default ``main``).

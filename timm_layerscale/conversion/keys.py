@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, TypeVar
 
-from .errors import RemapError
+from ..errors import RemapError
 
 __all__ = [
     "Rule",

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ._version import __version__
+from .._version import __version__
 
 __all__ = [
     "ParityReport",
@@ -126,7 +126,7 @@ class VerifyOptions:
     batch_size: int = 4
 
     def __post_init__(self) -> None:
-        from .errors import LayerScaleError
+        from ..errors import LayerScaleError
 
         for name in ("atol", "rtol"):
             value = getattr(self, name)
@@ -360,7 +360,7 @@ def image_inputs(paths: Iterable[str], model: nn.Module) -> torch.Tensor:
     from PIL import Image
     from timm.data import create_transform, resolve_data_config
 
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
 
     cfg = resolve_data_config({}, model=model)
     transform = create_transform(**cfg, is_training=False)

@@ -3,12 +3,12 @@
 :func:`export_folder` converts and verifies a checkpoint and writes a folder that
 ``timm.create_model("local-dir:DIR", pretrained=True)`` (and, once uploaded,
 ``"hf-hub:ORG/NAME"``) loads as it is: ``model.safetensors``, timm's ``config.json``,
-a ``README.md`` model card (both written by :mod:`timm_layerscale.card`) and, when
+a ``README.md`` model card (both written by :mod:`timm_layerscale.hub.card`) and, when
 matplotlib is installed, ``gates.png``.
 
 This module sends no request itself: a remote source is fetched through
-:func:`~timm_layerscale.hub.resolve_source` (by the converter) and ``push_to_hub``
-uploads through :func:`~timm_layerscale.hub.push_folder`.
+:func:`~timm_layerscale.hub.download.resolve_source` (by the converter) and ``push_to_hub``
+uploads through :func:`~timm_layerscale.hub.download.push_folder`.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card, write_config
-from .errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
-from .hub import PushResult, _check_repo_id, _one_line, push_folder
+from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
+from .download import PushResult, _check_repo_id, _one_line, push_folder
 
 __all__ = ["export_folder", "ExportResult"]
 
@@ -45,7 +45,7 @@ class ExportResult:
     Attributes:
         folder: The export folder.
         files: Files in it, sorted.
-        conversion: The :class:`~timm_layerscale.conversion.ConversionResult`.
+        conversion: The :class:`~timm_layerscale.conversion.pipeline.ConversionResult`.
         repo_id: Hub id written into the card's usage code.
         num_params: Parameters in the weights.
         plot: The gate plot, or ``None``.
@@ -194,7 +194,7 @@ def export_folder(
         overwrite: Replace ``out_dir`` if it exists and is not empty.
         push_to_hub: Upload the folder to this ``ORG/NAME`` after writing it.
         ema: Take the ``'model_ema'`` weights of a training checkpoint.
-        options: Verification options (:class:`~timm_layerscale.parity.VerifyOptions`).
+        options: Verification options (:class:`~timm_layerscale.parity.compare.VerifyOptions`).
         private: With ``push_to_hub``, create the repository as private.
         commit_message: With ``push_to_hub``, the commit message.
         repo_id: Hub id for the card's usage code (default ``push_to_hub``, else
@@ -212,8 +212,8 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
-    from .conversion import command_line, convert_checkpoint
-    from .gates import MissingPlotDependency, gate_profile, plot_gates
+    from ..conversion.pipeline import command_line, convert_checkpoint
+    from ..inspection import MissingPlotDependency, gate_profile, plot_gates
 
     out = Path(out_dir)
     if push_to_hub:
