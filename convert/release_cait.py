@@ -160,7 +160,7 @@ def _one_line(e: BaseException) -> str:
 
 def _fetch(rel: Release, sources: Path | None) -> tuple[str, Path]:
     """The source to convert (as given to the converter) and its local file."""
-    from timm_layerscale.hub.download import resolve_source
+    from timm_layerscale.conversion.io import resolve_source
 
     if sources is not None:
         path = sources / rel.file

@@ -161,7 +161,7 @@ def _leftovers(folder: Path) -> list[str]:
 
 def test_final_step_never_replaces_a_file_that_appeared(tmp_path, monkeypatch):
     """With the pre-checks out of the way, the hard link alone keeps the first writer's file."""
-    monkeypatch.setattr(ckpt, "_check_output", lambda target, overwrite: None)
+    monkeypatch.setattr(ckpt, "check_output", lambda target, overwrite: None)
     out = tmp_path / "x.bin"
     out.write_bytes(b"first writer")
     with pytest.raises(OutputExistsError, match="exists; pass --overwrite"):

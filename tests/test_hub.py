@@ -30,7 +30,8 @@ from safetensors.torch import save_file
 import huggingface_hub.constants
 from timm_layerscale.errors import HubError, OutputExistsError
 from timm_layerscale.hub.export import export_folder
-from timm_layerscale.hub.download import plan_push, push_folder, resolve_source
+from timm_layerscale.conversion.io import resolve_source
+from timm_layerscale.hub.download import plan_push, push_folder
 
 TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[1]

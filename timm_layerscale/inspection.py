@@ -46,20 +46,10 @@ def gate_stats(gamma: Any) -> dict[str, float]:
 
 
 def _load_state_dict(source: str | os.PathLike, ema: bool) -> Mapping[str, Any]:
-    from .conversion.io import load_checkpoint
-    from .hub.download import resolve_source
+    from .conversion.io import load_checkpoint, resolve_source
     from .conversion.keys import unwrap_state_dict
 
-    path = Path(source)
-    if not path.exists() and str(source).startswith(("http://", "https://", "hf-hub:")):
-        path = resolve_source(str(source))
-    if path.is_dir():
-        for name in ("model.safetensors", "pytorch_model.bin"):
-            if (path / name).is_file():
-                path = path / name
-                break
-        else:
-            raise LayerScaleError(f"{path} holds neither model.safetensors nor pytorch_model.bin; pass the checkpoint file")
+    path = resolve_source(source)
     checkpoint = load_checkpoint(path)
     try:
         return unwrap_state_dict(checkpoint, "model_ema" if ema else None)

@@ -36,6 +36,7 @@ from .. import progress
 from ..errors import CheckpointError, OutputExistsError
 
 __all__ = [
+    "resolve_source",
     "LazySafetensors",
     "load_checkpoint",
     "sha256_file",
@@ -43,6 +44,7 @@ __all__ = [
     "check_unchanged",
     "check_finite",
     "atomic_output",
+    "check_output",
     "save_safetensors",
     "save_pth",
     "save_state_dict",
@@ -114,6 +116,39 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         return f"LazySafetensors({str(self.path)!r}, {len(self)} tensors)"
+
+
+#: Where a checkpoint folder keeps its weights, in order of preference.
+FOLDER_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+#: Prefixes of the sources :func:`resolve_source` downloads.
+REMOTE_PREFIXES = ("https://", "http://", "hf-hub:")
+
+
+def resolve_source(source: str | os.PathLike) -> Path:
+    """Turn a checkpoint source into a local file.
+
+    Args:
+        source: A local file; a folder holding ``model.safetensors`` or
+            ``pytorch_model.bin`` (an exported or downloaded Hub folder); an
+            ``https://`` URL or ``hf-hub:ORG/REPO[@REVISION][/FILE]``, downloaded once
+            into the cache (:func:`~timm_layerscale.hub.download.download_source`).
+
+    Raises:
+        CheckpointError: A folder holds none of the weight files.
+        HubError: A download failed.
+    """
+    s = os.fspath(source)
+    path = Path(s)
+    if s.startswith(REMOTE_PREFIXES) and not path.exists():
+        from ..hub.download import download_source
+
+        return download_source(s)
+    if path.is_dir():
+        for name in FOLDER_WEIGHTS:
+            if (path / name).is_file():
+                return path / name
+        raise CheckpointError(f"{path} holds neither {' nor '.join(FOLDER_WEIGHTS)}; pass the checkpoint file")
+    return path
 
 
 def _readable_file(path: str | os.PathLike) -> Path:
@@ -298,7 +333,7 @@ def check_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
         )
 
 
-def _check_output(target: Path, overwrite: bool) -> None:
+def check_output(target: Path, overwrite: bool) -> None:
     if target.is_dir():
         raise CheckpointError(
             f"output {target} is a directory; pass a file path such as {target / 'model.safetensors'}"
@@ -335,7 +370,7 @@ def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
     except OSError as e:
         if e.errno not in _NO_HARD_LINKS:
             raise
-        _check_output(target, overwrite)
+        check_output(target, overwrite)
         os.replace(tmp, target)
         return
     with contextlib.suppress(OSError):  # the output is complete; only a failing unlink keeps this name
@@ -366,7 +401,7 @@ def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[
             writable, or writing failed (for example, disk full).
     """
     target = Path(path)
-    _check_output(target, overwrite)
+    check_output(target, overwrite)
     while True:
         tmp = target.parent / f".{target.name}.tmp-{secrets.token_hex(4)}"
         try:
@@ -380,7 +415,7 @@ def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[
             ) from None
     try:
         yield tmp
-        _check_output(target, overwrite)
+        check_output(target, overwrite)
         _publish(tmp, target, overwrite)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
@@ -502,7 +537,7 @@ def save_safetensors(
         CheckpointError: A key or value cannot be stored, or writing failed.
     """
     target = Path(path)
-    _check_output(target, overwrite)
+    check_output(target, overwrite)
     if sys.byteorder != "little":
         raise CheckpointError("writing safetensors needs a little-endian machine; convert on x86-64 or ARM")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -598,7 +633,7 @@ def save_pth(
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
         CheckpointError: A value is not a tensor, or writing failed.
     """
-    _check_output(Path(path), overwrite)
+    check_output(Path(path), overwrite)
     plain = {}
     for name, t in state_dict.items():
         _check_entry(name, t)

@@ -98,15 +98,6 @@ class ConversionResult:
     container: str = "plain"
 
 
-def _resolve(source: str | os.PathLike) -> Path:
-    s = str(source)
-    if s.startswith(("http://", "https://", "hf-hub:")):
-        from ..hub.download import resolve_source
-
-        return resolve_source(s)
-    return Path(s)
-
-
 def load_source(
     source: str | os.PathLike, *, model: str | None = None, ema: bool = False
 ) -> tuple[Path, Mapping[str, torch.Tensor], Variant, dict[str, Any]]:
@@ -122,7 +113,7 @@ def load_source(
         (unwrapped, prefixes stripped, tensors lazy where the format allows), the
         detected variant and :func:`~timm_layerscale.conversion.detect.describe_state_dict` info.
     """
-    path = _resolve(source)
+    path = ckpt.resolve_source(source)
     raw = ckpt.load_checkpoint(path)
     try:
         sd = strip_prefixes(unwrap_state_dict(raw, "model_ema" if ema else None))
@@ -352,7 +343,7 @@ def verify_checkpoint(
     if isinstance(converted, Mapping):
         conv_sd = strip_prefixes(unwrap_state_dict(converted))
     else:
-        conv_sd = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(_resolve(converted))))
+        conv_sd = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(ckpt.resolve_source(converted))))
     return verify_state_dicts(src_sd, conv_sd, variant, num_classes=info.get("num_classes"), options=options)
 
 
@@ -463,7 +454,7 @@ def convert_checkpoint(
         raise CheckpointError(f"output folder {output.parent} is not writable; choose another OUTPUT")
     torch_dtype = ckpt.parse_dtype(dtype) if dtype else None
 
-    resolved = _resolve(source)
+    resolved = ckpt.resolve_source(source)
     identity = ckpt.file_identity(resolved)  # checked once the source is no longer read
     path, sd, variant, info = load_source(resolved, model=model, ema=ema)
     num_classes = info.get("num_classes")

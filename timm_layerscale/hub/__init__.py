@@ -11,7 +11,7 @@ from __future__ import annotations
 from .._lazy import lazy_attributes
 
 _LAZY = {
-    "resolve_source": ".download",
+    "download_source": ".download",
     "push_folder": ".download",
     "plan_push": ".download",
     "PushResult": ".download",

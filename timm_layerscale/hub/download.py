@@ -1,13 +1,13 @@
 """Hub downloads and uploads: the package's only network code.
 
-:func:`resolve_source` turns a checkpoint source (local path, ``https://`` URL or
+:func:`download_source` turns a checkpoint source (local path, ``https://`` URL or
 ``hf-hub:ORG/REPO[/FILE]``) into a local file, and :func:`push_folder` uploads a
 folder written by :func:`timm_layerscale.hub.export.export_folder` to a Hub model
 repository (:func:`plan_push` describes that upload without sending anything).
 
 Every request to the network goes through three small functions at the top of this
 module: :func:`_download_url` and :func:`_download_from_hub` (reached through
-:func:`resolve_source`) and :func:`_upload`. Everything else here is pure or local
+:func:`download_source`) and :func:`_upload`. Everything else here is pure or local
 file I/O, so it can be tested without a network. Errors of the Hub or the network
 become one-line :class:`~timm_layerscale.errors.HubError` messages that say what to
 do. The Hub token is taken from ``hf auth login`` or ``HF_TOKEN`` by
@@ -29,7 +29,7 @@ from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_c
 from ..errors import HubError, LayerScaleError
 
 __all__ = [
-    "resolve_source",
+    "download_source",
     "push_folder",
     "PushResult",
     "build_model_card",
@@ -62,33 +62,27 @@ def hub_endpoint() -> str:
 # Network boundary. Nothing outside this section sends a request.
 # =====================================================================================
 
-# ---- Downloads: resolve_source ------------------------------------------------------
+# ---- Downloads: download_source ------------------------------------------------------
 
 
-def resolve_source(source: str | os.PathLike) -> Path:
-    """Turn a checkpoint source into a local file, downloading it when it is remote.
+def download_source(source: str) -> Path:
+    """Download a remote checkpoint source (once) and return the local file.
 
     Args:
-        source: A local path; an ``https://`` (or ``http://``) URL, downloaded once
-            into torch.hub's cache (``torch.hub.get_dir()/checkpoints/<name>``) and
-            reused afterwards; or ``hf-hub:ORG/REPO[@REVISION][/FILE]``, fetched with
-            huggingface_hub into its cache (``FILE`` defaults to ``model.safetensors``,
-            else ``pytorch_model.bin``).
-
-    Returns:
-        The local file.
+        source: An ``https://`` (or ``http://``) URL, downloaded once into torch.hub's
+            cache (``torch.hub.get_dir()/checkpoints/<name>``) and reused afterwards;
+            or ``hf-hub:ORG/REPO[@REVISION][/FILE]``, fetched with huggingface_hub
+            into its cache (``FILE`` defaults to ``model.safetensors``, else
+            ``pytorch_model.bin``).
 
     Raises:
         HubError: A download failed; the message says whether to check the
             address, log in, or retry.
     """
-    s = str(source)
-    if s.startswith(("https://", "http://")):
-        return _download_url(s)
-    if s.startswith("hf-hub:"):
-        repo_id, revision, filename = _parse_hub_spec(s)
-        return _download_from_hub(repo_id, revision, filename)
-    return Path(source)
+    if source.startswith(("https://", "http://")):
+        return _download_url(source)
+    repo_id, revision, filename = _parse_hub_spec(source)
+    return _download_from_hub(repo_id, revision, filename)
 
 
 def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
@@ -142,7 +136,7 @@ def check_online(url: str, action: str) -> None:
 
 
 def cached_url_path(url: str) -> Path:
-    """Where :func:`resolve_source` keeps the download of ``url``: torch.hub's checkpoint cache."""
+    """Where :func:`download_source` keeps the download of ``url``: torch.hub's checkpoint cache."""
     import torch.hub
 
     name = os.path.basename(urlparse(url).path)

@@ -7,7 +7,7 @@ a ``README.md`` model card (both written by :mod:`timm_layerscale.hub.card`) and
 matplotlib is installed, ``gates.png``.
 
 This module sends no request itself: a remote source is fetched through
-:func:`~timm_layerscale.hub.download.resolve_source` (by the converter) and ``push_to_hub``
+:func:`~timm_layerscale.conversion.io.resolve_source` (by the converter) and ``push_to_hub``
 uploads through :func:`~timm_layerscale.hub.download.push_folder`.
 """
 from __future__ import annotations
