@@ -45,7 +45,8 @@ print(f"work_s={time.perf_counter() - start}")
 
 STREAM = """
 import sys, time
-from timm_layerscale.conversion.io import load_checkpoint, save_safetensors
+from timm_layerscale.conversion.io import load_checkpoint
+from timm_layerscale.conversion.save import save_safetensors
 start = time.perf_counter()
 ckpt = load_checkpoint(sys.argv[1])
 save_safetensors(sys.argv[2], {k.removeprefix("module."): v for k, v in ckpt["model"].items()}, {"format": "pt"}, overwrite=True)

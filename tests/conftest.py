@@ -80,7 +80,7 @@ COMPAT: dict[str, tuple[str, ...] | str] = {
         "test_to_gamma_round_trip_gives_back_the_official_file",
     ),
     "test_convert_families.py": ("test_deit3_official_file_converts_bit_exact",),
-    "test_checkpoint.py": ("test_load_pth_zip_and_legacy", "test_training_checkpoint_with_argparse_namespace_loads"),
+    "test_io.py": ("test_load_pth_zip_and_legacy", "test_training_checkpoint_with_argparse_namespace_loads"),
     "test_autoload.py": "*",
     "test_train_loop.py": (
         "test_optimizer_factory_exempts_every_gamma_from_weight_decay",

@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale.conversion import io as ckpt
+from timm_layerscale.conversion import save as ckpt_save
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
@@ -486,13 +486,13 @@ def test_interrupted_safetensors_write_leaves_nothing(light_sd, tmp_path, capsys
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     seen: list[int] = []
-    real = ckpt.save_state_dict
+    real = ckpt_save.save_state_dict
 
     def save(path, sd, *a, **k):
         # Every tensor is read once to plan the header, then again to write it: stop mid-way.
         return real(path, _InterruptAfter(sd, len(sd) + len(sd) // 2, out_dir, seen), *a, **k)
 
-    monkeypatch.setattr(ckpt, "save_state_dict", save)
+    monkeypatch.setattr(ckpt_save, "save_state_dict", save)
     assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.safetensors"), "interrupted", status=130)
     assert len(seen) == 1 and seen[0] > 10_000_000, "the interruption must hit a half-written temporary file"
     assert folder_names(out_dir) == []

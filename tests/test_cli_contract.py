@@ -244,7 +244,8 @@ def test_no_progress_bars_when_stderr_is_not_a_terminal(official, tmp_path, caps
 
 
 def test_a_pth_written_through_the_progress_counter_loads_memory_mapped(tmp_path, monkeypatch):
-    from timm_layerscale.conversion.io import load_checkpoint, save_pth
+    from timm_layerscale.conversion.io import load_checkpoint
+    from timm_layerscale.conversion.save import save_pth
 
     monkeypatch.setattr(progress, "enabled", lambda: True)
     monkeypatch.setattr(progress, "DELAY", 0)

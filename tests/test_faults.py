@@ -23,7 +23,9 @@ import torch
 
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
-from timm_layerscale.conversion.io import atomic_output, load_checkpoint
+from timm_layerscale.conversion import save as ckpt_save
+from timm_layerscale.conversion.io import load_checkpoint
+from timm_layerscale.conversion.save import atomic_output
 from timm_layerscale.cli import main
 from timm_layerscale.errors import CheckpointError, OutputExistsError
 from timm_layerscale.conversion.keys import to_gamma
@@ -136,7 +138,7 @@ def test_disk_full_simulated(source, tmp_path, capsys, monkeypatch, suffix):
             return _FillingFile(f, room=1 << 20)
         return f
 
-    monkeypatch.setattr(ckpt, "open", filling_open, raising=False)
+    monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
     code, out, err = cli(capsys, "convert", source, out_dir / f"x{suffix}", "--no-verify")
     assert_one_line_error(code, out, err, "No space left on device")
     assert names(out_dir) == [] and sha256(source) == before
@@ -161,7 +163,7 @@ def _leftovers(folder: Path) -> list[str]:
 
 def test_final_step_never_replaces_a_file_that_appeared(tmp_path, monkeypatch):
     """With the pre-checks out of the way, the hard link alone keeps the first writer's file."""
-    monkeypatch.setattr(ckpt, "check_output", lambda target, overwrite: None)
+    monkeypatch.setattr(ckpt_save, "check_output", lambda target, overwrite: None)
     out = tmp_path / "x.bin"
     out.write_bytes(b"first writer")
     with pytest.raises(OutputExistsError, match="exists; pass --overwrite"):
@@ -202,7 +204,7 @@ def test_interleaved_writers_one_wins(tmp_path):
 _RACER = """
 import sys, time
 from pathlib import Path
-from timm_layerscale.conversion import io as checkpoint
+from timm_layerscale.conversion import save as checkpoint
 from timm_layerscale.cli import main
 
 barrier, me = Path(sys.argv[1]), sys.argv[2]
@@ -292,6 +294,7 @@ def test_read_only_source_folder_simulated(source, tmp_path, capsys, monkeypatch
         return real_os_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(ckpt, "open", guarded_open, raising=False)
+    monkeypatch.setattr(ckpt_save, "open", guarded_open, raising=False)
     monkeypatch.setattr(os, "open", guarded_os_open)
     out = tmp_path / "x.safetensors"
     code, stdout, err = cli(capsys, "convert", source, out, "--no-verify")
@@ -343,13 +346,13 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
 
         monkeypatch.setattr(ckpt, "sha256_file", hook)
     else:
-        real = ckpt.save_state_dict
+        real = ckpt_save.save_state_dict
 
         def hook(*args, **kwargs):
             real(*args, **kwargs)
             rewrite()
 
-        monkeypatch.setattr(ckpt, "save_state_dict", hook)
+        monkeypatch.setattr(ckpt_save, "save_state_dict", hook)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, out, err = cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify")

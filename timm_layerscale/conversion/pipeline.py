@@ -1,7 +1,7 @@
 """Convert a checkpoint between layouts, verify the result, and run the offline demo.
 
 The pieces are pure key rules (:mod:`~timm_layerscale.conversion.keys`), file I/O
-(:mod:`~timm_layerscale.conversion.io`), the Hub/URL boundary (:mod:`~timm_layerscale.hub.download`)
+(:mod:`~timm_layerscale.conversion.io`, :mod:`~timm_layerscale.conversion.save`), the Hub/URL boundary (:mod:`~timm_layerscale.hub.download`)
 and the parity check (:mod:`~timm_layerscale.parity.compare`); this module strings them
 together for the command line and for library users.
 """
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import io as ckpt
+from . import save
 from .._version import __version__
 from ..errors import CheckpointError, LayerScaleError, OutputExistsError, RemapError
 from ..parity.compare import (
@@ -512,7 +513,7 @@ def convert_checkpoint(
         metadata.update(report.metadata())
     else:
         metadata["parity"] = "not verified"
-    ckpt.save_state_dict(
+    save.save_state_dict(
         output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype,
         wrap=wrap,
     )
@@ -578,6 +579,6 @@ def write_official_checkpoint(
 
     ref = timm.create_model(model_name)
     seed_parameters_(ref, seed)
-    with ckpt.atomic_output(path, overwrite) as tmp:
+    with save.atomic_output(path, overwrite) as tmp:
         torch.save(official_layout(ref), tmp)
     return ref.eval()

@@ -1,10 +1,8 @@
-"""Tests for checkpoint reading and writing (timm_layerscale.conversion.io)."""
+"""Writing checkpoints: bytes, round trips, atomicity, memory (timm_layerscale.conversion.save)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import struct
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -15,227 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from timm_layerscale.conversion.io import (
-    LazySafetensors,
-    atomic_output,
-    check_finite,
-    load_checkpoint,
-    parse_dtype,
-    save_pth,
-    save_safetensors,
-    save_state_dict,
-    sha256_file,
-)
+from tensor_helpers import ALL_DTYPES, assert_same_tensors, header_bytes, leftovers, make_tensor, mixed_state_dict
+from timm_layerscale.conversion.io import LazySafetensors, check_finite, load_checkpoint, parse_dtype
+from timm_layerscale.conversion.save import atomic_output, save_pth, save_safetensors, save_state_dict
 from timm_layerscale.errors import CheckpointError, OutputExistsError
-
-ALL_DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
-]
-
-
-def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
-
-
-def mixed_state_dict() -> dict[str, torch.Tensor]:
-    return {
-        "blocks.0.attn.qkv.weight": make_tensor((6, 4), torch.float32, 1),
-        "blocks.0.gamma_1": make_tensor((4,), torch.bfloat16, 2),
-        "blocks.0.gamma_2": make_tensor((4,), torch.float16, 3),
-        "num_batches_tracked": torch.tensor(7),
-        "scalar": torch.tensor(1.5),
-        "empty": torch.zeros(0, 3),
-        "mask": torch.tensor([True, False, True]),
-        "tokens": make_tensor((2, 3), torch.int64, 4),
-        "é.unicode": make_tensor((3,), torch.float64, 5),
-    }
-
-
-def assert_same_tensors(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
-                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
-
-
-def leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
-
-
-# ---------------------------------------------------------------- reading
-
-
-def test_load_pth_zip_and_legacy(tmp_path):
-    sd = mixed_state_dict()
-    torch.save({"model": sd}, tmp_path / "new.pth")
-    torch.save({"model": sd}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
-    for name in ("new.pth", "old.pth"):
-        loaded = load_checkpoint(tmp_path / name)
-        assert_same_tensors(loaded["model"], sd)
-
-
-@pytest.mark.parametrize("suffix", [".pt", ".bin", ".ckpt", ".weights", ""])
-def test_load_sniffs_format_when_suffix_unknown(tmp_path, suffix):
-    sd = {"w": make_tensor((2, 2), torch.float32)}
-    torch.save(sd, tmp_path / f"a{suffix}")
-    assert_same_tensors(load_checkpoint(tmp_path / f"a{suffix}"), sd)
-    save_file(sd, str(tmp_path / f"b{suffix}x"))
-    loaded = load_checkpoint(tmp_path / f"b{suffix}x")
-    assert isinstance(loaded, LazySafetensors)
-    assert_same_tensors(dict(loaded), sd)
-
-
-def test_lazy_safetensors_mapping(tmp_path, monkeypatch):
-    sd = mixed_state_dict()
-    save_file(sd, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
-    lazy = load_checkpoint(tmp_path / "m.safetensors")
-    assert isinstance(lazy, Mapping) and not hasattr(lazy, "__setitem__")
-    assert lazy.metadata == {"format": "pt"}
-    header = json.loads(_header_bytes(tmp_path / "m.safetensors"))
-    by_offset = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
-    assert list(lazy) == [k for _, k in by_offset]
-    assert len(lazy) == len(sd) and "scalar" in lazy and "nope" not in lazy
-    with pytest.raises(KeyError):
-        lazy["nope"]
-
-    reads: list[str] = []
-    real = lazy._file
-
-    class Counting:
-        def get_tensor(self, key):
-            reads.append(key)
-            return real.get_tensor(key)
-
-    monkeypatch.setattr(lazy, "_file", Counting())
-    assert list(lazy.keys()) and reads == []  # listing keys reads no tensor
-    assert torch.equal(lazy["tokens"], sd["tokens"]) and reads == ["tokens"]
-
-
-def test_lazy_safetensors_without_metadata(tmp_path):
-    save_file({"a": torch.ones(2)}, str(tmp_path / "n.safetensors"))
-    lazy = load_checkpoint(tmp_path / "n.safetensors")
-    assert lazy.metadata == {} and list(lazy) == ["a"]
-    lazy.close()
-
-
-def _header_bytes(path: Path) -> bytes:
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    return data[8 : 8 + n]
-
-
-def _bad_files(tmp: Path) -> dict[str, Path]:
-    sd = {"w": make_tensor((64, 64), torch.float32)}
-    torch.save(sd, tmp / "good.pth")
-    torch.save(sd, tmp / "legacy.pth", _use_new_zipfile_serialization=False)
-    save_file(sd, str(tmp / "good.safetensors"))
-    pth, legacy, sft = ((tmp / n).read_bytes() for n in ("good.pth", "legacy.pth", "good.safetensors"))
-    files = {
-        "empty.pth": b"",
-        "truncated.pth": pth[: len(pth) // 2],
-        "truncated_tail.pth": pth[:-5],
-        "truncated_legacy.pth": legacy[:-100],
-        "truncated.safetensors": sft[:-7],
-        "truncated_header.safetensors": sft[:30],
-        "tiny.safetensors": sft[:5],
-        "text.pth": b"<html><body>404 Not Found</body></html>\n",
-        "text.safetensors": b"model weights go here\n",
-        "lfs.pth": b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 12\n",
-        "noise.pth": bytes(range(1, 256)) * 4,
-        "noise.weights": bytes(range(1, 256)) * 4,
-    }
-    for name, data in files.items():
-        (tmp / name).write_bytes(data)
-    return {name: tmp / name for name in files}
-
-
-@pytest.mark.parametrize(
-    "name, message",
-    [
-        ("empty.pth", "is empty"),
-        ("truncated.pth", "truncated or corrupt"),
-        ("truncated_tail.pth", "truncated or corrupt"),
-        ("truncated_legacy.pth", "truncated or corrupt"),
-        ("truncated.safetensors", "not a valid safetensors file"),
-        ("truncated_header.safetensors", "not a valid safetensors file"),
-        ("tiny.safetensors", "not a valid safetensors file"),
-        ("text.pth", "is a text file"),
-        ("text.safetensors", "is a text file"),
-        ("lfs.pth", "Git LFS pointer"),
-        ("noise.pth", "not a PyTorch checkpoint"),
-        ("noise.weights", "cannot tell the format"),
-    ],
-)
-def test_load_rejects_bad_files(tmp_path, name, message):
-    path = _bad_files(tmp_path)[name]
-    with pytest.raises(CheckpointError, match=message) as info:
-        load_checkpoint(path)
-    assert "\n" not in str(info.value) and ";" in str(info.value)
-
-
-def test_load_rejects_missing_and_directory(tmp_path):
-    with pytest.raises(CheckpointError, match="not found"):
-        load_checkpoint(tmp_path / "missing.pth")
-    with pytest.raises(CheckpointError, match="is a directory"):
-        load_checkpoint(tmp_path)
-
-
-class _Payload:
-    """Unpickling this would create a file."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-
-    def __reduce__(self):
-        return (open, (self.target, "w"))
-
-
-@pytest.mark.parametrize("legacy", [False, True])
-def test_load_refuses_code_and_runs_none(tmp_path, legacy):
-    marker = tmp_path / "created-by-unpickling"
-    torch.save({"model": {"w": torch.ones(1)}, "x": _Payload(str(marker))}, tmp_path / "evil.pth",
-               _use_new_zipfile_serialization=not legacy)
-    with pytest.raises(CheckpointError, match="contains code or objects that are not tensors.*was not loaded"):
-        load_checkpoint(tmp_path / "evil.pth")
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("obj, kind", [([torch.ones(1)], "list"), (torch.ones(1), "Tensor"), (3, "int")])
-def test_load_requires_top_level_dict(tmp_path, obj, kind):
-    torch.save(obj, tmp_path / "x.pth")
-    with pytest.raises(CheckpointError, match=f"holds a {kind}, not a dict"):
-        load_checkpoint(tmp_path / "x.pth")
-
-
-def test_sha256_file(tmp_path):
-    data = os.urandom(3 * (1 << 20) + 123)
-    (tmp_path / "f.bin").write_bytes(data)
-    assert sha256_file(tmp_path / "f.bin") == hashlib.sha256(data).hexdigest()
-    (tmp_path / "e").write_bytes(b"")
-    assert sha256_file(tmp_path / "e") == hashlib.sha256(b"").hexdigest()
-    with pytest.raises(CheckpointError):
-        sha256_file(tmp_path / "missing")
-
-
-def test_check_finite():
-    good = mixed_state_dict()
-    check_finite(good)
-    bad = dict(good)
-    bad["blocks.0.gamma_1"] = torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)
-    bad["z"] = torch.tensor([float("inf")])
-    with pytest.raises(CheckpointError, match=r"2 tensor\(s\).*first 'blocks.0.gamma_1'.*allow_nonfinite=True"):
-        check_finite(bad)
-
-
-# ---------------------------------------------------------------- writing: bytes
-
 
 def assert_matches_save_file(tmp: Path, tensors, metadata=None, **kwargs) -> None:
     save_file(tensors, str(tmp / "ref.safetensors"), metadata=metadata)
@@ -270,9 +51,9 @@ def test_multi_key_metadata_matches_up_to_key_order(tmp_path):
     save_safetensors(tmp_path / "ours.safetensors", tensors, metadata)
     ours, ref = ((tmp_path / n).read_bytes() for n in ("ours.safetensors", "ref.safetensors"))
     assert len(ours) == len(ref)
-    assert json.loads(_header_bytes(tmp_path / "ours.safetensors")) == json.loads(_header_bytes(tmp_path / "ref.safetensors"))
-    assert ours.endswith(ref[8 + len(_header_bytes(tmp_path / "ref.safetensors")) :])
-    assert list(json.loads(_header_bytes(tmp_path / "ours.safetensors"))["__metadata__"]) == ["a", "format", "z"]
+    assert json.loads(header_bytes(tmp_path / "ours.safetensors")) == json.loads(header_bytes(tmp_path / "ref.safetensors"))
+    assert ours.endswith(ref[8 + len(header_bytes(tmp_path / "ref.safetensors")) :])
+    assert list(json.loads(header_bytes(tmp_path / "ours.safetensors"))["__metadata__"]) == ["a", "format", "z"]
 
 
 _NAMES = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=12).filter(
@@ -320,7 +101,7 @@ def test_safetensors_header_length_that_looks_like_pickle(tmp_path):
     # a header of 0x380 bytes starts the file with 0x80 0x03, a pickle's first two bytes
     out = tmp_path / "p.weights"
     save_safetensors(out, {"w": torch.ones(2)}, {"pad": ""})
-    unpadded = len(_header_bytes(out).rstrip(b" "))
+    unpadded = len(header_bytes(out).rstrip(b" "))
     save_safetensors(out, {"w": torch.ones(2)}, {"pad": "x" * (0x380 - unpadded)}, overwrite=True)
     assert out.read_bytes()[:2] == b"\x80\x03"
     assert isinstance(load_checkpoint(out), LazySafetensors)
@@ -393,13 +174,6 @@ def test_save_pth_rejects_non_tensors(tmp_path):
     with pytest.raises(CheckpointError, match="not a tensor"):
         save_pth(tmp_path / "x.pth", {"epoch": 3})
     assert list(tmp_path.iterdir()) == []
-
-
-def test_parse_dtype():
-    assert parse_dtype("fp32") is torch.float32 and parse_dtype("float16") is torch.float16
-    assert parse_dtype("BF16") is torch.bfloat16 and parse_dtype("bfloat16") is torch.bfloat16
-    with pytest.raises(CheckpointError, match="use fp32, fp16 or bf16"):
-        parse_dtype("int8")
 
 
 # ---------------------------------------------------------------- atomicity and overwrite
@@ -556,13 +330,3 @@ def test_in_place_changes_to_mapped_tensors_survive_saving(tmp_path):
     assert torch.equal(sd["a"], torch.full((1 << 16,), 3.0)) and torch.equal(sd["b"], torch.ones(1 << 16))
     saved = load_checkpoint(tmp_path / "m.safetensors")
     assert torch.equal(saved["a"], sd["a"]) and torch.equal(saved["b"], sd["b"])
-
-
-def test_training_checkpoint_with_argparse_namespace_loads(tmp_path):
-    import argparse
-
-    path = tmp_path / "train.pth"
-    torch.save({"model": {"w": torch.ones(2)}, "epoch": 3, "args": argparse.Namespace(lr=0.1, model="vit")}, path)
-    obj = load_checkpoint(path)
-    assert torch.equal(obj["model"]["w"], torch.ones(2))
-    assert obj["args"].model == "vit"

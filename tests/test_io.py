@@ -1,0 +1,195 @@
+"""Reading checkpoints: formats, bad files, hashing, finite checks (timm_layerscale.conversion.io)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tensor_helpers import assert_same_tensors, header_bytes, make_tensor, mixed_state_dict
+from timm_layerscale.conversion.io import (
+    LazySafetensors,
+    check_finite,
+    load_checkpoint,
+    parse_dtype,
+    sha256_file,
+)
+from timm_layerscale.errors import CheckpointError
+
+
+def test_load_pth_zip_and_legacy(tmp_path):
+    sd = mixed_state_dict()
+    torch.save({"model": sd}, tmp_path / "new.pth")
+    torch.save({"model": sd}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    for name in ("new.pth", "old.pth"):
+        loaded = load_checkpoint(tmp_path / name)
+        assert_same_tensors(loaded["model"], sd)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".bin", ".ckpt", ".weights", ""])
+def test_load_sniffs_format_when_suffix_unknown(tmp_path, suffix):
+    sd = {"w": make_tensor((2, 2), torch.float32)}
+    torch.save(sd, tmp_path / f"a{suffix}")
+    assert_same_tensors(load_checkpoint(tmp_path / f"a{suffix}"), sd)
+    save_file(sd, str(tmp_path / f"b{suffix}x"))
+    loaded = load_checkpoint(tmp_path / f"b{suffix}x")
+    assert isinstance(loaded, LazySafetensors)
+    assert_same_tensors(dict(loaded), sd)
+
+
+def test_lazy_safetensors_mapping(tmp_path, monkeypatch):
+    sd = mixed_state_dict()
+    save_file(sd, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
+    lazy = load_checkpoint(tmp_path / "m.safetensors")
+    assert isinstance(lazy, Mapping) and not hasattr(lazy, "__setitem__")
+    assert lazy.metadata == {"format": "pt"}
+    header = json.loads(header_bytes(tmp_path / "m.safetensors"))
+    by_offset = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
+    assert list(lazy) == [k for _, k in by_offset]
+    assert len(lazy) == len(sd) and "scalar" in lazy and "nope" not in lazy
+    with pytest.raises(KeyError):
+        lazy["nope"]
+
+    reads: list[str] = []
+    real = lazy._file
+
+    class Counting:
+        def get_tensor(self, key):
+            reads.append(key)
+            return real.get_tensor(key)
+
+    monkeypatch.setattr(lazy, "_file", Counting())
+    assert list(lazy.keys()) and reads == []  # listing keys reads no tensor
+    assert torch.equal(lazy["tokens"], sd["tokens"]) and reads == ["tokens"]
+
+
+def test_lazy_safetensors_without_metadata(tmp_path):
+    save_file({"a": torch.ones(2)}, str(tmp_path / "n.safetensors"))
+    lazy = load_checkpoint(tmp_path / "n.safetensors")
+    assert lazy.metadata == {} and list(lazy) == ["a"]
+    lazy.close()
+
+
+def _bad_files(tmp: Path) -> dict[str, Path]:
+    sd = {"w": make_tensor((64, 64), torch.float32)}
+    torch.save(sd, tmp / "good.pth")
+    torch.save(sd, tmp / "legacy.pth", _use_new_zipfile_serialization=False)
+    save_file(sd, str(tmp / "good.safetensors"))
+    pth, legacy, sft = ((tmp / n).read_bytes() for n in ("good.pth", "legacy.pth", "good.safetensors"))
+    files = {
+        "empty.pth": b"",
+        "truncated.pth": pth[: len(pth) // 2],
+        "truncated_tail.pth": pth[:-5],
+        "truncated_legacy.pth": legacy[:-100],
+        "truncated.safetensors": sft[:-7],
+        "truncated_header.safetensors": sft[:30],
+        "tiny.safetensors": sft[:5],
+        "text.pth": b"<html><body>404 Not Found</body></html>\n",
+        "text.safetensors": b"model weights go here\n",
+        "lfs.pth": b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 12\n",
+        "noise.pth": bytes(range(1, 256)) * 4,
+        "noise.weights": bytes(range(1, 256)) * 4,
+    }
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    return {name: tmp / name for name in files}
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("empty.pth", "is empty"),
+        ("truncated.pth", "truncated or corrupt"),
+        ("truncated_tail.pth", "truncated or corrupt"),
+        ("truncated_legacy.pth", "truncated or corrupt"),
+        ("truncated.safetensors", "not a valid safetensors file"),
+        ("truncated_header.safetensors", "not a valid safetensors file"),
+        ("tiny.safetensors", "not a valid safetensors file"),
+        ("text.pth", "is a text file"),
+        ("text.safetensors", "is a text file"),
+        ("lfs.pth", "Git LFS pointer"),
+        ("noise.pth", "not a PyTorch checkpoint"),
+        ("noise.weights", "cannot tell the format"),
+    ],
+)
+def test_load_rejects_bad_files(tmp_path, name, message):
+    path = _bad_files(tmp_path)[name]
+    with pytest.raises(CheckpointError, match=message) as info:
+        load_checkpoint(path)
+    assert "\n" not in str(info.value) and ";" in str(info.value)
+
+
+def test_load_rejects_missing_and_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "missing.pth")
+    with pytest.raises(CheckpointError, match="is a directory"):
+        load_checkpoint(tmp_path)
+
+
+class _Payload:
+    """Unpickling this would create a file."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_load_refuses_code_and_runs_none(tmp_path, legacy):
+    marker = tmp_path / "created-by-unpickling"
+    torch.save({"model": {"w": torch.ones(1)}, "x": _Payload(str(marker))}, tmp_path / "evil.pth",
+               _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(CheckpointError, match="contains code or objects that are not tensors.*was not loaded"):
+        load_checkpoint(tmp_path / "evil.pth")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("obj, kind", [([torch.ones(1)], "list"), (torch.ones(1), "Tensor"), (3, "int")])
+def test_load_requires_top_level_dict(tmp_path, obj, kind):
+    torch.save(obj, tmp_path / "x.pth")
+    with pytest.raises(CheckpointError, match=f"holds a {kind}, not a dict"):
+        load_checkpoint(tmp_path / "x.pth")
+
+
+def test_sha256_file(tmp_path):
+    data = os.urandom(3 * (1 << 20) + 123)
+    (tmp_path / "f.bin").write_bytes(data)
+    assert sha256_file(tmp_path / "f.bin") == hashlib.sha256(data).hexdigest()
+    (tmp_path / "e").write_bytes(b"")
+    assert sha256_file(tmp_path / "e") == hashlib.sha256(b"").hexdigest()
+    with pytest.raises(CheckpointError):
+        sha256_file(tmp_path / "missing")
+
+
+def test_check_finite():
+    good = mixed_state_dict()
+    check_finite(good)
+    bad = dict(good)
+    bad["blocks.0.gamma_1"] = torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)
+    bad["z"] = torch.tensor([float("inf")])
+    with pytest.raises(CheckpointError, match=r"2 tensor\(s\).*first 'blocks.0.gamma_1'.*allow_nonfinite=True"):
+        check_finite(bad)
+
+
+def test_parse_dtype():
+    assert parse_dtype("fp32") is torch.float32 and parse_dtype("float16") is torch.float16
+    assert parse_dtype("BF16") is torch.bfloat16 and parse_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(CheckpointError, match="use fp32, fp16 or bf16"):
+        parse_dtype("int8")
+
+
+def test_training_checkpoint_with_argparse_namespace_loads(tmp_path):
+    import argparse
+
+    path = tmp_path / "train.pth"
+    torch.save({"model": {"w": torch.ones(2)}, "epoch": 3, "args": argparse.Namespace(lr=0.1, model="vit")}, path)
+    obj = load_checkpoint(path)
+    assert torch.equal(obj["model"]["w"], torch.ones(2))
+    assert obj["args"].model == "vit"

@@ -1,0 +1,385 @@
+"""Writing checkpoint files: atomic and streaming.
+
+Every write goes to a temporary file in the target folder and is moved onto the
+target only when complete, without replacing a file that another process put there
+meanwhile unless asked to (:func:`atomic_output`). :func:`save_safetensors` streams
+tensors to disk one at a time, so peak memory is about one tensor whatever the file
+size, and produces the same bytes as ``safetensors.torch.save_file``. Bad input or a
+failed write raises :class:`~timm_layerscale.errors.CheckpointError` with a one-line
+message saying what is wrong and what to do.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import secrets
+import struct
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import progress
+from ..errors import CheckpointError, OutputExistsError
+from .io import TORCH_SUFFIXES, _MappedPages
+
+__all__ = [
+    "atomic_output",
+    "check_output",
+    "save_pth",
+    "save_safetensors",
+    "save_state_dict",
+]
+
+_WRITE_CHUNK = 16 << 20  # bytes per write call
+
+# safetensors writes tensors in this dtype order (then by name); values are its dtype tags.
+_ST_DTYPES: dict[torch.dtype, str] = {
+    getattr(torch, name): tag
+    for name, tag in [
+        ("uint64", "U64"), ("int64", "I64"), ("float64", "F64"), ("complex64", "C64"),
+        ("float32", "F32"), ("uint32", "U32"), ("int32", "I32"), ("bfloat16", "BF16"),
+        ("float16", "F16"), ("uint16", "U16"), ("int16", "I16"),
+        ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+        ("float8_e8m0fnu", "F8_E8M0"), ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+        ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"),
+    ]
+    if hasattr(torch, name)
+}
+_ST_RANK = {dtype: rank for rank, dtype in enumerate(_ST_DTYPES)}
+
+
+def check_output(target: Path, overwrite: bool) -> None:
+    """Raise unless ``target`` can be written as a new file (or replaced, with ``overwrite``).
+
+    Checked before any work and again just before the finished file is put in place.
+
+    Args:
+        target: The output file.
+        overwrite: An existing file at ``target`` may be replaced.
+
+    Raises:
+        OutputExistsError: ``target`` exists and ``overwrite`` is false.
+        CheckpointError: ``target`` is a directory, or its folder is missing or not
+            writable.
+    """
+    if target.is_dir():
+        raise CheckpointError(
+            f"output {target} is a directory; pass a file path such as {target / 'model.safetensors'}"
+        )
+    if target.exists() and not overwrite:
+        raise OutputExistsError(f"output {target} exists; pass overwrite=True to replace it")
+    parent = target.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"output folder {parent} does not exist; create it or choose another output path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"output folder {parent} is not writable; choose another output path")
+
+
+# link(2) errors meaning "this filesystem has no hard links", not "the target exists".
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
+
+
+def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Move the finished ``tmp`` onto ``target``; without ``overwrite``, never replace a file.
+
+    ``os.link`` fails with ``EEXIST`` when ``target`` exists, atomically, so of two
+    writers racing for one name exactly one wins and the other gets
+    :class:`OutputExistsError`; the file is always one writer's whole output. Where
+    the filesystem has no hard links, the existence check and ``os.replace`` are two
+    steps, which leaves a short window for a writer in another process.
+    """
+    if overwrite:
+        os.replace(tmp, target)
+        return
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise OutputExistsError(f"output {target} exists; pass --overwrite to replace it") from None
+    except OSError as e:
+        if e.errno not in _NO_HARD_LINKS:
+            raise
+        check_output(target, overwrite)
+        os.replace(tmp, target)
+        return
+    with contextlib.suppress(OSError):  # the output is complete; only a failing unlink keeps this name
+        tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; move it onto ``path`` on success.
+
+    The temporary file (``.{name}.tmp-XXXXXXXX`` in the target folder) is created
+    empty; the caller writes it by name. On any exception, including
+    ``KeyboardInterrupt``, it is deleted and ``path`` is left as it was. Without
+    ``overwrite`` the last step is a hard link, which fails if ``path`` exists by
+    then (another process wrote it first), so an existing file is never replaced;
+    with ``overwrite`` it is a rename. Either way ``path`` holds one whole file,
+    never a mix. Protects against failure of this process, not against power loss
+    (no ``fsync``).
+
+    Args:
+        path: The final file.
+        overwrite: Replace ``path`` if it exists.
+
+    Raises:
+        OutputExistsError: ``path`` exists (checked before writing, and atomically
+            when the finished file is put in place) and ``overwrite`` is false.
+        CheckpointError: ``path`` is a directory, its folder is missing or not
+            writable, or writing failed (for example, disk full).
+    """
+    target = Path(path)
+    check_output(target, overwrite)
+    while True:
+        tmp = target.parent / f".{target.name}.tmp-{secrets.token_hex(4)}"
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            break
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot create a file in {target.parent} ({e.strerror}); choose another output path"
+            ) from None
+    try:
+        yield tmp
+        check_output(target, overwrite)
+        _publish(tmp, target, overwrite)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(
+                f"writing {target} failed ({e.strerror or e}); nothing was written, free space or choose another path"
+            ) from None
+        raise
+
+
+def _check_entry(name: object, t: object) -> None:
+    if not isinstance(name, str):
+        raise CheckpointError(f"cannot save key {name!r}: names must be strings; rename it")
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointError(
+            f"cannot save {name!r}: it is a {type(t).__name__}, not a tensor; keep only tensors in the state dict"
+        )
+
+
+def _plan(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> list[tuple[str, torch.dtype, list[int]]]:
+    """Names, output dtypes and shapes of ``tensors`` in safetensors' write order."""
+    plan = []
+    for name in tensors:
+        t = tensors[name]
+        _check_entry(name, t)
+        if name == "__metadata__":
+            raise CheckpointError("cannot save a tensor named '__metadata__' to safetensors; rename it")
+        if t.layout != torch.strided or t.device.type == "meta":
+            raise CheckpointError(
+                f"cannot save {name!r}: it is a {t.layout} tensor on {t.device}; save dense tensors with data"
+            )
+        out = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if out not in _ST_RANK:
+            raise CheckpointError(f"cannot save {name!r}: safetensors does not support {out}; convert it first")
+        plan.append((name, out, list(t.shape)))
+    plan.sort(key=lambda item: (_ST_RANK[item[1]], item[0]))
+    return plan
+
+
+def save_safetensors(
+    path: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    *,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write ``tensors`` as a safetensors file, streaming one tensor at a time.
+
+    The header is computed from shapes and dtypes alone; then each tensor is cast
+    (if asked), made contiguous and written in 16 MiB pieces, so peak memory is about
+    the largest tensor (none at all for contiguous tensors that need no cast). Pages
+    of memory-mapped sources are released once written. The bytes equal those of
+    ``safetensors.torch.save_file(tensors, path, metadata)`` (metadata keys are
+    written sorted; ``save_file`` orders them arbitrarily). Unlike ``save_file``,
+    tensors that share memory or are not contiguous are accepted and written as
+    independent copies.
+
+    Args:
+        path: Output file.
+        tensors: Name to tensor, any device, any shape including 0-d and empty.
+        metadata: String to string, stored as the header's ``__metadata__``.
+        overwrite: Replace ``path`` if it exists.
+        dtype: Cast floating-point tensors to this dtype; others are kept.
+
+    Raises:
+        OutputExistsError: ``path`` exists and ``overwrite`` is false.
+        CheckpointError: A key or value cannot be stored, or writing failed.
+    """
+    target = Path(path)
+    check_output(target, overwrite)
+    if sys.byteorder != "little":
+        raise CheckpointError("writing safetensors needs a little-endian machine; convert on x86-64 or ARM")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError("safetensors metadata must map strings to strings; convert the values with str()")
+    plan = _plan(tensors, dtype)
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name, out, shape in plan:
+        nbytes = out.itemsize * math.prod(shape)
+        header[name] = {"dtype": _ST_DTYPES[out], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    pages = _MappedPages()
+    with (
+        atomic_output(target, overwrite) as tmp,
+        open(tmp, "r+b") as f,  # not "wb": truncating makes ext4 flush on close
+        progress.bar(total=8 + len(encoded) + offset, desc=f"writing {target.name}", unit="B", unit_scale=True) as bar,
+    ):
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        bar.update(8 + len(encoded))
+        for name, out, shape in plan:
+            source = tensors[name].detach()
+            if list(source.shape) != shape:
+                raise CheckpointError(f"tensor {name!r} changed shape while saving; save a stable state dict")
+            pages.fetch(source)
+            t = source.to(device="cpu", dtype=out).contiguous()
+            if t.numel():
+                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                for i in range(0, len(data), _WRITE_CHUNK):
+                    bar.update(f.write(data[i : i + _WRITE_CHUNK]))
+            del t
+            pages.release(source)
+
+
+class _RecordingWriter:
+    """A binary file for ``torch.save`` that keeps the ``OSError`` a write raised.
+
+    ``torch.save`` turns a failed write (``ENOSPC``, ``EIO``) into a ``RuntimeError``
+    that does not say why; the recorded error does.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            self.error = e
+            raise
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it owns exactly its storage, else a compact copy (so torch.save stores no extra bytes)."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def save_pth(
+    path: str | os.PathLike,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+    wrap: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+) -> None:
+    """Write a ``{name: tensor}`` dict with ``torch.save``, plain or wrapped.
+
+    Views are stored compactly (not with their whole parent storage). Unlike
+    :func:`save_safetensors` this holds every cast tensor in memory at once.
+
+    Args:
+        path: Output file.
+        state_dict: Name to tensor.
+        overwrite: Replace ``path`` if it exists.
+        dtype: Cast floating-point tensors to this dtype; others are kept.
+        wrap: Turns the (cast) state dict into the object saved, such as
+            :func:`~timm_layerscale.conversion.keys.official_checkpoint` for the official
+            training code's ``{'model': ...}``; default saves the plain dict.
+
+    Raises:
+        OutputExistsError: ``path`` exists and ``overwrite`` is false.
+        CheckpointError: A value is not a tensor, or writing failed.
+    """
+    check_output(Path(path), overwrite)
+    plain = {}
+    for name, t in state_dict.items():
+        _check_entry(name, t)
+        t = t.detach()
+        plain[name] = _compact(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+    obj = wrap(plain) if wrap is not None else plain
+    with atomic_output(path, overwrite) as tmp, open(tmp, "r+b") as f:
+        sink = _RecordingWriter(f)
+        try:
+            if not progress.enabled():
+                torch.save(obj, sink)
+            else:
+                total = sum(t.numel() * t.element_size() for t in plain.values())
+                with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B", unit_scale=True) as bar:
+                    torch.save(obj, progress.ByteCounter(sink, bar))
+        except RuntimeError:
+            if sink.error is not None:  # disk full and the like: report the OS error, not torch's wrapper
+                raise sink.error from None
+            raise
+
+
+def save_state_dict(
+    path: str | os.PathLike,
+    state_dict: Mapping[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    *,
+    fmt: str | None = None,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+    wrap: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+) -> None:
+    """Write a state dict as safetensors or PyTorch, by ``fmt`` or else the suffix of ``path``.
+
+    Args:
+        path: Output file; ``.safetensors`` or one of ``.pth .pt .bin .ckpt`` when
+            ``fmt`` is None.
+        state_dict: Name to tensor.
+        metadata: Stored in safetensors files only; a PyTorch file holds the tensors alone.
+        fmt: ``'safetensors'`` or ``'pth'``.
+        overwrite: Replace ``path`` if it exists.
+        dtype: Cast floating-point tensors to this dtype.
+        wrap: PyTorch files only: the container the state dict is saved in (see
+            :func:`save_pth`); a safetensors file always holds the flat dict.
+
+    Raises:
+        CheckpointError: Unknown ``fmt`` or suffix, ``wrap`` with safetensors, or
+            any error of the writers.
+    """
+    if fmt is None:
+        suffix = Path(path).suffix.lower()
+        if suffix == ".safetensors":
+            fmt = "safetensors"
+        elif suffix in TORCH_SUFFIXES:
+            fmt = "pth"
+        else:
+            raise CheckpointError(
+                f"cannot tell the output format from {path}; name it .safetensors or .pth, or pass format='pth'"
+            )
+    if fmt == "safetensors":
+        if wrap is not None:
+            raise CheckpointError("a safetensors file holds a flat state dict; write a .pth file for a wrapped checkpoint")
+        save_safetensors(path, state_dict, metadata, overwrite=overwrite, dtype=dtype)
+    elif fmt == "pth":
+        save_pth(path, state_dict, overwrite=overwrite, dtype=dtype, wrap=wrap)
+    else:
+        raise CheckpointError(f"unknown output format {fmt!r}; use 'safetensors' or 'pth'")
