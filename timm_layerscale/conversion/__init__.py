@@ -8,6 +8,7 @@ One concern per module, pure rules in the middle and I/O at the edges:
 - :mod:`.fold`: folding LayerScale into the preceding linear layer;
 - :mod:`.io`: reading checkpoints and resolving sources;
 - :mod:`.save`: atomic, streaming writes;
+- :mod:`.temporaries`: writers' temporary files, and cleaning up after killed ones;
 - :mod:`.pipeline`: convert and verify, end to end.
 
 The names below are imported on first use, so importing this package loads no torch.

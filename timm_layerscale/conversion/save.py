@@ -15,7 +15,6 @@ import errno
 import json
 import math
 import os
-import secrets
 import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +26,7 @@ import torch
 from .. import progress
 from ..errors import CheckpointError, OutputExistsError
 from .io import TORCH_SUFFIXES, _MappedPages
+from .temporaries import create_temporary, remove_stale_temporaries
 
 __all__ = [
     "atomic_output",
@@ -34,6 +34,7 @@ __all__ = [
     "save_pth",
     "save_safetensors",
     "save_state_dict",
+    "temporary_folder",
 ]
 
 _WRITE_CHUNK = 16 << 20  # bytes per write call
@@ -111,18 +112,51 @@ def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
         tmp.unlink()
 
 
+#: Lock descriptors of the temporary folders made by :func:`temporary_folder`, while they keep their names.
+_FOLDER_LOCKS: dict[Path, int] = {}
+
+
+def temporary_folder(target: str | os.PathLike) -> Path:
+    """Create a temporary folder next to ``target``, to be filled and then moved onto it.
+
+    Stale temporaries of ``target`` are removed first
+    (:func:`~timm_layerscale.conversion.temporaries.remove_stale_temporaries`). The
+    folder is locked while this process lives and the folder keeps its name, so that
+    no other writer takes it for stale; the caller moves or deletes it.
+
+    Raises:
+        CheckpointError: The folder cannot be created.
+    """
+    for held, fd in list(_FOLDER_LOCKS.items()):
+        try:
+            current = os.stat(held, follow_symlinks=False)
+        except OSError:
+            current = None
+        if current is None or not os.path.samestat(current, os.fstat(fd)):
+            os.close(_FOLDER_LOCKS.pop(held))
+    target = Path(target)
+    remove_stale_temporaries(target)
+    tmp, fd = create_temporary(target, folder=True)
+    if fd is not None:
+        _FOLDER_LOCKS[tmp] = fd
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; move it onto ``path`` on success.
 
-    The temporary file (``.{name}.tmp-XXXXXXXX`` in the target folder) is created
+    The temporary file (``.{name}.tmp-{pid}-{hex}`` in the target folder) is created
     empty; the caller writes it by name. On any exception, including
     ``KeyboardInterrupt``, it is deleted and ``path`` is left as it was. Without
     ``overwrite`` the last step is a hard link, which fails if ``path`` exists by
     then (another process wrote it first), so an existing file is never replaced;
     with ``overwrite`` it is a rename. Either way ``path`` holds one whole file,
     never a mix. Protects against failure of this process, not against power loss
-    (no ``fsync``).
+    (no ``fsync``). A process killed mid-write cannot delete its temporary; the
+    next write of ``path`` does (:func:`~timm_layerscale.conversion.temporaries.remove_stale_temporaries`), while the
+    temporaries of writers still running are left alone: each holds an exclusive
+    ``flock`` on its own until it ends.
 
     Args:
         path: The final file.
@@ -136,17 +170,8 @@ def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[
     """
     target = Path(path)
     check_output(target, overwrite)
-    while True:
-        tmp = target.parent / f".{target.name}.tmp-{secrets.token_hex(4)}"
-        try:
-            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-            break
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise CheckpointError(
-                f"cannot create a file in {target.parent} ({e.strerror}); choose another output path"
-            ) from None
+    remove_stale_temporaries(target)
+    tmp, lock = create_temporary(target)
     try:
         yield tmp
         check_output(target, overwrite)
@@ -158,6 +183,9 @@ def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[
                 f"writing {target} failed ({e.strerror or e}); nothing was written, free space or choose another path"
             ) from None
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def _check_entry(name: object, t: object) -> None:

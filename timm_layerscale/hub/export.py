@@ -213,6 +213,7 @@ def export_folder(
         LayerScaleError: Any other problem with the source or the folder.
     """
     from ..conversion.pipeline import command_line, convert_checkpoint
+    from ..conversion.save import temporary_folder
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
 
     out = Path(out_dir)
@@ -220,9 +221,8 @@ def export_folder(
         _check_repo_id(push_to_hub)
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
     created = _prepare_target(out, overwrite)
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     try:
-        tmp.mkdir()
+        tmp = temporary_folder(out)
     except BaseException:
         _remove_empty(created)
         raise

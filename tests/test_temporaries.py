@@ -1,0 +1,222 @@
+"""A killed writer's temporary is removed by the next write of the same output, a live one's never."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from timm_layerscale.conversion import temporaries
+from timm_layerscale.conversion.save import atomic_output, save_safetensors, temporary_folder
+from timm_layerscale.conversion.temporaries import remove_stale_temporaries
+
+ROOT = Path(__file__).resolve().parents[1]
+POSIX = pytest.mark.skipif(sys.platform == "win32", reason="sends SIGKILL and takes flock")
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")]))
+    return e
+
+
+def temporaries_of(target: Path) -> list[str]:
+    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.tmp-"))
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended."""
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    return int(p.stdout)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def big_tensors() -> dict[str, torch.Tensor]:
+    return {f"blocks.{i}.w": torch.arange(4 << 20, dtype=torch.float32) + i for i in range(6)}  # 96 MiB
+
+
+# The writer stops for good after its first tensor, with its temporary half written.
+_SLOW_WRITER = """
+import sys, time, torch
+from pathlib import Path
+from timm_layerscale.conversion.save import save_safetensors
+
+out, ready = Path(sys.argv[1]), Path(sys.argv[2])
+tensors = {f"blocks.{i}.w": torch.arange(4 << 20, dtype=torch.float32) + i for i in range(6)}
+
+class Slow(dict):
+    reads = 0
+    def __getitem__(self, key):
+        Slow.reads += 1
+        if Slow.reads == len(self) + 2:  # every tensor was read once for the header, one was written
+            ready.touch()
+            time.sleep(600)
+        return super().__getitem__(key)
+
+save_safetensors(out, Slow(tensors))
+"""
+
+
+@POSIX
+def test_temporary_of_a_killed_writer_is_removed_by_the_next_write(tmp_path):
+    out = tmp_path / "model.safetensors"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, str(out), str(tmp_path / "ready")], env=env())
+    try:
+        wait_for(tmp_path / "ready", proc)
+        (left,) = temporaries_of(out)
+        assert left.startswith(f".model.safetensors.tmp-{proc.pid}-") and (tmp_path / left).stat().st_size > 16 << 20
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert temporaries_of(out) == [left] and not out.exists()  # what a kill leaves
+
+    save_safetensors(out, big_tensors())
+    assert temporaries_of(out) == []
+    save_file(big_tensors(), tmp_path / "expected.safetensors")
+    assert out.read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
+
+
+# Holds a temporary of its own output, as a writer in the middle of its work does, until killed.
+_LIVE_WRITER = """
+import sys, time
+from pathlib import Path
+from timm_layerscale.conversion.save import atomic_output
+
+out, ready = Path(sys.argv[1]), Path(sys.argv[2])
+with atomic_output(out) as tmp:
+    tmp.write_bytes(b"half")
+    ready.write_text(tmp.name)
+    time.sleep(600)
+"""
+
+
+@POSIX
+def test_a_live_writers_temporary_is_left_alone(tmp_path):
+    out = tmp_path / "model.safetensors"
+    proc = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(out), str(tmp_path / "ready")], env=env())
+    try:
+        wait_for(tmp_path / "ready", proc)
+        theirs = (tmp_path / "ready").read_text()
+        save_safetensors(out, {"a": torch.ones(3)}, overwrite=True)  # another writer of the same output
+        assert remove_stale_temporaries(out) == []
+        assert temporaries_of(out) == [theirs] and (tmp_path / theirs).read_bytes() == b"half"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    save_safetensors(out, {"a": torch.ones(3)}, overwrite=True)
+    assert temporaries_of(out) == []
+
+
+# Locks a file of a given name and holds it: a live writer whatever the name says.
+_LOCK_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+open(sys.argv[2], "w").close()
+time.sleep(600)
+"""
+
+
+@POSIX
+def test_the_lock_decides_and_the_pid_guards(tmp_path):
+    out = tmp_path / "x.bin"
+    dead = dead_pid()
+    cases = {
+        f".x.bin.tmp-{dead}-0a1b": True,  # writer gone, nothing holds it
+        f".x.bin.tmp-{os.getpid()}-0a1b": True,  # this process's, and none of its writers holds it
+        f".x.bin.tmp-{os.getppid()}-0a1b": False,  # its process still runs
+        f".x.bin.tmp-{dead}-ffff": False,  # locked below by a live process
+        ".x.bin.tmp-0a1b2c3d": False,  # not a name writers give
+        f".y.bin.tmp-{dead}-0a1b": False,  # another output's
+        f".x.bin.old-{dead}-0a1b": False,
+    }
+    for name in cases:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / f".x.bin.tmp-{dead}-0b").mkdir()  # a folder's temporary, with contents
+    (tmp_path / f".x.bin.tmp-{dead}-0b" / "model.safetensors").write_bytes(b"x")
+    cases[f".x.bin.tmp-{dead}-0b"] = True
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_HOLDER, str(tmp_path / f".x.bin.tmp-{dead}-ffff"), str(tmp_path / "locked")]
+    )
+    try:
+        wait_for(tmp_path / "locked", holder)
+        removed = remove_stale_temporaries(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in removed) == sorted(n for n, stale in cases.items() if stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["locked", *(n for n, stale in cases.items() if not stale)])
+    assert [p.name for p in remove_stale_temporaries(out)] == [f".x.bin.tmp-{dead}-ffff"]  # its holder is gone now
+
+
+def test_without_locks_only_the_pid_decides(tmp_path, monkeypatch):
+    monkeypatch.setattr(temporaries, "fcntl", None)
+    out = tmp_path / "x.bin"
+    dead = dead_pid()
+    for pid in (dead, os.getpid(), os.getppid()):
+        (tmp_path / f".x.bin.tmp-{pid}-0a").write_bytes(b"x")
+    assert [p.name for p in remove_stale_temporaries(out)] == [f".x.bin.tmp-{dead}-0a"]
+    with atomic_output(out) as tmp:
+        assert tmp.name.startswith(f".x.bin.tmp-{os.getpid()}-")
+        tmp.write_bytes(b"done")
+    assert out.read_bytes() == b"done"
+    assert temporaries_of(out) == sorted(f".x.bin.tmp-{pid}-0a" for pid in (os.getpid(), os.getppid()))
+
+
+def test_a_writer_in_this_process_keeps_its_temporary_from_another(tmp_path):
+    out = tmp_path / "x.bin"
+    with atomic_output(out, overwrite=True) as first:
+        first.write_bytes(b"first")
+        with atomic_output(out) as second:  # its clean-up must not take the first one's file
+            second.write_bytes(b"second")
+        assert first.read_bytes() == b"first"
+    assert out.read_bytes() == b"first" and temporaries_of(out) == []
+
+
+# Holds a temporary folder for an export into sys.argv[1] until killed.
+_FOLDER_HOLDER = """
+import sys, time
+from pathlib import Path
+from timm_layerscale.conversion.save import temporary_folder
+
+tmp = temporary_folder(Path(sys.argv[1]))
+(tmp / "model.safetensors").write_bytes(b"half")
+Path(sys.argv[2]).write_text(tmp.name)
+time.sleep(600)
+"""
+
+
+@POSIX
+def test_temporary_folders_of_killed_exports_are_removed(tmp_path):
+    out = tmp_path / "export"
+    ready = tmp_path / "ready"
+    procs = []
+    try:
+        for i in range(2):
+            procs.append(subprocess.Popen([sys.executable, "-c", _FOLDER_HOLDER, str(out), f"{ready}{i}"], env=env()))
+            wait_for(Path(f"{ready}{i}"), procs[-1])
+        killed, live = (Path(f"{ready}{i}").read_text() for i in range(2))
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        assert temporaries_of(out) == sorted([killed, live])
+        mine = temporary_folder(out)
+        assert temporaries_of(out) == sorted([live, mine.name])
+        assert (tmp_path / live / "model.safetensors").read_bytes() == b"half"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    mine.rmdir()
