@@ -24,6 +24,7 @@ import torch
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion import save as ckpt_save
+from timm_layerscale.conversion import stream
 from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.conversion.save import atomic_output
 from timm_layerscale.cli import main
@@ -36,22 +37,26 @@ MODEL = "cait_xxs24_224_ls"
 ERROR = "timm-layerscale: error: "
 
 
-def light_checkpoint(path: Path, seed: int) -> Path:
+def light_checkpoint(path: Path, seed: int, dense: bool = False) -> Path:
     """An official-layout cait_xxs24_224 file whose tensors are broadcast rows (about 300 kB).
 
-    Its conversion is the full 48 MB, which is what fills a small disk.
+    Its conversion is the full 48 MB, which is what fills a small disk. Broadcast rows are
+    no runs of the file, so their conversion reads them through torch; ``dense`` stores
+    every tensor whole (48 MB) instead, which converts in one pass over the file
+    (:mod:`timm_layerscale.conversion.stream`).
     """
     gen = torch.Generator().manual_seed(seed)
     shapes = to_gamma(target_shapes(get_variant(MODEL)), "cait")
-    torch.save({"model": {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}}, path)
+    sd = {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}
+    torch.save({"model": {k: v.contiguous() for k, v in sd.items()} if dense else sd}, path)
     return path
 
 
-@pytest.fixture
-def source(tmp_path) -> Path:
+@pytest.fixture(params=["light", "dense"])
+def source(request, tmp_path) -> Path:
     folder = tmp_path / "src"
     folder.mkdir()
-    return light_checkpoint(folder / "XXS24_224.pth", seed=0)
+    return light_checkpoint(folder / "XXS24_224.pth", seed=0, dense=request.param == "dense")
 
 
 def sha256(path: Path) -> str:
@@ -139,8 +144,21 @@ def test_disk_full_simulated(source, tmp_path, capsys, monkeypatch, suffix):
         return f
 
     monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
+    room = [1 << 20]
+    real_pwrite = os.pwrite
+
+    def filling_pwrite(fd, data, offset):  # the one-pass copy's writes
+        n = len(memoryview(data).cast("B"))
+        if n > room[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        room[0] -= n
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", filling_pwrite)
     code, out, err = cli(capsys, "convert", source, out_dir / f"x{suffix}", "--no-verify")
     assert_one_line_error(code, out, err, "No space left on device")
+    one_pass = suffix == ".safetensors" and source.stat().st_size > 1 << 20
+    assert (room[0] < 1 << 20) == one_pass  # the dense source's safetensors output is written by the pass
     assert names(out_dir) == [] and sha256(source) == before
 
 
@@ -331,7 +349,8 @@ _REWRITE = {
 @pytest.mark.parametrize("how,when", [("in-place", "before-hashing"), ("replaced", "after-writing")])
 def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypatch, how, when):
     (tmp_path / "other").mkdir()
-    other = light_checkpoint(tmp_path / "other" / source.name, seed=5)  # same name: the same size
+    dense = source.stat().st_size > 1 << 20
+    other = light_checkpoint(tmp_path / "other" / source.name, seed=5, dense=dense)  # same name: the same size
     assert other.stat().st_size == source.stat().st_size and sha256(other) != sha256(source)
 
     def rewrite() -> None:
@@ -339,20 +358,34 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
 
     if when == "before-hashing":
         real = ckpt.sha256_file
+        real_copy = stream.SourcePass.copy_to_safetensors
 
         def hook(path):
             rewrite()
             return real(path)
 
+        def copy_hook(self, *args, **kwargs):
+            rewrite()
+            return real_copy(self, *args, **kwargs)
+
         monkeypatch.setattr(ckpt, "sha256_file", hook)
+        monkeypatch.setattr(stream.SourcePass, "copy_to_safetensors", copy_hook)
     else:
         real = ckpt_save.save_state_dict
+
+        real_copy = stream.SourcePass.copy_to_safetensors
 
         def hook(*args, **kwargs):
             real(*args, **kwargs)
             rewrite()
 
+        def copy_hook(*args, **kwargs):
+            digest = real_copy(*args, **kwargs)
+            rewrite()
+            return digest
+
         monkeypatch.setattr(ckpt_save, "save_state_dict", hook)
+        monkeypatch.setattr(stream.SourcePass, "copy_to_safetensors", copy_hook)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, out, err = cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify")

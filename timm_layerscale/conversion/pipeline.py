@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import io as ckpt
-from . import save
+from . import save, stream
 from .._version import __version__
 from ..errors import CheckpointError, LayerScaleError, OutputExistsError, RemapError
 from ..parity.compare import (
@@ -465,7 +465,9 @@ def convert_checkpoint(
             f"{path.name} is already in the gamma layout; nothing to convert "
             "(convert it to the ls layout, the default, to get ls1.gamma / ls2.gamma)"
         )
-    if not allow_nonfinite:
+    # Without verification, hashing, the NaN/Inf check and (for a plain copy) writing share one read of the file.
+    one_pass = None if verify else stream.SourcePass.prepare(path, sd, check=not allow_nonfinite)
+    if not allow_nonfinite and one_pass is None:
         ckpt.check_finite(sd)
     target = _to_target(sd, variant, to)
     shapes = target_shapes(variant, num_classes)
@@ -475,7 +477,8 @@ def convert_checkpoint(
 
         target = fold_state_dict(to_layerscale(target, FAMILIES[variant.family]))
 
-    sha = ckpt.sha256_file(path)
+    copy = one_pass is not None and fmt == "safetensors" and not fuse and one_pass.can_copy(target, torch_dtype)
+    sha = ckpt.sha256_file(path) if one_pass is None else None if copy else one_pass.run()
     metadata = {
         "format": "pt",
         "source_file": path.name,
@@ -513,10 +516,13 @@ def convert_checkpoint(
         metadata.update(report.metadata())
     else:
         metadata["parity"] = "not verified"
-    save.save_state_dict(
-        output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype,
-        wrap=wrap,
-    )
+    if copy:
+        sha = one_pass.copy_to_safetensors(output, target, metadata, digest_key="source_sha256", overwrite=overwrite)
+    else:
+        save.save_state_dict(
+            output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype,
+            wrap=wrap,
+        )
     if verify:
         try:
             written = strip_prefixes(unwrap_state_dict(ckpt.load_checkpoint(output)))

@@ -197,7 +197,9 @@ def _check_entry(name: object, t: object) -> None:
         )
 
 
-def _plan(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> list[tuple[str, torch.dtype, list[int]]]:
+def safetensors_plan(
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None
+) -> list[tuple[str, torch.dtype, list[int]]]:
     """Names, output dtypes and shapes of ``tensors`` in safetensors' write order."""
     plan = []
     for name in tensors:
@@ -215,6 +217,35 @@ def _plan(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> lis
         plan.append((name, out, list(t.shape)))
     plan.sort(key=lambda item: (_ST_RANK[item[1]], item[0]))
     return plan
+
+
+def safetensors_header(
+    plan: list[tuple[str, torch.dtype, list[int]]], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[int]]:
+    """The bytes a safetensors file starts with, and where each planned tensor's data ends.
+
+    Args:
+        plan: Names, dtypes and shapes in write order (from :func:`safetensors_plan`).
+        metadata: String to string, stored as ``__metadata__`` with its keys sorted.
+
+    Returns:
+        ``(head, ends)``: the 8-byte length, the JSON header and its padding; and
+        for each entry of ``plan`` the end of its data, counted from the end of ``head``.
+    """
+    if sys.byteorder != "little":
+        raise CheckpointError("writing safetensors needs a little-endian machine; convert on x86-64 or ARM")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError("safetensors metadata must map strings to strings; convert the values with str()")
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(sorted(metadata.items()))}
+    ends, offset = [], 0
+    for name, out, shape in plan:
+        nbytes = out.itemsize * math.prod(shape)
+        header[name] = {"dtype": _ST_DTYPES[out], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        ends.append(offset)
+    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded, ends
 
 
 def save_safetensors(
@@ -249,28 +280,17 @@ def save_safetensors(
     """
     target = Path(path)
     check_output(target, overwrite)
-    if sys.byteorder != "little":
-        raise CheckpointError("writing safetensors needs a little-endian machine; convert on x86-64 or ARM")
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CheckpointError("safetensors metadata must map strings to strings; convert the values with str()")
-    plan = _plan(tensors, dtype)
-    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(sorted(metadata.items()))}
-    offset = 0
-    for name, out, shape in plan:
-        nbytes = out.itemsize * math.prod(shape)
-        header[name] = {"dtype": _ST_DTYPES[out], "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)
+    plan = safetensors_plan(tensors, dtype)
+    encoded, offsets = safetensors_header(plan, metadata)
+    offset = offsets[-1] if offsets else 0
     pages = _MappedPages()
     with (
         atomic_output(target, overwrite) as tmp,
         open(tmp, "r+b") as f,  # not "wb": truncating makes ext4 flush on close
-        progress.bar(total=8 + len(encoded) + offset, desc=f"writing {target.name}", unit="B", unit_scale=True) as bar,
+        progress.bar(total=len(encoded) + offset, desc=f"writing {target.name}", unit="B", unit_scale=True) as bar,
     ):
-        f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        bar.update(8 + len(encoded))
+        bar.update(len(encoded))
         for name, out, shape in plan:
             source = tensors[name].detach()
             if list(source.shape) != shape:

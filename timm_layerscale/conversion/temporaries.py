@@ -58,7 +58,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _try_lock(fd: int) -> bool | None:
-    """Take an exclusive ``flock`` on ``fd``: ``True`` if taken, ``False`` if held elsewhere, ``None`` if unsupported."""
+    """Try an exclusive ``flock`` on ``fd``: ``True`` taken, ``False`` held elsewhere, ``None`` not supported."""
     if fcntl is None:
         return None
     try:
@@ -139,7 +139,9 @@ def create_temporary(target: Path, folder: bool = False) -> tuple[Path, int | No
             continue
         except OSError as e:
             what = "folder" if folder else "file"
-            raise CheckpointError(f"cannot create a {what} in {target.parent} ({e.strerror}); choose another output path") from None
+            raise CheckpointError(
+                f"cannot create a {what} in {target.parent} ({e.strerror}); choose another output path"
+            ) from None
         if fcntl is None:
             if fd is not None:
                 os.close(fd)

@@ -1,0 +1,409 @@
+"""One pass over a source file: its SHA-256, the NaN/Inf check and, for a plain copy, the output.
+
+A conversion without verification needs three things of the source file: its SHA-256
+(recorded in the output), proof that no tensor holds NaN or Inf, and the tensors
+themselves. Tensors that :func:`~timm_layerscale.conversion.io.load_checkpoint`
+memory-maps from a PyTorch zip file or a safetensors file are runs of the file's
+bytes; :class:`SourcePass` finds each run (:func:`map_source`) and then reads the file
+once, start to end, in large pieces. Each piece is hashed in a second thread
+(``hashlib`` releases the GIL), the floating-point tensors in it are checked, and,
+when the output is a plain copy (safetensors, no cast), their bytes are written with
+``os.pwrite`` at their place in the output, whose header follows from shapes and
+dtypes alone. The output is byte-identical to what
+:func:`~timm_layerscale.conversion.save.save_safetensors` writes for the same tensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import struct
+import sys
+import zipfile
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import progress
+from ..errors import CheckpointError
+from .io import all_finite, nonfinite_error
+from .save import atomic_output, safetensors_header, safetensors_plan
+
+__all__ = ["SourcePass", "map_source"]
+
+_PIECE = 8 << 20  # bytes per read; a multiple of every element size
+_BUFFERS = 4  # pieces in flight between the reader and the hashing thread
+_SUMMABLE = {torch.float32: None, torch.float64: None, torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def _zip_records(path: Path) -> dict[int, int] | None:
+    """File offset to size of each stored tensor record (``<archive>/data/<key>``) of a PyTorch zip file."""
+    records: dict[int, int] = {}
+    try:
+        with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+            for info in z.infolist():
+                parts = info.filename.split("/")
+                if len(parts) == 2 and parts[1] == "byteorder" and z.read(info).strip() != b"little":
+                    return None  # torch.load swaps the bytes of big-endian files in memory
+                if len(parts) != 3 or parts[1] != "data" or not info.file_size:
+                    continue
+                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                    return None
+                f.seek(info.header_offset)
+                local = f.read(30)
+                if len(local) != 30 or not local.startswith(b"PK\x03\x04"):
+                    return None
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                records[info.header_offset + 30 + name_len + extra_len] = info.file_size
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return None
+    return records
+
+
+def _safetensors_records(path: Path) -> dict[int, int] | None:
+    """File offset to size of each tensor of a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if not 2 <= n <= min(os.fstat(f.fileno()).st_size - 8, 1 << 27):
+                return None
+            header = json.loads(f.read(n))
+        return {
+            8 + n + begin: end - begin
+            for name, entry in header.items()
+            if name != "__metadata__"
+            for begin, end in [entry["data_offsets"]]
+            if end > begin
+        }
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+def _storage(t: object) -> tuple[int, int] | None:
+    """``(address, size)`` of the storage under a dense contiguous CPU tensor with data, else None."""
+    if not (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous()):
+        return None
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A tensor's bytes in the source file, and where they go."""
+
+    start: int
+    stop: int
+    dtype: torch.dtype
+    index: int  # into the checked names, or the output offset for a write
+
+
+def _mapped_regions(path: Path) -> list[tuple[int, int, int]]:
+    """``(start, end, file offset)`` of this process's memory mappings of ``path`` (Linux), adjacent ones merged."""
+    st = os.stat(path)
+    regions: list[tuple[int, int, int]] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or int(fields[4]) != st.st_ino:
+                    continue
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                if (major, minor) != (os.major(st.st_dev), os.minor(st.st_dev)) and fields[5].strip() != os.path.realpath(path):
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                regions.append((start, end, int(fields[2], 16)))
+    except (OSError, ValueError):
+        return []
+    regions.sort()
+    merged: list[tuple[int, int, int]] = []
+    for start, end, offset in regions:
+        if merged and merged[-1][1] == start and merged[-1][2] + start - merged[-1][0] == offset:
+            merged[-1] = (merged[-1][0], end, merged[-1][2])
+        else:
+            merged.append((start, end, offset))
+    return merged
+
+
+def _unmodified(address: int, nbytes: int) -> bool:
+    """Whether no page of a private file mapping was written to (each present page still holds file data)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, count = address // page, -(-(address + nbytes) // page) - address // page
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            pagemap.seek(first * 8)
+            flags = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
+    except OSError:
+        return False
+    present, file_page = (flags >> 63) & 1, (flags >> 61) & 1
+    return len(flags) == count and not np.any(present & (file_page ^ 1))
+
+
+class SourceMap:
+    """Where the memory-mapped tensors of one file lie in it (see :func:`map_source`).
+
+    Attributes:
+        path: The file.
+        size: Its size when it was mapped.
+    """
+
+    def __init__(self, path: Path, size: int, offsets: dict[tuple[int, int], int]) -> None:
+        self.path, self.size = path, size
+        self._offsets = offsets  # (address, size) of a storage -> its offset in the file
+
+    def locate(self, t: object) -> tuple[int, int] | None:
+        """``(offset, nbytes)`` of a tensor's bytes in the file; ``None`` if they are not one run of it."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return None
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            return 0, 0
+        storage = _storage(t)
+        begin = None if storage is None else self._offsets.get(storage)
+        if begin is None:
+            return None
+        offset = begin + t.storage_offset() * t.element_size()
+        return (offset, nbytes) if offset % t.element_size() == 0 else None
+
+
+def map_source(path: str | os.PathLike, tensors: Mapping[str, object]) -> SourceMap | None:
+    """Find where each of ``tensors``, memory-mapped from ``path``, lies in the file.
+
+    Each tensor's storage must lie in this process's memory mapping of the file (Linux:
+    ``/proc/self/maps``), exactly on a record of the file (a zip entry of a PyTorch
+    file, a tensor of a safetensors file), with none of its pages written to since.
+
+    Returns:
+        A :class:`SourceMap`, or ``None`` when a tensor is not one contiguous run of
+        the file as it is on disk: a tensor in memory, a strided view, a changed
+        page, a legacy or compressed file, or a system without ``/proc``.
+    """
+    path = Path(path)
+    if not sys.platform.startswith("linux") or sys.byteorder != "little":
+        return None
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    records = _zip_records(path) if magic == b"PK\x03\x04" else _safetensors_records(path)
+    if records is None:
+        return None
+    regions = _mapped_regions(path)
+    offsets: dict[tuple[int, int], int] = {}
+    for t in tensors.values():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return None
+        if t.numel() == 0:
+            continue
+        storage = _storage(t)
+        if storage is None:
+            return None
+        if storage in offsets:
+            continue
+        address, nbytes = storage
+        region = next((r for r in regions if r[0] <= address and address + nbytes <= r[1]), None)
+        if region is None:
+            return None
+        offset = region[2] + address - region[0]
+        if records.get(offset) != nbytes or not _unmodified(address, nbytes):
+            return None
+        offsets[storage] = offset
+    found = SourceMap(path, path.stat().st_size, offsets)
+    return found if all(found.locate(t) is not None for t in tensors.values()) else None
+
+
+def _fill(f, view: memoryview) -> int:
+    n = 0
+    while n < len(view) and (k := f.readinto(view[n:])):
+        n += k
+    return n
+
+
+def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _finite(buffer: bytearray, offset: int, count: int, dtype: torch.dtype) -> bool:
+    t = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+    if dtype in _SUMMABLE:  # a sum is finite only if every term is, unless it overflows: then look closer
+        if bool(torch.isfinite(t.sum(dtype=_SUMMABLE[dtype]))):
+            return True
+    return all_finite(t)
+
+
+class SourcePass:
+    """The source file read once: hashed, checked for NaN/Inf and, for a plain copy, written out.
+
+    Build one with :meth:`prepare`; then either :meth:`run` (hash and check) or
+    :meth:`copy_to_safetensors` (hash, check and write in the same pass).
+    """
+
+    def __init__(self, source: SourceMap, checks: list[_Run], names: list[str]) -> None:
+        self._source, self._checks, self._names = source, checks, names
+
+    @classmethod
+    def prepare(
+        cls, path: str | os.PathLike, state_dict: Mapping[str, object], *, check: bool = True
+    ) -> SourcePass | None:
+        """Plan a pass over ``path`` for ``state_dict`` memory-mapped from it; ``None`` where none applies.
+
+        Args:
+            path: The file the tensors were loaded from.
+            state_dict: Its tensors, by the names an error should give.
+            check: Check the floating-point tensors for NaN and Inf.
+        """
+        if sys.byteorder != "little":
+            return None
+        source = map_source(path, state_dict)
+        if source is None:
+            return None
+        checks, names = [], []
+        for name, t in state_dict.items():
+            if check and (t.is_floating_point() or t.is_complex()) and t.numel():
+                offset, nbytes = source.locate(t)
+                checks.append(_Run(offset, offset + nbytes, t.dtype, len(names)))
+                names.append(name)
+        return cls(source, checks, names)
+
+    def can_copy(self, tensors: Mapping[str, object], dtype: torch.dtype | None = None) -> bool:
+        """Whether :meth:`copy_to_safetensors` can write ``tensors`` (cast to ``dtype``) from the file's bytes."""
+        for t in tensors.values():
+            if self._source.locate(t) is None:
+                return False
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                return False
+        return True
+
+    def run(self) -> str:
+        """Hash the file and check its tensors.
+
+        Returns:
+            The file's SHA-256 as 64 lowercase hex digits.
+
+        Raises:
+            CheckpointError: A tensor holds NaN or Inf (named as
+                :func:`~timm_layerscale.conversion.io.check_finite` names it), or the
+                file changed size.
+        """
+        name = self._source.path.name
+        with progress.bar(total=self._source.size, desc=f"reading {name}", unit="B", unit_scale=True) as bar:
+            return self._pass([], -1, bar)
+
+    def copy_to_safetensors(
+        self,
+        output: str | os.PathLike,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: dict[str, str],
+        *,
+        digest_key: str,
+        overwrite: bool = False,
+    ) -> str:
+        """Write ``tensors`` as a safetensors file in the same pass that hashes and checks the source.
+
+        Args:
+            output: The safetensors file, written atomically
+                (:func:`~timm_layerscale.conversion.save.atomic_output`).
+            tensors: Name to tensor, each located in the source (:meth:`can_copy`).
+            metadata: The header's metadata; ``metadata[digest_key]`` is set to the
+                source's SHA-256 once the pass has computed it.
+            digest_key: The metadata key of the source's SHA-256.
+            overwrite: Replace ``output`` if it exists.
+
+        Returns:
+            The source's SHA-256.
+
+        Raises:
+            CheckpointError: As :meth:`run`, or a tensor cannot be stored, or writing failed.
+        """
+        target = Path(output)
+        plan = safetensors_plan(tensors, None)
+        metadata[digest_key] = "0" * 64
+        head, ends = safetensors_header(plan, metadata)
+        writes = []
+        for (name, _, _), end in zip(plan, ends, strict=True):
+            located = self._source.locate(tensors[name])
+            if located is None:
+                raise CheckpointError(f"tensor {name!r} is not one run of {self._source.path}; save it another way")
+            offset, nbytes = located
+            if nbytes:
+                writes.append(_Run(offset, offset + nbytes, tensors[name].dtype, len(head) + end - nbytes))
+        with (
+            atomic_output(target, overwrite) as tmp,
+            progress.bar(total=self._source.size, desc=f"writing {target.name}", unit="B", unit_scale=True) as bar,
+        ):
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                digest = self._pass(writes, fd, bar)
+                metadata[digest_key] = digest
+                final, _ = safetensors_header(plan, metadata)
+                if len(final) != len(head):
+                    raise CheckpointError(f"the header of {target} changed size; report this bug")
+                _pwrite_all(fd, final, 0)
+            finally:
+                os.close(fd)
+        return digest
+
+    def _pass(self, writes: list[_Run], fd: int, bar: Any) -> str:
+        """Read the source once: hash it, check ``self._checks``, copy ``writes`` into ``fd``; return the hash."""
+        runs = [(r.start, False, r) for r in self._checks] + [(r.start, True, r) for r in writes]
+        runs.sort(key=lambda item: item[0])
+        digest = hashlib.sha256()
+        bad: set[int] = set()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the checks are fast on one core; a second thread would take the hashing's
+        try:
+            with open(self._source.path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
+                read = self._read(f, hasher, digest, runs, fd, bad, bar)
+        finally:
+            torch.set_num_threads(threads)
+        if read != self._source.size:  # every run lies within the size found before
+            raise CheckpointError(
+                f"{self._source.path} changed while it was being read (another process wrote it); "
+                "convert again once it is complete"
+            )
+        if bad:
+            raise nonfinite_error([self._names[j] for j in sorted(bad)])
+        return digest.hexdigest()
+
+    @staticmethod
+    def _read(f: Any, hasher: ThreadPoolExecutor, digest: Any, runs: list, fd: int, bad: set[int], bar: Any) -> int:
+        """The loop of :meth:`_pass`; returns the bytes read."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        buffers = [bytearray(_PIECE) for _ in range(_BUFFERS)]
+        hashing: list[Future | None] = [None] * _BUFFERS
+        active: list[tuple[int, bool, _Run]] = []  # runs that began before the end of the current piece
+        upcoming = pos = 0
+        for i in itertools.count():
+            k = i % _BUFFERS
+            if hashing[k] is not None:
+                hashing[k].result()  # the hashing thread is done with this buffer
+            buffer = buffers[k]
+            n = _fill(f, memoryview(buffer))
+            if not n:
+                break
+            view = memoryview(buffer)[:n]
+            hashing[k] = hasher.submit(digest.update, view)
+            end = pos + n
+            while upcoming < len(runs) and runs[upcoming][0] < end:
+                active.append(runs[upcoming])
+                upcoming += 1
+            for _, write, run in active:
+                a, b = max(run.start, pos), min(run.stop, end)
+                if write:
+                    _pwrite_all(fd, view[a - pos : b - pos], run.index + a - run.start)
+                elif run.index not in bad and not _finite(buffer, a - pos, (b - a) // run.dtype.itemsize, run.dtype):
+                    bad.add(run.index)
+            active = [item for item in active if item[2].stop > end]
+            bar.update(n)
+            pos = end
+        for future in hashing:
+            if future is not None:
+                future.result()
+        return pos
