@@ -95,7 +95,9 @@ def run_script(path: Path, quick: bool) -> tuple[List[str], int]:
     print(f"== {shown}", file=sys.stderr, flush=True)
     load_before = _load()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    # Scripts that keep their own section of RESULTS.md leave the file to this runner.
+    env = {**os.environ, "TIMM_LAYERSCALE_BENCH_RUNNER": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
     wall = time.perf_counter() - t0
     lines = [
         f"## {path.name}",

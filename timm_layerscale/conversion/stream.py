@@ -14,9 +14,11 @@ dtypes alone. The output is byte-identical to what
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
-import itertools
 import json
+import mmap
 import os
 import struct
 import sys
@@ -39,6 +41,7 @@ __all__ = ["SourcePass", "map_source"]
 
 _PIECE = 8 << 20  # bytes per read; a multiple of every element size
 _BUFFERS = 4  # pieces in flight between the reader and the hashing thread
+_POPULATE_READ = 22  # madvise: map the pages now (Linux 5.14+)
 _SUMMABLE = {torch.float32: None, torch.float64: None, torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
@@ -215,11 +218,10 @@ def map_source(path: str | os.PathLike, tensors: Mapping[str, object]) -> Source
     return found if all(found.locate(t) is not None for t in tensors.values()) else None
 
 
-def _fill(f, view: memoryview) -> int:
-    n = 0
-    while n < len(view) and (k := f.readinto(view[n:])):
-        n += k
-    return n
+def _advise(source: Any, advice: int, start: int, end: int) -> None:
+    if isinstance(source, mmap.mmap):
+        with contextlib.suppress(OSError):  # only advice
+            source.madvise(advice, start, end - start)
 
 
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -229,7 +231,7 @@ def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _finite(buffer: bytearray, offset: int, count: int, dtype: torch.dtype) -> bool:
+def _finite(buffer: Any, offset: int, count: int, dtype: torch.dtype) -> bool:
     t = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
     if dtype in _SUMMABLE:  # a sum is finite only if every term is, unless it overflows: then look closer
         if bool(torch.isfinite(t.sum(dtype=_SUMMABLE[dtype]))):
@@ -351,59 +353,62 @@ class SourcePass:
 
     def _pass(self, writes: list[_Run], fd: int, bar: Any) -> str:
         """Read the source once: hash it, check ``self._checks``, copy ``writes`` into ``fd``; return the hash."""
-        runs = [(r.start, False, r) for r in self._checks] + [(r.start, True, r) for r in writes]
-        runs.sort(key=lambda item: item[0])
+        with open(self._source.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != self._source.size:
+                raise CheckpointError(
+                    f"{self._source.path} changed while it was being read (another process wrote it); "
+                    "convert again once it is complete"
+                )
+            # Private and writable, so that torch can view it; nothing is written, so no page is copied.
+            source = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if self._source.size else b""
         digest = hashlib.sha256()
         bad: set[int] = set()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the checks are fast on one core; a second thread would take the hashing's
         try:
-            with open(self._source.path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
-                read = self._read(f, hasher, digest, runs, fd, bad, bar)
+            with ThreadPoolExecutor(1) as hasher:
+                self._read(source, hasher, digest, writes, fd, bad, bar)
         finally:
             torch.set_num_threads(threads)
-        if read != self._source.size:  # every run lies within the size found before
-            raise CheckpointError(
-                f"{self._source.path} changed while it was being read (another process wrote it); "
-                "convert again once it is complete"
-            )
+            if isinstance(source, mmap.mmap):
+                with contextlib.suppress(BufferError):  # else it closes when its last view goes
+                    source.close()
         if bad:
             raise nonfinite_error([self._names[j] for j in sorted(bad)])
         return digest.hexdigest()
 
-    @staticmethod
-    def _read(f: Any, hasher: ThreadPoolExecutor, digest: Any, runs: list, fd: int, bad: set[int], bar: Any) -> int:
-        """The loop of :meth:`_pass`; returns the bytes read."""
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        buffers = [bytearray(_PIECE) for _ in range(_BUFFERS)]
-        hashing: list[Future | None] = [None] * _BUFFERS
+    def _read(
+        self, source: Any, hasher: ThreadPoolExecutor, digest: Any, writes: list[_Run], fd: int, bad: set[int], bar: Any
+    ) -> None:
+        """The loop of :meth:`_pass`, piece by piece through the mapped file."""
+        runs = [(r.start, False, r) for r in self._checks] + [(r.start, True, r) for r in writes]
+        runs.sort(key=lambda item: item[0])
+        view = memoryview(source)
+        hashing: collections.deque[tuple[int, int, Future]] = collections.deque()
         active: list[tuple[int, bool, _Run]] = []  # runs that began before the end of the current piece
-        upcoming = pos = 0
-        for i in itertools.count():
-            k = i % _BUFFERS
-            if hashing[k] is not None:
-                hashing[k].result()  # the hashing thread is done with this buffer
-            buffer = buffers[k]
-            n = _fill(f, memoryview(buffer))
-            if not n:
-                break
-            view = memoryview(buffer)[:n]
-            hashing[k] = hasher.submit(digest.update, view)
-            end = pos + n
-            while upcoming < len(runs) and runs[upcoming][0] < end:
-                active.append(runs[upcoming])
-                upcoming += 1
-            for _, write, run in active:
-                a, b = max(run.start, pos), min(run.stop, end)
-                if write:
-                    _pwrite_all(fd, view[a - pos : b - pos], run.index + a - run.start)
-                elif run.index not in bad and not _finite(buffer, a - pos, (b - a) // run.dtype.itemsize, run.dtype):
-                    bad.add(run.index)
-            active = [item for item in active if item[2].stop > end]
-            bar.update(n)
-            pos = end
-        for future in hashing:
-            if future is not None:
-                future.result()
-        return pos
+        upcoming = 0
+        try:
+            for pos in range(0, len(view), _PIECE):
+                end = min(pos + _PIECE, len(view))
+                _advise(source, _POPULATE_READ, pos, end)  # map the piece's pages in one call
+                hashing.append((pos, end, hasher.submit(digest.update, view[pos:end])))
+                while upcoming < len(runs) and runs[upcoming][0] < end:
+                    active.append(runs[upcoming])
+                    upcoming += 1
+                for _, write, run in active:
+                    a, b = max(run.start, pos), min(run.stop, end)
+                    if write:
+                        _pwrite_all(fd, view[a:b], run.index + a - run.start)
+                    elif run.index not in bad and not _finite(source, a, (b - a) // run.dtype.itemsize, run.dtype):
+                        bad.add(run.index)
+                active = [item for item in active if item[2].stop > end]
+                bar.update(end - pos)
+                while len(hashing) > _BUFFERS or (hashing and end == len(view)):
+                    done_pos, done_end, future = hashing.popleft()
+                    future.result()
+                    _advise(source, mmap.MADV_DONTNEED, done_pos, done_end)  # out of the resident set
+        finally:
+            for _, _, future in hashing:
+                future.cancel()
+            hashing.clear()
+            view.release()
