@@ -9,6 +9,7 @@ One concern per module, pure rules in the middle and I/O at the edges:
 - :mod:`.io`: reading checkpoints and resolving sources;
 - :mod:`.save`: atomic, streaming writes;
 - :mod:`.temporaries`: writers' temporary files, and cleaning up after killed ones;
+- :mod:`.stream`: one pass over the source for hash, NaN/Inf check and a plain copy;
 - :mod:`.pipeline`: convert and verify, end to end.
 
 The names below are imported on first use, so importing this package loads no torch.
