@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from timm_layerscale.cli import add_verify_args, verify_options
+from timm_layerscale.conversion.families import CAIT_RELEASE_URL, variants_of
 from timm_layerscale.errors import LayerScaleError
 
 __all__ = ["Release", "RELEASES", "TAG", "select", "run_release", "write_summary", "main"]
 
 TAG = "fb_dist_in1k"
-BASE_URL = "https://dl.fbaipublicfiles.com/deit/"
+BASE_URL = CAIT_RELEASE_URL
 
 
 @dataclass(frozen=True)
@@ -71,22 +72,16 @@ class Release:
         return f"{self.model}.{TAG}"
 
 
-#: The ten official CaiT checkpoints. The official release publishes no checksums
-#: (neither in the URLs nor in the repository), so no sha256 is pinned yet: each run
-#: records the sha256 of the file it converted in its summary and model cards. Pin
-#: a value here once a release has been checked, and later runs will refuse any
-#: other file.
-RELEASES: tuple[Release, ...] = (
-    Release("cait_xxs24_224_ls", "cait_xxs24_224", "XXS24_224.pth"),
-    Release("cait_xxs24_384_ls", "cait_xxs24_384", "XXS24_384.pth"),
-    Release("cait_xxs36_224_ls", "cait_xxs36_224", "XXS36_224.pth"),
-    Release("cait_xxs36_384_ls", "cait_xxs36_384", "XXS36_384.pth"),
-    Release("cait_xs24_384_ls", "cait_xs24_384", "XS24_384.pth"),
-    Release("cait_s24_224_ls", "cait_s24_224", "S24_224.pth"),
-    Release("cait_s24_384_ls", "cait_s24_384", "S24_384.pth"),
-    Release("cait_s36_384_ls", "cait_s36_384", "S36_384.pth"),
-    Release("cait_m36_384_ls", "cait_m36_384", "M36_384.pth"),
-    Release("cait_m48_448_ls", "cait_m48_448", "M48_448.pth"),
+#: Pinned SHA-256 of official files, by file name. The official release publishes no
+#: checksums (neither in the URLs nor in the repository), so none is pinned yet: each run
+#: records the sha256 of the file it converted in its summary and model cards. Pin a
+#: value here once a release has been checked, and later runs will refuse any other file.
+PINNED_SHA256: dict[str, str] = {}
+
+#: The ten official CaiT checkpoints: the ``cait`` rows of the package's variant table.
+RELEASES: tuple[Release, ...] = tuple(
+    Release(v.name, str(v.reference), str(v.official_file), PINNED_SHA256.get(str(v.official_file)))
+    for v in variants_of("cait").values()
 )
 
 

@@ -32,7 +32,7 @@ def official(tmp_path_factory) -> Path:
     timm's ``cait_xxs24_224`` with seeded random weights (every parameter, gammas of
     std 0.1), saved as the official training code does: ``{'model': {'module.' + k: v}}``.
     """
-    from timm_layerscale.conversion.pipeline import write_official_checkpoint
+    from timm_layerscale.demo import write_official_checkpoint
 
     path = tmp_path_factory.mktemp("official") / "XXS24_224.pth"
     write_official_checkpoint(path, "cait_xxs24_224", seed=0)

@@ -31,7 +31,8 @@ from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_check
 from timm_layerscale.parity.compare import VerifyOptions
 from timm_layerscale.errors import CheckpointError
 from timm_layerscale.conversion.keys import to_gamma
-from timm_layerscale.conversion.detect import get_variant, target_shapes
+from timm_layerscale.conversion.detect import get_variant
+from timm_layerscale.conversion.families import state_dict_shapes
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -54,7 +55,7 @@ def light_sd() -> dict[str, torch.Tensor]:
     a few hundred kB instead of 48 MB.
     """
     gen = torch.Generator().manual_seed(0)
-    shapes = to_gamma(target_shapes(get_variant(MODEL)), "cait")
+    shapes = to_gamma(state_dict_shapes(get_variant(MODEL)), "cait")
     return {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}
 
 
@@ -265,7 +266,7 @@ def test_list(capsys, monkeypatch):
     header, *lines = stdout.splitlines()
     assert header.split()[:2] == ["model", "reference"] and "params" in header and "pretrained" in header
     by_name = {line.split()[0]: line.split() for line in lines}
-    for name, ref in cait_ls.REFERENCE.items():
+    for name, ref in ((n, v.reference) for n, v in cait_ls.VARIANTS.items()):
         assert by_name[name][1] == ref
     assert by_name[MODEL][2:5] == ["12.0", "224", "1e-05"]
 

@@ -23,8 +23,8 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale import cli, progress
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.cli import main
-from timm_layerscale.conversion.pipeline import ParityError, convert_checkpoint
-from timm_layerscale.errors import ArchitectureError, RemapError
+from timm_layerscale.conversion.pipeline import convert_checkpoint
+from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
 from timm_layerscale.parity.compare import ParityReport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,13 +76,14 @@ def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
 
 
 def test_demo_parity_failure_prints_the_report_and_exits_1(tmp_path, capsys, monkeypatch):
+    from timm_layerscale import demo
     from timm_layerscale.hub import export
 
     def export_folder(*args, **kwargs):
         raise ParityError("converted model does not match cait_xxs24_224 (max abs diff 0.5)", failing_report())
 
     monkeypatch.setattr(export, "export_folder", export_folder)
-    monkeypatch.setattr(conversion, "write_official_checkpoint", lambda path, *a, **k: Path(path).touch())
+    monkeypatch.setattr(demo, "write_official_checkpoint", lambda path, *a, **k: Path(path).touch())
     code, out, err = run(capsys, "demo", "--out", tmp_path / "demo")
     one_line_error(code, err, 1, "parity check failed")
     assert any(line.split() == ["result", "FAIL"] for line in out.splitlines()), out

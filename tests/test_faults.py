@@ -27,7 +27,8 @@ from timm_layerscale.conversion.io import atomic_output, load_checkpoint
 from timm_layerscale.cli import main
 from timm_layerscale.errors import CheckpointError, OutputExistsError
 from timm_layerscale.conversion.keys import to_gamma
-from timm_layerscale.conversion.detect import get_variant, target_shapes
+from timm_layerscale.conversion.detect import get_variant
+from timm_layerscale.conversion.families import state_dict_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
@@ -40,7 +41,7 @@ def light_checkpoint(path: Path, seed: int) -> Path:
     Its conversion is the full 48 MB, which is what fills a small disk.
     """
     gen = torch.Generator().manual_seed(seed)
-    shapes = to_gamma(target_shapes(get_variant(MODEL)), "cait")
+    shapes = to_gamma(state_dict_shapes(get_variant(MODEL)), "cait")
     torch.save({"model": {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}}, path)
     return path
 

@@ -461,7 +461,7 @@ def test_resolve_source_rejects_a_bad_hub_spec() -> None:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory):
     """One full export of a seeded official-layout cait_xxs24_224, pushed to a FakeHub."""
-    from timm_layerscale.conversion.pipeline import write_official_checkpoint
+    from timm_layerscale.demo import write_official_checkpoint
 
     root = tmp_path_factory.mktemp("export")
     source = root / "XXS24_224.pth"

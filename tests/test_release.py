@@ -26,14 +26,14 @@ def test_table_holds_the_ten_official_checkpoints() -> None:
     from timm_layerscale.models import cait_ls
 
     assert len(RELEASES) == 10
-    assert [r.model for r in RELEASES] == list(cait_ls.MODEL_ARGS)
+    assert [r.model for r in RELEASES] == list(cait_ls.VARIANTS)
     for r in RELEASES:
         assert timm.is_model(r.model) and timm.is_model(r.reference)
         assert r.url == f"https://dl.fbaipublicfiles.com/deit/{r.file}"
         assert timm.models.get_pretrained_cfg(f"{r.reference}.fb_dist_in1k").hf_hub_id == r.timm_hub_id
         assert timm.models.get_pretrained_cfg(f"{r.model}.fb_dist_in1k").url == r.url
         assert r.name == f"{r.model}.fb_dist_in1k"
-        assert r.sha256 is None  # not published upstream; see the comment on RELEASES
+        assert r.sha256 is None  # not published upstream; see the comment on PINNED_SHA256
 
 
 def test_select_by_any_name_in_table_order() -> None:
@@ -73,7 +73,7 @@ def test_markdown_summary_format() -> None:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory):
-    from timm_layerscale.conversion.pipeline import write_official_checkpoint
+    from timm_layerscale.demo import write_official_checkpoint
 
     root = tmp_path_factory.mktemp("release")
     sources = root / "sources"

@@ -15,10 +15,10 @@ def registered_models() -> list[str]:
 
     from . import models  # noqa: F401  (registers the models)
 
-    from .conversion.detect import all_variants
+    from .conversion.families import VARIANTS
 
     ours = {name for module in MODEL_MODULES for name in timm.list_models(module=module)}
-    return [v.name for v in all_variants() if v.name in ours]
+    return [v.name for v in VARIANTS if v.name in ours]
 
 
 def model_catalog(flops: bool = False) -> list[dict[str, Any]]:

@@ -225,7 +225,8 @@ def _print_json(obj: Any) -> None:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from .conversion.pipeline import ParityError, convert_checkpoint
+    from .conversion.pipeline import convert_checkpoint
+    from .errors import ParityError
 
     try:
         res = convert_checkpoint(
@@ -288,7 +289,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
-    from .conversion.pipeline import ParityError
+    from .errors import ParityError
     from .hub.export import export_folder
 
     try:
