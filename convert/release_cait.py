@@ -177,7 +177,7 @@ def _check_sha256(rel: Release, path: Path) -> str:
 
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
-    from timm_layerscale.conversion.pipeline import command_line
+    from timm_layerscale.cli import command_line
 
     return command_line(
         ("python", "-m", "convert"), options, only=rel.reference, out=out, sources=sources, org=org,

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import sys
 from typing import Any, Callable, Sequence
 
@@ -112,6 +113,36 @@ def verify_options(a: argparse.Namespace) -> Any:
         atol=a.atol, rtol=a.rtol, exact=a.exact, num_inputs=a.num_inputs, seed=a.seed, images=tuple(a.images),
         device=a.device, batch_size=a.batch_size,
     )
+
+
+def command_line(words: Sequence[Any], options: Any = None, **opts: Any) -> str:
+    """A command line: ``words`` as given, then ``opts`` and the non-default ``options`` as flags.
+
+    A flag's value ``True`` gives a bare flag; ``None``, ``False`` and empty values leave it out.
+    """
+    parts = [str(w) for w in words]
+    if options is not None:
+        opts.update(verify_flags(options))
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value not in (None, False, (), []):
+            parts += [flag] + ([str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)])
+    return shlex.join(parts)
+
+
+def verify_flags(options: Any) -> dict[str, Any]:
+    """The non-default :class:`~timm_layerscale.parity.compare.VerifyOptions` as ``{flag_name: value}``."""
+    from .parity.compare import VerifyOptions
+
+    default = VerifyOptions()
+    flags: dict[str, Any] = {}
+    for name in ("exact", "atol", "rtol", "num_inputs", "seed", "images", "device", "batch_size"):
+        value = getattr(options, name)
+        if value != getattr(default, name):
+            flags[name] = list(value) if name == "images" else value
+    return flags
 
 
 def build_parser() -> argparse.ArgumentParser:

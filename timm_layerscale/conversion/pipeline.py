@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import functools
 import os
-import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -34,8 +33,6 @@ __all__ = [
     "convert_checkpoint",
     "verify_checkpoint",
     "load_source",
-    "command_line",
-    "verify_flags",
 ]
 
 
@@ -153,34 +150,6 @@ def verify_checkpoint(
         converted = ckpt.load_checkpoint(ckpt.resolve_source(converted))
     conv_sd = state_dict_of(converted)
     return verify_state_dicts(src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options)
-
-
-def command_line(words: Sequence[Any], options: VerifyOptions | None = None, **opts: Any) -> str:
-    """A command line: ``words`` as given, then ``opts`` and the non-default ``options`` as flags.
-
-    A flag's value ``True`` gives a bare flag; ``None``, ``False`` and empty values leave it out.
-    """
-    parts = [str(w) for w in words]
-    if options is not None:
-        opts.update(verify_flags(options))
-    for key, value in opts.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            parts.append(flag)
-        elif value not in (None, False, (), []):
-            parts += [flag] + ([str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)])
-    return shlex.join(parts)
-
-
-def verify_flags(options: VerifyOptions) -> dict[str, Any]:
-    """The non-default verification options as ``{flag_name: value}`` for a command line."""
-    default = VerifyOptions()
-    flags: dict[str, Any] = {}
-    for name in ("exact", "atol", "rtol", "num_inputs", "seed", "images", "device", "batch_size"):
-        value = getattr(options, name)
-        if value != getattr(default, name):
-            flags[name] = list(value) if name == "images" else value
-    return flags
 
 
 def convert_checkpoint(
@@ -332,6 +301,8 @@ def convert_checkpoint(
     except CheckpointError:
         output.unlink(missing_ok=True)
         raise
+    from ..cli import command_line
+
     command = command_line(
         ("timm-layerscale", "convert", source, output), options if verify else None, model=model, to=None if to == "ls" else to,
         format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
