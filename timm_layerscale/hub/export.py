@@ -212,7 +212,8 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
-    from ..conversion.pipeline import command_line, convert_checkpoint
+    from ..cli import command_line
+    from ..conversion.pipeline import convert_checkpoint
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
 
     out = Path(out_dir)
