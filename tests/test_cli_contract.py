@@ -225,7 +225,9 @@ def test_progress_bars_show_on_a_terminal_and_not_with_quiet(official, tmp_path,
     monkeypatch.setattr(progress, "enabled", lambda: not progress._disabled)
     monkeypatch.setattr(progress, "DELAY", 0)
     monkeypatch.setattr(progress, "_disabled", False)
-    monkeypatch.setattr(conversion, "seeded_inputs", lambda n, img, seed: torch.randn(2, 3, 224, 224))
+    from timm_layerscale.parity import verify
+
+    monkeypatch.setattr(verify, "seeded_inputs", lambda n, img, seed: torch.randn(2, 3, 224, 224))
     code, _, err = run(capsys, "convert", official, tmp_path / "a.safetensors")
     assert code == 0, err
     assert "writing a.safetensors" in err and "verifying" in err and "batch" in err

@@ -143,10 +143,10 @@ def offline_env(workdir, monkeypatch) -> dict[str, str]:
     monkeypatch.chdir(workdir)
     # Commands verify on one seeded image instead of eight: the same code path, an eighth of
     # the time (parity itself is tested in depth elsewhere).
-    from timm_layerscale.conversion import pipeline as conversion
+    from timm_layerscale.parity import verify
 
-    seeded = conversion.seeded_inputs
-    monkeypatch.setattr(conversion, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))
+    seeded = verify.seeded_inputs
+    monkeypatch.setattr(verify, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))
     return env
 
 
