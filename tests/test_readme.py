@@ -103,10 +103,10 @@ def workdir(tmp_path_factory) -> Path:
     from PIL import Image
 
     import timm_layerscale  # noqa: F401
+    from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
     from timm_layerscale.conversion.pipeline import write_official_checkpoint
     from timm_layerscale.parity.compare import seed_parameters_
     from timm_layerscale.parity.references import vit5_official
-    from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
 
     work = tmp_path_factory.mktemp("readme")
     write_official_checkpoint(work / "XXS24_224.pth", "cait_xxs24_224", seed=0)
