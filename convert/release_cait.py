@@ -26,9 +26,10 @@ import resource
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from timm_layerscale.cli import add_verify_args, verify_options
 from timm_layerscale.conversion.families import CAIT_RELEASE_URL, variants_of
@@ -123,7 +124,7 @@ class PeakMemory:
         self.mib: float | None = None
         self.scope = "variant"
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -298,7 +299,7 @@ def format_table() -> str:
     rows = [("model", "official file", "timm Hub id", "sha256")]
     rows += [(r.model, r.url, r.timm_hub_id, r.sha256 or "not published") for r in RELEASES]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,10 +21,15 @@ import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale import cli, progress
-from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.cli import main
+<<<<<<< HEAD
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
+=======
+from timm_layerscale.conversion import pipeline as conversion
+from timm_layerscale.conversion.pipeline import ParityError, convert_checkpoint
+from timm_layerscale.errors import ArchitectureError, RemapError
+>>>>>>> lint
 from timm_layerscale.parity.compare import ParityReport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,8 +169,8 @@ def test_a_library_key_error_gives_no_command_line_advice():
 def test_a_vit_tiny_like_deit3_file_is_told_the_nearest_width(tmp_path):
     import timm
 
-    from timm_layerscale.conversion.keys import to_gamma
     from timm_layerscale.conversion.detect import detect_variant
+    from timm_layerscale.conversion.keys import to_gamma
 
     with torch.device("meta"):
         tiny = timm.create_model("vit_tiny_patch16_224", no_embed_class=True, init_values=1e-5)
@@ -345,9 +350,8 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
     ],
 )
 def test_model_card_names_its_reference_and_cites_its_family(name, reference, cites, not_cited, tmp_path):
-    from timm_layerscale.hub.card import build_model_card
     from timm_layerscale.conversion.detect import get_variant
-
+    from timm_layerscale.hub.card import build_model_card
     from timm_layerscale.parity.compare import ParityReport
 
     report = ParityReport(

@@ -13,8 +13,8 @@ import sys
 
 from ._lazy import lazy_attributes
 from ._version import __version__
-from .errors import LayerScaleError
 from .conversion.keys import to_gamma, to_layerscale
+from .errors import LayerScaleError
 
 __all__ = [
     "__version__",

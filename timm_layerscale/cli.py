@@ -23,7 +23,8 @@ import math
 import re
 import shlex
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from ._version import __version__
 
@@ -54,7 +55,7 @@ examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, the prefix of every error
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, the prefix of every error
         self.exit(EXIT_USER_ERROR, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
 
 
@@ -397,7 +398,7 @@ def cli_message(message: str) -> str:
     becomes ``pass --model cait_s24_224_ls``; ``pass atol=1e-5`` becomes ``pass --atol 1e-5``.
     """
 
-    def option(m: re.Match) -> str:
+    def option(m: re.Match[str]) -> str:
         name = _OPTION_NAMES.get(m.group(1), m.group(1)).replace("_", "-")
         value = m.group(2)
         if value == "True":

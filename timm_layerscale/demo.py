@@ -29,7 +29,7 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
+def run_demo(out: str | os.PathLike[str] = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
     """Run the demo into folder ``out``; return whether every parity check held.
 
     ``options`` (:class:`~timm_layerscale.parity.compare.VerifyOptions`) set the verification of step 2.
