@@ -496,6 +496,18 @@ def test_hub_names_come_from_their_modules_without_importing_torch() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
+def test_card_template_ships_with_the_package() -> None:
+    from importlib import resources
+
+    from timm_layerscale.hub.card import TEMPLATE_NAME
+
+    tomllib = pytest.importorskip("tomllib")
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert TEMPLATE_NAME in package_data["timm_layerscale.hub"]
+    text = resources.files("timm_layerscale.hub").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    assert "<!-- section: card -->" in text and "$repo_id" in text
+
+
 # ---- resolve_source ------------------------------------------------------------------
 
 
