@@ -653,6 +653,22 @@ def test_export_rejects_a_bad_push_target_before_converting(tmp_path: Path) -> N
     assert not (tmp_path / "out").exists()
 
 
+def test_export_into_a_folder_it_cannot_write_fails_before_converting(tmp_path: Path, monkeypatch) -> None:
+    from timm_layerscale.errors import CheckpointError
+
+    source = tmp_path / "never-read.pth"
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file; export needs a folder path"):
+        export_folder(source, tmp_path / "a-file")
+    with pytest.raises(CheckpointError, match="cannot create"):
+        export_folder(source, tmp_path / "a-file" / "under" / "out")
+    readonly = tmp_path / "new" / "deeper"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != readonly and real_access(path, mode))
+    with pytest.raises(CheckpointError, match=f"output folder {readonly} is not writable"):
+        export_folder(source, readonly / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
 
 def test_failed_export_leaves_nothing_behind(tmp_path: Path) -> None:
     bad = tmp_path / "bad.pth"
