@@ -1,10 +1,11 @@
 """The Hugging Face Hub and URL boundary: downloads, uploads, export folders and model cards.
 
-- :mod:`.download`: ``https://`` and ``hf-hub:`` sources, cached; the offline checks;
-- :mod:`.upload`: :func:`push_folder` and its plan;
-- :mod:`.errors`: Hub exceptions mapped to one-line messages;
-- :mod:`.card`: ``config.json`` and the model card, rendered from a template;
-- :mod:`.export`: :func:`export_folder`, the folder ``timm.create_model("hf-hub:...")`` loads.
+- :mod:`~timm_layerscale.hub.download`: ``https://`` and ``hf-hub:`` sources, cached; the offline checks;
+- :mod:`~timm_layerscale.hub.upload`: :func:`~timm_layerscale.hub.upload.push_folder` and its plan;
+- :mod:`~timm_layerscale.hub.errors`: Hub exceptions mapped to one-line messages;
+- :mod:`~timm_layerscale.hub.card`: ``config.json`` and the model card, rendered from a template;
+- :mod:`~timm_layerscale.hub.export`: :func:`~timm_layerscale.hub.export.export_folder`, the folder
+  ``timm.create_model("hf-hub:...")`` loads.
 
 Importing this package imports none of them (nor torch or huggingface_hub); each
 name below is imported from its module on first use.
