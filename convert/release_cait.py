@@ -328,7 +328,8 @@ def _preflight(releases: Sequence[Release], sources: Path | None, org: str | Non
             and the network is off (``HF_HUB_OFFLINE``, or names do not resolve),
             or ``org`` is given and no Hub token is set.
     """
-    from timm_layerscale.hub.download import cached_url_path, check_online, hub_endpoint, require_token
+    from timm_layerscale.hub.download import cached_url_path, check_online, hub_endpoint
+    from timm_layerscale.hub.upload import require_token
 
     missing = [r for r in releases if sources is None and not cached_url_path(r.url).is_file()]
     if missing:

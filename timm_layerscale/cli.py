@@ -341,7 +341,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 
 def _cmd_push(a: argparse.Namespace) -> int:
-    from .hub.download import push_folder
+    from .hub.upload import push_folder
 
     res = push_folder(
         a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
