@@ -119,7 +119,7 @@ def official_layout(model: Any, family: str = "cait") -> dict[str, Any]:
 
 
 def write_official_checkpoint(
-    path: str | os.PathLike, model_name: str = "cait_xxs24_224", seed: int = 0, overwrite: bool = False
+    path: str | os.PathLike[str], model_name: str = "cait_xxs24_224", seed: int = 0, overwrite: bool = False
 ) -> Any:
     """Build timm's reference model with seeded weights and save it in the official layout.
 

@@ -73,7 +73,7 @@ class ConversionResult:
 
 
 def load_source(
-    source: str | os.PathLike, *, model: str | None = None, ema: bool = False
+    source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False
 ) -> tuple[Path, Mapping[str, torch.Tensor], Variant, dict[str, Any]]:
     """Read a checkpoint and find what it is.
 
@@ -91,7 +91,7 @@ def load_source(
     return path, sd, found.variant, found.info
 
 
-def _load(source: str | os.PathLike, *, model: str | None, ema: bool) -> tuple[Path, dict[str, torch.Tensor], Detection]:
+def _load(source: str | os.PathLike[str], *, model: str | None, ema: bool) -> tuple[Path, dict[str, torch.Tensor], Detection]:
     path = ckpt.resolve_source(source)
     try:
         sd = state_dict_of(ckpt.load_checkpoint(path), ema=ema)
@@ -117,8 +117,8 @@ def _to_target(sd: Mapping[str, torch.Tensor], found: Detection, to: str) -> dic
 
 
 def verify_checkpoint(
-    source: str | os.PathLike | Mapping[str, torch.Tensor],
-    converted: str | os.PathLike | Mapping[str, torch.Tensor],
+    source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+    converted: str | os.PathLike[str] | Mapping[str, torch.Tensor],
     *,
     model: str | None = None,
     ema: bool = False,
@@ -146,15 +146,14 @@ def verify_checkpoint(
         found = detect(src_sd, model)
     else:
         _, src_sd, found = _load(source, model=model, ema=ema)
-    if not isinstance(converted, Mapping):
-        converted = ckpt.load_checkpoint(ckpt.resolve_source(converted))
-    conv_sd = state_dict_of(converted)
+    conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(ckpt.resolve_source(converted))
+    conv_sd = state_dict_of(conv)
     return verify_state_dicts(src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options)
 
 
 def convert_checkpoint(
-    source: str | os.PathLike,
-    output: str | os.PathLike,
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
     *,
     model: str | None = None,
     to: str = "ls",

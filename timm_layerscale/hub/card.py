@@ -95,7 +95,7 @@ _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-
 
 
 def write_config(
-    model_name: str, path: str | os.PathLike, *, num_classes: int | None = None, extra: Mapping[str, Any] | None = None
+    model_name: str, path: str | os.PathLike[str], *, num_classes: int | None = None, extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Write timm's ``config.json`` for a registered model, with timm's own helper.
 

@@ -12,6 +12,7 @@ Importing this module imports huggingface_hub, not torch.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -61,7 +62,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     try:
         from huggingface_hub.utils import httpx  # the client huggingface_hub uses (httpx2 from 2.0, httpx in 1.x)
     except ImportError:  # 1.x before 1.30 does not export it
-        import httpx
+        httpx = importlib.import_module("httpx")
     return (httpx.TransportError, ConnectionError, TimeoutError)
 
 

@@ -175,8 +175,8 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
 
 
 def export_folder(
-    source: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    source: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     model: str | None = None,
     overwrite: bool = False,

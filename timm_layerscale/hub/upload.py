@@ -183,7 +183,7 @@ def _default_commit_message(folder: Path) -> str:
 
 
 def push_folder(
-    folder: str | os.PathLike,
+    folder: str | os.PathLike[str],
     repo_id: str,
     *,
     private: bool = False,
@@ -254,7 +254,7 @@ def push_folder(
     return plan
 
 
-def plan_push(folder: str | os.PathLike, repo_id: str, **options: Any) -> PushResult:
+def plan_push(folder: str | os.PathLike[str], repo_id: str, **options: Any) -> PushResult:
     """Check a folder and options and describe the upload, without any request.
 
     The same as ``push_folder(folder, repo_id, dry_run=True, **options)``; the
