@@ -26,21 +26,12 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale.cli import main
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
-<<<<<<< HEAD
-from timm_layerscale.cli import main
-from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
-from timm_layerscale.parity.compare import VerifyOptions
-from timm_layerscale.errors import CheckpointError
-from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.conversion.detect import get_variant
 from timm_layerscale.conversion.families import state_dict_shapes
-=======
-from timm_layerscale.conversion.detect import get_variant, target_shapes
 from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import CheckpointError
-from timm_layerscale.parity.compare import VerifyOptions
->>>>>>> lint
+from timm_layerscale.parity.tolerance import VerifyOptions
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"

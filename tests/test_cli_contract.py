@@ -22,14 +22,8 @@ import torch
 import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale import cli, progress
 from timm_layerscale.cli import main
-<<<<<<< HEAD
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
-=======
-from timm_layerscale.conversion import pipeline as conversion
-from timm_layerscale.conversion.pipeline import ParityError, convert_checkpoint
-from timm_layerscale.errors import ArchitectureError, RemapError
->>>>>>> lint
 from timm_layerscale.parity.compare import ParityReport
 
 ROOT = Path(__file__).resolve().parents[1]

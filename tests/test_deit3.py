@@ -15,12 +15,7 @@ import timm_layerscale  # noqa: F401
 from timm_layerscale.conversion import keys as remap
 from timm_layerscale.conversion.detect import detect_variant, get_variant
 from timm_layerscale.errors import RemapError
-<<<<<<< HEAD
 from timm_layerscale.parity.references import build_reference, reference_name, reference_state_dict
-from timm_layerscale.conversion.detect import detect_variant, get_variant
-=======
-from timm_layerscale.parity.references import build_reference, load_reference, reference_state_dict
->>>>>>> lint
 
 NAME = "deit3_small_patch16_224"
 

@@ -24,19 +24,11 @@ import torch
 from timm_layerscale.cli import main
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
-<<<<<<< HEAD
-from timm_layerscale.conversion.io import atomic_output, load_checkpoint
-from timm_layerscale.cli import main
-from timm_layerscale.errors import CheckpointError, OutputExistsError
-from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.conversion.detect import get_variant
 from timm_layerscale.conversion.families import state_dict_shapes
-=======
-from timm_layerscale.conversion.detect import get_variant, target_shapes
 from timm_layerscale.conversion.io import atomic_output, load_checkpoint
 from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.errors import CheckpointError, OutputExistsError
->>>>>>> lint
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from timm_layerscale import to_layerscale
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.inspection import MissingPlotDependency, format_gate_table, gate_profile, plot_gates
-from timm_layerscale.parity.compare import seed_parameters_
+from timm_layerscale.parity.inputs import seed_parameters_
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
+import huggingface_hub.constants
 import pytest
 import torch
 from safetensors.torch import save_file
 
-import huggingface_hub.constants
+from timm_layerscale.conversion.io import resolve_source
 from timm_layerscale.errors import HubError, OutputExistsError
 from timm_layerscale.hub.export import export_folder
-from timm_layerscale.conversion.io import resolve_source
 from timm_layerscale.hub.upload import plan_push, push_folder
 
 TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
@@ -442,7 +442,11 @@ def _http_error(cls: type, status: int) -> Exception:
 
 def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
     from huggingface_hub.errors import (
-        BadRequestError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+        BadRequestError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
     )
     from huggingface_hub.utils import httpx
 
@@ -683,8 +687,8 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
 
     from huggingface_hub import ModelCard
 
-    from timm_layerscale.hub.card import build_model_card
     from timm_layerscale.conversion.detect import get_variant
+    from timm_layerscale.hub.card import build_model_card
 
     conversion = SimpleNamespace(
         variant=get_variant("cait_s24_224_ls"), source="https://dl.fbaipublicfiles.com/deit/S24_224.pth",

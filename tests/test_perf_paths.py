@@ -305,7 +305,7 @@ def test_fused_model_loads_pretrained_weights(tmp_path, layout):
     from safetensors.torch import save_file
 
     from timm_layerscale import fold_state_dict
-    from timm_layerscale.parity.compare import FUSED_TOLERANCE
+    from timm_layerscale.parity.tolerance import FUSED_TOLERANCE
 
     ref = _randomize(timm.create_model("cait_xxs24_224")).eval()
     if layout == "official":

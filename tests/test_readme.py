@@ -104,18 +104,11 @@ def workdir(tmp_path_factory) -> Path:
     from PIL import Image
 
     import timm_layerscale  # noqa: F401
-<<<<<<< HEAD
-    from timm_layerscale.demo import write_official_checkpoint
-    from timm_layerscale.parity.compare import seed_parameters_
     from timm_layerscale.conversion.detect import get_variant
+    from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
+    from timm_layerscale.demo import write_official_checkpoint
     from timm_layerscale.parity import vit5_official
-    from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
-=======
-    from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
-    from timm_layerscale.conversion.pipeline import write_official_checkpoint
-    from timm_layerscale.parity.compare import seed_parameters_
-    from timm_layerscale.parity.references import vit5_official
->>>>>>> lint
+    from timm_layerscale.parity.inputs import seed_parameters_
 
     work = tmp_path_factory.mktemp("readme")
     write_official_checkpoint(work / "XXS24_224.pth", "cait_xxs24_224", seed=0)

@@ -8,8 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import timm_layerscale  # noqa: F401
-from timm_layerscale.errors import RemapError
-from timm_layerscale.models.cait_ls import VARIANTS
 from timm_layerscale.conversion.keys import (
     check_state_dict,
     detect_layout,
@@ -18,6 +16,8 @@ from timm_layerscale.conversion.keys import (
     to_layerscale,
     unwrap_state_dict,
 )
+from timm_layerscale.errors import RemapError
+from timm_layerscale.models.cait_ls import VARIANTS
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

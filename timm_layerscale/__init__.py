@@ -36,7 +36,7 @@ _LAZY = {
     "param_groups": ".layer_scale",
     "fuse_layerscale": ".conversion.fold",
     "fold_state_dict": ".conversion.fold",
-    "VerifyOptions": ".parity.compare",
+    "VerifyOptions": ".parity.tolerance",
     "models": ".models",
 }
 

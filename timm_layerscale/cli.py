@@ -107,8 +107,8 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
 
 
 def verify_options(a: argparse.Namespace) -> Any:
-    """The :class:`~timm_layerscale.parity.compare.VerifyOptions` of parsed :func:`add_verify_args` options."""
-    from .parity.compare import VerifyOptions
+    """The :class:`~timm_layerscale.parity.tolerance.VerifyOptions` of parsed :func:`add_verify_args` options."""
+    from .parity.tolerance import VerifyOptions
 
     return VerifyOptions(
         atol=a.atol, rtol=a.rtol, exact=a.exact, num_inputs=a.num_inputs, seed=a.seed, images=tuple(a.images),
@@ -134,8 +134,8 @@ def command_line(words: Sequence[Any], options: Any = None, **opts: Any) -> str:
 
 
 def verify_flags(options: Any) -> dict[str, Any]:
-    """The non-default :class:`~timm_layerscale.parity.compare.VerifyOptions` as ``{flag_name: value}``."""
-    from .parity.compare import VerifyOptions
+    """The non-default :class:`~timm_layerscale.parity.tolerance.VerifyOptions` as ``{flag_name: value}``."""
+    from .parity.tolerance import VerifyOptions
 
     default = VerifyOptions()
     flags: dict[str, Any] = {}

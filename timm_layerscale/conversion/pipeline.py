@@ -21,7 +21,8 @@ import torch
 
 from .._version import __version__
 from ..errors import CheckpointError, LayerScaleError, ParityError, RemapError
-from ..parity.compare import ParityReport, VerifyOptions, compare_weights
+from ..parity.compare import ParityReport, compare_weights
+from ..parity.tolerance import VerifyOptions
 from ..parity.verify import verify_state_dicts
 from . import io as ckpt
 from .detect import Detection, Variant, detect
@@ -136,7 +137,7 @@ def verify_checkpoint(
         model: Model name overriding detection.
         ema: Take the source's ``'model_ema'`` weights.
         options: Tolerances, inputs and device; the default asks for what the
-            family's construction guarantees (:func:`~timm_layerscale.parity.compare.resolve_tolerance`).
+            family's construction guarantees (:func:`~timm_layerscale.parity.tolerance.resolve_tolerance`).
 
     Returns:
         The :class:`~timm_layerscale.parity.compare.ParityReport`.

@@ -207,7 +207,7 @@ def export_folder(
         overwrite: Replace ``out_dir`` if it exists and is not empty.
         push_to_hub: Upload the folder to this ``ORG/NAME`` after writing it.
         ema: Take the ``'model_ema'`` weights of a training checkpoint.
-        options: Verification options (:class:`~timm_layerscale.parity.compare.VerifyOptions`).
+        options: Verification options (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`).
         private: With ``push_to_hub``, create the repository as private.
         commit_message: With ``push_to_hub``, the commit message.
         repo_id: Hub id for the card's usage code (default ``push_to_hub``, else

@@ -15,15 +15,9 @@ from ..conversion.families import FAMILIES, Family, Variant
 from ..conversion.keys import to_layerscale
 from ..errors import CheckpointError
 from ..progress import verification_passes
-from .compare import (
-    ParityReport,
-    VerifyOptions,
-    compare_models,
-    compare_weights,
-    image_inputs,
-    resolve_tolerance,
-    seeded_inputs,
-)
+from .compare import ParityReport, compare_models, compare_weights
+from .inputs import image_inputs, seeded_inputs
+from .tolerance import VerifyOptions, resolve_tolerance
 from .references import build_loaded, build_reference, reference_name
 
 __all__ = ["verify_state_dicts", "build_converted", "align_attention"]
@@ -109,7 +103,7 @@ def verify_state_dicts(
         conv_sd: The converted weights, any layout; their float dtype is the check's.
         variant: The architecture.
         num_classes: Classifier size when it differs from the variant's default.
-        options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.compare.VerifyOptions`).
+        options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`).
         fused: The converted weights have LayerScale folded in; default: detected
             (the source has gammas, the converted weights none).
 
