@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from timm_layerscale.cli import add_verify_args, verify_options
+from timm_layerscale.options import add_verify_args, verify_options
 from timm_layerscale.conversion.families import CAIT_RELEASE_URL, variants_of
 from timm_layerscale.errors import LayerScaleError
 
@@ -178,7 +178,7 @@ def _check_sha256(rel: Release, path: Path) -> str:
 
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
-    from timm_layerscale.cli import command_line
+    from timm_layerscale.options import command_line
 
     return command_line(
         ("python", "-m", "convert"), options, only=rel.reference, out=out, sources=sources, org=org,

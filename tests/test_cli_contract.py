@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale import cli, progress
+from timm_layerscale import commands, progress
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
@@ -61,7 +61,7 @@ def test_an_internal_error_exits_3_with_the_common_prefix(capsys, monkeypatch):
     def broken(args):
         raise TypeError("unsupported operand")
 
-    monkeypatch.setitem(cli.COMMANDS, "list", broken)
+    monkeypatch.setitem(commands.COMMANDS, "list", broken)
     line = one_line_error(*run(capsys, "list")[::2], 3, "internal error: TypeError: unsupported operand")
     assert "--debug" in line
 
@@ -70,7 +70,7 @@ def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
     def failing(args):
         raise ParityError("converted model does not match cait_xxs24_224", failing_report())
 
-    monkeypatch.setitem(cli.COMMANDS, "list", failing)
+    monkeypatch.setitem(commands.COMMANDS, "list", failing)
     one_line_error(*run(capsys, "list")[::2], 1, "does not match")
 
 
@@ -145,11 +145,11 @@ def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys,
         convert_checkpoint(official, out, verify=False)
     one_line_error(*run(capsys, "convert", official, out)[::2], 2, "pass --overwrite to replace it")
     assert out.read_bytes() == b"keep me"
-    assert cli.cli_message("closest is x; pass model='cait_s24_224_ls' to see") == "closest is x; pass --model cait_s24_224_ls to see"
-    assert cli.cli_message("or pass allow_nonfinite=True to convert") == "or pass --allow-nonfinite to convert"
-    assert cli.cli_message("or pass fmt='pth'") == "or pass --format pth"
-    assert cli.cli_message("pass atol=1e-5 to accept") == "pass --atol 1e-5 to accept"
-    assert cli.cli_message("found embed_dim=192, depth=12") == "found embed_dim=192, depth=12"
+    assert commands.cli_message("closest is x; pass model='cait_s24_224_ls' to see") == "closest is x; pass --model cait_s24_224_ls to see"
+    assert commands.cli_message("or pass allow_nonfinite=True to convert") == "or pass --allow-nonfinite to convert"
+    assert commands.cli_message("or pass fmt='pth'") == "or pass --format pth"
+    assert commands.cli_message("pass atol=1e-5 to accept") == "pass --atol 1e-5 to accept"
+    assert commands.cli_message("found embed_dim=192, depth=12") == "found embed_dim=192, depth=12"
 
 
 def test_a_library_key_error_gives_no_command_line_advice():

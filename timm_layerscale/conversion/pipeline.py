@@ -301,7 +301,7 @@ def convert_checkpoint(
     except CheckpointError:
         output.unlink(missing_ok=True)
         raise
-    from ..cli import command_line
+    from ..options import command_line
 
     command = command_line(
         ("timm-layerscale", "convert", source, output), options if verify else None, model=model, to=None if to == "ls" else to,

@@ -225,7 +225,7 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
-    from ..cli import command_line
+    from ..options import command_line
     from ..conversion.pipeline import convert_checkpoint
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
 
