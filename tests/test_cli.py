@@ -27,7 +27,7 @@ from timm_layerscale.cli import main
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion.detect import get_variant
-from timm_layerscale.conversion.families import state_dict_shapes
+from timm_layerscale.conversion.detect import state_dict_shapes
 from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import CheckpointError

@@ -8,7 +8,8 @@ import pytest
 import timm
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale.conversion.families import VARIANTS, Variant, state_dict_shapes
+from timm_layerscale.conversion.detect import state_dict_shapes
+from timm_layerscale.conversion.families import VARIANTS, Variant
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
