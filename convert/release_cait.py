@@ -26,17 +26,19 @@ import resource
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from timm_layerscale.cli import add_verify_args, verify_options
+from timm_layerscale.options import add_verify_args, verify_options
+from timm_layerscale.conversion.families import CAIT_RELEASE_URL, variants_of
 from timm_layerscale.errors import LayerScaleError
 
 __all__ = ["Release", "RELEASES", "TAG", "select", "run_release", "write_summary", "main"]
 
 TAG = "fb_dist_in1k"
-BASE_URL = "https://dl.fbaipublicfiles.com/deit/"
+BASE_URL = CAIT_RELEASE_URL
 
 
 @dataclass(frozen=True)
@@ -71,22 +73,16 @@ class Release:
         return f"{self.model}.{TAG}"
 
 
-#: The ten official CaiT checkpoints. The official release publishes no checksums
-#: (neither in the URLs nor in the repository), so no sha256 is pinned yet: each run
-#: records the sha256 of the file it converted in its summary and model cards. Pin
-#: a value here once a release has been checked, and later runs will refuse any
-#: other file.
-RELEASES: tuple[Release, ...] = (
-    Release("cait_xxs24_224_ls", "cait_xxs24_224", "XXS24_224.pth"),
-    Release("cait_xxs24_384_ls", "cait_xxs24_384", "XXS24_384.pth"),
-    Release("cait_xxs36_224_ls", "cait_xxs36_224", "XXS36_224.pth"),
-    Release("cait_xxs36_384_ls", "cait_xxs36_384", "XXS36_384.pth"),
-    Release("cait_xs24_384_ls", "cait_xs24_384", "XS24_384.pth"),
-    Release("cait_s24_224_ls", "cait_s24_224", "S24_224.pth"),
-    Release("cait_s24_384_ls", "cait_s24_384", "S24_384.pth"),
-    Release("cait_s36_384_ls", "cait_s36_384", "S36_384.pth"),
-    Release("cait_m36_384_ls", "cait_m36_384", "M36_384.pth"),
-    Release("cait_m48_448_ls", "cait_m48_448", "M48_448.pth"),
+#: Pinned SHA-256 of official files, by file name. The official release publishes no
+#: checksums (neither in the URLs nor in the repository), so none is pinned yet: each run
+#: records the sha256 of the file it converted in its summary and model cards. Pin a
+#: value here once a release has been checked, and later runs will refuse any other file.
+PINNED_SHA256: dict[str, str] = {}
+
+#: The ten official CaiT checkpoints: the ``cait`` rows of the package's variant table.
+RELEASES: tuple[Release, ...] = tuple(
+    Release(v.name, str(v.reference), str(v.official_file), PINNED_SHA256.get(str(v.official_file)))
+    for v in variants_of("cait").values()
 )
 
 
@@ -128,7 +124,7 @@ class PeakMemory:
         self.mib: float | None = None
         self.scope = "variant"
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -182,7 +178,7 @@ def _check_sha256(rel: Release, path: Path) -> str:
 
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
-    from timm_layerscale.conversion.pipeline import command_line
+    from timm_layerscale.options import command_line
 
     return command_line(
         ("python", "-m", "convert"), options, only=rel.reference, out=out, sources=sources, org=org,
@@ -303,7 +299,7 @@ def format_table() -> str:
     rows = [("model", "official file", "timm Hub id", "sha256")]
     rows += [(r.model, r.url, r.timm_hub_id, r.sha256 or "not published") for r in RELEASES]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,7 +328,8 @@ def _preflight(releases: Sequence[Release], sources: Path | None, org: str | Non
             and the network is off (``HF_HUB_OFFLINE``, or names do not resolve),
             or ``org`` is given and no Hub token is set.
     """
-    from timm_layerscale.hub.download import cached_url_path, check_online, hub_endpoint, require_token
+    from timm_layerscale.hub.download import cached_url_path, check_online, hub_endpoint
+    from timm_layerscale.hub.upload import require_token
 
     missing = [r for r in releases if sources is None and not cached_url_path(r.url).is_file()]
     if missing:

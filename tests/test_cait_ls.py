@@ -11,13 +11,12 @@ from safetensors.torch import save_file
 from timm.layers import set_fused_attn
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale import to_gamma, to_layerscale
-from timm_layerscale.models.cait_ls import MODEL_ARGS, REFERENCE, CaitLS
-from timm_layerscale.parity.compare import seed_parameters_
-
 from kernel_trace import reduction_trace
+from timm_layerscale import to_gamma, to_layerscale
+from timm_layerscale.models.cait_ls import VARIANTS, CaitLS
+from timm_layerscale.parity.inputs import seed_parameters_
 
-NAMES = sorted(MODEL_ARGS)
+NAMES = sorted(VARIANTS)
 IMG = {name: int(name.split("_")[2]) for name in NAMES}
 
 
@@ -50,12 +49,12 @@ def test_ten_names_registered_in_their_own_module():
     assert sorted(timm.list_models("*_ls")) == NAMES or set(NAMES) <= set(timm.list_models("*_ls"))
 
 
-@pytest.mark.parametrize("name", [n for n in timm.list_models("*_ls") if n in MODEL_ARGS])
+@pytest.mark.parametrize("name", [n for n in timm.list_models("*_ls") if n in VARIANTS])
 def test_registry_meta_build_and_pretrained_cfg(name):
     model = timm.create_model(name, device="meta")
     assert all(p.is_meta for p in model.parameters())
     cfg = model.pretrained_cfg
-    ref = REFERENCE[name]
+    ref = VARIANTS[name].reference
     assert cfg["tag"] == "fb_dist_in1k"
     assert cfg["hf_hub_id"] == f"timm/{ref}.fb_dist_in1k"
     assert cfg["url"].startswith("https://dl.fbaipublicfiles.com/deit/") and cfg["url"].endswith(".pth")
@@ -67,7 +66,7 @@ def test_registry_meta_build_and_pretrained_cfg(name):
     assert cfg["url"] == ref_model.pretrained_cfg["url"]
     mapped = {k: tuple(v.shape) for k, v in to_layerscale(ref_model.state_dict()).items()}
     assert mapped == {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert model.blocks[0].ls1.init_value == MODEL_ARGS[name]["init_values"]
+    assert model.blocks[0].ls1.init_value == VARIANTS[name].init_value
 
 
 # --- parity ----------------------------------------------------------------------------------
@@ -129,7 +128,7 @@ def test_train_mode_and_gradients_bit_exact(images):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "cait_xxs24_224_ls"])
 def test_every_variant_bit_exact(name):
-    ref, ours = _pair(REFERENCE[name])
+    ref, ours = _pair(VARIANTS[name].reference)
     x = torch.randn(1, 3, IMG[name], IMG[name], generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(ref(x), ours(x))

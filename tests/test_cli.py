@@ -8,7 +8,6 @@ status 2 (130 for an interruption), exactly one line on stderr starting with
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import hashlib
 import json
@@ -24,14 +23,14 @@ import safetensors.torch
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale.conversion import save as ckpt_save
-from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.cli import main
-from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
-from timm_layerscale.parity.compare import VerifyOptions
-from timm_layerscale.errors import CheckpointError
+from timm_layerscale.conversion import pipeline as conversion
+from timm_layerscale.conversion import save as ckpt_save
+from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
 from timm_layerscale.conversion.keys import to_gamma
-from timm_layerscale.conversion.detect import get_variant, target_shapes
+from timm_layerscale.conversion.pipeline import convert_checkpoint
+from timm_layerscale.errors import CheckpointError
+from timm_layerscale.parity.tolerance import VerifyOptions
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -54,7 +53,7 @@ def light_sd() -> dict[str, torch.Tensor]:
     a few hundred kB instead of 48 MB.
     """
     gen = torch.Generator().manual_seed(0)
-    shapes = to_gamma(target_shapes(get_variant(MODEL)), "cait")
+    shapes = to_gamma(state_dict_shapes(get_variant(MODEL)), "cait")
     return {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}
 
 
@@ -187,7 +186,7 @@ def test_convert_json(official, tmp_path, capsys, few_inputs):
 
 def test_convert_dtype_and_format_options(official, tmp_path, capsys):
     out = tmp_path / "half.bin"
-    code, stdout, err = cli(capsys, "convert", official, out, "--format", "safetensors", "--dtype", "fp16", "--no-verify")
+    code, _, err = cli(capsys, "convert", official, out, "--format", "safetensors", "--dtype", "fp16", "--no-verify")
     assert code == 0, err
     sd = safetensors.torch.load_file(str(out))
     assert {v.dtype for v in sd.values()} == {torch.float16}
@@ -265,7 +264,7 @@ def test_list(capsys, monkeypatch):
     header, *lines = stdout.splitlines()
     assert header.split()[:2] == ["model", "reference"] and "params" in header and "pretrained" in header
     by_name = {line.split()[0]: line.split() for line in lines}
-    for name, ref in cait_ls.REFERENCE.items():
+    for name, ref in ((n, v.reference) for n, v in cait_ls.VARIANTS.items()):
         assert by_name[name][1] == ref
     assert by_name[MODEL][2:5] == ["12.0", "224", "1e-05"]
 

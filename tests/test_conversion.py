@@ -9,7 +9,6 @@ one default conversion, which runs the full default verification.
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 import os
@@ -24,14 +23,14 @@ import torch
 from safetensors import safe_open
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale._version import __version__
-from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
-from timm_layerscale.parity.compare import VerifyOptions
-from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, RemapError
-from timm_layerscale.parity.compare import seeded_inputs
-from timm_layerscale.conversion.keys import to_layerscale
+from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion.detect import detect_variant
+from timm_layerscale.conversion.keys import to_layerscale
+from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
+from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError
+from timm_layerscale.parity.inputs import seeded_inputs
+from timm_layerscale.parity.tolerance import VerifyOptions
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -335,7 +334,7 @@ def test_failed_parity_removes_the_output(official, tmp_path, monkeypatch, conve
 
     failing = dataclasses.replace(converted.report, passed=False, bit_exact=False, max_abs_diff=0.25)
     monkeypatch.setattr(conversion, "verify_state_dicts", lambda *a, **k: failing)
-    with pytest.raises(conversion.ParityError, match="does not match") as info:
+    with pytest.raises(ParityError, match="does not match") as info:
         convert_checkpoint(official, tmp_path / "x.safetensors")
     assert info.value.report is failing
     no_leftovers(tmp_path)

@@ -9,17 +9,19 @@ import timm
 import torch
 
 import timm_layerscale  # noqa: F401
-from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.cli import main
-from timm_layerscale.parity.compare import VIT5_TOLERANCE, seed_parameters_
-from timm_layerscale.parity.references import vit5_official
+from timm_layerscale.conversion.detect import get_variant
+from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.parity import vit5_official
+from timm_layerscale.parity.inputs import seed_parameters_
+from timm_layerscale.parity.tolerance import VIT5_TOLERANCE
 
 
 @pytest.fixture(scope="module")
 def vit5_training_dict(tmp_path_factory):
     """An official-layout ViT-5 small training dict with distinct 'model' and 'model_ema' weights."""
-    ref = vit5_official.build_reference("vit5_small_patch16_224")
+    ref = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
     seed_parameters_(ref, seed=7)
     model_sd = {k: v.clone() for k, v in ref.state_dict().items()}
     seed_parameters_(ref, seed=8)
@@ -39,7 +41,7 @@ def vit5_training_dict(tmp_path_factory):
 
 
 def _official_logits(sd, x):
-    ref = vit5_official.build_reference("vit5_small_patch16_224")
+    ref = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
     ref.load_state_dict(sd, strict=True)
     with torch.no_grad():
         return ref.eval()(x)
@@ -110,7 +112,7 @@ def test_vit5_ema_and_gamma_round_trip(vit5_training_dict, tmp_path):
             assert torch.allclose(restored[k], v, rtol=1e-6, atol=0), k
         else:
             assert torch.equal(restored[k], v), k
-    ref = vit5_official.build_reference("vit5_small_patch16_224")
+    ref = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
     ref.load_state_dict(restored, strict=True)
 
 

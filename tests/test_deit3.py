@@ -7,15 +7,15 @@ same model, bit for bit.
 from __future__ import annotations
 
 import pytest
-import torch
 import timm
+import torch
 from safetensors.torch import save_file
 
 import timm_layerscale  # noqa: F401
 from timm_layerscale.conversion import keys as remap
-from timm_layerscale.errors import RemapError
-from timm_layerscale.parity.references import build_reference, load_reference, reference_state_dict
 from timm_layerscale.conversion.detect import detect_variant, get_variant
+from timm_layerscale.errors import RemapError
+from timm_layerscale.parity.references import build_reference, reference_name, reference_state_dict
 
 NAME = "deit3_small_patch16_224"
 
@@ -114,10 +114,10 @@ def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:
 
 def test_reference_interface(deit3_small) -> None:
     official = {"model": remap.to_gamma(deit3_small.state_dict(), "deit3")}
-    ref = build_reference(NAME, "deit3")
-    ref.load_state_dict(reference_state_dict(NAME, "deit3", official), strict=True)
-    loaded, name = load_reference(get_variant(NAME), official)
-    assert name == NAME
+    ref = build_reference(NAME)
+    ref.load_state_dict(reference_state_dict(NAME, official), strict=True)
+    loaded = build_reference(get_variant(NAME), official)
+    assert reference_name(NAME) == NAME and not loaded.training
     x = images(2)
     with torch.no_grad():
         assert torch.equal(ref.eval()(x), deit3_small(x))

@@ -21,16 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from timm_layerscale.cli import main
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion import save as ckpt_save
 from timm_layerscale.conversion import stream
+from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
 from timm_layerscale.conversion.io import load_checkpoint
-from timm_layerscale.conversion.save import atomic_output
-from timm_layerscale.cli import main
-from timm_layerscale.errors import CheckpointError, OutputExistsError
 from timm_layerscale.conversion.keys import to_gamma
-from timm_layerscale.conversion.detect import get_variant, target_shapes
+from timm_layerscale.conversion.save import atomic_output
+from timm_layerscale.errors import CheckpointError, OutputExistsError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
@@ -46,7 +46,7 @@ def light_checkpoint(path: Path, seed: int, dense: bool = False) -> Path:
     (:mod:`timm_layerscale.conversion.stream`).
     """
     gen = torch.Generator().manual_seed(seed)
-    shapes = to_gamma(target_shapes(get_variant(MODEL)), "cait")
+    shapes = to_gamma(state_dict_shapes(get_variant(MODEL)), "cait")
     sd = {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}
     torch.save({"model": {k: v.contiguous() for k, v in sd.items()} if dense else sd}, path)
     return path
@@ -184,9 +184,8 @@ def test_final_step_never_replaces_a_file_that_appeared(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt_save, "check_output", lambda target, overwrite: None)
     out = tmp_path / "x.bin"
     out.write_bytes(b"first writer")
-    with pytest.raises(OutputExistsError, match="exists; pass --overwrite"):
-        with atomic_output(out) as tmp:
-            tmp.write_bytes(b"second writer")
+    with pytest.raises(OutputExistsError, match="exists; pass --overwrite"), atomic_output(out) as tmp:
+        tmp.write_bytes(b"second writer")
     assert out.read_bytes() == b"first writer" and _leftovers(tmp_path) == []
     with atomic_output(out, overwrite=True) as tmp:
         tmp.write_bytes(b"replacement")
@@ -255,7 +254,8 @@ def test_two_processes_converting_to_one_output(tmp_path):
         )
         for i, src in enumerate(sources)
     ]
-    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    results = [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
     assert names(barrier) == ["0", "1"], results  # both reached the final step
     codes = [r[0] for r in results]
     assert sorted(codes) == [0, 2], results
@@ -357,35 +357,34 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
         subprocess.run([sys.executable, "-c", _REWRITE[how], str(source), str(other)], check=True)
 
     if when == "before-hashing":
-        real = ckpt.sha256_file
+        real_hash = ckpt.sha256_file
         real_copy = stream.SourcePass.copy_to_safetensors
 
-        def hook(path):
+        def rewrite_then_hash(path):
             rewrite()
-            return real(path)
+            return real_hash(path)
 
-        def copy_hook(self, *args, **kwargs):
+        def rewrite_then_copy(self, *args, **kwargs):
             rewrite()
             return real_copy(self, *args, **kwargs)
 
-        monkeypatch.setattr(ckpt, "sha256_file", hook)
-        monkeypatch.setattr(stream.SourcePass, "copy_to_safetensors", copy_hook)
+        monkeypatch.setattr(ckpt, "sha256_file", rewrite_then_hash)
+        monkeypatch.setattr(stream.SourcePass, "copy_to_safetensors", rewrite_then_copy)
     else:
-        real = ckpt_save.save_state_dict
-
+        real_save = ckpt_save.save_state_dict
         real_copy = stream.SourcePass.copy_to_safetensors
 
-        def hook(*args, **kwargs):
-            real(*args, **kwargs)
+        def save_then_rewrite(*args, **kwargs):
+            real_save(*args, **kwargs)
             rewrite()
 
-        def copy_hook(*args, **kwargs):
+        def copy_then_rewrite(*args, **kwargs):
             digest = real_copy(*args, **kwargs)
             rewrite()
             return digest
 
-        monkeypatch.setattr(ckpt_save, "save_state_dict", hook)
-        monkeypatch.setattr(stream.SourcePass, "copy_to_safetensors", copy_hook)
+        monkeypatch.setattr(ckpt_save, "save_state_dict", save_then_rewrite)
+        monkeypatch.setattr(stream.SourcePass, "copy_to_safetensors", copy_then_rewrite)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, out, err = cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify")

@@ -10,19 +10,21 @@ import argparse
 import math
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
-import timm
 from torch.utils.flop_counter import FlopCounterMode
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale.conversion import keys as remap
+from timm_layerscale.conversion.detect import detect_variant, get_variant
+from timm_layerscale.conversion.families import official_rope_buffers, rope_buffers
 from timm_layerscale.errors import RemapError
 from timm_layerscale.models import vit5
-from timm_layerscale.parity.references import build_reference, load_reference, reference_state_dict, vit5_official
-from timm_layerscale.conversion.detect import detect_variant, get_variant
+from timm_layerscale.parity import vit5_official
+from timm_layerscale.parity.references import build_reference, reference_name, reference_state_dict
 
-NAMES = list(vit5.MODEL_ARGS)
+NAMES = list(vit5.VARIANTS)
 RELEASED = [n for n in NAMES if "xlarge" not in n]
 TINY = dict(embed_dim=64, depth=2, num_heads=2)
 PATCH_THETA, REG_THETA, REGS = 10000.0, 100.0, 4
@@ -233,14 +235,14 @@ def test_package_matches_reference_module_within_tolerance(img: int) -> None:
 
 def test_reference_interface_loads_official_and_converted_weights() -> None:
     sd = official_state_dict(384, 12, 6, grid=14, seed=5)
-    ref = build_reference("vit5_small_patch16_224", "vit5")
-    ref.load_state_dict(reference_state_dict("vit5_small_patch16_224", "vit5", {"model": sd}), strict=True)
+    ref = build_reference("vit5_small_patch16_224")
+    ref.load_state_dict(reference_state_dict("vit5_small_patch16_224", {"model": sd}), strict=True)
     converted = remap.to_layerscale(sd, "vit5")
-    again = reference_state_dict("vit5_small_patch16_224", "vit5", converted)
+    again = reference_state_dict("vit5_small_patch16_224", converted)
     assert again.keys() == sd.keys()
     assert all(torch.equal(again[k], sd[k]) for k in sd)
-    loaded, name = load_reference(get_variant("vit5_small_patch16_224"), sd)
-    assert name == "vit5_official/vit5_small_patch16_224" and not loaded.training
+    loaded = build_reference(get_variant("vit5_small_patch16_224"), sd)
+    assert reference_name("vit5_small_patch16_224") == "vit5_official/vit5_small_patch16_224" and not loaded.training
 
 
 # --- rotary tables ----------------------------------------------------------------------------
@@ -248,11 +250,11 @@ def test_reference_interface_loads_official_and_converted_weights() -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_official_freqs_equal_computed_tables(name: str) -> None:
-    computed = vit5.rope_buffers(name)
-    official = vit5_official.rope_buffers(name)
+    computed = official_rope_buffers(name)
+    official = {k: v for k, v in vit5_official.build_official_vit5(vit5.VARIANTS[name]).state_dict().items() if k.endswith(".freqs")}
     assert computed.keys() == official.keys()
     assert all(torch.equal(computed[k], official[k]) for k in computed)
-    depth, hd = vit5.MODEL_ARGS[name]["depth"], vit5.MODEL_ARGS[name]["embed_dim"] // vit5.MODEL_ARGS[name]["num_heads"]
+    depth, hd = vit5.VARIANTS[name].depth, vit5.VARIANTS[name].embed_dim // vit5.VARIANTS[name].num_heads
     assert len(computed) == 2 * depth
     exact = PATCH_THETA ** -(torch.arange(hd // 4, dtype=torch.float64) / (hd // 4))
     torch.testing.assert_close(computed["blocks.0.attn.rope.freqs"].double(), exact, rtol=1e-6, atol=0)
@@ -294,7 +296,7 @@ def test_round_trip_and_rules() -> None:
     assert ls.keys() == tiny(32).state_dict().keys()
     assert remap.to_layerscale(ls, "vit5") == ls  # idempotent
     back = remap.to_gamma(ls, "vit5")
-    back.update(vit5.rope_buffers(tiny(32)))
+    back.update(rope_buffers(TINY["depth"], TINY["embed_dim"] // TINY["num_heads"]))
     assert back.keys() == sd.keys()
     assert all(back[k] is sd[k] for k in sd if not k.endswith(".freqs"))
     assert all(torch.equal(back[k], sd[k]) for k in sd)
@@ -311,7 +313,7 @@ def test_unknown_key_is_named() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_layout_matches_official_reference_on_meta(name: str) -> None:
     with torch.device("meta"):
-        ref = vit5_official.build_reference(name)
+        ref = vit5_official.build_official_vit5(vit5.VARIANTS[name])
         model = timm.create_model(name)
     official = ref.state_dict()
     converted = remap.to_layerscale(official, "vit5")
@@ -322,7 +324,7 @@ def test_layout_matches_official_reference_on_meta(name: str) -> None:
 
 def test_detect_variant_on_official_base_384() -> None:
     with torch.device("meta"):
-        sd = vit5_official.build_reference("vit5_base_patch16_384").state_dict()
+        sd = vit5_official.build_official_vit5(vit5.VARIANTS["vit5_base_patch16_384"]).state_dict()
     variant, info = detect_variant({"model": sd})
     assert variant.name == "vit5_base_patch16_384" and variant.family == "vit5"
     assert info["registers"] == 4 and info["grid"] == 24
@@ -424,9 +426,9 @@ def test_pretrained_cfgs() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_meta_builds(name: str) -> None:
     model = timm.create_model(name, device="meta")
-    args = vit5.MODEL_ARGS[name]
+    v = vit5.VARIANTS[name]
     assert all(p.is_meta for p in model.parameters())
-    assert len(model.blocks) == args["depth"] and model.embed_dim == args["embed_dim"]
+    assert len(model.blocks) == v.depth and model.embed_dim == v.embed_dim
     assert model.patch_embed.img_size[0] == int(name[-3:])
     assert model.blocks[0].ls1.init_value == 1e-4
     with torch.device("meta"):
@@ -558,4 +560,4 @@ def test_flop_count_matches_torch_counter(name: str, fused_layerscale: bool) -> 
 def test_registered_with_timm() -> None:
     assert set(NAMES) <= set(timm.list_models("vit5_*"))
     assert timm.list_models(module="vit5") == sorted(NAMES)
-    assert all(vit5.REFERENCE[n] is None for n in NAMES)
+    assert all(v.reference is None for v in vit5.VARIANTS.values())

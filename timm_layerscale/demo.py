@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "official_layout", "write_official_checkpoint"]
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -29,10 +29,10 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
+def run_demo(out: str | os.PathLike[str] = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
     """Run the demo into folder ``out``; return whether every parity check held.
 
-    ``options`` (:class:`~timm_layerscale.parity.compare.VerifyOptions`) set the verification of step 2.
+    ``options`` (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`) set the verification of step 2.
     A failed check prints its report and ends the demo with a ``demo FAILED`` line.
 
     Raises:
@@ -57,9 +57,10 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     import timm
 
     from . import models  # noqa: F401  (registers the models)
-    from .conversion.pipeline import ParityError, write_official_checkpoint
+    from .errors import ParityError
     from .hub.export import export_folder
-    from .parity.compare import compare_models, seeded_inputs
+    from .parity.compare import compare_models
+    from .parity.inputs import seeded_inputs
 
     def finish(ok: bool) -> bool:
         _say("")
@@ -105,3 +106,38 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
          f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})")
     ok = ok and rep.passed
     return finish(ok)
+
+
+def official_layout(model: Any, family: str = "cait") -> dict[str, Any]:
+    """A model's weights as the official training code saves them.
+
+    For CaiT: ``{'model': {'module.' + key: tensor}}`` with ``gamma_1``/``gamma_2``
+    (see :func:`~timm_layerscale.conversion.keys.official_checkpoint`).
+    """
+    from .conversion.keys import official_checkpoint, to_gamma
+
+    return official_checkpoint(to_gamma(model.state_dict(), family), family)
+
+
+def write_official_checkpoint(
+    path: str | os.PathLike[str], model_name: str = "cait_xxs24_224", seed: int = 0, overwrite: bool = False
+) -> Any:
+    """Build timm's reference model with seeded weights and save it in the official layout.
+
+    Every parameter is random (:func:`~timm_layerscale.parity.inputs.seed_parameters_`,
+    gammas of std 0.1), so that a layout or math error shows in the outputs.
+
+    Returns:
+        The reference model (eval mode) whose weights were written.
+    """
+    import timm
+    import torch
+
+    from .conversion.save import atomic_output
+    from .parity.inputs import seed_parameters_
+
+    ref = timm.create_model(model_name)
+    seed_parameters_(ref, seed)
+    with atomic_output(path, overwrite) as tmp:
+        torch.save(official_layout(ref), tmp)
+    return ref.eval()

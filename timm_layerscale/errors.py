@@ -7,6 +7,8 @@ what to do. The command line prints that line and exits with the error's
 """
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "LayerScaleError",
     "CheckpointError",
@@ -14,6 +16,7 @@ __all__ = [
     "ArchitectureError",
     "OutputExistsError",
     "HubError",
+    "ParityError",
 ]
 
 
@@ -49,3 +52,17 @@ class OutputExistsError(LayerScaleError):
 
 class HubError(LayerScaleError):
     """A Hugging Face Hub request failed (authentication, repository, network)."""
+
+
+class ParityError(LayerScaleError):
+    """The converted model's outputs (or weights) do not match the reference's (exit code 1).
+
+    Attributes:
+        report: The :class:`~timm_layerscale.parity.compare.ParityReport` that failed.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report

@@ -1,82 +1,21 @@
-"""The convertible architectures: which model a checkpoint becomes, and its reference.
+"""Which variant a checkpoint is, from its keys and shapes alone.
 
-A :class:`Variant` ties a target model name (registered with timm) to its family
-(whose key rules live in :mod:`timm_layerscale.conversion.keys`) and, where timm has one, the
-timm model that computes the same function from the original weights.
+Reads the variant table (:data:`~timm_layerscale.conversion.families.VARIANTS`) and
+the shapes it implies (:func:`~timm_layerscale.conversion.families.state_dict_shapes`);
+no model is built and neither torch nor timm is imported.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
-from ..errors import ArchitectureError
+from ..errors import ArchitectureError, RemapError
+from .families import FAMILIES, VARIANTS, Variant
+from .keys import check_state_dict, strip_prefixes, to_layerscale, unwrap_state_dict
 
-__all__ = ["Variant", "all_variants", "get_variant", "describe_state_dict", "detect_variant", "target_shapes"]
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A convertible architecture.
-
-    Attributes:
-        name: Target model name in timm's registry (``cait_s24_224_ls``).
-        family: Key-rule family (``cait``, ``vit5``, ``deit3``).
-        reference: timm model computing the same function from the official
-            weights (``cait_s24_224``), or ``None`` when timm has none.
-        img_size: Default input resolution (pixels).
-        init_value: LayerScale initial value of the released model.
-        target_layout: ``"ls"`` (``ls1.gamma``) or ``"gamma"``; the layout the
-            converter writes by default.
-    """
-
-    name: str
-    family: str
-    reference: str | None
-    img_size: int
-    init_value: float | None
-    target_layout: str = "ls"
-    embed_dim: int | None = None
-    depth: int | None = None
-
-
-def _img_size(name: str) -> int:
-    m = re.search(r"_(\d{3})(?:_|$)", name)
-    return int(m.group(1)) if m else 224
-
-
-@lru_cache(maxsize=None)
-def all_variants() -> tuple[Variant, ...]:
-    """Every convertible architecture, CaiT first, then ViT-5, then timm's DeiT-III."""
-    import timm
-
-    from ..models import cait_ls
-
-    out = [
-        Variant(name, "cait", cait_ls.REFERENCE[name], _img_size(name), args["init_values"],
-                embed_dim=args["embed_dim"], depth=args["depth"])
-        for name, args in cait_ls.MODEL_ARGS.items()
-    ]
-    try:
-        from ..models import vit5
-    except ImportError:
-        vit5 = None
-    if vit5 is not None:
-        out += [
-            Variant(name, "vit5", None, _img_size(name), args.get("init_values", 1e-4),
-                    embed_dim=args.get("embed_dim"), depth=args.get("depth"))
-            for name, args in vit5.MODEL_ARGS.items()
-        ]
-    from .keys import FAMILIES
-
-    if "deit3" in FAMILIES:
-        out += [
-            Variant(name, "deit3", name, _img_size(name), None)
-            for name in timm.list_models("deit3_*")
-        ]
-    return tuple(out)
+__all__ = ["Detection", "get_variant", "state_dict_shapes", "describe_state_dict", "detect", "detect_variant"]
 
 
 def get_variant(name: str) -> Variant:
@@ -86,33 +25,76 @@ def get_variant(name: str) -> Variant:
         ArchitectureError: No convertible model has that name; the message lists close names.
     """
     base = name.split(".", 1)[0]
-    for v in all_variants():
+    for v in VARIANTS:
         if v.name == base:
             return v
-    import difflib
-
-    names = [v.name for v in all_variants()]
-    close = difflib.get_close_matches(base, names, n=3, cutoff=0.5)
+    close = difflib.get_close_matches(base, [v.name for v in VARIANTS], n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}?" if close else "run 'timm-layerscale list' to see them"
     raise ArchitectureError(f"unknown model {name!r}; {hint}")
 
 
-@lru_cache(maxsize=None)
-def _meta_shapes(name: str, num_classes: int | None) -> dict[str, tuple[int, ...]]:
-    import timm
-    import torch
-
-    kwargs: dict[str, Any] = {}
-    if num_classes is not None:
-        kwargs["num_classes"] = num_classes
-    with torch.device("meta"):
-        model = timm.create_model(name, **kwargs)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+def _linear(prefix: str, out: int, inp: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.weight": (out, inp)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out,)
+    return shapes
 
 
-def target_shapes(variant: Variant, num_classes: int | None = None) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes of the target model's state dict (built on the meta device)."""
-    return dict(_meta_shapes(variant.name, num_classes))
+def _norm(prefix: str, dim: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.weight": (dim,), **({f"{prefix}.bias": (dim,)} if bias else {})}
+
+
+def state_dict_shapes(variant: Variant, num_classes: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the state dict of ``variant``'s model (``ls`` layout), computed from the table.
+
+    Equal to ``{k: tuple(v.shape) for k, v in timm.create_model(variant.name,
+    num_classes=...).state_dict().items()}`` (a test checks every variant), without timm.
+
+    Args:
+        variant: The architecture.
+        num_classes: Classifier outputs (default 1000; 0: no classifier).
+    """
+    d, p, h = variant.embed_dim, variant.patch_size, variant.num_heads
+    classes = 1000 if num_classes is None else num_classes
+    rms = variant.family == "vit5"  # RMSNorm (weight only), no qkv bias, QK-norm, registers
+    grid = variant.img_size // p
+    out: dict[str, tuple[int, ...]] = {"cls_token": (1, 1, d)}
+    if rms:
+        out["reg_token"] = (1, 4, d)
+    out["pos_embed"] = (1, grid * grid, d)
+    out["patch_embed.proj.weight"] = (d, 3, p, p)
+    out["patch_embed.proj.bias"] = (d,)
+
+    def mlp(prefix: str) -> dict[str, tuple[int, ...]]:
+        return {**_linear(f"{prefix}.mlp.fc1", 4 * d, d), **_linear(f"{prefix}.mlp.fc2", d, 4 * d)}
+
+    for i in range(variant.depth):
+        b = f"blocks.{i}"
+        out.update(_norm(f"{b}.norm1", d, bias=not rms))
+        out.update(_linear(f"{b}.attn.qkv", 3 * d, d, bias=not rms))
+        if rms:
+            out.update({f"{b}.attn.q_norm.weight": (d // h,), f"{b}.attn.k_norm.weight": (d // h,)})
+        out.update(_linear(f"{b}.attn.proj", d, d))
+        if variant.family == "cait":
+            out.update({**_linear(f"{b}.attn.proj_l", h, h), **_linear(f"{b}.attn.proj_w", h, h)})
+        out[f"{b}.ls1.gamma"] = (d,)
+        out.update(_norm(f"{b}.norm2", d, bias=not rms))
+        out.update(mlp(b))
+        out[f"{b}.ls2.gamma"] = (d,)
+    if variant.family == "cait":
+        for j in range(2):
+            b = f"blocks_token_only.{j}"
+            out.update(_norm(f"{b}.norm1", d))
+            for name in ("q", "k", "v", "proj"):
+                out.update(_linear(f"{b}.attn.{name}", d, d))
+            out[f"{b}.ls1.gamma"] = (d,)
+            out.update(_norm(f"{b}.norm2", d))
+            out.update(mlp(b))
+            out[f"{b}.ls2.gamma"] = (d,)
+    out.update(_norm("norm", d, bias=not rms))
+    if classes:
+        out.update(_linear("head", classes, d))
+    return out
 
 
 def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, Any]:
@@ -207,17 +189,44 @@ class _Shape:
         self.ndim = len(shape)
 
 
+class Detection(NamedTuple):
+    """What :func:`detect` found.
+
+    Attributes:
+        variant: The variant the checkpoint fits.
+        info: :func:`describe_state_dict` of the checkpoint; ``info["num_classes"]`` is
+            set only when it differs from the variant's default (a fine-tuned head).
+        state_dict: The checkpoint's state dict in the ``ls`` layout (same tensors).
+    """
+
+    variant: Variant
+    info: dict[str, Any]
+    state_dict: dict[str, Any]
+
+
 def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> tuple[Variant, dict[str, Any]]:
-    """Find the registered variant a checkpoint fits, from its keys and shapes alone.
+    """Find the registered variant a checkpoint fits: ``(variant, info)`` of :func:`detect`."""
+    found = detect(strip_prefixes(_unwrap(checkpoint)), model)
+    return found.variant, found.info
+
+
+def _unwrap(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    try:
+        return unwrap_state_dict(checkpoint)
+    except RemapError as e:
+        raise ArchitectureError(str(e)) from None
+
+
+def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection:
+    """Find the registered variant a prefix-free state dict fits, from its keys and shapes alone.
 
     Args:
-        checkpoint: A state dict in any accepted layout (wrappers and prefixes allowed).
+        state_dict: A state dict in any accepted layout, unwrapped, prefixes stripped
+            (:func:`~timm_layerscale.conversion.keys.state_dict_of`).
         model: A model name that overrides detection; it is checked like the rest.
 
     Returns:
-        ``(variant, info)`` where ``info`` is :func:`describe_state_dict` of the
-        checkpoint and ``info["num_classes"]`` is set when it differs from the
-        variant's default (a fine-tuned head).
+        A :class:`Detection`.
 
     Raises:
         ArchitectureError: Nothing fits; the message says what was found and names
@@ -227,53 +236,42 @@ def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> t
         RemapError: ``model`` is given and the checkpoint does not fit it; the
             message lists the missing, unexpected and mis-shaped keys.
     """
-    from .keys import FAMILIES, check_state_dict, to_layerscale, unwrap_state_dict
-    from ..errors import RemapError
-
-    try:
-        raw = unwrap_state_dict(checkpoint)
-    except RemapError as e:
-        raise ArchitectureError(str(e)) from None
-    candidates = [get_variant(model)] if model else list(all_variants())
+    candidates = [get_variant(model)] if model else list(VARIANTS)
     best: tuple[tuple[float, ...], int, Variant | None] = ((math.inf,), 0, None)
     info: dict[str, Any] = {}
     converted: dict[str, dict[str, Any] | None] = {}
     for family in dict.fromkeys(v.family for v in candidates):
         try:
-            converted[family] = to_layerscale(raw, FAMILIES[family])
+            converted[family] = to_layerscale(state_dict, FAMILIES[family])
         except RemapError:
             if model:  # a named model: say which keys its rules do not cover
                 raise
             converted[family] = None
-    # Building a candidate's shapes costs a model construction (on meta): try the
-    # variants whose width, depth and resolution already agree first.
+    # Try the variants whose width, depth and resolution already agree first.
     described = {f: describe_state_dict(sd) for f, sd in converted.items() if sd is not None}
     candidates.sort(key=lambda v: _unlikeliness(v, described[v.family]) if v.family in described else 99)
     for v in candidates:
         sd = converted[v.family]
         if sd is None:
             continue
-        info = describe_state_dict(sd)
+        info = described[v.family]
         num_classes = info.get("num_classes")
-        shapes = _meta_shapes(v.name, None)
-        if num_classes is not None and shapes.get("head.weight", (None,))[0] != num_classes:
-            shapes = _meta_shapes(v.name, num_classes)
+        default_classes = state_dict_shapes(v)["head.weight"][0]
+        shapes = state_dict_shapes(v, num_classes if num_classes is not None else None)
         bad = _mismatch(sd, shapes)
         if bad and model:  # a named model: list the missing, unexpected and mis-shaped keys
             check_state_dict(sd, shapes, v.name)
         if bad == 0:
             out = dict(info)
-            if num_classes is not None and num_classes == _meta_shapes(v.name, None).get("head.weight", (None,))[0]:
+            if num_classes is not None and num_classes == default_classes:
                 out.pop("num_classes")
-            return v, out
+            return Detection(v, out, sd)
         rank = (*_distance(v, shapes, info, _kinds(sd)), bad)
         if rank < best[0]:
             best = (rank, bad, v)
     if not info:
-        from .keys import strip_prefixes
-
-        info = describe_state_dict(strip_prefixes(raw))
-    found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(raw)} keys of no known family"
+        info = describe_state_dict(state_dict)
+    found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(state_dict)} keys of no known family"
     if best[2] is None:
         what = f"model {model!r}" if model else "any convertible model (CaiT, ViT-5, DeiT-III)"
         raise ArchitectureError(f"checkpoint does not fit {what}: found {found}; check the file")

@@ -15,12 +15,9 @@ import torch
 from torch import nn
 
 from ..layer_scale import LayerScale
+from .families import FOLD_TARGETS
 
-__all__ = ["fuse_layerscale", "fold_state_dict", "fold_weights", "FOLD_TARGETS"]
-
-#: LayerScale child name -> path (from the same parent) of the linear layer it follows.
-FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
-
+__all__ = ["fuse_layerscale", "fold_state_dict", "fold_weights"]
 
 def _is_layerscale(module: nn.Module) -> bool:
     # this package's LayerScale or timm's: both scale by a per-channel ``gamma``

@@ -7,26 +7,22 @@ state dicts between the two layouts. It does no I/O and never touches tensor val
 tensors are passed through unchanged (same objects), so a lazily loaded checkpoint
 stays lazy.
 
-Each family is an ordered table of :class:`Rule` s. A source key is matched against the
+Each family (:mod:`.families`) is an ordered table of rules. A source key is matched against the
 rules in order; the first rule that matches decides: rename the key, keep it, or drop
 it. A key no rule matches is an error that names it.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, TypeVar
 
 from ..errors import RemapError
+from .families import Family, Rule, get_family
 
 __all__ = [
-    "Rule",
-    "Family",
-    "FAMILIES",
-    "register_family",
-    "get_family",
     "unwrap_state_dict",
     "strip_prefixes",
+    "state_dict_of",
     "detect_layout",
     "to_layerscale",
     "to_gamma",
@@ -45,74 +41,6 @@ WRAPPER_KEYS = ("model", "state_dict", "model_ema", "state_dict_ema")
 EMA_KEYS = ("model_ema", "state_dict_ema")
 #: Prefixes added by DistributedDataParallel and torch.compile.
 PREFIXES = ("module.", "_orig_mod.")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One key rule: a regular expression and what becomes of a key it matches.
-
-    Attributes:
-        pattern: Regular expression matched against the whole key (``re.fullmatch``).
-        replace: Replacement template (``re`` syntax, ``\\1`` for groups); ``None``
-            drops the key; ``"\\g<0>"`` keeps it unchanged.
-        why: For dropped keys, a short reason shown in reports.
-    """
-
-    pattern: str
-    replace: str | None
-    why: str = ""
-
-    def apply(self, key: str) -> tuple[bool, str | None]:
-        m = re.fullmatch(self.pattern, key)
-        if m is None:
-            return False, None
-        if self.replace is None:
-            return True, None
-        return True, m.expand(self.replace)
-
-
-KEEP = r"\g<0>"
-
-
-@dataclass(frozen=True)
-class Family:
-    """The rule tables of one model family.
-
-    Attributes:
-        name: Family name (``"cait"``, ``"vit5"``, ``"deit3"``).
-        to_layerscale: Rules from any accepted source layout to the ``ls`` layout.
-        to_gamma: Rules from the ``ls`` layout back to the official ``gamma`` layout.
-        gamma_pattern: Matches keys of the official layout's LayerScale parameters.
-        ls_pattern: Matches keys of the module layout's LayerScale parameters.
-        official_prefix: Prefix of every key in the official training code's files
-            (``"module."`` for CaiT, saved from DistributedDataParallel).
-    """
-
-    name: str
-    to_layerscale: tuple[Rule, ...]
-    to_gamma: tuple[Rule, ...]
-    gamma_pattern: str = r".*\.gamma_[12]"
-    ls_pattern: str = r".*\.ls[12]\.gamma"
-    official_prefix: str = ""
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-    """Add (or replace) a family's rule tables in :data:`FAMILIES`."""
-    FAMILIES[family.name] = family
-    return family
-
-
-def get_family(name: str) -> Family:
-    """Return the family called ``name``; :class:`RemapError` if there is none."""
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise RemapError(
-            f"unknown model family {name!r}; choose one of: {', '.join(sorted(FAMILIES))}"
-        ) from None
 
 
 def official_checkpoint(state_dict: Mapping[str, V], family: str | Family) -> dict[str, Any]:
@@ -191,6 +119,16 @@ def strip_prefixes(state_dict: Mapping[str, V], prefixes: Iterable[str] = PREFIX
             raise RemapError(f"two keys become {new!r} once prefixes are removed; the checkpoint is ambiguous")
         out[new] = value
     return out
+
+
+def state_dict_of(checkpoint: Mapping[str, Any], ema: bool = False) -> dict[str, Any]:
+    """The state dict of a checkpoint: unwrapped (:func:`unwrap_state_dict`), prefixes stripped.
+
+    Args:
+        checkpoint: A state dict or a training checkpoint holding one.
+        ema: Take the EMA weights (``'model_ema'`` or timm's ``'state_dict_ema'``).
+    """
+    return strip_prefixes(unwrap_state_dict(checkpoint, "model_ema" if ema else None))
 
 
 def detect_layout(state_dict: Mapping[str, Any], family: str | Family) -> str:
@@ -313,96 +251,12 @@ def check_state_dict(
         return
     parts = []
     if missing:
-        shown = ", ".join(f"{k} {list(exp[k])}" for k in missing[:limit])
+        shown = ", ".join(f"{k} {list(exp[k] or [])}" for k in missing[:limit])
         parts.append(f"{len(missing)} missing ({shown}{', ...' if len(missing) > limit else ''})")
     if unexpected:
         shown = ", ".join(f"{k} {list(_shape(state_dict[k]) or [])}" for k in unexpected[:limit])
         parts.append(f"{len(unexpected)} unexpected ({shown}{', ...' if len(unexpected) > limit else ''})")
     if misshaped:
-        shown = ", ".join(f"{k} {list(a or [])} != {list(b)}" for k, a, b in misshaped[:limit])
+        shown = ", ".join(f"{k} {list(a or [])} != {list(b or [])}" for k, a, b in misshaped[:limit])
         parts.append(f"{len(misshaped)} mis-shaped ({shown}{', ...' if len(misshaped) > limit else ''})")
     raise RemapError(f"checkpoint does not fit {what}: " + "; ".join(parts))
-
-
-_LINEAR = r"\.(?:weight|bias)"
-
-register_family(
-    Family(
-        name="cait",
-        to_layerscale=(
-            Rule(r"(blocks(?:_token_only)?\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
-            Rule(r"blocks(?:_token_only)?\.\d+\.ls[12]\.gamma", KEEP),
-            Rule(r"cls_token|pos_embed", KEEP),
-            Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
-            Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
-            Rule(r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
-        ),
-        to_gamma=(
-            Rule(r"(blocks(?:_token_only)?\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
-            Rule(r"blocks(?:_token_only)?\.\d+\.gamma_[12]", KEEP),
-            Rule(r"cls_token|pos_embed", KEEP),
-            Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
-            Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
-            Rule(r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
-        ),
-        official_prefix="module.",
-    )
-)
-
-# ViT-5 (official ``models_vit5.py``): RMSNorm (weight only), QK-norm, no qkv bias,
-# registers, and per-block rotary frequency buffers that this package recomputes.
-_VIT5_BLOCK = r"blocks\.\d+\.(?:(?:norm1|norm2|attn\.q_norm|attn\.k_norm)\.weight|attn\.qkv\.weight|(?:attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR + ")"
-_VIT5_TOP = (
-    Rule(r"cls_token|reg_token|pos_embed", KEEP),
-    Rule(r"patch_embed\.proj" + _LINEAR + r"|norm\.weight|head" + _LINEAR, KEEP),
-    Rule(_VIT5_BLOCK, KEEP),
-)
-
-register_family(
-    Family(
-        name="vit5",
-        to_layerscale=(
-            Rule(r"(blocks\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
-            Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
-            Rule(
-                r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs",
-                None,
-                why="rotary frequencies: constants the model recomputes (checked against them on loading)",
-            ),
-        )
-        + _VIT5_TOP,
-        # The official model also needs blocks.N.attn.rope.freqs / rope_reg.freqs; they are
-        # computed, not mapped: add timm_layerscale.models.vit5.rope_buffers(name).
-        to_gamma=(
-            Rule(r"(blocks\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
-            Rule(r"blocks\.\d+\.gamma_[12]", KEEP),
-            Rule(r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs", KEEP),
-        )
-        + _VIT5_TOP,
-    )
-)
-
-# DeiT-III (official ``models_v2.py``, files deit_3_*.pth = {'model': state_dict}; timm's
-# deit3_*): the same keys apart from LayerScale. The position embedding has no
-# class-token slot in both (timm builds deit3 with no_embed_class=True).
-_DEIT3_TOP = (
-    Rule(r"cls_token|pos_embed", KEEP),
-    Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
-    Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
-)
-
-register_family(
-    Family(
-        name="deit3",
-        to_layerscale=(
-            Rule(r"(blocks\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
-            Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
-        )
-        + _DEIT3_TOP,
-        to_gamma=(
-            Rule(r"(blocks\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
-            Rule(r"blocks\.\d+\.gamma_[12]", KEEP),
-        )
-        + _DEIT3_TOP,
-    )
-)

@@ -36,9 +36,10 @@ compare them operand by operand, and run both under several CPU kernel dispatche
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -83,7 +84,7 @@ class TalkingHeadAttn(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
@@ -121,13 +122,12 @@ class TalkingHeadAttn(nn.Module):
             return False
         if torch.is_autocast_enabled("cpu") or (self.training and self.attn_drop.p > 0.0):
             return False
-        if torch.is_grad_enabled():
-            if x.requires_grad or any(p.requires_grad for p in self.parameters()):
-                return False
-        return True
+        return not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
 
-_WORKSPACE: ContextVar[Optional[dict]] = ContextVar("timm_layerscale_attention_workspace", default=None)
+#: The shared buffers of an :func:`attention_workspace`, three per (dtype, device).
+_Workspace = dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]
+_WORKSPACE: ContextVar[_Workspace | None] = ContextVar("timm_layerscale_attention_workspace", default=None)
 
 
 @contextmanager
@@ -139,7 +139,7 @@ def _workspace() -> Iterator[None]:
         _WORKSPACE.reset(token)
 
 
-def attention_workspace() -> ContextManager[None]:
+def attention_workspace() -> AbstractContextManager[None]:
     """Share the buffered attention's buffers between the calls inside the ``with`` block.
 
     A model runs its blocks inside one, so a forward pass allocates the three

@@ -26,8 +26,10 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_, use_fused_attn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint, checkpoint_seq
+from timm.models._manipulate import checkpoint as grad_checkpoint
+from timm.models._manipulate import checkpoint_seq
 
+from ..conversion.families import CAIT_RELEASE_URL, Variant, variants_of
 from ..conversion.fold import fold_state_dict
 from ..layer_scale import LayerScale, cait_init_value, layer_scale_or_identity
 from ..layers.talking_heads import (
@@ -465,7 +467,7 @@ class CaitLS(nn.Module):
         with attention_workspace():
             for i, blk in enumerate(blocks):
                 if self.grad_checkpointing and not torch.jit.is_scripting():
-                    x = checkpoint(blk, x)
+                    x = grad_checkpoint(blk, x)
                 else:
                     x = blk(x)
                 if i in take_indices:
@@ -605,12 +607,16 @@ def _create_cait_ls(variant: str, pretrained: bool = False, **kwargs: Any) -> Ca
     )
 
 
-def _cfg(reference: str, file: str, img: int, **kwargs: Any) -> dict[str, Any]:
+#: The registered variants (:data:`timm_layerscale.conversion.families.VARIANTS`).
+VARIANTS = variants_of("cait")
+
+
+def _cfg(v: Variant) -> dict[str, Any]:
     return {
-        "url": f"https://dl.fbaipublicfiles.com/deit/{file}",
-        "hf_hub_id": f"timm/{reference}.fb_dist_in1k",
+        "url": CAIT_RELEASE_URL + str(v.official_file),
+        "hf_hub_id": f"timm/{v.reference}.fb_dist_in1k",
         "num_classes": 1000,
-        "input_size": (3, img, img),
+        "input_size": (3, v.img_size, v.img_size),
         "pool_size": None,
         "crop_pct": 1.0,
         "interpolation": "bicubic",
@@ -623,48 +629,14 @@ def _cfg(reference: str, file: str, img: int, **kwargs: Any) -> dict[str, Any]:
         "paper_ids": "arXiv:2103.17239",
         "paper_name": "Going deeper with Image Transformers",
         "origin_url": "https://github.com/facebookresearch/deit",
-        **kwargs,
     }
 
 
-default_cfgs = generate_default_cfgs({
-    "cait_xxs24_224_ls.fb_dist_in1k": _cfg("cait_xxs24_224", "XXS24_224.pth", 224),
-    "cait_xxs24_384_ls.fb_dist_in1k": _cfg("cait_xxs24_384", "XXS24_384.pth", 384),
-    "cait_xxs36_224_ls.fb_dist_in1k": _cfg("cait_xxs36_224", "XXS36_224.pth", 224),
-    "cait_xxs36_384_ls.fb_dist_in1k": _cfg("cait_xxs36_384", "XXS36_384.pth", 384),
-    "cait_xs24_384_ls.fb_dist_in1k": _cfg("cait_xs24_384", "XS24_384.pth", 384),
-    "cait_s24_224_ls.fb_dist_in1k": _cfg("cait_s24_224", "S24_224.pth", 224),
-    "cait_s24_384_ls.fb_dist_in1k": _cfg("cait_s24_384", "S24_384.pth", 384),
-    "cait_s36_384_ls.fb_dist_in1k": _cfg("cait_s36_384", "S36_384.pth", 384),
-    "cait_m36_384_ls.fb_dist_in1k": _cfg("cait_m36_384", "M36_384.pth", 384),
-    "cait_m48_448_ls.fb_dist_in1k": _cfg("cait_m48_448", "M48_448.pth", 448),
-})
-
-
-def _args(embed_dim: int, depth: int, num_heads: int, init_values: float) -> dict[str, Any]:
-    return dict(patch_size=16, embed_dim=embed_dim, depth=depth, num_heads=num_heads, init_values=init_values)
-
-
-#: Architecture of each registered variant (the released models' values).
-MODEL_ARGS: dict[str, dict[str, Any]] = {
-    "cait_xxs24_224_ls": _args(192, 24, 4, 1e-5),
-    "cait_xxs24_384_ls": _args(192, 24, 4, 1e-5),
-    "cait_xxs36_224_ls": _args(192, 36, 4, 1e-5),
-    "cait_xxs36_384_ls": _args(192, 36, 4, 1e-5),
-    "cait_xs24_384_ls": _args(288, 24, 6, 1e-5),
-    "cait_s24_224_ls": _args(384, 24, 8, 1e-5),
-    "cait_s24_384_ls": _args(384, 24, 8, 1e-5),
-    "cait_s36_384_ls": _args(384, 36, 8, 1e-6),
-    "cait_m36_384_ls": _args(768, 36, 16, 1e-6),
-    "cait_m48_448_ls": _args(768, 48, 16, 1e-6),
-}
-
-#: The timm model each variant reproduces.
-REFERENCE = {name: name[: -len("_ls")] for name in MODEL_ARGS}
+default_cfgs = generate_default_cfgs({f"{name}.fb_dist_in1k": _cfg(v) for name, v in VARIANTS.items()})
 
 
 def _make(name: str, pretrained: bool, kwargs: dict[str, Any]) -> CaitLS:
-    return _create_cait_ls(name, pretrained=pretrained, **dict(MODEL_ARGS[name], **kwargs))
+    return _create_cait_ls(name, pretrained=pretrained, **dict(VARIANTS[name].model_args, **kwargs))
 
 
 @register_model

@@ -50,7 +50,9 @@ from timm.models._manipulate import checkpoint
 from ..errors import RemapError
 from ..conversion.fold import fold_state_dict
 from ..layer_scale import LayerScale, layer_scale_or_identity
-from ..conversion.keys import WRAPPER_KEYS, strip_prefixes, to_layerscale, unwrap_state_dict
+from ..conversion.families import VIT5_HUB_REPO, VIT5_ROPE_THETA, Variant, check_rope_buffers, rope_buffers, variants_of
+from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
+from ..layers.rope import rope_bands, rotate_pairs
 
 __all__ = [
     "Vit5",
@@ -58,42 +60,16 @@ __all__ = [
     "Vit5Block",
     "Vit5RotaryEmbedding",
     "apply_rope",
-    "rope_bands",
-    "rope_buffers",
-    "check_rope_buffers",
-    "MODEL_ARGS",
-    "REFERENCE",
 ]
 
 #: ``(sin, cos)`` tables, each ``(N, head_dim)``, one row per token.
 RopeTables = Tuple[torch.Tensor, torch.Tensor]
 
 
-def rope_bands(head_dim: int, theta: float) -> torch.Tensor:
-    """Rotary frequencies of one grid axis, computed as the official code does.
-
-    Args:
-        head_dim: Width of one attention head, a multiple of 4.
-        theta: Base of the frequency progression (10000 for patches, 100 for registers).
-
-    Returns:
-        fp32 CPU tensor ``(head_dim // 4,)``: ``1 / theta ** (2i / (head_dim // 2))``.
-    """
-    if head_dim % 4:
-        raise ValueError(f"2-D rotary embedding needs a head width divisible by 4, got {head_dim}")
-    half = head_dim // 2
-    return 1.0 / (theta ** (torch.arange(0, half, 2)[: half // 2].float() / half))
-
-
-def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """``[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...]`` over the last dimension."""
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-
-
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     """Rotate interleaved channel pairs of ``x (..., N, head_dim)`` by the ``(sin, cos)`` tables ``(N, head_dim)``."""
     sin, cos = rope
-    return (x * cos + _rotate_pairs(x) * sin).to(x.dtype)
+    return (x * cos + rotate_pairs(x) * sin).to(x.dtype)
 
 
 class Vit5RotaryEmbedding(nn.Module):
@@ -601,71 +577,10 @@ class Vit5(nn.Module):
         return int(total) * int(batch_size)
 
 
-def _official_rope_keys(depth: int) -> List[str]:
-    return [f"blocks.{i}.attn.{name}.freqs" for i in range(depth) for name in ("rope", "rope_reg")]
-
-
-def _rope_source(name_or_model: Union[str, nn.Module]) -> Tuple[int, int, float, float]:
-    """``(depth, head_dim, rope_theta, reg_rope_theta)`` of a model or a registered name."""
-    if isinstance(name_or_model, nn.Module):
-        m = name_or_model
-        if m.rope_reg is None:
-            raise ValueError("the model has no register tokens; the official layout always has them")
-        return len(m.blocks), m.rope.head_dim, m.rope.theta, m.rope_reg.theta
-    base = name_or_model.split(".", 1)[0]
-    if base not in MODEL_ARGS:
-        raise KeyError(f"unknown ViT-5 model {name_or_model!r}; choose one of: {', '.join(MODEL_ARGS)}")
-    args = MODEL_ARGS[base]
-    return args["depth"], args["embed_dim"] // args["num_heads"], 10000.0, 100.0
-
-
-def rope_buffers(name_or_model: Union[str, nn.Module]) -> Dict[str, torch.Tensor]:
-    """The official checkpoint's rotary buffers, recomputed.
-
-    The official model stores each block's frequencies as persistent buffers
-    (``blocks.i.attn.rope.freqs``, ``blocks.i.attn.rope_reg.freqs``), so its
-    ``load_state_dict(strict=True)`` needs them. This package computes them instead;
-    add these to a state dict mapped back with ``remap.to_gamma(..., "vit5")`` to get a
-    file the official code loads.
-
-    Args:
-        name_or_model: A registered ViT-5 name (a pretrained tag is ignored) or a :class:`Vit5`.
-
-    Returns:
-        Key to fp32 tensor ``(head_dim // 4,)``, a separate tensor per key.
-    """
-    depth, head_dim, theta, reg_theta = _rope_source(name_or_model)
-    patch, reg = rope_bands(head_dim, theta), rope_bands(head_dim, reg_theta)
-    out: Dict[str, torch.Tensor] = {}
-    for key in _official_rope_keys(depth):
-        out[key] = (reg if key.endswith("rope_reg.freqs") else patch).clone()
-    return out
-
-
-def check_rope_buffers(state_dict: Mapping[str, Any], name_or_model: Union[str, nn.Module]) -> None:
-    """Check an official state dict's ``*.freqs`` buffers against the computed tables.
-
-    Buffers that are absent are fine (a converted file has none). Equality allows one
-    or two float32 ulps (relative 1e-6), the spread of ``pow`` across builds.
-
-    Raises:
-        RemapError: A buffer has another shape or other values: the checkpoint was made
-            with other rotary settings (theta, head width) than this model computes.
-    """
-    found = {k: v for k, v in state_dict.items() if k.endswith((".attn.rope.freqs", ".attn.rope_reg.freqs"))}
-    if not found:
-        return
-    expected = rope_buffers(name_or_model)
-    for key, value in found.items():
-        want = expected.get(key)
-        if want is None:
-            raise RemapError(f"checkpoint has a rotary buffer {key!r} for a block the model does not have")
-        got = torch.as_tensor(value).detach().to("cpu", torch.float32)
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-6, atol=0.0):
-            raise RemapError(
-                f"checkpoint's rotary frequencies {key!r} differ from the ones this model computes "
-                f"(shape {list(got.shape)} vs {list(want.shape)}); it was trained with other rotary settings"
-            )
+def _official_rope(model: Vit5) -> Dict[str, torch.Tensor]:
+    """The rotary buffers an official checkpoint of ``model``'s shape holds."""
+    reg_theta = model.rope_reg.theta if model.rope_reg is not None else VIT5_ROPE_THETA[1]
+    return rope_buffers(len(model.blocks), model.rope.head_dim, (model.rope.theta, reg_theta))
 
 
 def _wants_ema(model: nn.Module) -> bool:
@@ -694,8 +609,8 @@ def checkpoint_filter_fn(
     if use_ema is None:
         use_ema = _wants_ema(model)
     wrapped = any(k in state_dict for k in WRAPPER_KEYS)
-    sd = strip_prefixes(unwrap_state_dict(state_dict, "model_ema" if use_ema and wrapped else None))
-    check_rope_buffers(sd, model)
+    sd = state_dict_of(state_dict, ema=bool(use_ema and wrapped))
+    check_rope_buffers(sd, _official_rope(model))
     out = to_layerscale(sd, "vit5")
     pe = out.get("pos_embed")
     if pe is not None and pe.shape != model.pos_embed.shape:
@@ -719,13 +634,14 @@ def _create_vit5(variant: str, pretrained: bool = False, **kwargs: Any) -> Vit5:
     )
 
 
-def _cfg(file: str = "", img: int = 224, **kwargs: Any) -> Dict[str, Any]:
+def _cfg(v: Variant, **kwargs: Any) -> Dict[str, Any]:
+    file = v.official_file
     return {
         "url": "",
-        "hf_hub_id": "FengWang3211/ViT-5" if file else None,
+        "hf_hub_id": VIT5_HUB_REPO if file else None,
         "hf_hub_filename": file or None,
         "num_classes": 1000,
-        "input_size": (3, img, img),
+        "input_size": (3, v.img_size, v.img_size),
         "pool_size": None,
         "crop_pct": 1.0,
         "interpolation": "bicubic",
@@ -744,41 +660,21 @@ def _cfg(file: str = "", img: int = 224, **kwargs: Any) -> Dict[str, Any]:
 
 _EMA_NOTE = ("EMA weights ('model_ema') of the released training checkpoint",)
 
-default_cfgs = generate_default_cfgs({
-    "vit5_small_patch16_224.in1k": _cfg("vit5_small_patch16_224.pth", 224),
-    "vit5_small_patch16_224.in1k_ema": _cfg("vit5_small_patch16_224.pth", 224, notes=_EMA_NOTE),
-    "vit5_base_patch16_224.in1k": _cfg("vit5_base_patch16_224.pth", 224),
-    "vit5_base_patch16_224.in1k_ema": _cfg("vit5_base_patch16_224.pth", 224, notes=_EMA_NOTE),
-    "vit5_base_patch16_384.in1k": _cfg("vit5_base_patch16_384.pth", 384),
-    "vit5_base_patch16_384.in1k_ema": _cfg("vit5_base_patch16_384.pth", 384, notes=_EMA_NOTE),
-    "vit5_large_patch16_224.in1k": _cfg("vit5_large_patch16_224.pth", 224),
-    "vit5_large_patch16_224.in1k_ema": _cfg("vit5_large_patch16_224.pth", 224, notes=_EMA_NOTE),
-    "vit5_large_patch16_384.in1k": _cfg("vit5_large_patch16_384.pth", 384),
-    "vit5_large_patch16_384.in1k_ema": _cfg("vit5_large_patch16_384.pth", 384, notes=_EMA_NOTE),
-    "vit5_xlarge_patch16_224": _cfg(),
-})
+
+def _tags(v: Variant) -> Dict[str, Dict[str, Any]]:
+    if v.official_file is None:
+        return {v.name: _cfg(v)}
+    return {f"{v.name}.in1k": _cfg(v), f"{v.name}.in1k_ema": _cfg(v, notes=_EMA_NOTE)}
 
 
-def _args(embed_dim: int, depth: int, num_heads: int) -> Dict[str, Any]:
-    return dict(patch_size=16, embed_dim=embed_dim, depth=depth, num_heads=num_heads, init_values=1e-4)
+#: The registered variants (:data:`timm_layerscale.conversion.families.VARIANTS`).
+VARIANTS = variants_of("vit5")
 
-
-#: Architecture of each registered variant (the official models' values).
-MODEL_ARGS: Dict[str, Dict[str, Any]] = {
-    "vit5_small_patch16_224": _args(384, 12, 6),
-    "vit5_base_patch16_224": _args(768, 12, 12),
-    "vit5_base_patch16_384": _args(768, 12, 12),
-    "vit5_large_patch16_224": _args(1024, 24, 16),
-    "vit5_large_patch16_384": _args(1024, 24, 16),
-    "vit5_xlarge_patch16_224": _args(1152, 28, 16),
-}
-
-#: timm has no ViT-5: parity is checked against :mod:`timm_layerscale.parity.references`.
-REFERENCE: Dict[str, Optional[str]] = {name: None for name in MODEL_ARGS}
+default_cfgs = generate_default_cfgs({tag: cfg for v in VARIANTS.values() for tag, cfg in _tags(v).items()})
 
 
 def _make(name: str, pretrained: bool, kwargs: Dict[str, Any]) -> Vit5:
-    return _create_vit5(name, pretrained=pretrained, **dict(MODEL_ARGS[name], **kwargs))
+    return _create_vit5(name, pretrained=pretrained, **dict(VARIANTS[name].model_args, **kwargs))
 
 
 @register_model

@@ -18,7 +18,8 @@ operation for operation:
 5. final RMSNorm, class token, linear head.
 
 RMSNorm computes in fp32 and multiplies the weight after casting back, as the official
-code does. It shares no code with :mod:`timm_layerscale.models.vit5`.
+code does. It shares only the rotary frequency table and pair rotation (:mod:`timm_layerscale.layers.rope`)
+with :mod:`timm_layerscale.models.vit5`.
 """
 from __future__ import annotations
 
@@ -28,18 +29,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["Vit5Official", "build_reference", "rope_buffers", "CONFIGS"]
+from ..conversion.families import Variant
+from ..layers.rope import rope_bands, rotate_pairs
 
-#: ``(embed_dim, depth, num_heads, img_size)`` of the six ViT-5 variants.
-CONFIGS: dict[str, tuple[int, int, int, int]] = {
-    "vit5_small_patch16_224": (384, 12, 6, 224),
-    "vit5_base_patch16_224": (768, 12, 12, 224),
-    "vit5_base_patch16_384": (768, 12, 12, 384),
-    "vit5_large_patch16_224": (1024, 24, 16, 224),
-    "vit5_large_patch16_384": (1024, 24, 16, 384),
-    "vit5_xlarge_patch16_224": (1152, 28, 16, 224),
-}
-
+__all__ = ["Vit5Official", "build_official_vit5"]
 
 class RMSNorm(nn.Module):
     """``weight * (x / sqrt(mean(x^2) + eps))``, the mean over the last dimension, in fp32."""
@@ -57,13 +50,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs by 90 degrees: ``(a, b) -> (-b, a)``."""
-    pairs = x.unflatten(-1, (-1, 2))
-    a, b = pairs.unbind(-1)
-    return torch.stack((-b, a), dim=-1).flatten(-2)
-
-
 class VisionRope(nn.Module):
     """2-D rotary embedding of tokens on a square grid, frequencies in a persistent ``freqs`` buffer.
 
@@ -77,7 +63,7 @@ class VisionRope(nn.Module):
 
     def __init__(self, dim: int, pt_seq_len: int, theta: float = 10000) -> None:
         super().__init__()
-        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+        freqs = rope_bands(2 * dim, theta)
         self.register_buffer("freqs", freqs)
         self.pt_seq_len = pt_seq_len
 
@@ -219,34 +205,16 @@ class Vit5Official(nn.Module):
         return self.head(self.forward_features(x))
 
 
-def build_reference(name: str, **kwargs: Any) -> Vit5Official:
-    """The official-layout reference of a ViT-5 variant.
+def build_official_vit5(variant: Variant, **kwargs: Any) -> Vit5Official:
+    """The official-layout model of a ViT-5 variant, random weights.
 
     Args:
-        name: One of :data:`CONFIGS` (a pretrained tag after ``.`` is ignored).
+        variant: A ``vit5`` row of :data:`~timm_layerscale.conversion.families.VARIANTS`.
         **kwargs: Overrides of :class:`Vit5Official` arguments (``num_classes``, ...).
-
-    Returns:
-        The model (random weights), ready for ``load_state_dict(official_sd, strict=True)``.
     """
-    base = name.split(".", 1)[0]
-    if base not in CONFIGS:
-        raise KeyError(f"unknown ViT-5 model {name!r}; choose one of: {', '.join(CONFIGS)}")
-    dim, depth, heads, img = CONFIGS[base]
-    args: dict[str, Any] = dict(img_size=img, embed_dim=dim, depth=depth, num_heads=heads)
+    args: dict[str, Any] = dict(
+        img_size=variant.img_size, patch_size=variant.patch_size, embed_dim=variant.embed_dim,
+        depth=variant.depth, num_heads=variant.num_heads,
+    )
     args.update(kwargs)
     return Vit5Official(**args)
-
-
-def rope_buffers(name: str) -> dict[str, torch.Tensor]:
-    """The ``blocks.N.attn.rope.freqs`` / ``rope_reg.freqs`` buffers the reference of ``name`` computes."""
-    base = name.split(".", 1)[0]
-    if base not in CONFIGS:
-        raise KeyError(f"unknown ViT-5 model {name!r}; choose one of: {', '.join(CONFIGS)}")
-    dim, depth, heads, img = CONFIGS[base]
-    half = dim // heads // 2
-    out: dict[str, torch.Tensor] = {}
-    for i in range(depth):
-        out[f"blocks.{i}.attn.rope.freqs"] = VisionRope(half, img // 16).freqs
-        out[f"blocks.{i}.attn.rope_reg.freqs"] = VisionRope(half, 2, theta=100).freqs
-    return out

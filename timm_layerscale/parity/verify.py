@@ -1,0 +1,152 @@
+"""Verification: the converted model against the reference, and the converted weights against the source.
+
+:func:`verify_state_dicts` builds both models, runs them on the same inputs
+(:func:`~timm_layerscale.parity.compare.compare_models`) and compares every converted
+tensor with its source (:func:`~timm_layerscale.parity.compare.compare_weights`).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..conversion.families import FAMILIES, Family, Variant
+from ..conversion.keys import to_layerscale
+from ..errors import CheckpointError
+from ..progress import verification_passes
+from .compare import ParityReport, compare_models, compare_weights
+from .inputs import image_inputs, seeded_inputs
+from .tolerance import VerifyOptions, resolve_tolerance
+from .references import build_loaded, build_reference, reference_name
+
+__all__ = ["verify_state_dicts", "build_converted", "align_attention"]
+
+
+def build_converted(
+    variant: Variant, state_dict: Mapping[str, torch.Tensor], num_classes: int | None = None, **kwargs: Any
+) -> nn.Module:
+    """Build the target model and load a state dict in any accepted layout, strictly.
+
+    Raises:
+        RemapError: Missing, unexpected or mis-shaped keys (all listed in one message).
+    """
+    import timm
+
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    sd = to_layerscale(state_dict, FAMILIES[variant.family])
+    return build_loaded(
+        lambda: timm.create_model(variant.name, **kwargs), sd, variant.name, on_meta=variant.family == "cait"
+    )
+
+
+def align_attention(reference: nn.Module, model: nn.Module) -> None:
+    """Make ``model`` take the reference's attention path.
+
+    timm fuses attention into ``scaled_dot_product_attention`` where it can; a
+    reference that computes attention by hand (the official-layout ViT-5) is matched
+    by turning fusion off in the converted model, so both run the same arithmetic.
+    """
+    if not any(getattr(m, "fused_attn", False) for m in reference.modules()):
+        for m in model.modules():
+            if hasattr(m, "fused_attn"):
+                setattr(m, "fused_attn", False)  # noqa: B010  (a Module attribute mypy sees as Tensor | Module)
+
+
+def _dtype_of(sd: Mapping[str, torch.Tensor]) -> torch.dtype:
+    for v in sd.values():
+        if v.is_floating_point():
+            return v.dtype
+    return torch.float32
+
+
+def _has_layerscale(sd: Mapping[str, torch.Tensor]) -> bool:
+    return any(k.endswith(("ls1.gamma", "ls2.gamma", "gamma_1", "gamma_2")) for k in sd)
+
+
+def _expected_weights(
+    src_sd: Mapping[str, torch.Tensor], conv_ls: Mapping[str, torch.Tensor], family: str | Family, fused: bool
+) -> dict[str, torch.Tensor]:
+    """The source's tensors as the converted ones must be: remapped, folded if ``fused``, cast to their dtypes."""
+    from ..conversion.fold import fold_state_dict
+
+    expected = to_layerscale(src_sd, family)
+    if fused:
+        expected = fold_state_dict(expected)
+    out = {}
+    for k, v in expected.items():
+        want = conv_ls.get(k)
+        out[k] = v.to(want.dtype) if want is not None and v.is_floating_point() else v
+    return out
+
+
+def _device(options: VerifyOptions) -> torch.device:
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CheckpointError(f"--device {options.device}: no CUDA device is available here; use --device cpu")
+    return torch.device(options.device)
+
+
+def verify_state_dicts(
+    src_sd: Mapping[str, torch.Tensor],
+    conv_sd: Mapping[str, torch.Tensor],
+    variant: Variant,
+    *,
+    num_classes: int | None = None,
+    options: VerifyOptions | None = None,
+    fused: bool | None = None,
+) -> ParityReport:
+    """Compare the reference on the original weights with the converted model, and the weights themselves.
+
+    Args:
+        src_sd: The original weights (unwrapped, prefixes stripped), any dtype.
+        conv_sd: The converted weights, any layout; their float dtype is the check's.
+        variant: The architecture.
+        num_classes: Classifier size when it differs from the variant's default.
+        options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`).
+        fused: The converted weights have LayerScale folded in; default: detected
+            (the source has gammas, the converted weights none).
+
+    Returns:
+        The :class:`~timm_layerscale.parity.compare.ParityReport`.
+    """
+    options = options or VerifyOptions()
+    device = _device(options)
+    family = FAMILIES[variant.family]
+    if fused is None:
+        fused = _has_layerscale(src_sd) and not _has_layerscale(conv_sd)
+    conv_ls = to_layerscale(conv_sd, family)
+    weights = compare_weights(_expected_weights(src_sd, conv_ls, family, fused), conv_ls)
+    dtype = _dtype_of(conv_sd)
+    tolerance = resolve_tolerance(variant.family, dtype, options, fused=fused)
+    ref, ref_name = build_reference(variant, src_sd, num_classes), reference_name(variant)
+    out = build_converted(variant, conv_sd, num_classes, **({"fused_layerscale": True} if fused else {}))
+    align_attention(ref, out)
+    ref.to(device, dtype)
+    out.to(device, dtype)
+    img: int | tuple[int, ...] = variant.img_size
+    cfg_size = getattr(out, "pretrained_cfg", {}).get("input_size")
+    if cfg_size:
+        img = tuple(cfg_size[-2:])
+    inputs = seeded_inputs(options.num_inputs, img, options.seed)
+    size = img if isinstance(img, int) else "x".join(map(str, img))
+    desc = f"{options.num_inputs} seeded N(0,1) images (seed {options.seed}) at {size}"
+    if options.images:
+        files = image_inputs(options.images, out)
+        if files.shape[-2:] != inputs.shape[-2:]:
+            raise CheckpointError("image files resolve to another input size than the model's; check the image files")
+        inputs = torch.cat([inputs, files])
+        desc += f" + {len(options.images)} image file(s)"
+    return compare_models(
+        ref,
+        out,
+        inputs,
+        reference_name=ref_name,
+        model_name=f"{variant.name} (fused_layerscale)" if fused else variant.name,
+        family=variant.family,
+        inputs_desc=desc,
+        batch_size=options.batch_size,
+        tolerance=tolerance,
+        weights=weights,
+        progress=verification_passes,
+    )
