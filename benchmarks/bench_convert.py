@@ -18,6 +18,7 @@ Usage::
 
     python benchmarks/bench_convert.py [--repeats 5] [--quick] [--workdir DIR] [--results PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,16 @@ def measure(src: Path, out: Path, repeats: int, env: dict[str, str]) -> dict[str
     commands = {
         "import torch": [python, "-c", "import torch"],
         "cp": ["cp", str(src), str(out)],
-        "convert --no-verify": [python, "-m", "timm_layerscale", "convert", str(src), str(out), "--no-verify", "--overwrite"],
+        "convert --no-verify": [
+            python,
+            "-m",
+            "timm_layerscale",
+            "convert",
+            str(src),
+            str(out),
+            "--no-verify",
+            "--overwrite",
+        ],
     }
     found: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in commands}
     digests = set()
@@ -93,7 +103,7 @@ def report(found: dict[str, tuple[list[float], list[float]]], size: int, repeats
         "",
         "| command | wall s | peak RSS MiB |",
         "|---|---:|---:|",
-        f"| `python -c \"import torch\"` | {wall['import torch']:.2f} | {rss['import torch']:.0f} |",
+        f'| `python -c "import torch"` | {wall["import torch"]:.2f} | {rss["import torch"]:.0f} |',
         f"| `cp` | {wall['cp']:.2f} | {rss['cp']:.0f} |",
         f"| `timm-layerscale convert SOURCE OUT.safetensors --no-verify` | {wall[conv]:.2f} | {rss[conv]:.0f} |",
         "",
@@ -116,8 +126,10 @@ def report(found: dict[str, tuple[list[float], list[float]]], size: int, repeats
 def write_section(results: Path, body: str, command: str, seconds: float, load_before: str) -> None:
     """Replace (or append) this script's section of ``results``, keeping every other section."""
     name = Path(__file__).name
-    section = f"## {name}\n\n`{command}`: {seconds:.0f} s, exit 0; load average before {load_before}, after " \
-              f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.\n\n{body}\n"
+    section = (
+        f"## {name}\n\n`{command}`: {seconds:.0f} s, exit 0; load average before {load_before}, after "
+        f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.\n\n{body}\n"
+    )
     text = results.read_text() if results.exists() else "# Benchmark results\n"
     start = text.find(f"\n## {name}\n")
     if start < 0:
@@ -135,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="runs per command; medians are compared")
     parser.add_argument("--quick", action="store_true", help="2 runs of each")
     parser.add_argument("--workdir", type=Path, help="folder for the big files (default: a new temporary folder)")
-    parser.add_argument("--results", default=str(HERE / "RESULTS.md"),
-                        help="markdown file whose bench_convert.py section is replaced; '' for none")
+    parser.add_argument(
+        "--results",
+        default=str(HERE / "RESULTS.md"),
+        help="markdown file whose bench_convert.py section is replaced; '' for none",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = 2
@@ -154,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(body)
     if args.results and not os.environ.get("TIMM_LAYERSCALE_BENCH_RUNNER"):
-        shown = "python benchmarks/bench_convert.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+        shown = (
+            "python benchmarks/bench_convert.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+        )
         write_section(Path(args.results), body, shown, time.perf_counter() - start, load_before)
     return 0 if identical else 1
 

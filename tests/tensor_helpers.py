@@ -1,4 +1,5 @@
 """Tensors and state dicts shared by the reading and writing tests."""
+
 from __future__ import annotations
 
 import struct
@@ -8,8 +9,18 @@ from pathlib import Path
 import torch
 
 ALL_DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
 ]
 
 
@@ -40,8 +51,10 @@ def assert_same_tensors(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Ten
     assert set(a) == set(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
-                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
+        assert torch.equal(
+            a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+            b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k],
+        ), k
 
 
 def leftovers(folder: Path) -> list[str]:

@@ -1,4 +1,5 @@
 """Reading checkpoints: formats, bad files, hashing, finite checks (timm_layerscale.conversion.io)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -47,6 +48,7 @@ def test_lazy_safetensors_mapping(tmp_path, monkeypatch):
     save_file(sd, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
     lazy = load_checkpoint(tmp_path / "m.safetensors")
     assert isinstance(lazy, Mapping) and not hasattr(lazy, "__setitem__")
+    assert isinstance(lazy, LazySafetensors)
     assert lazy.metadata == {"format": "pt"}
     header = json.loads(header_bytes(tmp_path / "m.safetensors"))
     by_offset = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
@@ -144,9 +146,12 @@ class _Payload:
 @pytest.mark.parametrize("legacy", [False, True])
 def test_load_refuses_code_and_runs_none(tmp_path, legacy):
     marker = tmp_path / "created-by-unpickling"
-    torch.save({"model": {"w": torch.ones(1)}, "x": _Payload(str(marker))}, tmp_path / "evil.pth",
-               _use_new_zipfile_serialization=not legacy)
-    with pytest.raises(CheckpointError, match="contains code or objects that are not tensors.*was not loaded"):
+    torch.save(
+        {"model": {"w": torch.ones(1)}, "x": _Payload(str(marker))},
+        tmp_path / "evil.pth",
+        _use_new_zipfile_serialization=not legacy,
+    )
+    with pytest.raises(CheckpointError, match=r"contains code or objects that are not tensors.*was not loaded"):
         load_checkpoint(tmp_path / "evil.pth")
     assert not marker.exists()
 

@@ -1,4 +1,5 @@
 """Writing checkpoints: bytes, round trips, atomicity, memory (timm_layerscale.conversion.save)."""
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from tensor_helpers import ALL_DTYPES, assert_same_tensors, header_bytes, leftov
 from timm_layerscale.conversion.io import LazySafetensors, check_finite, load_checkpoint, parse_dtype
 from timm_layerscale.conversion.save import atomic_output, save_pth, save_safetensors, save_state_dict
 from timm_layerscale.errors import CheckpointError, OutputExistsError
+
 
 def assert_matches_save_file(tmp: Path, tensors, metadata=None, **kwargs) -> None:
     save_file(tensors, str(tmp / "ref.safetensors"), metadata=metadata)
@@ -51,7 +53,9 @@ def test_multi_key_metadata_matches_up_to_key_order(tmp_path):
     save_safetensors(tmp_path / "ours.safetensors", tensors, metadata)
     ours, ref = ((tmp_path / n).read_bytes() for n in ("ours.safetensors", "ref.safetensors"))
     assert len(ours) == len(ref)
-    assert json.loads(header_bytes(tmp_path / "ours.safetensors")) == json.loads(header_bytes(tmp_path / "ref.safetensors"))
+    assert json.loads(header_bytes(tmp_path / "ours.safetensors")) == json.loads(
+        header_bytes(tmp_path / "ref.safetensors")
+    )
     assert ours.endswith(ref[8 + len(header_bytes(tmp_path / "ref.safetensors")) :])
     assert list(json.loads(header_bytes(tmp_path / "ours.safetensors"))["__metadata__"]) == ["a", "format", "z"]
 
@@ -116,7 +120,9 @@ def test_empty_dict_with_empty_metadata_is_valid(tmp_path):
 # ---------------------------------------------------------------- writing: round trips and dispatch
 
 
-@pytest.mark.parametrize("suffix, fmt", [(".safetensors", None), (".pth", None), (".pt", None), (".out", "pth"), (".out", "safetensors")])
+@pytest.mark.parametrize(
+    "suffix, fmt", [(".safetensors", None), (".pth", None), (".pt", None), (".out", "pth"), (".out", "safetensors")]
+)
 def test_save_state_dict_round_trip(tmp_path, suffix, fmt):
     sd = {f"t{i}": make_tensor((2, 3), dt, i) for i, dt in enumerate(ALL_DTYPES)}
     path = tmp_path / f"sd{suffix}"
@@ -172,7 +178,7 @@ def test_save_rejects_unstorable_input(tmp_path, tensors, metadata):
 
 def test_save_pth_rejects_non_tensors(tmp_path):
     with pytest.raises(CheckpointError, match="not a tensor"):
-        save_pth(tmp_path / "x.pth", {"epoch": 3})
+        save_pth(tmp_path / "x.pth", {"epoch": 3})  # type: ignore[dict-item]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -228,9 +234,8 @@ def test_atomic_output_temp_name_and_os_error(tmp_path):
         assert tmp.parent == tmp_path and tmp.name.startswith(".f.bin.tmp-")
         tmp.write_bytes(b"done")
     assert (tmp_path / "f.bin").read_bytes() == b"done" and leftovers(tmp_path) == []
-    with pytest.raises(CheckpointError, match="writing .* failed"):
-        with atomic_output(tmp_path / "g.bin"):
-            raise OSError(28, "No space left on device")
+    with pytest.raises(CheckpointError, match=r"writing .* failed"), atomic_output(tmp_path / "g.bin"):
+        raise OSError(28, "No space left on device")
     assert leftovers(tmp_path) == [] and not (tmp_path / "g.bin").exists()
 
 
@@ -239,8 +244,11 @@ def test_overwrite_refused_before_any_work(tmp_path):
     out.write_bytes(b"keep me")
     before = out.stat().st_mtime_ns
     watched = Interrupting({"a": torch.ones(1)}, after=10**9, error=RuntimeError())
-    for save in (lambda: save_safetensors(out, watched), lambda: save_state_dict(out, watched),
-                 lambda: save_pth(out, watched)):
+    for save in (
+        lambda: save_safetensors(out, watched),
+        lambda: save_state_dict(out, watched),
+        lambda: save_pth(out, watched),
+    ):
         with pytest.raises(OutputExistsError, match="exists; pass overwrite=True to replace it"):
             save()
     assert watched.reads == 0

@@ -1,8 +1,10 @@
 """The one-pass conversion (timm_layerscale.conversion.stream): the same bytes, hash and errors as the general path."""
+
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,16 @@ from tensor_helpers import ALL_DTYPES, header_bytes, make_tensor
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline, save, stream
 from timm_layerscale.conversion.io import check_finite, load_checkpoint
-from timm_layerscale.conversion.keys import official_checkpoint, strip_prefixes, to_gamma, unwrap_state_dict
+from timm_layerscale.conversion.keys import official_checkpoint, strip_prefixes, unwrap_state_dict
 from timm_layerscale.conversion.save import save_safetensors
 from timm_layerscale.conversion.stream import SourcePass, map_source
 from timm_layerscale.errors import CheckpointError
+
+
+def prepared(path: Path, sd: Mapping[str, torch.Tensor], check: bool = True) -> SourcePass:
+    one = SourcePass.prepare(path, sd, check=check)
+    assert one is not None, "no pass applies"
+    return one
 
 
 def sha256(path: Path) -> str:
@@ -48,8 +56,8 @@ def small_pieces(monkeypatch):
 
 def test_copy_writes_the_bytes_of_save_safetensors(source, tmp_path, small_pieces):
     sd = load_checkpoint(source)
-    one = SourcePass.prepare(source, sd)
-    assert one is not None and one.can_copy(sd)
+    one = prepared(source, sd)
+    assert one.can_copy(sd)
     metadata = {"format": "pt", "note": "é"}
     digest = one.copy_to_safetensors(tmp_path / "fast.safetensors", sd, metadata, digest_key="sha")
     assert digest == metadata["sha"] == sha256(source)
@@ -58,14 +66,19 @@ def test_copy_writes_the_bytes_of_save_safetensors(source, tmp_path, small_piece
 
 
 def test_hash_is_the_files(source, small_pieces):
-    assert SourcePass.prepare(source, load_checkpoint(source)).run() == sha256(source)
+    assert prepared(source, load_checkpoint(source)).run() == sha256(source)
 
 
 @pytest.mark.parametrize("pieces", ["small", "large"])
 def test_nonfinite_named_as_check_finite_names_it(tmp_path, monkeypatch, pieces):
     if pieces == "small":
         monkeypatch.setattr(stream, "_PIECE", 4096)
-    sd = {"a": torch.randn(3000), "b.half": torch.randn(5000).half(), "c": torch.randn(40), "d.bf16": torch.randn(9000).bfloat16()}
+    sd = {
+        "a": torch.randn(3000),
+        "b.half": torch.randn(5000).half(),
+        "c": torch.randn(40),
+        "d.bf16": torch.randn(9000).bfloat16(),
+    }
     sd["b.half"][4321] = float("inf")
     sd["d.bf16"][-1] = float("nan")
     sd["c"][0] = float("-inf")
@@ -74,14 +87,20 @@ def test_nonfinite_named_as_check_finite_names_it(tmp_path, monkeypatch, pieces)
     with pytest.raises(CheckpointError) as general:
         check_finite(loaded)
     with pytest.raises(CheckpointError) as fast:
-        SourcePass.prepare(tmp_path / "bad.pth", loaded).run()
-    assert str(fast.value) == str(general.value) == (
-        "3 tensor(s) contain NaN or Inf, first 'b.half'; check the source checkpoint, or pass allow_nonfinite=True to convert anyway"
+        prepared(tmp_path / "bad.pth", loaded).run()
+    assert (
+        str(fast.value)
+        == str(general.value)
+        == (
+            "3 tensor(s) contain NaN or Inf, first 'b.half'; check the source checkpoint, or pass allow_nonfinite=True to convert anyway"
+        )
     )
-    with pytest.raises(CheckpointError, match="first 'b.half'"):
-        SourcePass.prepare(tmp_path / "bad.pth", loaded).copy_to_safetensors(tmp_path / "x.safetensors", loaded, {}, digest_key="s")
+    with pytest.raises(CheckpointError, match=r"first 'b\.half'"):
+        prepared(tmp_path / "bad.pth", loaded).copy_to_safetensors(
+            tmp_path / "x.safetensors", loaded, {}, digest_key="s"
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pth"]  # nothing written, no temporary left
-    allowed = SourcePass.prepare(tmp_path / "bad.pth", loaded, check=False)
+    allowed = prepared(tmp_path / "bad.pth", loaded, check=False)
     metadata: dict[str, str] = {}
     allowed.copy_to_safetensors(tmp_path / "x.safetensors", loaded, metadata, digest_key="s")
     save_safetensors(tmp_path / "y.safetensors", loaded, metadata)
@@ -89,15 +108,21 @@ def test_nonfinite_named_as_check_finite_names_it(tmp_path, monkeypatch, pieces)
 
 
 def test_sums_that_overflow_are_no_false_alarm(tmp_path):
-    big = {"f32": torch.full((1000,), 3e38), "f16": torch.full((1000,), 60000.0).half(), "bf16": torch.full((1000,), 3e38).bfloat16()}
+    big = {
+        "f32": torch.full((1000,), 3e38),
+        "f16": torch.full((1000,), 60000.0).half(),
+        "bf16": torch.full((1000,), 3e38).bfloat16(),
+    }
     torch.save(big, tmp_path / "big.pth")
-    assert SourcePass.prepare(tmp_path / "big.pth", load_checkpoint(tmp_path / "big.pth")).run() == sha256(tmp_path / "big.pth")
+    assert prepared(tmp_path / "big.pth", load_checkpoint(tmp_path / "big.pth")).run() == sha256(tmp_path / "big.pth")
 
 
 def test_where_no_pass_applies(tmp_path):
     t = torch.randn(4, 6)
     torch.save({"a": t}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
-    assert SourcePass.prepare(tmp_path / "legacy.pth", load_checkpoint(tmp_path / "legacy.pth")) is None  # read into memory
+    assert (
+        SourcePass.prepare(tmp_path / "legacy.pth", load_checkpoint(tmp_path / "legacy.pth")) is None
+    )  # read into memory
     torch.save({"a": t, "row": torch.randn(6)}, tmp_path / "zip.pth")
     sd = dict(load_checkpoint(tmp_path / "zip.pth"))
     assert map_source(tmp_path / "zip.pth", sd) is not None
@@ -106,7 +131,7 @@ def test_where_no_pass_applies(tmp_path):
     assert map_source(tmp_path / "zip.pth", {**sd, "wide": sd["row"].expand(3, 6)}) is None
     assert map_source(tmp_path / "zip.pth", {**sd, "n": 3}) is None
     assert map_source(tmp_path / "zip.pth", {"a": t}) is None  # not from this file
-    one = SourcePass.prepare(tmp_path / "zip.pth", sd)
+    one = prepared(tmp_path / "zip.pth", sd)
     assert one.can_copy(sd) and not one.can_copy(sd, torch.float16) and one.can_copy(sd, torch.float32)
     assert not one.can_copy({**sd, "extra": torch.ones(2)})
 
@@ -121,7 +146,7 @@ def test_a_tensor_changed_in_memory_is_not_taken_from_the_file(tmp_path):
 
 def test_a_source_that_grows_during_the_pass_is_refused(tmp_path):
     torch.save({"a": torch.randn(100)}, tmp_path / "s.pth")
-    one = SourcePass.prepare(tmp_path / "s.pth", load_checkpoint(tmp_path / "s.pth"))
+    one = prepared(tmp_path / "s.pth", load_checkpoint(tmp_path / "s.pth"))
     with open(tmp_path / "s.pth", "ab") as f:
         f.write(b"more")
     with pytest.raises(CheckpointError, match="changed while it was being read"):
@@ -154,12 +179,17 @@ def _official_file(path: Path, sd: dict[str, torch.Tensor], dtype: torch.dtype) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_conversion_bytes_equal_the_general_path(official_sd, tmp_path, general_path, dtype):
     src = _official_file(tmp_path / "XXS24_224.pth", official_sd, dtype)
-    calls = []
+    calls: list[Path] = []
     real = SourcePass.copy_to_safetensors
+
+    def counted(self, output, *args, **kwargs):
+        calls.append(output)
+        return real(self, output, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SourcePass, "copy_to_safetensors", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+        mp.setattr(SourcePass, "copy_to_safetensors", counted)
         fast = pipeline.convert_checkpoint(src, tmp_path / "fast.safetensors", verify=False)
-    assert calls == [1]
+    assert calls == [tmp_path / "fast.safetensors"]
     general_path()
     general = pipeline.convert_checkpoint(src, tmp_path / "general.safetensors", verify=False)
     assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "general.safetensors").read_bytes()
@@ -205,11 +235,15 @@ def test_other_outputs_hash_and_check_in_one_read_then_write(official, tmp_path,
         source = pipeline.convert_checkpoint(official, tmp_path / "ls.safetensors", verify=False).output
     for name in ("sha256_file", "check_finite"):
         monkeypatch.setattr(ckpt, name, lambda *a, **k: pytest.fail("read the source again"))
-    copies = []
-    monkeypatch.setattr(SourcePass, "copy_to_safetensors", lambda *a, **k: copies.append(1))
-    writes = []
+    monkeypatch.setattr(SourcePass, "copy_to_safetensors", lambda *a, **k: pytest.fail("not a plain copy"))
+    writes: list[Path] = []
     real = save.save_state_dict
-    monkeypatch.setattr(save, "save_state_dict", lambda *a, **k: writes.append(1) or real(*a, **k))
+
+    def counted(path, *args, **kwargs):
+        writes.append(path)
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(save, "save_state_dict", counted)
     suffix = ".pth" if options.get("fmt") == "pth" else ".safetensors"
     result = pipeline.convert_checkpoint(source, tmp_path / f"x{suffix}", verify=False, **options)
-    assert result.source_sha256 == sha256(source) and copies == [] and writes == [1]
+    assert result.source_sha256 == sha256(source) and writes == [tmp_path / f"x{suffix}"]

@@ -1,4 +1,5 @@
 """A killed writer's temporary is removed by the next write of the same output, a live one's never."""
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,9 @@ def temporaries_of(target: Path) -> list[str]:
 
 def dead_pid() -> int:
     """The id of a process that has ended."""
-    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    p = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     return int(p.stdout)
 
 
@@ -158,7 +161,9 @@ def test_the_lock_decides_and_the_pid_guards(tmp_path):
         holder.kill()
         holder.wait()
     assert sorted(p.name for p in removed) == sorted(n for n, stale in cases.items() if stale)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["locked", *(n for n, stale in cases.items() if not stale)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["locked", *(n for n, stale in cases.items() if not stale)]
+    )
     assert [p.name for p in remove_stale_temporaries(out)] == [f".x.bin.tmp-{dead}-ffff"]  # its holder is gone now
 
 

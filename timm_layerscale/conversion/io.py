@@ -8,6 +8,7 @@ finite values. Bad input raises :class:`~timm_layerscale.errors.CheckpointError`
 one-line message saying what is wrong and what to do. Writing is in
 :mod:`~timm_layerscale.conversion.save`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,16 @@ _CHUNK = 1 << 20  # bytes per read when hashing
 _ZIP_MAGIC = b"PK\x03\x04"
 
 _DTYPE_NAMES = {
-    "fp32": torch.float32, "float32": torch.float32, "f32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "f16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
 }
 
 
@@ -95,7 +103,7 @@ FOLDER_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 REMOTE_PREFIXES = ("https://", "http://", "hf-hub:")
 
 
-def resolve_source(source: str | os.PathLike) -> Path:
+def resolve_source(source: str | os.PathLike[str]) -> Path:
     """Turn a checkpoint source into a local file.
 
     Args:
@@ -122,7 +130,7 @@ def resolve_source(source: str | os.PathLike) -> Path:
     return path
 
 
-def _readable_file(path: str | os.PathLike) -> Path:
+def _readable_file(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     if p.is_dir():
         raise CheckpointError(f"{p} is a directory, not a checkpoint; pass the .pth or .safetensors file inside it")
@@ -158,7 +166,7 @@ def _text_error(p: Path, head: bytes) -> CheckpointError | None:
     return CheckpointError(f"{p} is a text file, not a checkpoint (it starts with {first!r}); download it again")
 
 
-def load_checkpoint(path: str | os.PathLike) -> Any:
+def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     """Load a checkpoint without running code from it.
 
     PyTorch files (``.pth``, ``.pt``, ``.bin``, ``.ckpt``) are read with
@@ -229,7 +237,7 @@ def load_checkpoint(path: str | os.PathLike) -> Any:
     return obj
 
 
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
     """Return the SHA-256 of a file as 64 lowercase hex digits, reading 1 MiB at a time."""
     p = Path(path)
     if not p.is_file():
@@ -243,7 +251,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def file_identity(path: str | os.PathLike) -> tuple[int, ...] | None:
+def file_identity(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
     """What changes when a file is rewritten or replaced: device, inode, size, mtime, ctime.
 
     Returns ``None`` when the file cannot be stat'ed.
@@ -255,7 +263,7 @@ def file_identity(path: str | os.PathLike) -> tuple[int, ...] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def check_unchanged(path: str | os.PathLike, before: tuple[int, ...] | None) -> None:
+def check_unchanged(path: str | os.PathLike[str], before: tuple[int, ...] | None) -> None:
     """Raise if ``path`` is no longer the file :func:`file_identity` saw.
 
     Taken before a file is first read and checked after it was last read, this proves
@@ -270,8 +278,7 @@ def check_unchanged(path: str | os.PathLike, before: tuple[int, ...] | None) -> 
     """
     if before is None or file_identity(path) != before:
         raise CheckpointError(
-            f"{path} changed while it was being read (another process wrote it); "
-            "convert again once it is complete"
+            f"{path} changed while it was being read (another process wrote it); convert again once it is complete"
         )
 
 
@@ -330,7 +337,7 @@ class _MappedPages:
     _DONTNEED, _POPULATE_READ = 4, 22
 
     def __init__(self) -> None:
-        self._madvise = None
+        self._madvise: Any = None
         if not (sys.platform.startswith("linux") and os.access("/proc/self/pagemap", os.R_OK)):
             return
         try:

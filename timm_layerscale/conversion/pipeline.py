@@ -248,7 +248,7 @@ def convert_checkpoint(
         target = fold_state_dict(target)
 
     copy = one_pass is not None and fmt == "safetensors" and not fuse and one_pass.can_copy(target, torch_dtype)
-    sha = ckpt.sha256_file(path) if one_pass is None else None if copy else one_pass.run()
+    sha = "" if copy else one_pass.run() if one_pass is not None else ckpt.sha256_file(path)  # "": the copy's pass
     metadata = {
         "format": "pt",
         "source_file": path.name,
@@ -286,7 +286,7 @@ def convert_checkpoint(
         metadata.update(report.metadata())
     else:
         metadata["parity"] = "not verified"
-    if copy:
+    if one_pass is not None and copy:
         sha = one_pass.copy_to_safetensors(output, target, metadata, digest_key="source_sha256", overwrite=overwrite)
     else:
         save.save_state_dict(

@@ -8,6 +8,7 @@ size, and produces the same bytes as ``safetensors.torch.save_file``. Bad input 
 failed write raises :class:`~timm_layerscale.errors.CheckpointError` with a one-line
 message saying what is wrong and what to do.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,7 @@ import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -43,12 +44,25 @@ _WRITE_CHUNK = 16 << 20  # bytes per write call
 _ST_DTYPES: dict[torch.dtype, str] = {
     getattr(torch, name): tag
     for name, tag in [
-        ("uint64", "U64"), ("int64", "I64"), ("float64", "F64"), ("complex64", "C64"),
-        ("float32", "F32"), ("uint32", "U32"), ("int32", "I32"), ("bfloat16", "BF16"),
-        ("float16", "F16"), ("uint16", "U16"), ("int16", "I16"),
-        ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-        ("float8_e8m0fnu", "F8_E8M0"), ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-        ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"),
+        ("uint64", "U64"),
+        ("int64", "I64"),
+        ("float64", "F64"),
+        ("complex64", "C64"),
+        ("float32", "F32"),
+        ("uint32", "U32"),
+        ("int32", "I32"),
+        ("bfloat16", "BF16"),
+        ("float16", "F16"),
+        ("uint16", "U16"),
+        ("int16", "I16"),
+        ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+        ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+        ("float8_e8m0fnu", "F8_E8M0"),
+        ("float8_e4m3fn", "F8_E4M3"),
+        ("float8_e5m2", "F8_E5M2"),
+        ("int8", "I8"),
+        ("uint8", "U8"),
+        ("bool", "BOOL"),
     ]
     if hasattr(torch, name)
 }
@@ -116,7 +130,7 @@ def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
 _FOLDER_LOCKS: dict[Path, int] = {}
 
 
-def temporary_folder(target: str | os.PathLike) -> Path:
+def temporary_folder(target: str | os.PathLike[str]) -> Path:
     """Create a temporary folder next to ``target``, to be filled and then moved onto it.
 
     Stale temporaries of ``target`` are removed first
@@ -136,14 +150,14 @@ def temporary_folder(target: str | os.PathLike) -> Path:
             os.close(_FOLDER_LOCKS.pop(held))
     target = Path(target)
     remove_stale_temporaries(target)
-    tmp, fd = create_temporary(target, folder=True)
-    if fd is not None:
-        _FOLDER_LOCKS[tmp] = fd
+    tmp, lock = create_temporary(target, folder=True)
+    if lock is not None:
+        _FOLDER_LOCKS[tmp] = lock
     return tmp
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; move it onto ``path`` on success.
 
     The temporary file (``.{name}.tmp-{pid}-{hex}`` in the target folder) is created
@@ -249,7 +263,7 @@ def safetensors_header(
 
 
 def save_safetensors(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     tensors: Mapping[str, torch.Tensor],
     metadata: dict[str, str] | None = None,
     *,
@@ -298,7 +312,7 @@ def save_safetensors(
             pages.fetch(source)
             t = source.to(device="cpu", dtype=out).contiguous()
             if t.numel():
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                data = t.reshape(-1).view(torch.uint8).numpy().data
                 for i in range(0, len(data), _WRITE_CHUNK):
                     bar.update(f.write(data[i : i + _WRITE_CHUNK]))
             del t
@@ -339,7 +353,7 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 
 def save_pth(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     state_dict: Mapping[str, torch.Tensor],
     *,
     overwrite: bool = False,
@@ -375,11 +389,11 @@ def save_pth(
         sink = _RecordingWriter(f)
         try:
             if not progress.enabled():
-                torch.save(obj, sink)
+                torch.save(obj, cast(IO[bytes], sink))
             else:
                 total = sum(t.numel() * t.element_size() for t in plain.values())
                 with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B", unit_scale=True) as bar:
-                    torch.save(obj, progress.ByteCounter(sink, bar))
+                    torch.save(obj, cast(IO[bytes], progress.ByteCounter(sink, bar)))
         except RuntimeError:
             if sink.error is not None:  # disk full and the like: report the OS error, not torch's wrapper
                 raise sink.error from None
@@ -387,7 +401,7 @@ def save_pth(
 
 
 def save_state_dict(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     state_dict: Mapping[str, torch.Tensor],
     metadata: dict[str, str] | None = None,
     *,
@@ -425,7 +439,9 @@ def save_state_dict(
             )
     if fmt == "safetensors":
         if wrap is not None:
-            raise CheckpointError("a safetensors file holds a flat state dict; write a .pth file for a wrapped checkpoint")
+            raise CheckpointError(
+                "a safetensors file holds a flat state dict; write a .pth file for a wrapped checkpoint"
+            )
         save_safetensors(path, state_dict, metadata, overwrite=overwrite, dtype=dtype)
     elif fmt == "pth":
         save_pth(path, state_dict, overwrite=overwrite, dtype=dtype, wrap=wrap)

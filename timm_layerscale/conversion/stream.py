@@ -12,6 +12,7 @@ when the output is a plain copy (safetensors, no cast), their bytes are written 
 dtypes alone. The output is byte-identical to what
 :func:`~timm_layerscale.conversion.save.save_safetensors` writes for the same tensors.
 """
+
 from __future__ import annotations
 
 import collections
@@ -116,8 +117,9 @@ def _mapped_regions(path: Path) -> list[tuple[int, int, int]]:
                 fields = line.split(maxsplit=5)
                 if len(fields) < 6 or int(fields[4]) != st.st_ino:
                     continue
-                major, minor = (int(x, 16) for x in fields[3].split(":"))
-                if (major, minor) != (os.major(st.st_dev), os.minor(st.st_dev)) and fields[5].strip() != os.path.realpath(path):
+                device = tuple(int(x, 16) for x in fields[3].split(":"))
+                same_device = device == (os.major(st.st_dev), os.minor(st.st_dev))
+                if not same_device and fields[5].strip() != os.path.realpath(path):
                     continue
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 regions.append((start, end, int(fields[2], 16)))
@@ -171,10 +173,10 @@ class SourceMap:
         if begin is None:
             return None
         offset = begin + t.storage_offset() * t.element_size()
-        return (offset, nbytes) if offset % t.element_size() == 0 else None
+        return (int(offset), int(nbytes)) if offset % t.element_size() == 0 else None
 
 
-def map_source(path: str | os.PathLike, tensors: Mapping[str, object]) -> SourceMap | None:
+def map_source(path: str | os.PathLike[str], tensors: Mapping[str, Any]) -> SourceMap | None:
     """Find where each of ``tensors``, memory-mapped from ``path``, lies in the file.
 
     Each tensor's storage must lie in this process's memory mapping of the file (Linux:
@@ -233,10 +235,8 @@ def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
 
 def _finite(buffer: Any, offset: int, count: int, dtype: torch.dtype) -> bool:
     t = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
-    if dtype in _SUMMABLE:  # a sum is finite only if every term is, unless it overflows: then look closer
-        if bool(torch.isfinite(t.sum(dtype=_SUMMABLE[dtype]))):
-            return True
-    return all_finite(t)
+    # A sum is finite only if every term is; a sum that overflows gets the closer look.
+    return (dtype in _SUMMABLE and bool(torch.isfinite(t.sum(dtype=_SUMMABLE[dtype])))) or all_finite(t)
 
 
 class SourcePass:
@@ -251,7 +251,7 @@ class SourcePass:
 
     @classmethod
     def prepare(
-        cls, path: str | os.PathLike, state_dict: Mapping[str, object], *, check: bool = True
+        cls, path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tensor], *, check: bool = True
     ) -> SourcePass | None:
         """Plan a pass over ``path`` for ``state_dict`` memory-mapped from it; ``None`` where none applies.
 
@@ -265,15 +265,16 @@ class SourcePass:
         source = map_source(path, state_dict)
         if source is None:
             return None
-        checks, names = [], []
+        checks: list[_Run] = []
+        names: list[str] = []
         for name, t in state_dict.items():
             if check and (t.is_floating_point() or t.is_complex()) and t.numel():
-                offset, nbytes = source.locate(t)
+                offset, nbytes = source.locate(t) or (0, 0)  # located: map_source found every tensor
                 checks.append(_Run(offset, offset + nbytes, t.dtype, len(names)))
                 names.append(name)
         return cls(source, checks, names)
 
-    def can_copy(self, tensors: Mapping[str, object], dtype: torch.dtype | None = None) -> bool:
+    def can_copy(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> bool:
         """Whether :meth:`copy_to_safetensors` can write ``tensors`` (cast to ``dtype``) from the file's bytes."""
         for t in tensors.values():
             if self._source.locate(t) is None:
@@ -299,7 +300,7 @@ class SourcePass:
 
     def copy_to_safetensors(
         self,
-        output: str | os.PathLike,
+        output: str | os.PathLike[str],
         tensors: Mapping[str, torch.Tensor],
         metadata: dict[str, str],
         *,
@@ -384,7 +385,7 @@ class SourcePass:
         runs = [(r.start, False, r) for r in self._checks] + [(r.start, True, r) for r in writes]
         runs.sort(key=lambda item: item[0])
         view = memoryview(source)
-        hashing: collections.deque[tuple[int, int, Future]] = collections.deque()
+        hashing: collections.deque[tuple[int, int, Future[None]]] = collections.deque()
         active: list[tuple[int, bool, _Run]] = []  # runs that began before the end of the current piece
         upcoming = 0
         try:

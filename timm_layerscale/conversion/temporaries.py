@@ -9,6 +9,7 @@ and :func:`remove_stale_temporaries` removes it; one whose lock is held belongs 
 live writer and is never touched. Where ``fcntl`` is missing (Windows) the process
 id in the name is the only guard.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,9 +21,9 @@ import stat
 import sys
 from pathlib import Path
 
-try:
+if sys.platform != "win32":
     import fcntl
-except ImportError:  # Windows
+else:
     fcntl = None
 
 from ..errors import CheckpointError
@@ -101,7 +102,7 @@ def _remove_if_stale(path: Path, pid: int) -> bool:
         os.close(fd)
 
 
-def remove_stale_temporaries(target: str | os.PathLike) -> list[Path]:
+def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
     """Remove the temporaries that writers of ``target`` left when they were killed.
 
     A writer that is killed (``SIGKILL``, power loss of the process, an out-of-memory
