@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -247,3 +250,26 @@ def test_other_outputs_hash_and_check_in_one_read_then_write(official, tmp_path,
     suffix = ".pth" if options.get("fmt") == "pth" else ".safetensors"
     result = pipeline.convert_checkpoint(source, tmp_path / f"x{suffix}", verify=False, **options)
     assert result.source_sha256 == sha256(source) and writes == [tmp_path / f"x{suffix}"]
+
+
+def test_conversion_without_verification_never_imports_timm(official, tmp_path):
+    """The command line's no-verify conversion needs torch only: detection and key rules are timm-free."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "x.safetensors"
+    argv = [
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        "timm_layerscale",
+        "convert",
+        str(official),
+        str(out),
+        "--no-verify",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and out.is_file(), proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert {"torch", "timm_layerscale.conversion.stream"} <= imported  # the list shows what was imported
+    assert sorted(m for m in imported if m == "timm" or m.startswith("timm.")) == []
