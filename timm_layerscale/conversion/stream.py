@@ -23,6 +23,7 @@ import mmap
 import os
 import struct
 import sys
+import warnings
 import zipfile
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -233,10 +234,9 @@ def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _finite(buffer: Any, offset: int, count: int, dtype: torch.dtype) -> bool:
-    t = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+def _finite(t: torch.Tensor) -> bool:
     # A sum is finite only if every term is; a sum that overflows gets the closer look.
-    return (dtype in _SUMMABLE and bool(torch.isfinite(t.sum(dtype=_SUMMABLE[dtype])))) or all_finite(t)
+    return (t.dtype in _SUMMABLE and bool(torch.isfinite(t.sum(dtype=_SUMMABLE[t.dtype])))) or all_finite(t)
 
 
 class SourcePass:
@@ -360,15 +360,22 @@ class SourcePass:
                     f"{self._source.path} changed while it was being read (another process wrote it); "
                     "convert again once it is complete"
                 )
-            # Private and writable, so that torch can view it; nothing is written, so no page is copied.
-            source = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if self._source.size else b""
+            source = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self._source.size else b""
         digest = hashlib.sha256()
         bad: set[int] = set()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the checks are fast on one core; a second thread would take the hashing's
         try:
             with ThreadPoolExecutor(1) as hasher:
-                self._read(source, hasher, digest, writes, fd, bad, bar)
+                with warnings.catch_warnings():  # torch warns that the mapping is read-only: nothing writes to it
+                    warnings.simplefilter("ignore", UserWarning)
+                    data = (
+                        torch.frombuffer(source, dtype=torch.uint8)
+                        if len(source)
+                        else torch.empty(0, dtype=torch.uint8)
+                    )
+                self._read(source, data, hasher, digest, writes, fd, bad, bar)
+                del data
         finally:
             torch.set_num_threads(threads)
             if isinstance(source, mmap.mmap):
@@ -379,7 +386,15 @@ class SourcePass:
         return digest.hexdigest()
 
     def _read(
-        self, source: Any, hasher: ThreadPoolExecutor, digest: Any, writes: list[_Run], fd: int, bad: set[int], bar: Any
+        self,
+        source: Any,
+        data: torch.Tensor,
+        hasher: ThreadPoolExecutor,
+        digest: Any,
+        writes: list[_Run],
+        fd: int,
+        bad: set[int],
+        bar: Any,
     ) -> None:
         """The loop of :meth:`_pass`, piece by piece through the mapped file."""
         runs = [(r.start, False, r) for r in self._checks] + [(r.start, True, r) for r in writes]
@@ -400,7 +415,7 @@ class SourcePass:
                     a, b = max(run.start, pos), min(run.stop, end)
                     if write:
                         _pwrite_all(fd, view[a:b], run.index + a - run.start)
-                    elif run.index not in bad and not _finite(source, a, (b - a) // run.dtype.itemsize, run.dtype):
+                    elif run.index not in bad and not _finite(data[a:b].view(run.dtype)):
                         bad.add(run.index)
                 active = [item for item in active if item[2].stop > end]
                 bar.update(end - pos)
