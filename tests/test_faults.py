@@ -145,16 +145,23 @@ def test_disk_full_simulated(source, tmp_path, capsys, monkeypatch, suffix):
 
     monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
     room = [1 << 20]
-    real_pwrite = os.pwrite
+    real_pwrite, real_copy = os.pwrite, os.copy_file_range
 
-    def filling_pwrite(fd, data, offset):  # the one-pass copy's writes
-        n = len(memoryview(data).cast("B"))
+    def take(n: int) -> None:
         if n > room[0]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         room[0] -= n
+
+    def filling_pwrite(fd, data, offset):  # the one-pass copy's writes
+        take(len(memoryview(data).cast("B")))
         return real_pwrite(fd, data, offset)
 
+    def filling_copy(src, dst, count, offset_src, offset_dst):
+        take(count)
+        return real_copy(src, dst, count, offset_src, offset_dst)
+
     monkeypatch.setattr(os, "pwrite", filling_pwrite)
+    monkeypatch.setattr(os, "copy_file_range", filling_copy)
     code, out, err = cli(capsys, "convert", source, out_dir / f"x{suffix}", "--no-verify")
     assert_one_line_error(code, out, err, "No space left on device")
     one_pass = suffix == ".safetensors" and source.stat().st_size > 1 << 20

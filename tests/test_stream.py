@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -65,6 +66,21 @@ def test_copy_writes_the_bytes_of_save_safetensors(source, tmp_path, small_piece
     digest = one.copy_to_safetensors(tmp_path / "fast.safetensors", sd, metadata, digest_key="sha")
     assert digest == metadata["sha"] == sha256(source)
     save_safetensors(tmp_path / "general.safetensors", sd, metadata)
+    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "general.safetensors").read_bytes()
+
+
+def test_copy_written_from_the_mapping_where_the_kernel_cannot_copy(source, tmp_path, small_pieces, monkeypatch):
+    copies: list[int] = []
+
+    def refused(src, dst, count, offset_src, offset_dst):
+        copies.append(count)
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(os, "copy_file_range", refused)
+    sd = load_checkpoint(source)
+    prepared(source, sd).copy_to_safetensors(tmp_path / "fast.safetensors", sd, {}, digest_key="sha")
+    assert len(copies) == 1  # tried once, then written from the mapping
+    save_safetensors(tmp_path / "general.safetensors", sd, {"sha": sha256(source)})
     assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "general.safetensors").read_bytes()
 
 

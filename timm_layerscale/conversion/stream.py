@@ -4,12 +4,14 @@ A conversion without verification needs three things of the source file: its SHA
 (recorded in the output), proof that no tensor holds NaN or Inf, and the tensors
 themselves. Tensors that :func:`~timm_layerscale.conversion.io.load_checkpoint`
 memory-maps from a PyTorch zip file or a safetensors file are runs of the file's
-bytes; :class:`SourcePass` finds each run (:func:`map_source`) and then reads the file
-once, start to end, in large pieces. Each piece is hashed in a second thread
-(``hashlib`` releases the GIL), the floating-point tensors in it are checked, and,
-when the output is a plain copy (safetensors, no cast), their bytes are written with
-``os.pwrite`` at their place in the output, whose header follows from shapes and
-dtypes alone. The output is byte-identical to what
+bytes; :class:`SourcePass` finds each run (:func:`map_source`) and then goes through
+the file once, start to end, in 8 MiB pieces of one read-only mapping. Each piece is
+hashed in a second thread (``hashlib`` releases the GIL), the floating-point tensors
+in it are checked, and, when the output is a plain copy (safetensors, no cast), their
+bytes are copied to their place in the output, whose header follows from shapes and
+dtypes alone: file to file by the kernel (``copy_file_range``, as ``cp`` copies), or
+written from the mapping where the kernel cannot. Pieces leave the resident set once
+done. The output is byte-identical to what
 :func:`~timm_layerscale.conversion.save.save_safetensors` writes for the same tensors.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import hashlib
 import json
 import mmap
@@ -234,6 +237,44 @@ def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _changed(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path} changed while it was being read (another process wrote it); convert again once it is complete"
+    )
+
+
+# copy_file_range errors meaning "not between these files", not "the copy failed".
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+class _Copier:
+    """Copies runs of the source file into the output at given offsets.
+
+    The kernel copies file to file where it can (``copy_file_range``, as ``cp`` does:
+    no pass through this process's memory, and none of the per-process throttling of
+    a first large ``write``); elsewhere the bytes are written from the mapping.
+    """
+
+    def __init__(self, path: Path, source: int, view: memoryview, output: int) -> None:
+        self._path, self._source, self._view, self._output = path, source, view, output
+        self._kernel = hasattr(os, "copy_file_range")
+
+    def __call__(self, start: int, stop: int, dst: int) -> None:
+        while self._kernel and start < stop:
+            try:
+                n = os.copy_file_range(self._source, self._output, stop - start, start, dst)
+            except OSError as e:
+                if e.errno not in _NO_KERNEL_COPY:
+                    raise
+                self._kernel = False
+                break
+            if n == 0:  # the source ends early
+                raise _changed(self._path)
+            start, dst = start + n, dst + n
+        if start < stop:
+            _pwrite_all(self._output, self._view[start:stop], dst)
+
+
 def _finite(t: torch.Tensor) -> bool:
     # A sum is finite only if every term is; a sum that overflows gets the closer look.
     return (t.dtype in _SUMMABLE and bool(torch.isfinite(t.sum(dtype=_SUMMABLE[t.dtype])))) or all_finite(t)
@@ -356,11 +397,16 @@ class SourcePass:
         """Read the source once: hash it, check ``self._checks``, copy ``writes`` into ``fd``; return the hash."""
         with open(self._source.path, "rb") as f:
             if os.fstat(f.fileno()).st_size != self._source.size:
-                raise CheckpointError(
-                    f"{self._source.path} changed while it was being read (another process wrote it); "
-                    "convert again once it is complete"
-                )
+                raise _changed(self._source.path)
             source = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self._source.size else b""
+            try:
+                return self._scan(f.fileno(), source, writes, fd, bar)
+            finally:
+                if isinstance(source, mmap.mmap):
+                    with contextlib.suppress(BufferError):  # else it closes when its last view goes
+                        source.close()
+
+    def _scan(self, source_fd: int, source: Any, writes: list[_Run], fd: int, bar: Any) -> str:
         digest = hashlib.sha256()
         bad: set[int] = set()
         threads = torch.get_num_threads()
@@ -374,13 +420,10 @@ class SourcePass:
                         if len(source)
                         else torch.empty(0, dtype=torch.uint8)
                     )
-                self._read(source, data, hasher, digest, writes, fd, bad, bar)
+                self._read(source, source_fd, data, hasher, digest, writes, fd, bad, bar)
                 del data
         finally:
             torch.set_num_threads(threads)
-            if isinstance(source, mmap.mmap):
-                with contextlib.suppress(BufferError):  # else it closes when its last view goes
-                    source.close()
         if bad:
             raise nonfinite_error([self._names[j] for j in sorted(bad)])
         return digest.hexdigest()
@@ -388,6 +431,7 @@ class SourcePass:
     def _read(
         self,
         source: Any,
+        source_fd: int,
         data: torch.Tensor,
         hasher: ThreadPoolExecutor,
         digest: Any,
@@ -400,6 +444,7 @@ class SourcePass:
         runs = [(r.start, False, r) for r in self._checks] + [(r.start, True, r) for r in writes]
         runs.sort(key=lambda item: item[0])
         view = memoryview(source)
+        copy = _Copier(self._source.path, source_fd, view, fd)
         hashing: collections.deque[tuple[int, int, Future[None]]] = collections.deque()
         active: list[tuple[int, bool, _Run]] = []  # runs that began before the end of the current piece
         upcoming = 0
@@ -414,7 +459,7 @@ class SourcePass:
                 for _, write, run in active:
                     a, b = max(run.start, pos), min(run.stop, end)
                     if write:
-                        _pwrite_all(fd, view[a:b], run.index + a - run.start)
+                        copy(a, b, run.index + a - run.start)
                     elif run.index not in bad and not _finite(data[a:b].view(run.dtype)):
                         bad.add(run.index)
                 active = [item for item in active if item[2].stop > end]
