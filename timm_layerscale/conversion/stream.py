@@ -139,18 +139,27 @@ def _mapped_regions(path: Path) -> list[tuple[int, int, int]]:
     return merged
 
 
-def _unmodified(address: int, nbytes: int) -> bool:
-    """Whether no page of a private file mapping was written to (each present page still holds file data)."""
+def _unmodified(spans: list[tuple[int, int]]) -> bool:
+    """Whether no page of these ``(address, size)`` spans of a private file mapping was written to.
+
+    A page written to is a private copy: present, and no longer a page of the file
+    (``/proc/self/pagemap``). The flags of all spans are read in one go.
+    """
     page = os.sysconf("SC_PAGE_SIZE")
-    first, count = address // page, -(-(address + nbytes) // page) - address // page
+    first = min(a for a, _ in spans) // page
+    count = -(-max(a + n for a, n in spans) // page) - first
     try:
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
             pagemap.seek(first * 8)
             flags = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
     except OSError:
         return False
-    present, file_page = (flags >> 63) & 1, (flags >> 61) & 1
-    return len(flags) == count and not np.any(present & (file_page ^ 1))
+    if len(flags) != count:
+        return False
+    written = ((flags >> 63) & 1).astype(bool) & ~((flags >> 61) & 1).astype(bool)
+    if not written.any():
+        return True
+    return not any(written[a // page - first : -(-(a + n) // page) - first].any() for a, n in spans)
 
 
 class SourceMap:
@@ -217,9 +226,11 @@ def map_source(path: str | os.PathLike[str], tensors: Mapping[str, Any]) -> Sour
         if region is None:
             return None
         offset = region[2] + address - region[0]
-        if records.get(offset) != nbytes or not _unmodified(address, nbytes):
+        if records.get(offset) != nbytes:
             return None
         offsets[storage] = offset
+    if offsets and not _unmodified(list(offsets)):
+        return None
     found = SourceMap(path, path.stat().st_size, offsets)
     return found if all(found.locate(t) is not None for t in tensors.values()) else None
 
