@@ -101,11 +101,16 @@ def report(found: dict[str, tuple[list[float], list[float]]], size: int, repeats
         f"{size / 1e9:.2f} GB official-layout checkpoint; CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; "
         f"median of {repeats} runs of each, load average now {' / '.join(f'{x:.2f}' for x in os.getloadavg())}",
         "",
-        "| command | wall s | peak RSS MiB |",
-        "|---|---:|---:|",
-        f'| `python -c "import torch"` | {wall["import torch"]:.2f} | {rss["import torch"]:.0f} |',
-        f"| `cp` | {wall['cp']:.2f} | {rss['cp']:.0f} |",
-        f"| `timm-layerscale convert SOURCE OUT.safetensors --no-verify` | {wall[conv]:.2f} | {rss[conv]:.0f} |",
+        "| command | wall s (median) | wall s (each run) | peak RSS MiB (median) |",
+        "|---|---:|---|---:|",
+        *(
+            f"| {shown} | {wall[name]:.2f} | {' '.join(f'{x:.2f}' for x in found[name][0])} | {rss[name]:.0f} |"
+            for name, shown in [
+                ("import torch", '`python -c "import torch"`'),
+                ("cp", "`cp SOURCE OUT`"),
+                (conv, "`timm-layerscale convert SOURCE OUT.safetensors --no-verify`"),
+            ]
+        ),
         "",
         "| target | measured | limit | measured / limit | met |",
         "|---|---:|---:|---:|---|",
