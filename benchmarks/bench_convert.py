@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 import shutil
@@ -128,20 +129,28 @@ def report(found: dict[str, tuple[list[float], list[float]]], size: int, repeats
     return "\n".join(lines)
 
 
-def write_section(results: Path, body: str, command: str, seconds: float, load_before: str) -> None:
-    """Replace (or append) this script's section of ``results``, keeping every other section."""
-    name = Path(__file__).name
+def write_section(
+    results: Path, body: str, command: str, seconds: float, load_before: str, name: str = Path(__file__).name
+) -> None:
+    """Replace the section ``name`` (this script's) of ``results``, or add it in name order; others are kept."""
+    when = datetime.datetime.now(datetime.timezone.utc)
     section = (
-        f"## {name}\n\n`{command}`: {seconds:.0f} s, exit 0; load average before {load_before}, after "
-        f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.\n\n{body}\n"
+        f"## {name}\n\n`{command}` ({when:%Y-%m-%d %H:%M} UTC, a run of its own): {seconds:.0f} s, exit 0; "
+        f"load average before {load_before}, after {' / '.join(f'{x:.2f}' for x in os.getloadavg())}.\n\n{body}\n"
     )
     text = results.read_text() if results.exists() else "# Benchmark results\n"
-    start = text.find(f"\n## {name}\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
+    starts = [i + 1 for i in range(len(text)) if text.startswith("\n## ", i)]
+    titles = [text[i + 3 : text.index("\n", i)] for i in starts]
+    if name in titles:
+        start = starts[titles.index(name)]
+        end = next((i for i in starts if i > start), len(text))
+        text = text[:start] + section + ("\n" if end < len(text) else "") + text[end:]
     else:
-        end = text.find("\n## ", start + 1)
-        text = text[: start + 1] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
+        end = next((i for i, title in zip(starts, titles, strict=True) if title > name), None)
+        if end is None:
+            text = text.rstrip("\n") + "\n\n" + section
+        else:
+            text = text[:end] + section + "\n" + text[end:]
     tmp = results.with_name(f".{results.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, results)
