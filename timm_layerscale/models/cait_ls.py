@@ -20,10 +20,9 @@ from typing import Any, Callable, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_, use_fused_attn
+from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint as grad_checkpoint
@@ -32,6 +31,7 @@ from timm.models._manipulate import checkpoint_seq
 from ..conversion.families import CAIT_RELEASE_URL, Variant, variants_of
 from ..conversion.fold import fold_state_dict
 from ..layer_scale import LayerScale, cait_init_value, layer_scale_or_identity
+from ..layers.class_attn import ClassAttn
 from ..layers.talking_heads import (
     ATTN_IMPLS,
     BufferedTalkingHeadAttn,
@@ -65,55 +65,6 @@ def _block_tail_flops(blk: nn.Module, tokens: int) -> int:
         if isinstance(ls, LayerScale):
             total += ls.flop_count(tokens)
     return total
-
-
-class ClassAttn(nn.Module):
-    """Class attention: the class token queries the class token and all patch tokens."""
-
-    fused_attn: torch.jit.Final[bool]
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = False,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.fused_attn = use_fused_attn()
-        self.q = nn.Linear(dim, dim, bias=qkv_bias, **dd)
-        self.k = nn.Linear(dim, dim, bias=qkv_bias, **dd)
-        self.v = nn.Linear(dim, dim, bias=qkv_bias, **dd)
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim, **dd)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x: ``(B, 1 + N, C)``, class token first. Returns: ``(B, 1, C)``."""
-        B, N, C = x.shape
-        q = self.q(x[:, 0]).unsqueeze(1).reshape(B, 1, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
-        k = self.k(x).reshape(B, N, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
-        v = self.v(x).reshape(B, N, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
-        if self.fused_attn:
-            x_cls = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            q = q * self.scale
-            attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
-            attn = self.attn_drop(attn)
-            x_cls = attn @ v
-        x_cls = x_cls.transpose(1, 2).reshape(B, 1, C)
-        x_cls = self.proj(x_cls)
-        x_cls = self.proj_drop(x_cls)
-        return x_cls
 
 
 class LayerScaleBlock(nn.Module):

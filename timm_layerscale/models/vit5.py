@@ -39,10 +39,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Un
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_, use_fused_attn
+from timm.layers import DropPath, Mlp, PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
@@ -52,7 +51,8 @@ from ..conversion.fold import fold_state_dict
 from ..layer_scale import LayerScale, layer_scale_or_identity
 from ..conversion.families import VIT5_HUB_REPO, VIT5_ROPE_THETA, Variant, check_rope_buffers, rope_buffers, variants_of
 from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
-from ..layers.rope import rope_bands, rotate_pairs
+from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
+from ..layers.rope_attention import Vit5Attention
 
 __all__ = [
     "Vit5",
@@ -61,116 +61,6 @@ __all__ = [
     "Vit5RotaryEmbedding",
     "apply_rope",
 ]
-
-#: ``(sin, cos)`` tables, each ``(N, head_dim)``, one row per token.
-RopeTables = Tuple[torch.Tensor, torch.Tensor]
-
-
-def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-    """Rotate interleaved channel pairs of ``x (..., N, head_dim)`` by the ``(sin, cos)`` tables ``(N, head_dim)``."""
-    sin, cos = rope
-    return (x * cos + rotate_pairs(x) * sin).to(x.dtype)
-
-
-class Vit5RotaryEmbedding(nn.Module):
-    """2-D axial rotary embedding with interleaved pairs and positions scaled to a reference grid.
-
-    Holds no parameters or buffers: the tables are computed from constants on demand
-    (frequencies on the CPU, positions and angles on the target device, as the
-    official code does), so the module works unchanged after a meta-device build.
-
-    Args:
-        head_dim: Width of one attention head ``d`` (a multiple of 4).
-        ref_grid: ``(H_ref, W_ref)``; a grid ``H x W`` gets positions ``r / H * H_ref``.
-        theta: Base of the frequency progression.
-    """
-
-    def __init__(self, head_dim: int, ref_grid: Tuple[int, int], theta: float = 10000.0) -> None:
-        super().__init__()
-        rope_bands(head_dim, theta)  # validates head_dim
-        self.head_dim = head_dim
-        self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
-        self.theta = theta
-
-    def bands(self) -> torch.Tensor:
-        """The per-axis frequencies ``(head_dim // 4,)`` (fp32, CPU)."""
-        return rope_bands(self.head_dim, self.theta)
-
-    def get_embed(self, grid: Tuple[int, int], device: Optional[torch.device] = None) -> RopeTables:
-        """``(sin, cos)`` tables for a row-major ``H x W`` grid.
-
-        Args:
-            grid: ``(H, W)``.
-            device: Device of the tables.
-
-        Returns:
-            ``(sin, cos)``, each fp32 ``(H * W, head_dim)``.
-        """
-        bands = self.bands().to(device)
-        h, w = int(grid[0]), int(grid[1])
-        ang_h = (torch.arange(h, device=device) / h * self.ref_grid[0])[:, None] * bands
-        ang_w = (torch.arange(w, device=device) / w * self.ref_grid[1])[:, None] * bands
-        ang_h = ang_h.repeat_interleave(2, dim=-1)[:, None, :].expand(h, w, -1)
-        ang_w = ang_w.repeat_interleave(2, dim=-1)[None, :, :].expand(h, w, -1)
-        ang = torch.cat((ang_h, ang_w), dim=-1).reshape(h * w, self.head_dim)
-        return ang.sin(), ang.cos()
-
-    def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, ref_grid={self.ref_grid}, theta={self.theta:g}"
-
-
-class Vit5Attention(nn.Module):
-    """Multi-head self-attention with QK RMSNorm and rotary embedding on q and k."""
-
-    fused_attn: torch.jit.Final[bool]
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = False,
-        qk_norm: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        norm_layer: Callable[..., nn.Module] = partial(RmsNorm, eps=1e-6),
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.fused_attn = use_fused_attn()
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
-        self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
-        self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim, **dd)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
-        """Args: x: tokens ``(B, N, C)``; rope: ``(sin, cos)``, each ``(N, head_dim)``. Returns: ``(B, N, C)``."""
-        B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.fused_attn:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            q = q * self.scale
-            attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
-            attn = self.attn_drop(attn)
-            x = attn @ v
-        x = x.transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
-
-
 
 class Vit5Block(nn.Module):
     """Pre-norm transformer block with LayerScale on both residual branches."""
