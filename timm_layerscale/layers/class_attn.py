@@ -1,18 +1,19 @@
-"""Class attention (CaiT): the class token queries itself and all patch tokens.
+"""Class attention (CaiT): the class token queries itself and all patch tokens, and its block.
 
 Paper: Touvron et al., "Going deeper with Image Transformers", ICCV 2021,
 https://arxiv.org/abs/2103.17239, section 3.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from .attention import SdpaAttention
+from .block import PreNormBlock
 
-__all__ = ["ClassAttn"]
+__all__ = ["ClassAttn", "LayerScaleBlockClassAttn"]
 
 
 class ClassAttn(SdpaAttention):
@@ -37,3 +38,20 @@ class ClassAttn(SdpaAttention):
         x_cls = x_cls.transpose(1, 2).reshape(B, 1, C)
         return self._project(x_cls)
 
+
+class LayerScaleBlockClassAttn(PreNormBlock):
+    """Class-attention block: updates the class token only, with LayerScale on both branches.
+
+    The arguments are those of :class:`~timm_layerscale.layers.block.PreNormBlock`, with
+    :class:`ClassAttn` as the default attention.
+    """
+
+    def __init__(self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module] = ClassAttn, **kwargs: Any) -> None:
+        super().__init__(dim, num_heads, attn_layer, **kwargs)
+
+    def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:
+        """Args: x: patch tokens ``(B, N, C)``; x_cls: class token ``(B, 1, C)``. Returns: ``(B, 1, C)``."""
+        u = torch.cat((x_cls, x), dim=1)
+        x_cls = x_cls + self.drop_path1(self.ls1(self.attn(self.norm1(u))))
+        x_cls = x_cls + self.drop_path2(self.ls2(self.mlp(self.norm2(x_cls))))
+        return x_cls

@@ -1,4 +1,4 @@
-"""Self-attention with QK-norm and 2-D rotary embedding on q and k (ViT-5)."""
+"""Self-attention with QK-norm and 2-D rotary embedding on q and k (ViT-5), and its block."""
 from __future__ import annotations
 
 from functools import partial
@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 
 from .attention import SdpaAttention
+from .block import PreNormBlock
 from .rope import RopeTables, apply_rope
 
-__all__ = ["Vit5Attention", "rms_norm"]
+__all__ = ["Vit5Attention", "Vit5Block", "rms_norm"]
 
 
 def rms_norm() -> Callable[..., nn.Module]:
@@ -70,3 +71,30 @@ class Vit5Attention(SdpaAttention):
         x = x.transpose(1, 2).reshape(B, N, C)
         return self._project(x)
 
+
+class Vit5Block(PreNormBlock):
+    """Pre-norm transformer block with LayerScale on both residual branches and rotary attention.
+
+    The arguments are those of :class:`~timm_layerscale.layers.block.PreNormBlock`, with
+    :func:`rms_norm` as the default norm and :class:`Vit5Attention` as the default
+    attention, which also gets ``qk_norm`` and ``norm_layer``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qk_norm: bool = True,
+        norm_layer: Optional[Callable[..., nn.Module]] = None,
+        attn_layer: Callable[..., nn.Module] = Vit5Attention,
+        **kwargs: Any,
+    ) -> None:
+        norm_layer = norm_layer or rms_norm()
+        attn = partial(attn_layer, qk_norm=qk_norm, norm_layer=norm_layer)
+        super().__init__(dim, num_heads, attn, norm_layer=norm_layer, **kwargs)
+
+    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+        """Args: x: tokens ``(B, N, C)``; rope: tables for all ``N`` tokens. Returns: ``(B, N, C)``."""
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope)))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from timm.layers import Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint as grad_checkpoint
@@ -30,8 +30,9 @@ from timm.models._manipulate import checkpoint_seq
 
 from ..conversion.families import CAIT_RELEASE_URL, Variant, variants_of
 from ..conversion.fold import fold_state_dict
-from ..layer_scale import LayerScale, cait_init_value, layer_scale_or_identity
-from ..layers.class_attn import ClassAttn
+from ..layer_scale import LayerScale, cait_init_value
+from ..layers.block import PreNormBlock
+from ..layers.class_attn import ClassAttn, LayerScaleBlockClassAttn
 from ..layers.talking_heads import (
     ATTN_IMPLS,
     BufferedTalkingHeadAttn,
@@ -67,81 +68,13 @@ def _block_tail_flops(blk: nn.Module, tokens: int) -> int:
     return total
 
 
-class LayerScaleBlock(nn.Module):
-    """Pre-norm transformer block with LayerScale on both residual branches."""
+class LayerScaleBlock(PreNormBlock):
+    """Self-attention block: :class:`~timm_layerscale.layers.block.PreNormBlock` with talking-heads attention by default."""
 
     def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = False,
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        init_values: Optional[float] = 1e-4,
-        act_layer: Type[nn.Module] = nn.GELU,
-        norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
-        attn_layer: Type[nn.Module] = BufferedTalkingHeadAttn,
-        mlp_layer: Type[nn.Module] = Mlp,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module] = BufferedTalkingHeadAttn, **kwargs: Any
     ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        self.norm1 = norm_layer(dim, **dd)
-        self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
-        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x: ``(B, N, C)``. Returns: ``(B, N, C)``."""
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
-
-
-class LayerScaleBlockClassAttn(nn.Module):
-    """Class-attention block: updates the class token only, with LayerScale on both branches."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = False,
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        init_values: Optional[float] = 1e-4,
-        act_layer: Type[nn.Module] = nn.GELU,
-        norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
-        attn_layer: Type[nn.Module] = ClassAttn,
-        mlp_layer: Type[nn.Module] = Mlp,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        self.norm1 = norm_layer(dim, **dd)
-        self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
-        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-
-    def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:
-        """Args: x: patch tokens ``(B, N, C)``; x_cls: class token ``(B, 1, C)``. Returns: ``(B, 1, C)``."""
-        u = torch.cat((x_cls, x), dim=1)
-        x_cls = x_cls + self.drop_path1(self.ls1(self.attn(self.norm1(u))))
-        x_cls = x_cls + self.drop_path2(self.ls2(self.mlp(self.norm2(x_cls))))
-        return x_cls
+        super().__init__(dim, num_heads, attn_layer, **kwargs)
 
 
 class CaitLS(nn.Module):

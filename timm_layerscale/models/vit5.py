@@ -34,25 +34,24 @@ resampled), timm's feature-extraction API.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_
+from timm.layers import Mlp, PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 
 from ..errors import RemapError
 from ..conversion.fold import fold_state_dict
-from ..layer_scale import LayerScale, layer_scale_or_identity
+from ..layer_scale import LayerScale
 from ..conversion.families import VIT5_HUB_REPO, VIT5_ROPE_THETA, Variant, check_rope_buffers, rope_buffers, variants_of
 from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
 from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
-from ..layers.rope_attention import Vit5Attention
+from ..layers.rope_attention import Vit5Attention, Vit5Block, rms_norm
 
 __all__ = [
     "Vit5",
@@ -61,48 +60,6 @@ __all__ = [
     "Vit5RotaryEmbedding",
     "apply_rope",
 ]
-
-class Vit5Block(nn.Module):
-    """Pre-norm transformer block with LayerScale on both residual branches."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = False,
-        qk_norm: bool = True,
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        init_values: Optional[float] = 1e-4,
-        act_layer: Type[nn.Module] = nn.GELU,
-        norm_layer: Callable[..., nn.Module] = partial(RmsNorm, eps=1e-6),
-        attn_layer: Type[nn.Module] = Vit5Attention,
-        mlp_layer: Type[nn.Module] = Mlp,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        self.norm1 = norm_layer(dim, **dd)
-        self.attn = attn_layer(
-            dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
-            proj_drop=proj_drop, norm_layer=norm_layer, **dd,
-        )
-        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-
-    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
-        """Args: x: tokens ``(B, N, C)``; rope: tables for all ``N`` tokens. Returns: ``(B, N, C)``."""
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope)))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
-
 
 class Vit5(nn.Module):
     """ViT-5 with LayerScale modules.
@@ -182,7 +139,7 @@ class Vit5(nn.Module):
         reg_side = int(round(reg_tokens ** 0.5))
         if reg_tokens < 0 or reg_side * reg_side != reg_tokens:
             raise ValueError(f"reg_tokens must be a square number (0, 1, 4, 9, ...), got {reg_tokens}")
-        norm_layer = norm_layer or partial(RmsNorm, eps=1e-6)
+        norm_layer = norm_layer or rms_norm()
 
         self.num_classes = num_classes
         self.in_chans = in_chans
