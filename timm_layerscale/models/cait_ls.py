@@ -21,16 +21,13 @@ from typing import Any, Callable, List, Optional, Tuple, Type, Union
 import torch
 import torch.nn as nn
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint as grad_checkpoint
+from timm.layers import Mlp, PatchEmbed
+from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint_seq
 
 from ..conversion.families import CAIT_RELEASE_URL, Variant, variants_of
-from ..conversion.fold import fold_state_dict
-from ..layer_scale import LayerScale, cait_init_value
+from ..conversion.keys import to_layerscale, unwrap_state_dict
+from ..layer_scale import cait_init_value
 from ..layers.block import PreNormBlock
 from ..layers.class_attn import ClassAttn, LayerScaleBlockClassAttn
 from ..layers.talking_heads import (
@@ -40,7 +37,8 @@ from ..layers.talking_heads import (
     TalkingHeadAttn,
     attention_workspace,
 )
-from ..conversion.keys import to_layerscale, unwrap_state_dict
+from ._contract import TimmContract, build_variant, check_output_fmt, fit_state_dict, pretrained_cfg, to_nchw
+from ._contract import block_tail_flops, linear_flops, patch_embed_flops, self_attention_flops
 
 __all__ = [
     "CaitLS",
@@ -55,19 +53,6 @@ __all__ = [
 InitValues = Union[float, str, None]
 
 
-def _linear_flops(linear: nn.Linear, tokens: int) -> int:
-    return tokens * linear.in_features * linear.out_features
-
-
-def _block_tail_flops(blk: nn.Module, tokens: int) -> int:
-    """MLP linears and LayerScale multiplies of a block whose branches see ``tokens`` tokens."""
-    total = sum(_linear_flops(m, tokens) for m in blk.mlp.modules() if isinstance(m, nn.Linear))
-    for ls in (blk.ls1, blk.ls2):
-        if isinstance(ls, LayerScale):
-            total += ls.flop_count(tokens)
-    return total
-
-
 class LayerScaleBlock(PreNormBlock):
     """Self-attention block: :class:`~timm_layerscale.layers.block.PreNormBlock` with talking-heads attention by default."""
 
@@ -77,7 +62,7 @@ class LayerScaleBlock(PreNormBlock):
         super().__init__(dim, num_heads, attn_layer, **kwargs)
 
 
-class CaitLS(nn.Module):
+class CaitLS(TimmContract, nn.Module):
     """CaiT (Class-Attention in Image Transformers) with LayerScale modules.
 
     Args:
@@ -156,8 +141,6 @@ class CaitLS(nn.Module):
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        if global_pool not in ("", "token", "avg"):
-            raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
         if init_values == "auto":
             init_values = cait_init_value(depth)
         elif isinstance(init_values, str):
@@ -169,101 +152,34 @@ class CaitLS(nn.Module):
                 raise ValueError(f"attn_impl must be one of {', '.join(map(repr, ATTN_IMPLS))}, got {attn_impl!r}")
             attn_layer = ATTN_IMPLS[attn_impl]
 
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1
-        self.dynamic_img_size = dynamic_img_size
-        self.init_values = init_values
-        self.fused_layerscale = fused_layerscale
-        self.grad_checkpointing = False
-
-        embed_args: dict[str, Any] = {}
-        if dynamic_img_size:
-            embed_args.update(strict_img_size=False, output_fmt="NHWC")
-        self.patch_embed = embed_layer(
-            img_size=img_size,
-            patch_size=patch_size,
-            in_chans=in_chans,
-            embed_dim=embed_dim,
-            dynamic_img_pad=dynamic_img_pad,
-            **embed_args,
-            **dd,
+        self._build_stem(
+            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, init_values, fused_layerscale,
+            dynamic_img_size, dynamic_img_pad, embed_layer, **dd,
         )
-        num_patches = self.patch_embed.num_patches
-        r = self.patch_embed.feat_ratio() if hasattr(self.patch_embed, "feat_ratio") else patch_size
-
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
-        self.pos_embed = nn.Parameter(torch.empty(1, num_patches, embed_dim, **dd))
+        self.pos_embed = nn.Parameter(torch.empty(1, self.patch_embed.num_patches, embed_dim, **dd))
         self.pos_drop = nn.Dropout(p=pos_drop_rate)
 
+        block_args = dict(
+            dim=embed_dim, num_heads=num_heads, qkv_bias=qkv_bias, init_values=init_values, act_layer=act_layer,
+            norm_layer=norm_layer, mlp_layer=mlp_layer, **dd,
+        )
         self.blocks = nn.Sequential(*[
             block_layer(
-                dim=embed_dim,
-                num_heads=num_heads,
                 mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
                 proj_drop=proj_drop_rate,
                 attn_drop=attn_drop_rate,
                 drop_path=drop_path_rate,
-                init_values=init_values,
-                act_layer=act_layer,
-                norm_layer=norm_layer,
                 attn_layer=attn_layer,
-                mlp_layer=mlp_layer,
-                **dd,
+                **block_args,
             )
             for _ in range(depth)
         ])
-        self.feature_info = [dict(num_chs=embed_dim, reduction=r, module=f"blocks.{i}") for i in range(depth)]
         self.blocks_token_only = nn.ModuleList([
-            block_layer_token(
-                dim=embed_dim,
-                num_heads=num_heads,
-                mlp_ratio=mlp_ratio_token_only,
-                qkv_bias=qkv_bias,
-                init_values=init_values,
-                act_layer=act_layer,
-                norm_layer=norm_layer,
-                attn_layer=attn_layer_token_only,
-                mlp_layer=mlp_layer,
-                **dd,
-            )
+            block_layer_token(mlp_ratio=mlp_ratio_token_only, attn_layer=attn_layer_token_only, **block_args)
             for _ in range(depth_token_only)
         ])
-        self.norm = norm_layer(embed_dim, **dd)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        if not self.pos_embed.is_meta:  # a meta build is filled by load_state_dict or init_weights() later
-            self.init_weights()
-
-    def init_weights(self) -> None:
-        """Initialise as CaiT does: truncated normal (std 0.02) for embeddings and
-        linear weights, zero biases, unit LayerNorm, LayerScale at ``init_values``."""
-        trunc_normal_(self.pos_embed, std=0.02)
-        trunc_normal_(self.cls_token, std=0.02)
-        self.apply(self._init_module)
-
-    @staticmethod
-    def _init_module(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, LayerScale):
-            m.reset_parameters()
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token"}
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
+        self._build_head(depth, patch_size, drop_rate, norm_layer, **dd)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Callable[[str], float]:
@@ -281,38 +197,6 @@ class CaitLS(nn.Module):
             return float("inf")
 
         return _matcher
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """Replace the classifier with a new one of ``num_classes`` outputs (0 removes it)."""
-        if global_pool is not None:
-            if global_pool not in ("", "token", "avg"):
-                raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
-            if global_pool == "token" and not self.num_prefix_tokens:
-                raise ValueError("token pooling needs the class token, which was pruned")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        ref = self.norm.weight if isinstance(self.norm, nn.LayerNorm) else self.pos_embed
-        self.head = (
-            nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-            if num_classes > 0
-            else nn.Identity()
-        )
-        self.head.train(self.training)
-
-    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dynamic_img_size:
-            B, H, W, C = x.shape
-            pos_embed = resample_abs_pos_embed(
-                self.pos_embed, new_size=(H, W), old_size=self.patch_embed.grid_size, num_prefix_tokens=0
-            )
-            x = x.view(B, -1, C)
-        else:
-            pos_embed = self.pos_embed
-        return self.pos_drop(x + pos_embed)
 
     def forward_intermediates(
         self,
@@ -336,30 +220,12 @@ class CaitLS(nn.Module):
         Returns:
             The intermediates, or ``(final_tokens (B, 1 + N, C), intermediates)``.
         """
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        reshape = output_fmt == "NCHW"
-        intermediates = []
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-
-        B, _, height, width = x.shape
-        x = self._pos_embed(self.patch_embed(x))
-        if torch.jit.is_scripting() or not stop_early:
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[: max_index + 1]
+        check_output_fmt(output_fmt)
+        x, grid = self._patch_tokens(x)
         with attention_workspace():
-            for i, blk in enumerate(blocks):
-                if self.grad_checkpointing and not torch.jit.is_scripting():
-                    x = grad_checkpoint(blk, x)
-                else:
-                    x = blk(x)
-                if i in take_indices:
-                    intermediates.append(self.norm(x) if norm else x)
-
-        if reshape:
-            H, W = self.patch_embed.dynamic_feat_size((height, width))
-            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+            x, intermediates = self._collect_intermediates(self.pos_drop(x), indices, norm, stop_early)
+        if output_fmt == "NCHW":
+            intermediates = to_nchw(intermediates, grid)
         if intermediates_only:
             return intermediates
         if self.blocks_token_only is not None:
@@ -367,23 +233,11 @@ class CaitLS(nn.Module):
         x = self.norm(x)
         return x, intermediates
 
-    def prune_intermediate_layers(
-        self,
-        indices: Union[int, List[int]] = 1,
-        prune_norm: bool = False,
-        prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the blocks (and optionally norm, class attention and head) not needed for ``indices``."""
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[: max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.blocks_token_only = None
-            self.cls_token = None
-            self.num_prefix_tokens = 0
-            self.reset_classifier(0, "")
-        return take_indices
+    def _prune_head(self) -> None:
+        self.blocks_token_only = None
+        self.cls_token = None
+        self.num_prefix_tokens = 0
+        self.reset_classifier(0, "")
 
     def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
         """Run the class token through the class-attention blocks and prepend it.
@@ -397,7 +251,7 @@ class CaitLS(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N, C)``, class token first."""
-        x = self._pos_embed(self.patch_embed(x))
+        x = self.pos_drop(self._patch_tokens(x)[0])
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.blocks, x)
         else:
@@ -406,16 +260,6 @@ class CaitLS(nn.Module):
         if self.blocks_token_only is not None:
             x = self.forward_cls(x)
         return self.norm(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Tokens ``(B, 1 + N, C)`` to logits ``(B, num_classes)`` (or pooled ``(B, C)``)."""
-        if self.global_pool:
-            x = x[:, self.num_prefix_tokens:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
     def flop_count(self, batch_size: int = 1) -> int:
         """Multiplications of one forward pass at the model's ``img_size``.
@@ -438,23 +282,19 @@ class CaitLS(nn.Module):
             The count for ``batch_size`` images.
         """
         n = self.patch_embed.num_patches
-        conv = self.patch_embed.proj
-        kh, kw = conv.kernel_size
-        total = n * conv.out_channels * (conv.in_channels // conv.groups) * kh * kw
+        total = patch_embed_flops(self.patch_embed)
         for blk in self.blocks:
-            attn = blk.attn
-            total += _linear_flops(attn.qkv, n) + _linear_flops(attn.proj, n)
-            total += 2 * n * n * attn.num_heads * attn.head_dim
-            total += 2 * n * n * attn.num_heads * attn.num_heads
-            total += _block_tail_flops(blk, n)
+            total += self_attention_flops(blk.attn, n)
+            total += 2 * n * n * blk.attn.num_heads * blk.attn.num_heads
+            total += block_tail_flops(blk, n)
         for blk in self.blocks_token_only or ():
             attn = blk.attn
-            total += _linear_flops(attn.q, 1) + _linear_flops(attn.k, n + 1) + _linear_flops(attn.v, n + 1)
+            total += linear_flops(attn.q, 1) + linear_flops(attn.k, n + 1) + linear_flops(attn.v, n + 1)
             total += 2 * (n + 1) * attn.num_heads * attn.head_dim
-            total += _linear_flops(attn.proj, 1)
-            total += _block_tail_flops(blk, 1)
+            total += linear_flops(attn.proj, 1)
+            total += block_tail_flops(blk, 1)
         if isinstance(self.head, nn.Linear):
-            total += _linear_flops(self.head, 1)
+            total += linear_flops(self.head, 1)
         return int(total) * int(batch_size)
 
 
@@ -468,27 +308,7 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> 
     ``fused_layerscale=True`` the gammas are folded into ``attn.proj`` and ``mlp.fc2``
     (:func:`timm_layerscale.conversion.fold.fold_state_dict`).
     """
-    out = to_layerscale(unwrap_state_dict(state_dict), "cait")
-    pe = out.get("pos_embed")
-    if pe is not None and pe.shape != model.pos_embed.shape:
-        out["pos_embed"] = resample_abs_pos_embed(
-            pe, new_size=model.patch_embed.grid_size, num_prefix_tokens=0, verbose=False
-        )
-    if model.fused_layerscale:
-        out = fold_state_dict(out)
-    return out
-
-
-def _create_cait_ls(variant: str, pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    out_indices = kwargs.pop("out_indices", 3)
-    return build_model_with_cfg(
-        CaitLS,
-        variant,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs,
-    )
+    return fit_state_dict(to_layerscale(unwrap_state_dict(state_dict), "cait"), model, fold=model.fused_layerscale)
 
 
 #: The registered variants (:data:`timm_layerscale.conversion.families.VARIANTS`).
@@ -496,31 +316,21 @@ VARIANTS = variants_of("cait")
 
 
 def _cfg(v: Variant) -> dict[str, Any]:
-    return {
-        "url": CAIT_RELEASE_URL + str(v.official_file),
-        "hf_hub_id": f"timm/{v.reference}.fb_dist_in1k",
-        "num_classes": 1000,
-        "input_size": (3, v.img_size, v.img_size),
-        "pool_size": None,
-        "crop_pct": 1.0,
-        "interpolation": "bicubic",
-        "fixed_input_size": True,
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj",
-        "classifier": "head",
-        "license": "apache-2.0",
-        "paper_ids": "arXiv:2103.17239",
-        "paper_name": "Going deeper with Image Transformers",
-        "origin_url": "https://github.com/facebookresearch/deit",
-    }
+    return pretrained_cfg(
+        v,
+        url=CAIT_RELEASE_URL + str(v.official_file),
+        hf_hub_id=f"timm/{v.reference}.fb_dist_in1k",
+        paper_ids="arXiv:2103.17239",
+        paper_name="Going deeper with Image Transformers",
+        origin_url="https://github.com/facebookresearch/deit",
+    )
 
 
 default_cfgs = generate_default_cfgs({f"{name}.fb_dist_in1k": _cfg(v) for name, v in VARIANTS.items()})
 
 
 def _make(name: str, pretrained: bool, kwargs: dict[str, Any]) -> CaitLS:
-    return _create_cait_ls(name, pretrained=pretrained, **dict(VARIANTS[name].model_args, **kwargs))
+    return build_variant(CaitLS, checkpoint_filter_fn, VARIANTS[name], pretrained, kwargs)
 
 
 @register_model

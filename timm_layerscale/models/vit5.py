@@ -39,19 +39,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Un
 import torch
 import torch.nn as nn
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Mlp, PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint
+from timm.layers import Mlp, PatchEmbed
+from timm.models import generate_default_cfgs, register_model
 
-from ..errors import RemapError
-from ..conversion.fold import fold_state_dict
-from ..layer_scale import LayerScale
 from ..conversion.families import VIT5_HUB_REPO, VIT5_ROPE_THETA, Variant, check_rope_buffers, rope_buffers, variants_of
 from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
+from ..layer_scale import LayerScale
 from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
 from ..layers.rope_attention import Vit5Attention, Vit5Block, rms_norm
+from ._contract import TimmContract, build_variant, check_output_fmt, fit_state_dict, pretrained_cfg, to_nchw
+from ._contract import block_tail_flops, linear_flops, patch_embed_flops, self_attention_flops
 
 __all__ = [
     "Vit5",
@@ -61,7 +58,8 @@ __all__ = [
     "apply_rope",
 ]
 
-class Vit5(nn.Module):
+
+class Vit5(TimmContract, nn.Module):
     """ViT-5 with LayerScale modules.
 
     Args:
@@ -98,6 +96,7 @@ class Vit5(nn.Module):
     """
 
     dynamic_img_size: torch.jit.Final[bool]
+    embedding_names = ("pos_embed", "cls_token", "reg_token")
 
     def __init__(
         self,
@@ -134,42 +133,20 @@ class Vit5(nn.Module):
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        if global_pool not in ("", "token", "avg"):
-            raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
         reg_side = int(round(reg_tokens ** 0.5))
         if reg_tokens < 0 or reg_side * reg_side != reg_tokens:
             raise ValueError(f"reg_tokens must be a square number (0, 1, 4, 9, ...), got {reg_tokens}")
         norm_layer = norm_layer or rms_norm()
 
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1
-        self.num_reg_tokens = reg_tokens
-        self.dynamic_img_size = dynamic_img_size
-        self.init_values = None if fused_layerscale else init_values
-        self.fused_layerscale = fused_layerscale
-        self.grad_checkpointing = False
-
-        embed_args: Dict[str, Any] = {}
-        if dynamic_img_size:
-            embed_args.update(strict_img_size=False, output_fmt="NHWC")
-        self.patch_embed = embed_layer(
-            img_size=img_size,
-            patch_size=patch_size,
-            in_chans=in_chans,
-            embed_dim=embed_dim,
-            dynamic_img_pad=dynamic_img_pad,
-            **embed_args,
-            **dd,
+        self._build_stem(
+            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim,
+            None if fused_layerscale else init_values, fused_layerscale, dynamic_img_size, dynamic_img_pad,
+            embed_layer, **dd,
         )
-        num_patches = self.patch_embed.num_patches
-        r = self.patch_embed.feat_ratio() if hasattr(self.patch_embed, "feat_ratio") else patch_size
-
+        self.num_reg_tokens = reg_tokens
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
         self.reg_token = nn.Parameter(torch.empty(1, reg_tokens, embed_dim, **dd)) if reg_tokens else None
-        self.pos_embed = nn.Parameter(torch.empty(1, num_patches, embed_dim, **dd))
+        self.pos_embed = nn.Parameter(torch.empty(1, self.patch_embed.num_patches, embed_dim, **dd))
 
         head_dim = embed_dim // num_heads
         self.rope = Vit5RotaryEmbedding(head_dim, tuple(self.patch_embed.grid_size), theta=rope_theta)
@@ -196,39 +173,7 @@ class Vit5(nn.Module):
             )
             for _ in range(depth)
         ])
-        self.feature_info = [dict(num_chs=embed_dim, reduction=r, module=f"blocks.{i}") for i in range(depth)]
-        self.norm = norm_layer(embed_dim, **dd)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        if not self.pos_embed.is_meta:  # a meta build is filled by load_state_dict or init_weights() later
-            self.init_weights()
-
-    def init_weights(self) -> None:
-        """Initialise as ViT-5 does: truncated normal (std 0.02) for the class, register
-        and position embeddings and linear weights, zero biases, unit RMSNorm weights,
-        LayerScale at ``init_values``; the patch-embedding conv keeps PyTorch's default."""
-        trunc_normal_(self.pos_embed, std=0.02)
-        trunc_normal_(self.cls_token, std=0.02)
-        if self.reg_token is not None:
-            trunc_normal_(self.reg_token, std=0.02)
-        self.apply(self._init_module)
-
-    @staticmethod
-    def _init_module(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, (RmsNorm, LayerScale)):
-            m.reset_parameters()
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return {"pos_embed", "cls_token", "reg_token"}
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
+        self._build_head(depth, patch_size, drop_rate, norm_layer, **dd)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
@@ -237,38 +182,9 @@ class Vit5(nn.Module):
             blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
         )
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """Replace the classifier with a new one of ``num_classes`` outputs (0 removes it)."""
-        if global_pool is not None:
-            if global_pool not in ("", "token", "avg"):
-                raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        ref = self.pos_embed
-        self.head = (
-            nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-            if num_classes > 0
-            else nn.Identity()
-        )
-        self.head.train(self.training)
-
-    def _pos_embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        """Patch embeddings to ``[cls, patches + pos_embed, registers]`` and the patch grid."""
-        if self.dynamic_img_size:
-            B, H, W, C = x.shape
-            pos_embed = resample_abs_pos_embed(
-                self.pos_embed, new_size=(H, W), old_size=self.patch_embed.grid_size, num_prefix_tokens=0
-            )
-            x = x.view(B, -1, C)
-            grid = (H, W)
-        else:
-            pos_embed = self.pos_embed
-            grid = tuple(self.patch_embed.grid_size)
-        x = x + pos_embed
+    def _tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        """Images to tokens ``[cls, patches + pos_embed, registers]`` and the patch grid."""
+        x, grid = self._patch_tokens(x)
         tokens = [self.cls_token.expand(x.shape[0], -1, -1), x]
         if self.reg_token is not None:
             tokens.append(self.reg_token.expand(x.shape[0], -1, -1))
@@ -292,14 +208,6 @@ class Vit5(nn.Module):
             sins.append(reg_sin)
             coss.append(reg_cos)
         return torch.cat(sins), torch.cat(coss)
-
-    def _run_blocks(self, x: torch.Tensor, rope: RopeTables, blocks: Any = None) -> torch.Tensor:
-        for blk in self.blocks if blocks is None else blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, rope)
-            else:
-                x = blk(x, rope=rope)
-        return x
 
     def forward_intermediates(
         self,
@@ -329,64 +237,28 @@ class Vit5(nn.Module):
         Returns:
             The intermediates, or ``(final_tokens (B, 1 + H * W + reg_tokens, C), intermediates)``.
         """
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-
-        B = x.shape[0]
-        x, grid = self._pos_embed(self.patch_embed(x))
-        rope = self.rope_tables(grid, x.device)
-        blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[: max_index + 1]
-        intermediates = []
-        for i, blk in enumerate(blocks):
-            x = self._run_blocks(x, rope, [blk])
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        check_output_fmt(output_fmt)
+        x, grid = self._tokens(x)
+        x, intermediates = self._collect_intermediates(x, indices, norm, stop_early, self.rope_tables(grid, x.device))
 
         n_pre, n_reg = self.num_prefix_tokens, self.num_reg_tokens
         prefix = [torch.cat((y[:, :n_pre], y[:, y.shape[1] - n_reg:]), dim=1) for y in intermediates]
         intermediates = [y[:, n_pre: y.shape[1] - n_reg] for y in intermediates]
         if output_fmt == "NCHW":
-            H, W = grid
-            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+            intermediates = to_nchw(intermediates, grid)
         if return_prefix_tokens:
             intermediates = list(zip(intermediates, prefix))
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates
 
-    def prune_intermediate_layers(
-        self,
-        indices: Union[int, List[int]] = 1,
-        prune_norm: bool = False,
-        prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the blocks (and optionally the final norm and head) not needed for ``indices``."""
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[: max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices
-
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N + reg_tokens, C)``: class, patches, registers."""
-        x, grid = self._pos_embed(self.patch_embed(x))
-        x = self._run_blocks(x, self.rope_tables(grid, x.device))
+        x, grid = self._tokens(x)
+        rope = self.rope_tables(grid, x.device)
+        for blk in self.blocks:
+            x = self._run_block(blk, x, rope)
         return self.norm(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Tokens ``(B, 1 + N + reg_tokens, C)`` to logits ``(B, num_classes)`` (or pooled ``(B, C)``)."""
-        if self.global_pool == "avg":
-            x = x[:, self.num_prefix_tokens: x.shape[1] - self.num_reg_tokens].mean(dim=1)
-        elif self.global_pool == "token":
-            x = x[:, 0]
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
     def flop_count(self, batch_size: int = 1) -> int:
         """Multiplications of one forward pass at the model's ``img_size``.
@@ -404,23 +276,12 @@ class Vit5(nn.Module):
         Returns:
             The count for ``batch_size`` images.
         """
-        gh, gw = self.patch_embed.grid_size
-        patches = gh * gw
-        n = self.num_prefix_tokens + patches + self.num_reg_tokens
-        conv = self.patch_embed.proj
-        total = patches * conv.out_channels * conv.in_channels // conv.groups * conv.kernel_size[0] * conv.kernel_size[1]
+        n = self.num_prefix_tokens + self.patch_embed.num_patches + self.num_reg_tokens
+        total = patch_embed_flops(self.patch_embed)
         for blk in self.blocks:
-            attn = blk.attn
-            total += n * attn.qkv.in_features * attn.qkv.out_features
-            total += 2 * attn.num_heads * n * n * attn.head_dim
-            total += n * attn.proj.in_features * attn.proj.out_features
-            for fc in (blk.mlp.fc1, blk.mlp.fc2):
-                total += n * fc.in_features * fc.out_features
-            for ls in (blk.ls1, blk.ls2):
-                if isinstance(ls, LayerScale):
-                    total += ls.flop_count(n)
+            total += self_attention_flops(blk.attn, n) + block_tail_flops(blk, n)
         if isinstance(self.head, nn.Linear):
-            total += self.head.in_features * self.head.out_features
+            total += linear_flops(self.head, 1)
         return int(total) * int(batch_size)
 
 
@@ -448,61 +309,32 @@ def checkpoint_filter_fn(
     as it is; note that timm's own loader for ``pretrained_cfg_overlay=dict(file=...)``
     unwraps a training dict itself before this filter runs, preferring ``'model_ema'``.
 
-    The rotary buffers are checked against the computed tables (:class:`RemapError` if
-    they differ) and dropped; the position embedding is resampled when the
-    checkpoint's grid differs from the model's; LayerScale is folded into
-    ``attn.proj`` / ``mlp.fc2`` when the model has none (``fused_layerscale``).
+    The rotary buffers are checked against the computed tables
+    (:class:`~timm_layerscale.errors.RemapError` if they differ) and dropped; the position
+    embedding is resampled when the checkpoint's grid differs from the model's;
+    LayerScale is folded into ``attn.proj`` / ``mlp.fc2`` when the model has none
+    (``fused_layerscale``).
     """
     if use_ema is None:
         use_ema = _wants_ema(model)
     wrapped = any(k in state_dict for k in WRAPPER_KEYS)
     sd = state_dict_of(state_dict, ema=bool(use_ema and wrapped))
     check_rope_buffers(sd, _official_rope(model))
-    out = to_layerscale(sd, "vit5")
-    pe = out.get("pos_embed")
-    if pe is not None and pe.shape != model.pos_embed.shape:
-        out["pos_embed"] = resample_abs_pos_embed(
-            pe, new_size=model.patch_embed.grid_size, num_prefix_tokens=0, verbose=False
-        )
-    if not isinstance(model.blocks[0].ls1, LayerScale):
-        out = fold_state_dict(out)
-    return out
-
-
-def _create_vit5(variant: str, pretrained: bool = False, **kwargs: Any) -> Vit5:
-    out_indices = kwargs.pop("out_indices", 3)
-    return build_model_with_cfg(
-        Vit5,
-        variant,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs,
-    )
+    return fit_state_dict(to_layerscale(sd, "vit5"), model, fold=not isinstance(model.blocks[0].ls1, LayerScale))
 
 
 def _cfg(v: Variant, **kwargs: Any) -> Dict[str, Any]:
     file = v.official_file
-    return {
-        "url": "",
-        "hf_hub_id": VIT5_HUB_REPO if file else None,
-        "hf_hub_filename": file or None,
-        "num_classes": 1000,
-        "input_size": (3, v.img_size, v.img_size),
-        "pool_size": None,
-        "crop_pct": 1.0,
-        "interpolation": "bicubic",
-        "fixed_input_size": True,
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj",
-        "classifier": "head",
-        "license": "apache-2.0",
-        "paper_ids": "arXiv:2602.08071",
-        "paper_name": "ViT-5: Vision Transformers for the Mid-2020s",
-        "origin_url": "https://github.com/wangf3014/ViT-5",
+    return pretrained_cfg(
+        v,
+        url="",
+        hf_hub_id=VIT5_HUB_REPO if file else None,
+        hf_hub_filename=file or None,
+        paper_ids="arXiv:2602.08071",
+        paper_name="ViT-5: Vision Transformers for the Mid-2020s",
+        origin_url="https://github.com/wangf3014/ViT-5",
         **kwargs,
-    }
+    )
 
 
 _EMA_NOTE = ("EMA weights ('model_ema') of the released training checkpoint",)
@@ -521,7 +353,7 @@ default_cfgs = generate_default_cfgs({tag: cfg for v in VARIANTS.values() for ta
 
 
 def _make(name: str, pretrained: bool, kwargs: Dict[str, Any]) -> Vit5:
-    return _create_vit5(name, pretrained=pretrained, **dict(VARIANTS[name].model_args, **kwargs))
+    return build_variant(Vit5, checkpoint_filter_fn, VARIANTS[name], pretrained, kwargs)
 
 
 @register_model
