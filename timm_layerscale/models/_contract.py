@@ -26,18 +26,18 @@ __all__ = [
     "TimmContract",
     "block_tail_flops",
     "build_variant",
+    "check_output_fmt",
     "fit_state_dict",
     "linear_flops",
     "patch_embed_flops",
     "pretrained_cfg",
     "self_attention_flops",
+    "to_nchw",
 ]
-
-GLOBAL_POOLS = ("", "token", "avg")
 
 
 def check_global_pool(global_pool: str) -> None:
-    if global_pool not in GLOBAL_POOLS:
+    if global_pool not in ("", "token", "avg"):
         raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
 
 
