@@ -22,8 +22,9 @@ class MultiHeadAttention(nn.Module):
 
     Builds, in this order: the input projections (:meth:`_build_qkv`; one ``qkv``
     linear ``C -> 3C`` unless a subclass makes others), ``attn_drop``, the output
-    projection ``proj`` and ``proj_drop``. A subclass computes the attention in
-    ``forward`` and ends with :meth:`_project`.
+    projection ``proj``, what the heads attend with (:meth:`_build_attend`, the
+    subclass's) and ``proj_drop``. A subclass computes the attention in ``forward``
+    and ends with :meth:`_project`.
 
     Args:
         dim: Token width ``C``; divisible by ``num_heads``.
@@ -58,11 +59,16 @@ class MultiHeadAttention(nn.Module):
         self._build_qkv(dim, qkv_bias, **qkv_args, **dd)
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim, **dd)
+        self._build_attend(**dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def _build_qkv(self, dim: int, qkv_bias: bool, **dd: Any) -> None:
         """The input projections: one ``qkv`` linear ``C -> 3C``."""
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+
+    def _build_attend(self, **dd: Any) -> None:
+        """The layers or settings the heads attend with; each attention type has its own."""
+        raise NotImplementedError
 
     def _split_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens ``(B, N, C)`` to q, k and v stacked as ``(3, B, H, N, d)``."""
@@ -86,10 +92,9 @@ class SdpaAttention(MultiHeadAttention):
 
     fused_attn: torch.jit.Final[bool]
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def _build_attend(self, **dd: Any) -> None:
         from timm.layers import use_fused_attn  # at build, not at import: timm's import registers the models
 
-        super().__init__(*args, **kwargs)
         self.fused_attn = use_fused_attn()
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

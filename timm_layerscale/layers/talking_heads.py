@@ -77,9 +77,7 @@ class TalkingHeadAttn(MultiHeadAttention):
         dtype: Parameter dtype.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        dd = {"device": self.proj.weight.device, "dtype": self.proj.weight.dtype}
+    def _build_attend(self, **dd: Any) -> None:
         self.proj_l = nn.Linear(self.num_heads, self.num_heads, **dd)
         self.proj_w = nn.Linear(self.num_heads, self.num_heads, **dd)
 
