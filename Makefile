@@ -4,8 +4,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 DOCS_STAMP := $(VENV)/.docs-installed
+LINT_STAMP := $(VENV)/.lint-installed
+LINT_PATHS := timm_layerscale convert tests
 
-.PHONY: demo test test-all test-compat bench docs clean
+.PHONY: demo test test-all test-compat bench docs lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,5 +43,15 @@ docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
 	$(PY) -m sphinx -b doctest -W --keep-going -q docs docs/_build/doctest
 
+$(LINT_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -e '.[test,lint]'
+	touch $(LINT_STAMP)
+
+# Lint, formatting and types with the pinned ruff and mypy (the pre-commit hooks run the same).
+lint: $(LINT_STAMP)
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
+
 clean:
-	rm -rf $(VENV) .compat demo-out build dist *.egg-info docs/_build
+	rm -rf $(VENV) .compat demo-out build dist *.egg-info docs/_build .mypy_cache .ruff_cache

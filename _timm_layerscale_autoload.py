@@ -157,6 +157,8 @@ def _undo(modules_before, names_before) -> None:
         if name == PLUGIN or name.startswith(PLUGIN + "."):
             del sys.modules[name]
     registry = sys.modules.get("timm.models._registry")
+    if registry is None:
+        return
     try:
         for name in _registered_names() - names_before:
             for tagged in [name, *registry._model_with_tags.pop(name, ())]:

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from timm_layerscale.machine import cpu_model
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -34,17 +36,6 @@ def scripts(only: Optional[List[str]] = None) -> List[Path]:
         wanted |= {f"bench_{n}" for n in wanted if not n.startswith("bench_")}
         found = [p for p in found if p.name in wanted]
     return found
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _memory_gib() -> str:
@@ -77,7 +68,7 @@ def machine_lines() -> List[str]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return [
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- CPU: {_cpu_model()}, {cores} cores available to this process ({os.cpu_count()} logical CPUs); "
+        f"- CPU: {cpu_model()}, {cores} cores available to this process ({os.cpu_count()} logical CPUs); "
         f"memory {_memory_gib()}",
         f"- OS: {platform.platform()}",
         f"- Python {platform.python_version()}, torch {torch.__version__} "

@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from timm_layerscale.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 2
@@ -55,16 +56,6 @@ def allocators() -> dict[str, dict[str, str] | None]:
     for name, lib in PRELOADS.items():
         out[name] = {"LD_PRELOAD": lib} if Path(lib).exists() else None
     return out
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # --- worker: one allocator, every case ------------------------------------------------

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from timm_layerscale.machine import cpu_model
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VENVS = ROOT / ".compat"
@@ -197,17 +199,6 @@ def run_cell(cell: Cell, fresh: bool, remove: bool) -> Outcome:
             shutil.rmtree(venv, ignore_errors=True)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def table(outcomes: list[Outcome]) -> str:
     rows = [
         "| timm | torch | torchvision | result | passed | failed | skipped | install s | tests s |",
@@ -229,7 +220,7 @@ def write_results(outcomes: list[Outcome], path: Path) -> None:
     text = (
         "# Compatibility matrix\n\n"
         f"`python -m compat` (`make test-compat`) on {datetime.date.today().isoformat()}: "
-        f"{_cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}. Each row is a fresh "
+        f"{cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}. Each row is a fresh "
         f"environment running `pytest -m \"{PYTEST_MARKERS}\"`; install time includes downloads.\n\n"
         + table(outcomes)
         + "\n"

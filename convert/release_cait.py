@@ -26,11 +26,12 @@ import resource
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from timm_layerscale.cli import add_verify_args, verify_options
+from timm_layerscale.options import add_verify_args, verify_options
 from timm_layerscale.conversion.families import CAIT_RELEASE_URL, variants_of
 from timm_layerscale.errors import LayerScaleError
 
@@ -123,7 +124,7 @@ class PeakMemory:
         self.mib: float | None = None
         self.scope = "variant"
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -177,7 +178,7 @@ def _check_sha256(rel: Release, path: Path) -> str:
 
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
-    from timm_layerscale.conversion.pipeline import command_line
+    from timm_layerscale.options import command_line
 
     return command_line(
         ("python", "-m", "convert"), options, only=rel.reference, out=out, sources=sources, org=org,
@@ -298,7 +299,7 @@ def format_table() -> str:
     rows = [("model", "official file", "timm Hub id", "sha256")]
     rows += [(r.model, r.url, r.timm_hub_id, r.sha256 or "not published") for r in RELEASES]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,7 +328,8 @@ def _preflight(releases: Sequence[Release], sources: Path | None, org: str | Non
             and the network is off (``HF_HUB_OFFLINE``, or names do not resolve),
             or ``org`` is given and no Hub token is set.
     """
-    from timm_layerscale.hub.download import cached_url_path, check_online, hub_endpoint, require_token
+    from timm_layerscale.hub.download import cached_url_path, check_online, hub_endpoint
+    from timm_layerscale.hub.upload import require_token
 
     missing = [r for r in releases if sources is None and not cached_url_path(r.url).is_file()]
     if missing:

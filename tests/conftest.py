@@ -12,12 +12,12 @@ os.environ["TORCH_HOME"] = os.path.join(_HOME, "torch")
 os.environ.setdefault("TIMM_LAYERSCALE_AUTOLOAD", "1")
 
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-
 #: A CaiT small enough to run in milliseconds, with every feature of the real ones.
-TINY_CAIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5)
+TINY_CAIT: dict[str, Any] = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5)
 
 
 @pytest.fixture

@@ -15,13 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import timm  # noqa: E402
-from timm.layers import set_fused_attn  # noqa: E402
-from timm.models.cait import TalkingHeadAttn as RefAttn  # noqa: E402
+import timm
+from timm.layers import set_fused_attn
+from timm.models.cait import TalkingHeadAttn as RefAttn
 
-import timm_layerscale  # noqa: E402,F401
-from timm_layerscale import to_layerscale  # noqa: E402
-from timm_layerscale.layers import BufferedTalkingHeadAttn  # noqa: E402
+import timm_layerscale  # noqa: F401
+from timm_layerscale import to_layerscale
+from timm_layerscale.layers import BufferedTalkingHeadAttn
 
 SHAPES = [(2, 17, 32, 4), (3, 50, 96, 6), (1, 65, 256, 16), (4, 196, 192, 4)]
 

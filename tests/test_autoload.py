@@ -106,9 +106,9 @@ def _build_args() -> list:
     """Build offline with this interpreter's setuptools when it meets [build-system] (as it
     does after ``make``); otherwise let pip set up an isolated build from the package index."""
     try:
-        import tomllib
         from importlib.metadata import version
 
+        import tomllib
         from packaging.requirements import Requirement
 
         requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
@@ -261,7 +261,7 @@ def reference(home):
 
     loaded = timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(out / "weights.pth")))
     loaded.eval()
-    for (key, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+    for (key, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), key
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

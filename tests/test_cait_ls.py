@@ -11,11 +11,10 @@ from safetensors.torch import save_file
 from timm.layers import set_fused_attn
 
 import timm_layerscale  # noqa: F401  (registers the models)
+from kernel_trace import reduction_trace
 from timm_layerscale import to_gamma, to_layerscale
 from timm_layerscale.models.cait_ls import VARIANTS, CaitLS
-from timm_layerscale.parity.compare import seed_parameters_
-
-from kernel_trace import reduction_trace
+from timm_layerscale.parity.inputs import seed_parameters_
 
 NAMES = sorted(VARIANTS)
 IMG = {name: int(name.split("_")[2]) for name in NAMES}

@@ -8,7 +8,6 @@ status 2 (130 for an interruption), exactly one line on stderr starting with
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import hashlib
 import json
@@ -24,15 +23,15 @@ import safetensors.torch
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale.cli import main
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
-from timm_layerscale.cli import main
-from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
-from timm_layerscale.parity.compare import VerifyOptions
-from timm_layerscale.errors import CheckpointError
-from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.conversion.detect import get_variant
-from timm_layerscale.conversion.families import state_dict_shapes
+from timm_layerscale.conversion.detect import state_dict_shapes
+from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.conversion.pipeline import convert_checkpoint
+from timm_layerscale.errors import CheckpointError
+from timm_layerscale.parity.tolerance import VerifyOptions
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -188,7 +187,7 @@ def test_convert_json(official, tmp_path, capsys, few_inputs):
 
 def test_convert_dtype_and_format_options(official, tmp_path, capsys):
     out = tmp_path / "half.bin"
-    code, stdout, err = cli(capsys, "convert", official, out, "--format", "safetensors", "--dtype", "fp16", "--no-verify")
+    code, _, err = cli(capsys, "convert", official, out, "--format", "safetensors", "--dtype", "fp16", "--no-verify")
     assert code == 0, err
     sd = safetensors.torch.load_file(str(out))
     assert {v.dtype for v in sd.values()} == {torch.float16}

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale import cli, progress
-from timm_layerscale.conversion import pipeline as conversion
+from timm_layerscale import commands, progress
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
@@ -62,7 +61,7 @@ def test_an_internal_error_exits_3_with_the_common_prefix(capsys, monkeypatch):
     def broken(args):
         raise TypeError("unsupported operand")
 
-    monkeypatch.setitem(cli.COMMANDS, "list", broken)
+    monkeypatch.setitem(commands.COMMANDS, "list", broken)
     line = one_line_error(*run(capsys, "list")[::2], 3, "internal error: TypeError: unsupported operand")
     assert "--debug" in line
 
@@ -71,7 +70,7 @@ def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
     def failing(args):
         raise ParityError("converted model does not match cait_xxs24_224", failing_report())
 
-    monkeypatch.setitem(cli.COMMANDS, "list", failing)
+    monkeypatch.setitem(commands.COMMANDS, "list", failing)
     one_line_error(*run(capsys, "list")[::2], 1, "does not match")
 
 
@@ -146,11 +145,11 @@ def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys,
         convert_checkpoint(official, out, verify=False)
     one_line_error(*run(capsys, "convert", official, out)[::2], 2, "pass --overwrite to replace it")
     assert out.read_bytes() == b"keep me"
-    assert cli.cli_message("closest is x; pass model='cait_s24_224_ls' to see") == "closest is x; pass --model cait_s24_224_ls to see"
-    assert cli.cli_message("or pass allow_nonfinite=True to convert") == "or pass --allow-nonfinite to convert"
-    assert cli.cli_message("or pass fmt='pth'") == "or pass --format pth"
-    assert cli.cli_message("pass atol=1e-5 to accept") == "pass --atol 1e-5 to accept"
-    assert cli.cli_message("found embed_dim=192, depth=12") == "found embed_dim=192, depth=12"
+    assert commands.cli_message("closest is x; pass model='cait_s24_224_ls' to see") == "closest is x; pass --model cait_s24_224_ls to see"
+    assert commands.cli_message("or pass allow_nonfinite=True to convert") == "or pass --allow-nonfinite to convert"
+    assert commands.cli_message("or pass fmt='pth'") == "or pass --format pth"
+    assert commands.cli_message("pass atol=1e-5 to accept") == "pass --atol 1e-5 to accept"
+    assert commands.cli_message("found embed_dim=192, depth=12") == "found embed_dim=192, depth=12"
 
 
 def test_a_library_key_error_gives_no_command_line_advice():
@@ -164,8 +163,8 @@ def test_a_library_key_error_gives_no_command_line_advice():
 def test_a_vit_tiny_like_deit3_file_is_told_the_nearest_width(tmp_path):
     import timm
 
-    from timm_layerscale.conversion.keys import to_gamma
     from timm_layerscale.conversion.detect import detect_variant
+    from timm_layerscale.conversion.keys import to_gamma
 
     with torch.device("meta"):
         tiny = timm.create_model("vit_tiny_patch16_224", no_embed_class=True, init_values=1e-5)
@@ -225,7 +224,9 @@ def test_progress_bars_show_on_a_terminal_and_not_with_quiet(official, tmp_path,
     monkeypatch.setattr(progress, "enabled", lambda: not progress._disabled)
     monkeypatch.setattr(progress, "DELAY", 0)
     monkeypatch.setattr(progress, "_disabled", False)
-    monkeypatch.setattr(conversion, "seeded_inputs", lambda n, img, seed: torch.randn(2, 3, 224, 224))
+    from timm_layerscale.parity import verify
+
+    monkeypatch.setattr(verify, "seeded_inputs", lambda n, img, seed: torch.randn(2, 3, 224, 224))
     code, _, err = run(capsys, "convert", official, tmp_path / "a.safetensors")
     assert code == 0, err
     assert "writing a.safetensors" in err and "verifying" in err and "batch" in err
@@ -343,9 +344,8 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
     ],
 )
 def test_model_card_names_its_reference_and_cites_its_family(name, reference, cites, not_cited, tmp_path):
-    from timm_layerscale.hub.card import build_model_card
     from timm_layerscale.conversion.detect import get_variant
-
+    from timm_layerscale.hub.card import build_model_card
     from timm_layerscale.parity.compare import ParityReport
 
     report = ParityReport(

@@ -9,7 +9,9 @@ from compat.__main__ import CELLS, TIMM_NEWEST, TIMM_OLDEST, TORCH_NEWEST, TORCH
 
 
 def test_declared_floors_are_the_oldest_tested_releases():
-    declared = {r.name: str(r.specifier) for r in map(Requirement, requires("timm-layerscale")) if not r.marker}
+    requirements = requires("timm-layerscale")
+    assert requirements is not None
+    declared = {r.name: str(r.specifier) for r in map(Requirement, requirements) if not r.marker}
     assert declared["timm"] == f">={TIMM_OLDEST}"
     assert declared["torch"] == f">={TORCH_OLDEST[0]}"
 

@@ -9,7 +9,6 @@ one default conversion, which runs the full default verification.
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 import os
@@ -24,14 +23,14 @@ import torch
 from safetensors import safe_open
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale._version import __version__
-from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
-from timm_layerscale.parity.compare import VerifyOptions
-from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError
-from timm_layerscale.parity.compare import seeded_inputs
-from timm_layerscale.conversion.keys import to_layerscale
+from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion.detect import detect_variant
+from timm_layerscale.conversion.keys import to_layerscale
+from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
+from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError
+from timm_layerscale.parity.inputs import seeded_inputs
+from timm_layerscale.parity.tolerance import VerifyOptions
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -273,6 +272,7 @@ def test_dtype_bf16_casts_and_verifies_in_bf16(official, ls_sd, tmp_path, few_in
     res = convert_checkpoint(official, tmp_path / "bf16.safetensors", dtype="bf16")
     assert_same_tensors(load_output(res.output), ls_sd, dtype=torch.bfloat16)
     rep = res.report
+    assert rep is not None
     assert rep.dtype == "bfloat16" and rep.passed and rep.bit_exact and rep.num_inputs == 1
 
 
@@ -379,7 +379,7 @@ def test_detection_finds_a_finetuned_head(gamma_sd, official, tmp_path, few_inpu
     torch.save({"model": sd}, src)
     res = convert_checkpoint(src, tmp_path / "ft10.safetensors")
     assert res.num_classes == 10 and res.metadata["num_classes"] == "10"
-    assert res.report.passed and res.report.bit_exact
+    assert res.report is not None and res.report.passed and res.report.bit_exact
     assert tuple(load_output(res.output)["head.weight"].shape) == (10, 192)
 
 

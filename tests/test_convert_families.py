@@ -9,12 +9,13 @@ import timm
 import torch
 
 import timm_layerscale  # noqa: F401
-from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.cli import main
-from timm_layerscale.parity.compare import VIT5_TOLERANCE, seed_parameters_
 from timm_layerscale.conversion.detect import get_variant
-from timm_layerscale.parity import vit5_official
+from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.parity import vit5_official
+from timm_layerscale.parity.inputs import seed_parameters_
+from timm_layerscale.parity.tolerance import VIT5_TOLERANCE
 
 
 @pytest.fixture(scope="module")

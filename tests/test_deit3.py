@@ -7,15 +7,15 @@ same model, bit for bit.
 from __future__ import annotations
 
 import pytest
-import torch
 import timm
+import torch
 from safetensors.torch import save_file
 
 import timm_layerscale  # noqa: F401
 from timm_layerscale.conversion import keys as remap
+from timm_layerscale.conversion.detect import detect_variant, get_variant
 from timm_layerscale.errors import RemapError
 from timm_layerscale.parity.references import build_reference, reference_name, reference_state_dict
-from timm_layerscale.conversion.detect import detect_variant, get_variant
 
 NAME = "deit3_small_patch16_224"
 

@@ -19,12 +19,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import timm
 import torch
 from timm.layers import set_fused_attn, use_fused_attn
-from timm.models.cait import Cait, TalkingHeadAttn as RefAttn
+from timm.models.cait import Cait
+from timm.models.cait import TalkingHeadAttn as RefAttn
 from torch import nn
 
 from kernel_trace import reduction_trace
@@ -38,7 +40,7 @@ from timm_layerscale.layers.talking_heads import (
 from timm_layerscale.models.cait_ls import CaitLS
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5)
+TINY: dict[str, Any] = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5)
 #: (B, N, C, H): real sizes, a single image, a single token, a single head.
 SHAPES = [(2, 17, 32, 4), (3, 50, 96, 6), (2, 197, 128, 8), (1, 65, 256, 16), (1, 5, 48, 6), (2, 1, 32, 4), (3, 7, 16, 1)]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -182,8 +184,10 @@ def test_cait_xxs24_bit_exact_eval_and_train(name, fused, fused_attn, buffered_c
     fused_attn(fused)
     ref = _randomize(timm.create_model(name)).eval()
     ours = timm.create_model(name + "_ls").eval()
+    assert isinstance(ours, CaitLS)
     ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
-    assert ours.blocks_token_only[0].attn.fused_attn == ref.blocks_token_only[0].attn.fused_attn == fused
+    attn = "blocks_token_only.0.attn"
+    assert ours.get_submodule(attn).fused_attn == ref.get_submodule(attn).fused_attn == fused
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = ref(x)
@@ -252,7 +256,7 @@ def test_fast_attention_within_its_bound(B, N, C, H, dtype):
 def test_fast_model_within_its_bound_and_trains_like_the_reference():
     ref = _randomize(timm.create_model("cait_xxs24_224")).eval()
     fast = timm.create_model("cait_xxs24_224_ls", attn_impl="fast").eval()
-    assert isinstance(fast.blocks[0].attn, FastTalkingHeadAttn)
+    assert isinstance(fast.get_submodule("blocks.0.attn"), FastTalkingHeadAttn)
     fast.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():

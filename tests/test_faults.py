@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from timm_layerscale.cli import main
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
-from timm_layerscale.conversion.io import atomic_output, load_checkpoint
-from timm_layerscale.cli import main
-from timm_layerscale.errors import CheckpointError, OutputExistsError
-from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.conversion.detect import get_variant
-from timm_layerscale.conversion.families import state_dict_shapes
+from timm_layerscale.conversion.detect import state_dict_shapes
+from timm_layerscale.conversion.io import atomic_output, load_checkpoint
+from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.errors import CheckpointError, OutputExistsError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
@@ -165,9 +165,8 @@ def test_final_step_never_replaces_a_file_that_appeared(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "check_output", lambda target, overwrite: None)
     out = tmp_path / "x.bin"
     out.write_bytes(b"first writer")
-    with pytest.raises(OutputExistsError, match="exists; pass --overwrite"):
-        with atomic_output(out) as tmp:
-            tmp.write_bytes(b"second writer")
+    with pytest.raises(OutputExistsError, match="exists; pass --overwrite"), atomic_output(out) as tmp:
+        tmp.write_bytes(b"second writer")
     assert out.read_bytes() == b"first writer" and _leftovers(tmp_path) == []
     with atomic_output(out, overwrite=True) as tmp:
         tmp.write_bytes(b"replacement")
@@ -236,7 +235,8 @@ def test_two_processes_converting_to_one_output(tmp_path):
         )
         for i, src in enumerate(sources)
     ]
-    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    results = [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
     assert names(barrier) == ["0", "1"], results  # both reached the final step
     codes = [r[0] for r in results]
     assert sorted(codes) == [0, 2], results
@@ -336,21 +336,21 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
         subprocess.run([sys.executable, "-c", _REWRITE[how], str(source), str(other)], check=True)
 
     if when == "before-hashing":
-        real = ckpt.sha256_file
+        real_hash = ckpt.sha256_file
 
-        def hook(path):
+        def rewrite_then_hash(path):
             rewrite()
-            return real(path)
+            return real_hash(path)
 
-        monkeypatch.setattr(ckpt, "sha256_file", hook)
+        monkeypatch.setattr(ckpt, "sha256_file", rewrite_then_hash)
     else:
-        real = ckpt.save_state_dict
+        real_save = ckpt.save_state_dict
 
-        def hook(*args, **kwargs):
-            real(*args, **kwargs)
+        def save_then_rewrite(*args, **kwargs):
+            real_save(*args, **kwargs)
             rewrite()
 
-        monkeypatch.setattr(ckpt, "save_state_dict", hook)
+        monkeypatch.setattr(ckpt, "save_state_dict", save_then_rewrite)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, out, err = cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify")

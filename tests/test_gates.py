@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from timm_layerscale import to_layerscale
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.inspection import MissingPlotDependency, format_gate_table, gate_profile, plot_gates
-from timm_layerscale.parity.compare import seed_parameters_
+from timm_layerscale.parity.inputs import seed_parameters_
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_other_families_and_nested_stages() -> None:
     rows = gate_profile(model.state_dict())
     assert [r["block"] for r in rows] == ["blocks.0", "blocks.1"]
     assert not any(r["class_attn"] for r in rows)
-    assert rows[0]["ls1"] == pytest.approx(_stats(model.blocks[0].ls1.gamma.detach()))
+    assert rows[0]["ls1"] == pytest.approx(_stats(model.get_parameter("blocks.0.ls1.gamma").detach()))
     nested = {
         "stages.1.blocks.0.gamma_1": torch.full((4,), 2.0),
         "stages.0.blocks.10.gamma_1": torch.full((4,), -1.0),

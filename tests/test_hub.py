@@ -1,4 +1,4 @@
-"""Tests for the Hub folder, model card and upload (timm_layerscale.hub.download).
+"""Tests for the Hub package: downloads, uploads, error messages, export folder and model card (timm_layerscale.hub).
 
 Uploads run the real huggingface_hub client against :class:`FakeHub`, a small Hub
 API on 127.0.0.1 started by the test. It implements what ``create_repo``,
@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
+import huggingface_hub.constants
 import pytest
 import torch
 from safetensors.torch import save_file
 
-import huggingface_hub.constants
+from timm_layerscale.conversion.io import resolve_source
 from timm_layerscale.errors import HubError, OutputExistsError
 from timm_layerscale.hub.export import export_folder
-from timm_layerscale.conversion.io import resolve_source
-from timm_layerscale.hub.download import plan_push, push_folder
+from timm_layerscale.hub.upload import plan_push, push_folder
 
 TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,13 +183,20 @@ class FakeHub:
         """File downloads: ``/{repo_id}/resolve/{revision}/{filename}`` (public repositories)."""
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         repo = self.repos.get(m.group(1)) if m else None
-        if repo is None:
+        if m is None or repo is None:
             h.send_response(404)
             h.send_header("X-Error-Code", "RepoNotFound")
             h.send_header("Content-Length", "0")
             h.end_headers()
             return
-        data = repo["branches"].get(m.group(2), {}).get(m.group(3))
+        branch = repo["branches"].get(m.group(2))
+        if branch is None:
+            h.send_response(404)
+            h.send_header("X-Error-Code", "RevisionNotFound")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        data = branch.get(m.group(3))
         if data is None:
             h.send_response(404)
             h.send_header("X-Error-Code", "EntryNotFound")
@@ -413,6 +420,98 @@ def test_cli_push_in_a_subprocess_never_shows_the_token(hub: FakeHub, folder: Pa
         _no_token_anywhere(folder=tmp_path / "hf-home")
 
 
+# ---- error messages ------------------------------------------------------------------
+
+
+def test_no_row_of_the_error_table_is_hidden_by_an_earlier_one() -> None:
+    from timm_layerscale.hub.errors import MESSAGES
+
+    rows = [types if isinstance(types, tuple) else (types,) for types, _ in MESSAGES]
+    for i, earlier in enumerate(rows):
+        for later in rows[i + 1:]:
+            hidden = [t.__name__ for t in later if issubclass(t, earlier)]
+            assert not hidden, f"{hidden} come after their base {[t.__name__ for t in earlier]}"
+
+
+def _http_error(cls: type, status: int) -> Exception:
+    from huggingface_hub.utils import httpx
+
+    response = httpx.Response(status, request=httpx.Request("GET", "https://hub.example/api/models/my-org/model"))
+    return cls(f"{status} Client Error.", response=response)
+
+
+def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
+    from huggingface_hub.errors import (
+        BadRequestError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+    )
+    from huggingface_hub.utils import httpx
+
+    from timm_layerscale.hub.errors import HubCall, hub_message
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    call = HubCall("uploading to my-org/model", "my-org/model", "https://hub.example")
+    cases = [
+        (OfflineModeIsEnabled("offline"), "HF_HUB_OFFLINE is set, so uploading to my-org/model"),  # a ConnectionError
+        (_http_error(GatedRepoError, 403), "my-org/model is gated"),  # a RepositoryNotFoundError
+        (_http_error(BadRequestError, 400), "the Hub answered 400 while uploading"),  # a ValueError
+        (_http_error(HfHubHTTPError, 401), "the Hub rejected the token (401 Unauthorized)"),
+        (LocalEntryNotFoundError("cannot find it"), "could not reach the Hub at https://hub.example"),
+        (httpx.ConnectError("[Errno 111] Connection refused"), "could not reach the Hub at https://hub.example"),
+        (ValueError("bad folder"), "uploading to my-org/model failed: bad folder"),
+    ]
+    for error, expect in cases:
+        message = hub_message(error, call)
+        assert message is not None and message.startswith(expect), (type(error).__name__, message)
+    assert hub_message(RuntimeError("a bug"), call) is None
+
+
+def test_hub_errors_raises_one_line_and_lets_unknown_errors_through() -> None:
+    from huggingface_hub.utils import httpx
+
+    from timm_layerscale.hub.errors import hub_errors
+
+    with pytest.raises(HubError, match="could not reach the Hub at http://h while downloading x") as info:
+        with hub_errors("downloading x", "o/x", endpoint="http://h"):
+            raise httpx.ConnectTimeout("timed\nout")
+    assert "\n" not in str(info.value) and isinstance(info.value.__cause__, httpx.ConnectTimeout)
+    with pytest.raises(KeyError):
+        with hub_errors("downloading x", "o/x", endpoint="http://h"):
+            raise KeyError("a bug stays a bug")
+
+
+# ---- the package ------------------------------------------------------------------------
+
+
+def test_hub_names_come_from_their_modules_without_importing_torch() -> None:
+    code = (
+        "import importlib, sys, timm_layerscale.hub as hub\n"
+        "assert 'torch' not in sys.modules and 'huggingface_hub' not in sys.modules\n"
+        "for name, module in hub._LAZY.items():\n"
+        "    owner = importlib.import_module(module, 'timm_layerscale.hub')\n"
+        "    assert name in owner.__all__, (name, module)\n"
+        "    assert getattr(hub, name) is getattr(owner, name), name\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_card_template_ships_with_the_package() -> None:
+    from importlib import resources
+
+    from timm_layerscale.hub.card import TEMPLATE_NAME
+
+    tomllib = pytest.importorskip("tomllib")
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert TEMPLATE_NAME in package_data["timm_layerscale.hub"]
+    text = resources.files("timm_layerscale.hub").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    assert "<!-- section: card -->" in text and "$repo_id" in text
+
+
 # ---- resolve_source ------------------------------------------------------------------
 
 
@@ -448,6 +547,8 @@ def test_resolve_source_downloads_from_the_hub(hub: FakeHub) -> None:
         resolve_source("hf-hub:my-org/empty")
     with pytest.raises(HubError, match="not found or is not accessible .*check the repo id"):
         resolve_source("hf-hub:my-org/does-not-exist")
+    with pytest.raises(HubError, match="my-org/st has no revision 'v9' \\(404\\) .*check the revision"):
+        resolve_source("hf-hub:my-org/st@v9")
 
 
 def test_resolve_source_rejects_a_bad_hub_spec() -> None:
@@ -556,6 +657,23 @@ def test_export_rejects_a_bad_push_target_before_converting(tmp_path: Path) -> N
     assert not (tmp_path / "out").exists()
 
 
+def test_export_into_a_folder_it_cannot_write_fails_before_converting(tmp_path: Path, monkeypatch) -> None:
+    from timm_layerscale.errors import CheckpointError
+
+    source = tmp_path / "never-read.pth"
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file; export needs a folder path"):
+        export_folder(source, tmp_path / "a-file")
+    with pytest.raises(CheckpointError, match="cannot create"):
+        export_folder(source, tmp_path / "a-file" / "under" / "out")
+    readonly = tmp_path / "new" / "deeper"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != readonly and real_access(path, mode))
+    with pytest.raises(CheckpointError, match=f"output folder {readonly} is not writable"):
+        export_folder(source, readonly / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_failed_export_leaves_nothing_behind(tmp_path: Path) -> None:
     bad = tmp_path / "bad.pth"
     bad.write_bytes(b"PK\x03\x04 not really a zip file")
@@ -569,8 +687,8 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
 
     from huggingface_hub import ModelCard
 
-    from timm_layerscale.hub.download import build_model_card
     from timm_layerscale.conversion.detect import get_variant
+    from timm_layerscale.hub.card import build_model_card
 
     conversion = SimpleNamespace(
         variant=get_variant("cait_s24_224_ls"), source="https://dl.fbaipublicfiles.com/deit/S24_224.pth",

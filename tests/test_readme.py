@@ -14,9 +14,9 @@ How blocks run
   comment, ``~`` is ``HOME``). ``timm-layerscale ...``, ``python -m timm_layerscale ...``
   and ``python -m convert ...`` run in this process and must exit 0 (their verification
   runs on one seeded image instead of eight, to save time). Commands of other
-  programs are not run: ``make`` (its targets are what CI runs), ``pip`` and ``hf``
-  (third-party tools; see :data:`NOT_RUN`). Any other program fails the test, so a new
-  kind of command has to be handled here first.
+  programs are not run: ``make`` (its targets are what CI runs), ``pip``, ``hf`` and
+  ``pre-commit`` (third-party tools; see :data:`NOT_RUN`). Any other program fails the
+  test, so a new kind of command has to be handled here first.
 - Any other block language fails the test.
 
 Marking lines that need the network
@@ -54,6 +54,7 @@ NOT_RUN = {
     "make": "the make targets are the test harness itself; CI runs them",
     "pip": "installs packages from PyPI",
     "hf": "huggingface_hub's own command line (logs in to the Hub)",
+    "pre-commit": "installs a git hook into the clone",
 }
 #: Seconds within which a network line must fail when offline.
 FAST = 20.0  # retries took 25-51 s; a statement may first build its model (seconds on a busy machine)
@@ -103,11 +104,11 @@ def workdir(tmp_path_factory) -> Path:
     from PIL import Image
 
     import timm_layerscale  # noqa: F401
-    from timm_layerscale.demo import write_official_checkpoint
-    from timm_layerscale.parity.compare import seed_parameters_
     from timm_layerscale.conversion.detect import get_variant
-    from timm_layerscale.parity import vit5_official
     from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
+    from timm_layerscale.demo import write_official_checkpoint
+    from timm_layerscale.parity import vit5_official
+    from timm_layerscale.parity.inputs import seed_parameters_
 
     work = tmp_path_factory.mktemp("readme")
     write_official_checkpoint(work / "XXS24_224.pth", "cait_xxs24_224", seed=0)
@@ -143,10 +144,10 @@ def offline_env(workdir, monkeypatch) -> dict[str, str]:
     monkeypatch.chdir(workdir)
     # Commands verify on one seeded image instead of eight: the same code path, an eighth of
     # the time (parity itself is tested in depth elsewhere).
-    from timm_layerscale.conversion import pipeline as conversion
+    from timm_layerscale.parity import verify
 
-    seeded = conversion.seeded_inputs
-    monkeypatch.setattr(conversion, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))
+    seeded = verify.seeded_inputs
+    monkeypatch.setattr(verify, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))
     return env
 
 

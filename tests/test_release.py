@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,8 +31,10 @@ def test_table_holds_the_ten_official_checkpoints() -> None:
     for r in RELEASES:
         assert timm.is_model(r.model) and timm.is_model(r.reference)
         assert r.url == f"https://dl.fbaipublicfiles.com/deit/{r.file}"
-        assert timm.models.get_pretrained_cfg(f"{r.reference}.fb_dist_in1k").hf_hub_id == r.timm_hub_id
-        assert timm.models.get_pretrained_cfg(f"{r.model}.fb_dist_in1k").url == r.url
+        reference_cfg = timm.models.get_pretrained_cfg(f"{r.reference}.fb_dist_in1k")
+        our_cfg = timm.models.get_pretrained_cfg(f"{r.model}.fb_dist_in1k")
+        assert reference_cfg is not None and reference_cfg.hf_hub_id == r.timm_hub_id
+        assert our_cfg is not None and our_cfg.url == r.url
         assert r.name == f"{r.model}.fb_dist_in1k"
         assert r.sha256 is None  # not published upstream; see the comment on PINNED_SHA256
 
@@ -58,7 +61,7 @@ def test_list_prints_the_table(capsys) -> None:
 
 
 def test_markdown_summary_format() -> None:
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"variant": "cait_xxs24_224_ls", "params": 11_956_264, "source_sha256": "ab" * 32, "max_abs_diff": 0.0,
          "bit_exact": True, "seconds": 12.345, "peak_memory_mib": 812.4, "status": "ok", "error": None},
         {"variant": "cait_s24_224_ls", "params": None, "source_sha256": None, "max_abs_diff": None,

@@ -18,9 +18,10 @@ from timm.optim import create_optimizer_v2
 from timm.utils import CheckpointSaver, ModelEmaV3
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.cli import main
+from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.models.cait_ls import CaitLS
 
 NAME = "cait_xxs24_224_ls"
 #: The same architecture at toy size; init 0.1 (the paper's value for this depth) so that
@@ -28,9 +29,11 @@ NAME = "cait_xxs24_224_ls"
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=0.1)
 
 
-def tiny_model(seed: int = 0, **kwargs) -> torch.nn.Module:
+def tiny_model(seed: int = 0, **kwargs) -> CaitLS:
     torch.manual_seed(seed)
-    return timm.create_model(NAME, **{**TINY, **kwargs})
+    model = timm.create_model(NAME, **{**TINY, **kwargs})
+    assert isinstance(model, CaitLS)
+    return model
 
 
 def batch(n: int = 8, size: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +48,11 @@ def gammas(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def grads(model: torch.nn.Module, forward, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     F.cross_entropy(forward(x), y).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    out = {}
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        out[n] = p.grad.clone()
+    return out
 
 
 # --- optimizer and EMA -------------------------------------------------------------------------

@@ -13,8 +13,8 @@ import sys
 
 from ._lazy import lazy_attributes
 from ._version import __version__
-from .errors import LayerScaleError
 from .conversion.keys import to_gamma, to_layerscale
+from .errors import LayerScaleError
 
 __all__ = [
     "__version__",
@@ -36,7 +36,7 @@ _LAZY = {
     "param_groups": ".layer_scale",
     "fuse_layerscale": ".conversion.fold",
     "fold_state_dict": ".conversion.fold",
-    "VerifyOptions": ".parity.compare",
+    "VerifyOptions": ".parity.tolerance",
     "models": ".models",
 }
 

@@ -14,7 +14,6 @@ def registered_models() -> list[str]:
     import timm
 
     from . import models  # noqa: F401  (registers the models)
-
     from .conversion.families import VARIANTS
 
     ours = {name for module in MODEL_MODULES for name in timm.list_models(module=module)}
@@ -38,7 +37,8 @@ def model_catalog(flops: bool = False) -> list[dict[str, Any]]:
     for name in registered_models():
         variant = get_variant(name)
         with torch.device("meta"):
-            model = timm.create_model(name)
+            # pretrained_cfg and flop_count are attributes that nn.Module does not declare
+            model: Any = timm.create_model(name)
         cfg = model.pretrained_cfg
         row: dict[str, Any] = {
             "name": name,
@@ -68,4 +68,4 @@ def format_catalog(rows: list[dict[str, Any]], flops: bool = False) -> str:
             line.insert(4, "-" if r.get("flops") is None else f"{r['flops'] / 1e9:.2f}")
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)

@@ -18,23 +18,15 @@ every command:
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import re
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import NoReturn
 
 from ._version import __version__
+from .commands import COMMANDS, EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED, EXIT_USER_ERROR, PROG, cli_message, error
+from .options import add_verify_args
 
-__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_VERIFICATION_FAILED", "EXIT_USER_ERROR", "EXIT_INTERNAL_ERROR"]
-
-PROG = "timm-layerscale"
-
-EXIT_OK = 0
-EXIT_VERIFICATION_FAILED = 1
-EXIT_USER_ERROR = 2
-EXIT_INTERNAL_ERROR = 3
-EXIT_INTERRUPTED = 130
+__all__ = ["main", "build_parser"]
 
 EXAMPLES = """\
 exit status: 0 ok, 1 verification failed, 2 user error, 3 internal error.
@@ -53,30 +45,8 @@ examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, the prefix of every error
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, the prefix of every error
         self.exit(EXIT_USER_ERROR, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a count of inputs or a batch size)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def tolerance(text: str) -> float:
-    """argparse type: a finite number >= 0 (an absolute or relative tolerance)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
 
 
 def _add_common(p: argparse.ArgumentParser, top: bool = False, quiet: bool = True) -> None:
@@ -88,30 +58,6 @@ def _add_common(p: argparse.ArgumentParser, top: bool = False, quiet: bool = Tru
             "-q", "--quiet", action="store_true", default=default,
             help="no progress bars (they are shown only when stderr is a terminal)",
         )
-
-
-def add_verify_args(p: argparse.ArgumentParser) -> None:
-    """The verification options, the same for every command that verifies."""
-    g = p.add_argument_group("verification")
-    g.add_argument("--exact", action="store_true", help="demand bit-exact outputs (torch.equal), whatever the family")
-    g.add_argument("--atol", type=tolerance, metavar="X",
-                   help="absolute tolerance (default: the family's rule; 0 = bit-exact for CaiT and DeiT-III)")
-    g.add_argument("--rtol", type=tolerance, metavar="X", help="relative tolerance (default: the family's rule)")
-    g.add_argument("--num-inputs", type=positive_int, default=8, metavar="K", help="seeded random images (default 8)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the random images (default 0)")
-    g.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
-    g.add_argument("--device", default="cpu", help="run both models on cpu (default) or cuda")
-    g.add_argument("--batch-size", type=positive_int, default=4, metavar="N", help="images per forward pass (default 4)")
-
-
-def verify_options(a: argparse.Namespace) -> Any:
-    """The :class:`~timm_layerscale.parity.compare.VerifyOptions` of parsed :func:`add_verify_args` options."""
-    from .parity.compare import VerifyOptions
-
-    return VerifyOptions(
-        atol=a.atol, rtol=a.rtol, exact=a.exact, num_inputs=a.num_inputs, seed=a.seed, images=tuple(a.images),
-        device=a.device, batch_size=a.batch_size,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,166 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
-
-
-def _cmd_convert(a: argparse.Namespace) -> int:
-    from .conversion.pipeline import convert_checkpoint
-    from .errors import ParityError
-
-    try:
-        res = convert_checkpoint(
-            a.source, a.output, model=a.model, to=a.to, fmt=a.fmt, dtype=a.dtype, overwrite=a.overwrite,
-            verify=a.verify, allow_nonfinite=a.allow_nonfinite, ema=a.ema, fuse=a.fuse, plain=a.plain,
-            options=verify_options(a),
-        )
-    except ParityError as e:
-        if a.json:
-            _print_json({"ok": False, "error": cli_message(str(e)), "report": e.report.to_dict()})
-        else:
-            print(e.report.format_table())
-        _error(cli_message(str(e)))
-        return EXIT_VERIFICATION_FAILED
-    if a.json:
-        _print_json({
-            "ok": True, "output": str(res.output), "model": res.variant.name, "family": res.variant.family,
-            "source_sha256": res.source_sha256, "source_layout": res.source_layout, "target_layout": res.target_layout,
-            "container": res.container,
-            "seconds": round(res.seconds, 3), "metadata": res.metadata,
-            "report": res.report.to_dict() if res.report else None,
-        })
-        return 0
-    target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
-    print(f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s")
-    if res.report is not None:
-        print(res.report.format_table())
-    return 0
-
-
-def _cmd_verify(a: argparse.Namespace) -> int:
-    from .conversion.pipeline import verify_checkpoint
-
-    rep = verify_checkpoint(a.source, a.converted, model=a.model, ema=a.ema, options=verify_options(a))
-    if a.json:
-        _print_json(rep.to_dict())
-    else:
-        print(rep.format_table())
-    return EXIT_OK if rep.passed else EXIT_VERIFICATION_FAILED
-
-
-def _cmd_list(a: argparse.Namespace) -> int:
-    from .catalog import format_catalog, model_catalog
-
-    rows = model_catalog(flops=a.flops)
-    if a.json:
-        _print_json(rows)
-    else:
-        print(format_catalog(rows, flops=a.flops))
-    return 0
-
-
-def _cmd_demo(a: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    if run_demo(a.out, overwrite=a.overwrite, options=verify_options(a)):
-        return EXIT_OK
-    _error("the demo's parity check failed; see the report above")
-    return EXIT_VERIFICATION_FAILED
-
-
-def _cmd_export(a: argparse.Namespace) -> int:
-    from .errors import ParityError
-    from .hub.export import export_folder
-
-    try:
-        res = export_folder(
-            a.source, a.dir, model=a.model, overwrite=a.overwrite, ema=a.ema, options=verify_options(a),
-            push_to_hub=a.push_to_hub, private=a.private, commit_message=a.commit_message, repo_id=a.repo_id,
-        )
-    except ParityError as e:
-        print(e.report.format_table())
-        _error(cli_message(str(e)))
-        return EXIT_VERIFICATION_FAILED
-    if a.json:
-        _print_json(res.to_dict())
-    else:
-        print(res.summary())
-    return 0
-
-
-def _cmd_push(a: argparse.Namespace) -> int:
-    from .hub.download import push_folder
-
-    res = push_folder(
-        a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
-        commit_message=a.commit_message, dry_run=a.dry_run,
-    )
-    if a.json:
-        _print_json(res.to_dict())
-    else:
-        print(res.summary())
-    return 0
-
-
-def _cmd_inspect(a: argparse.Namespace) -> int:
-    from .inspection import format_gate_table, gate_profile, plot_gates, require_matplotlib
-
-    if a.plot:
-        require_matplotlib()  # before any output or download
-    profile = gate_profile(a.source, model=a.model, ema=a.ema)
-    if a.json:
-        _print_json(profile)
-    else:
-        print(format_gate_table(profile))
-    if a.plot:
-        from pathlib import Path
-
-        plot_gates(profile, a.plot, title=f"{Path(a.source).name}: LayerScale gates")
-        if not a.json:
-            print(f"plot written to {a.plot}")
-    return 0
-
-
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "convert": _cmd_convert,
-    "verify": _cmd_verify,
-    "list": _cmd_list,
-    "demo": _cmd_demo,
-    "export": _cmd_export,
-    "push": _cmd_push,
-    "inspect": _cmd_inspect,
-}
-
-
-#: Advice in library messages is written for Python callers (``pass overwrite=True``);
-#: :func:`cli_message` rewrites it as options (``pass --overwrite``).
-_KEYWORD_ADVICE = re.compile(r"\bpass (\w+)=(True|'[^']*'|[0-9][0-9.eE+-]*)")
-#: Keyword arguments whose option has another name.
-_OPTION_NAMES = {"fmt": "format"}
-
-
-def cli_message(message: str) -> str:
-    """A library error message as the command line says it: keyword advice becomes options.
-
-    ``pass overwrite=True`` becomes ``pass --overwrite``; ``pass model='cait_s24_224_ls'``
-    becomes ``pass --model cait_s24_224_ls``; ``pass atol=1e-5`` becomes ``pass --atol 1e-5``.
-    """
-
-    def option(m: re.Match) -> str:
-        name = _OPTION_NAMES.get(m.group(1), m.group(1)).replace("_", "-")
-        value = m.group(2)
-        if value == "True":
-            return f"pass --{name}"
-        return f"pass --{name} {value.strip(chr(39))}"
-
-    return _KEYWORD_ADVICE.sub(option, message)
-
-
-def _error(message: str) -> None:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
@@ -399,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        _error("interrupted")
+        error("interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:
         from .errors import LayerScaleError
@@ -407,13 +193,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         if isinstance(e, LayerScaleError):
-            _error(cli_message(str(e)))
+            error(cli_message(str(e)))
             return getattr(e, "exit_code", EXIT_USER_ERROR)
         if isinstance(e, OSError) and e.filename is not None:
             # The file system refused a path the user chose (permissions, a full disk, /proc).
-            _error(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
+            error(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
             return EXIT_USER_ERROR
-        _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
+        error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
         return EXIT_INTERNAL_ERROR
 
 

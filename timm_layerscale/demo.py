@@ -29,10 +29,10 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
+def run_demo(out: str | os.PathLike[str] = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
     """Run the demo into folder ``out``; return whether every parity check held.
 
-    ``options`` (:class:`~timm_layerscale.parity.compare.VerifyOptions`) set the verification of step 2.
+    ``options`` (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`) set the verification of step 2.
     A failed check prints its report and ends the demo with a ``demo FAILED`` line.
 
     Raises:
@@ -59,7 +59,8 @@ def run_demo(out: str | os.PathLike = "demo-out", overwrite: bool = False, seed:
     from . import models  # noqa: F401  (registers the models)
     from .errors import ParityError
     from .hub.export import export_folder
-    from .parity.compare import compare_models, seeded_inputs
+    from .parity.compare import compare_models
+    from .parity.inputs import seeded_inputs
 
     def finish(ok: bool) -> bool:
         _say("")
@@ -119,11 +120,11 @@ def official_layout(model: Any, family: str = "cait") -> dict[str, Any]:
 
 
 def write_official_checkpoint(
-    path: str | os.PathLike, model_name: str = "cait_xxs24_224", seed: int = 0, overwrite: bool = False
+    path: str | os.PathLike[str], model_name: str = "cait_xxs24_224", seed: int = 0, overwrite: bool = False
 ) -> Any:
     """Build timm's reference model with seeded weights and save it in the official layout.
 
-    Every parameter is random (:func:`~timm_layerscale.parity.compare.seed_parameters_`,
+    Every parameter is random (:func:`~timm_layerscale.parity.inputs.seed_parameters_`,
     gammas of std 0.1), so that a layout or math error shows in the outputs.
 
     Returns:
@@ -133,7 +134,7 @@ def write_official_checkpoint(
     import torch
 
     from .conversion.io import atomic_output
-    from .parity.compare import seed_parameters_
+    from .parity.inputs import seed_parameters_
 
     ref = timm.create_model(model_name)
     seed_parameters_(ref, seed)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .errors import LayerScaleError
 
@@ -45,7 +46,7 @@ def gate_stats(gamma: Any) -> dict[str, float]:
     return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
 
 
-def _load_state_dict(source: str | os.PathLike, ema: bool) -> Mapping[str, Any]:
+def _load_state_dict(source: str | os.PathLike[str], ema: bool) -> Mapping[str, Any]:
     from .conversion.io import load_checkpoint, resolve_source
     from .conversion.keys import unwrap_state_dict
 
@@ -64,7 +65,7 @@ def _stage_order(stage: str) -> tuple[Any, ...]:
 
 
 def gate_profile(
-    source: str | os.PathLike | Mapping[str, Any],
+    source: str | os.PathLike[str] | Mapping[str, Any],
     *,
     model: str | None = None,
     ema: bool = False,
@@ -150,8 +151,8 @@ def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
     import timm
     import torch
 
-    from .errors import ArchitectureError
     from .conversion.detect import get_variant
+    from .errors import ArchitectureError
 
     try:
         name = get_variant(model).name
@@ -201,7 +202,7 @@ def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = Non
     widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(header)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
     out = []
     if title:
@@ -254,7 +255,7 @@ def _depth_ticks(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[s
 
 def plot_gates(
     rows: Sequence[Mapping[str, Any]],
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     title: str | None = None,
 ) -> Path:
@@ -278,6 +279,7 @@ def plot_gates(
         LayerScaleError: ``rows`` is empty or the file cannot be written.
     """
     require_matplotlib()
+    from matplotlib.artist import Artist
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -295,7 +297,7 @@ def plot_gates(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ca = [r["depth"] for r in rows if r["class_attn"]]
-    handles = []
+    handles: list[Artist] = []
     if ca:
         handles.append(ax.axvspan(min(ca) - 0.5, max(ca) + 0.5, color="0.88", zorder=0, label="class-attention (CA) blocks"))
     styles = (("ls1", "attention (ls1)", "tab:blue", "o"), ("ls2", "MLP (ls2)", "tab:orange", "s"))

@@ -11,7 +11,8 @@ Reference: Touvron et al., "Going deeper with Image Transformers", ICCV 2021
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -117,10 +118,9 @@ class LayerScale(nn.Module):
         super().__init__()
         if dim <= 0:
             raise ValueError(f"LayerScale dim must be positive, got {dim}")
-        dd = {"device": device, "dtype": dtype}
         self.dim = dim
         self.init_value = float(init_value)
-        self.gamma = nn.Parameter(torch.empty(dim, **dd))
+        self.gamma = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -144,9 +144,7 @@ class LayerScale(nn.Module):
         """
         if x.shape[-1] != self.dim:
             raise ValueError(
-                "LayerScale expected an input whose last dimension is {}, got {}".format(
-                    self.dim, x.shape[-1]
-                )
+                f"LayerScale expected an input whose last dimension is {self.dim}, got {x.shape[-1]}"
             )
         return x * self.gamma.to(x.dtype)
 
@@ -171,7 +169,7 @@ class LayerScale(nn.Module):
     def _retag(self) -> None:
         _tag_no_weight_decay(self._parameters.get("gamma"))
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "LayerScale":
+    def _apply(self, fn: Any, recurse: bool = True) -> LayerScale:
         out = super()._apply(fn, recurse)
         self._retag()
         return out
@@ -180,7 +178,7 @@ class LayerScale(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         self._retag()
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._retag()
 

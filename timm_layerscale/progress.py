@@ -8,7 +8,8 @@ off, together with huggingface_hub's download bars and torch.hub's.
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 __all__ = ["bar", "enabled", "disable_progress_bars", "enable_progress_bars", "verification_passes", "ByteCounter"]
 

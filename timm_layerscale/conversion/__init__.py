@@ -21,8 +21,6 @@ _LAZY = {
     "convert_checkpoint": ".pipeline",
     "verify_checkpoint": ".pipeline",
     "load_source": ".pipeline",
-    "command_line": ".pipeline",
-    "verify_flags": ".pipeline",
 }
 
 __all__ = sorted(_LAZY)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from typing import Any, Mapping, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from ..errors import ArchitectureError, RemapError
-from .families import FAMILIES, VARIANTS, Variant, state_dict_shapes
+from .families import FAMILIES, VARIANTS, Variant
 from .keys import check_state_dict, strip_prefixes, to_layerscale, unwrap_state_dict
 
-__all__ = ["Detection", "get_variant", "describe_state_dict", "detect", "detect_variant"]
+__all__ = ["Detection", "get_variant", "state_dict_shapes", "describe_state_dict", "detect", "detect_variant"]
 
 
 def get_variant(name: str) -> Variant:
@@ -31,6 +32,70 @@ def get_variant(name: str) -> Variant:
     close = difflib.get_close_matches(base, [v.name for v in VARIANTS], n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}?" if close else "run 'timm-layerscale list' to see them"
     raise ArchitectureError(f"unknown model {name!r}; {hint}")
+
+
+def _linear(prefix: str, out: int, inp: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.weight": (out, inp)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out,)
+    return shapes
+
+
+def _norm(prefix: str, dim: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.weight": (dim,), **({f"{prefix}.bias": (dim,)} if bias else {})}
+
+
+def state_dict_shapes(variant: Variant, num_classes: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the state dict of ``variant``'s model (``ls`` layout), computed from the table.
+
+    Equal to ``{k: tuple(v.shape) for k, v in timm.create_model(variant.name,
+    num_classes=...).state_dict().items()}`` (a test checks every variant), without timm.
+
+    Args:
+        variant: The architecture.
+        num_classes: Classifier outputs (default 1000; 0: no classifier).
+    """
+    d, p, h = variant.embed_dim, variant.patch_size, variant.num_heads
+    classes = 1000 if num_classes is None else num_classes
+    rms = variant.family == "vit5"  # RMSNorm (weight only), no qkv bias, QK-norm, registers
+    grid = variant.img_size // p
+    out: dict[str, tuple[int, ...]] = {"cls_token": (1, 1, d)}
+    if rms:
+        out["reg_token"] = (1, 4, d)
+    out["pos_embed"] = (1, grid * grid, d)
+    out["patch_embed.proj.weight"] = (d, 3, p, p)
+    out["patch_embed.proj.bias"] = (d,)
+
+    def mlp(prefix: str) -> dict[str, tuple[int, ...]]:
+        return {**_linear(f"{prefix}.mlp.fc1", 4 * d, d), **_linear(f"{prefix}.mlp.fc2", d, 4 * d)}
+
+    for i in range(variant.depth):
+        b = f"blocks.{i}"
+        out.update(_norm(f"{b}.norm1", d, bias=not rms))
+        out.update(_linear(f"{b}.attn.qkv", 3 * d, d, bias=not rms))
+        if rms:
+            out.update({f"{b}.attn.q_norm.weight": (d // h,), f"{b}.attn.k_norm.weight": (d // h,)})
+        out.update(_linear(f"{b}.attn.proj", d, d))
+        if variant.family == "cait":
+            out.update({**_linear(f"{b}.attn.proj_l", h, h), **_linear(f"{b}.attn.proj_w", h, h)})
+        out[f"{b}.ls1.gamma"] = (d,)
+        out.update(_norm(f"{b}.norm2", d, bias=not rms))
+        out.update(mlp(b))
+        out[f"{b}.ls2.gamma"] = (d,)
+    if variant.family == "cait":
+        for j in range(2):
+            b = f"blocks_token_only.{j}"
+            out.update(_norm(f"{b}.norm1", d))
+            for name in ("q", "k", "v", "proj"):
+                out.update(_linear(f"{b}.attn.{name}", d, d))
+            out[f"{b}.ls1.gamma"] = (d,)
+            out.update(_norm(f"{b}.norm2", d))
+            out.update(mlp(b))
+            out[f"{b}.ls2.gamma"] = (d,)
+    out.update(_norm("norm", d, bias=not rms))
+    if classes:
+        out.update(_linear("head", classes, d))
+    return out
 
 
 def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, Any]:
@@ -125,7 +190,8 @@ class _Shape:
         self.ndim = len(shape)
 
 
-class Detection(NamedTuple):
+@dataclass(frozen=True)
+class Detection:
     """What :func:`detect` found.
 
     Attributes:

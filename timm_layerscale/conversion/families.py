@@ -9,8 +9,8 @@ here imports torch or timm at module level, so reading the tables is instant.
   layout (``blocks.N.gamma_1``); :mod:`.keys` applies them.
 - :data:`FOLD_TARGETS`: the linear layer each LayerScale folds into.
 - :data:`VARIANTS`: every convertible architecture, one row each; the model files
-  register their models from it and :func:`state_dict_shapes` gives the keys and
-  shapes of a variant's state dict without building the model.
+  register their models from it, and detection computes the keys and shapes of each
+  variant's state dict from it (:func:`~timm_layerscale.conversion.detect.state_dict_shapes`).
 - ViT-5's rotary tables: the official checkpoints store them as buffers;
   :func:`official_rope_buffers` computes them, :func:`check_rope_buffers` checks a file's.
 """
@@ -39,7 +39,6 @@ __all__ = [
     "Variant",
     "VARIANTS",
     "variants_of",
-    "state_dict_shapes",
     "rope_buffers",
     "official_rope_buffers",
     "check_rope_buffers",
@@ -306,70 +305,6 @@ VARIANTS: tuple[Variant, ...] = (
 def variants_of(family: str) -> dict[str, Variant]:
     """The variants of one family, by name, in table order."""
     return {v.name: v for v in VARIANTS if v.family == family}
-
-
-def _linear(prefix: str, out: int, inp: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.weight": (out, inp)}
-    if bias:
-        shapes[f"{prefix}.bias"] = (out,)
-    return shapes
-
-
-def _norm(prefix: str, dim: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.weight": (dim,), **({f"{prefix}.bias": (dim,)} if bias else {})}
-
-
-def state_dict_shapes(variant: Variant, num_classes: int | None = None) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes of the state dict of ``variant``'s model (``ls`` layout), computed from the table.
-
-    Equal to ``{k: tuple(v.shape) for k, v in timm.create_model(variant.name,
-    num_classes=...).state_dict().items()}`` (a test checks every variant), without timm.
-
-    Args:
-        variant: The architecture.
-        num_classes: Classifier outputs (default 1000; 0: no classifier).
-    """
-    d, p, h = variant.embed_dim, variant.patch_size, variant.num_heads
-    classes = 1000 if num_classes is None else num_classes
-    rms = variant.family == "vit5"  # RMSNorm (weight only), no qkv bias, QK-norm, registers
-    grid = variant.img_size // p
-    out: dict[str, tuple[int, ...]] = {"cls_token": (1, 1, d)}
-    if rms:
-        out["reg_token"] = (1, 4, d)
-    out["pos_embed"] = (1, grid * grid, d)
-    out["patch_embed.proj.weight"] = (d, 3, p, p)
-    out["patch_embed.proj.bias"] = (d,)
-
-    def mlp(prefix: str) -> dict[str, tuple[int, ...]]:
-        return {**_linear(f"{prefix}.mlp.fc1", 4 * d, d), **_linear(f"{prefix}.mlp.fc2", d, 4 * d)}
-
-    for i in range(variant.depth):
-        b = f"blocks.{i}"
-        out.update(_norm(f"{b}.norm1", d, bias=not rms))
-        out.update(_linear(f"{b}.attn.qkv", 3 * d, d, bias=not rms))
-        if rms:
-            out.update({f"{b}.attn.q_norm.weight": (d // h,), f"{b}.attn.k_norm.weight": (d // h,)})
-        out.update(_linear(f"{b}.attn.proj", d, d))
-        if variant.family == "cait":
-            out.update({**_linear(f"{b}.attn.proj_l", h, h), **_linear(f"{b}.attn.proj_w", h, h)})
-        out[f"{b}.ls1.gamma"] = (d,)
-        out.update(_norm(f"{b}.norm2", d, bias=not rms))
-        out.update(mlp(b))
-        out[f"{b}.ls2.gamma"] = (d,)
-    if variant.family == "cait":
-        for j in range(2):
-            b = f"blocks_token_only.{j}"
-            out.update(_norm(f"{b}.norm1", d))
-            for name in ("q", "k", "v", "proj"):
-                out.update(_linear(f"{b}.attn.{name}", d, d))
-            out[f"{b}.ls1.gamma"] = (d,)
-            out.update(_norm(f"{b}.norm2", d))
-            out.update(mlp(b))
-            out[f"{b}.ls2.gamma"] = (d,)
-    out.update(_norm("norm", d, bias=not rms))
-    if classes:
-        out.update(_linear("head", classes, d))
-    return out
 
 
 # ---- ViT-5 rotary tables ------------------------------------------------------------

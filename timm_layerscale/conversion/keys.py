@@ -17,7 +17,7 @@ import re
 from typing import Any, Iterable, Mapping, TypeVar
 
 from ..errors import RemapError
-from .families import Family, get_family
+from .families import Family, Rule, get_family
 
 __all__ = [
     "unwrap_state_dict",
@@ -251,12 +251,12 @@ def check_state_dict(
         return
     parts = []
     if missing:
-        shown = ", ".join(f"{k} {list(exp[k])}" for k in missing[:limit])
+        shown = ", ".join(f"{k} {list(exp[k] or [])}" for k in missing[:limit])
         parts.append(f"{len(missing)} missing ({shown}{', ...' if len(missing) > limit else ''})")
     if unexpected:
         shown = ", ".join(f"{k} {list(_shape(state_dict[k]) or [])}" for k in unexpected[:limit])
         parts.append(f"{len(unexpected)} unexpected ({shown}{', ...' if len(unexpected) > limit else ''})")
     if misshaped:
-        shown = ", ".join(f"{k} {list(a or [])} != {list(b)}" for k, a, b in misshaped[:limit])
+        shown = ", ".join(f"{k} {list(a or [])} != {list(b or [])}" for k, a, b in misshaped[:limit])
         parts.append(f"{len(misshaped)} mis-shaped ({shown}{', ...' if len(misshaped) > limit else ''})")
     raise RemapError(f"checkpoint does not fit {what}: " + "; ".join(parts))

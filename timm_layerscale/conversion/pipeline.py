@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import functools
 import os
-import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
 from .._version import __version__
 from ..errors import CheckpointError, LayerScaleError, ParityError, RemapError
-from ..parity.compare import ParityReport, VerifyOptions, compare_weights
+from ..parity.compare import ParityReport, compare_weights
+from ..parity.tolerance import VerifyOptions
 from ..parity.verify import verify_state_dicts
 from . import io as ckpt
 from .detect import Detection, Variant, detect
@@ -34,8 +34,6 @@ __all__ = [
     "convert_checkpoint",
     "verify_checkpoint",
     "load_source",
-    "command_line",
-    "verify_flags",
 ]
 
 
@@ -76,7 +74,7 @@ class ConversionResult:
 
 
 def load_source(
-    source: str | os.PathLike, *, model: str | None = None, ema: bool = False
+    source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False
 ) -> tuple[Path, Mapping[str, torch.Tensor], Variant, dict[str, Any]]:
     """Read a checkpoint and find what it is.
 
@@ -94,7 +92,7 @@ def load_source(
     return path, sd, found.variant, found.info
 
 
-def _load(source: str | os.PathLike, *, model: str | None, ema: bool) -> tuple[Path, dict[str, torch.Tensor], Detection]:
+def _load(source: str | os.PathLike[str], *, model: str | None, ema: bool) -> tuple[Path, dict[str, torch.Tensor], Detection]:
     path = ckpt.resolve_source(source)
     try:
         sd = state_dict_of(ckpt.load_checkpoint(path), ema=ema)
@@ -120,8 +118,8 @@ def _to_target(sd: Mapping[str, torch.Tensor], found: Detection, to: str) -> dic
 
 
 def verify_checkpoint(
-    source: str | os.PathLike | Mapping[str, torch.Tensor],
-    converted: str | os.PathLike | Mapping[str, torch.Tensor],
+    source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+    converted: str | os.PathLike[str] | Mapping[str, torch.Tensor],
     *,
     model: str | None = None,
     ema: bool = False,
@@ -139,7 +137,7 @@ def verify_checkpoint(
         model: Model name overriding detection.
         ema: Take the source's ``'model_ema'`` weights.
         options: Tolerances, inputs and device; the default asks for what the
-            family's construction guarantees (:func:`~timm_layerscale.parity.compare.resolve_tolerance`).
+            family's construction guarantees (:func:`~timm_layerscale.parity.tolerance.resolve_tolerance`).
 
     Returns:
         The :class:`~timm_layerscale.parity.compare.ParityReport`.
@@ -149,43 +147,14 @@ def verify_checkpoint(
         found = detect(src_sd, model)
     else:
         _, src_sd, found = _load(source, model=model, ema=ema)
-    if not isinstance(converted, Mapping):
-        converted = ckpt.load_checkpoint(ckpt.resolve_source(converted))
-    conv_sd = state_dict_of(converted)
+    conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(ckpt.resolve_source(converted))
+    conv_sd = state_dict_of(conv)
     return verify_state_dicts(src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options)
 
 
-def command_line(words: Sequence[Any], options: VerifyOptions | None = None, **opts: Any) -> str:
-    """A command line: ``words`` as given, then ``opts`` and the non-default ``options`` as flags.
-
-    A flag's value ``True`` gives a bare flag; ``None``, ``False`` and empty values leave it out.
-    """
-    parts = [str(w) for w in words]
-    if options is not None:
-        opts.update(verify_flags(options))
-    for key, value in opts.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            parts.append(flag)
-        elif value not in (None, False, (), []):
-            parts += [flag] + ([str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)])
-    return shlex.join(parts)
-
-
-def verify_flags(options: VerifyOptions) -> dict[str, Any]:
-    """The non-default verification options as ``{flag_name: value}`` for a command line."""
-    default = VerifyOptions()
-    flags: dict[str, Any] = {}
-    for name in ("exact", "atol", "rtol", "num_inputs", "seed", "images", "device", "batch_size"):
-        value = getattr(options, name)
-        if value != getattr(default, name):
-            flags[name] = list(value) if name == "images" else value
-    return flags
-
-
 def convert_checkpoint(
-    source: str | os.PathLike,
-    output: str | os.PathLike,
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
     *,
     model: str | None = None,
     to: str = "ls",
@@ -332,6 +301,8 @@ def convert_checkpoint(
     except CheckpointError:
         output.unlink(missing_ok=True)
         raise
+    from ..options import command_line
+
     command = command_line(
         ("timm-layerscale", "convert", source, output), options if verify else None, model=model, to=None if to == "ls" else to,
         format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,

@@ -4,25 +4,35 @@
 ``timm.create_model("local-dir:DIR")`` (or ``"hf-hub:ORG/NAME"``) builds the right
 architecture. :func:`build_model_card` writes the ``README.md`` text: Hub metadata,
 model details, the layout change, provenance, the parity table, a summary of the
-LayerScale gates, usage code and the citation. Everything here is local: nothing
-is downloaded or sent.
+LayerScale gates, usage code and the citation. The card's text is the template
+``card_template.md`` next to this module; this module computes the values it is
+filled in with. Everything here is local: nothing is downloaded or sent.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
+import string
+from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
 from .._version import __version__
 
-__all__ = ["build_model_card", "write_config", "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "PLOT_NAME"]
+__all__ = ["build_model_card", "write_config", "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "PLOT_NAME", "TEMPLATE_NAME"]
 
+#: The files of an exported folder.
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
+
+#: The model card's template, a data file of this package.
+TEMPLATE_NAME = "card_template.md"
+_SECTION = re.compile(r"^<!-- section: ([\w-]+) -->\n", re.MULTILINE)
 
 #: The paper of each family, as BibTeX; a card cites its own family's paper only.
 BIBTEX = {
@@ -85,7 +95,7 @@ _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-
 
 
 def write_config(
-    model_name: str, path: str | os.PathLike, *, num_classes: int | None = None, extra: Mapping[str, Any] | None = None
+    model_name: str, path: str | os.PathLike[str], *, num_classes: int | None = None, extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Write timm's ``config.json`` for a registered model, with timm's own helper.
 
@@ -146,6 +156,9 @@ def build_model_card(
 ) -> Any:
     """Build the model card (a huggingface_hub ``ModelCard``) of an exported folder.
 
+    The text is ``card_template.md`` (shipped with the package) filled in with the
+    facts of the conversion.
+
     Args:
         conversion: The :class:`~timm_layerscale.conversion.pipeline.ConversionResult`.
         repo_id: Hub id used in the usage code.
@@ -166,158 +179,128 @@ def build_model_card(
     pcfg = dict(config.get("pretrained_cfg", {}))
     tag = pcfg.get("tag") or _pretrained_field(variant.name, "tag")
     full_name = f"{variant.name}.{tag}" if tag else variant.name
-    license_id = pcfg.get("license") or ("apache-2.0" if family == "cait" else None)
     datasets = sorted({ds for key, ds in _DATASETS.items() if tag and key in tag})
     if family == "cait" and not datasets:
         datasets = ["imagenet-1k"]
     data = ModelCardData(
         library_name="timm",
-        license=license_id,
+        license=pcfg.get("license") or ("apache-2.0" if family == "cait" else None),
         tags=["image-classification", "timm", "layerscale", family, "timm-layerscale"],
         datasets=datasets or None,
         pipeline_tag="image-classification",
         model_name=full_name,
     )
 
-    title, what = _FAMILY_TEXT.get(family, (family, "a Vision Transformer with LayerScale"))
+    title, description = _FAMILY_TEXT.get(family, (family, "a Vision Transformer with LayerScale"))
     size = pcfg.get("input_size", (3, variant.img_size, variant.img_size))
-    source = conversion.source
-    source_name = conversion.source_path.name
-    origin = f"[{source_name}]({source})" if source.startswith(("https://", "http://")) else _md_code(source if source.startswith("hf-hub:") else source_name)
+    source, source_name = conversion.source, conversion.source_path.name
+    if source.startswith(("https://", "http://")):
+        source_file = f"[{source_name}]({source})"
+    else:
+        source_file = _md_code(source if source.startswith("hf-hub:") else source_name)
     report = conversion.report
     reference = report.reference if report is not None else variant.reference
-    lines: list[str] = []
-    add = lines.append
-    add(f"# Model card for {full_name}")
-    add("")
-    official = _official_file(variant.name)
-    weights = (
-        f"These are the official weights released with the paper (`{source_name}`)"
-        if official == source_name
-        else f"The weights come from `{source_name}`"
-    )
-    add(
-        f"A {title} image classification model: {what}. {weights}, stored in the **LayerScale-module layout** of "
-        f"[timm-layerscale](https://pypi.org/project/timm-layerscale/) (`ls1.gamma` / `ls2.gamma`) instead of the "
-        f"original raw `gamma_1` / `gamma_2` parameters. Only key names differ: every tensor value is copied bit for bit."
-    )
-    add("")
-    add("## Model details")
-    add("")
-    add(f"- **Architecture:** `{variant.name}`, registered with timm by `import timm_layerscale`")
-    if reference:
-        add(f"- **Reference:** {_reference_text(family, reference)}, which computes the same function from the original layout")
-    add("- **Model type:** image classification / feature backbone")
-    add(f"- **Params (M):** {num_params / 1e6:.1f}")
-    add(f"- **Image size:** {size[-2]} x {size[-1]}")
-    if variant.init_value is not None:
-        add(f"- **LayerScale init value (training):** {variant.init_value:g}")
-    add(f"- **Classes:** {config.get('num_classes')}")
-    if datasets:
-        add(f"- **Dataset:** {', '.join(datasets)}")
-    if pcfg.get("paper_name"):
-        paper = pcfg["paper_name"]
+    if _official_file(variant.name) == source_name:
+        weights = f"These are the official weights released with the paper (`{source_name}`)"
+    else:
+        weights = f"The weights come from `{source_name}`"
+    paper = pcfg.get("paper_name")
+    if paper:
         ids = str(pcfg.get("paper_ids", ""))
-        link = f"https://arxiv.org/abs/{ids.split(':', 1)[1]}" if ids.startswith("arXiv:") else ""
-        add(f"- **Paper:** {paper}" + (f", {link}" if link else ""))
-    if pcfg.get("origin_url"):
-        add(f"- **Original code:** {pcfg['origin_url']}")
-    add("")
-    add("## Layout change")
-    add("")
-    add("| original key | key in this repository | what it is |")
-    add("|---|---|---|")
-    for before, after, note in _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS):
-        add(f"| `{before}` | `{after}` | {note} |")
-    add("")
-    add(
-        "Every other key keeps its name; the training checkpoint's wrapper (`{'model': ...}`) is removed. "
-        "LayerScale as a module is the layout timm already uses for its ViT and DeiT III models, so the gates "
-        "can be found, frozen, fused or excluded from weight decay by module type."
-    )
-    add("")
-    add("## Provenance")
-    add("")
-    add(f"- **Source file:** {origin}")
-    add(f"- **Source sha256:** `{conversion.source_sha256}`")
-    add(f"- **Source layout:** `{conversion.source_layout}`")
-    add(f"- **Converter:** timm-layerscale {__version__}")
-    add(f"- **Weights:** `{WEIGHTS_NAME}` (safetensors; metadata records the source file, its sha256 and both layouts)")
-    add("")
-    add("Made with:")
-    add("")
-    add("```bash")
-    add(command)
-    add("```")
-    add("")
-    add("## Parity")
-    add("")
-    if report is not None:
-        if report.bit_exact and report.passed:
-            verdict = "**bit-exact**: every output equals the reference's (`torch.equal`)"
-        else:
-            verdict = (
-                f"**within tolerance** `|ref - out| <= {report.atol:g} + {report.rtol:g} * |ref|` "
-                f"({report.tolerance_reason}); largest difference {report.max_abs_diff:.3g}"
-            )
-        add(
-            f"The converted model was run against the reference `{report.reference}` loaded from the source file, "
-            f"on the same inputs. Result: {verdict}. Every converted tensor was compared with its source tensor: "
-            f"{'identical' if report.weights_equal else 'not compared' if report.weights_equal is None else 'DIFFERENT'}."
-        )
-        add("")
-        add(report.to_markdown())
-    else:
-        add("No reference model exists for this family in timm, so no output comparison was made.")
+        if ids.startswith("arXiv:"):
+            paper += f", https://arxiv.org/abs/{ids.split(':', 1)[1]}"
+    parity = _parity_text(report)
     if reload_checked:
-        add("")
-        add(
-            "After writing, the folder was loaded back with `timm.create_model(\"local-dir:...\", pretrained=True)` "
-            "and its weights compared with the verified model: identical."
-        )
-    add("")
+        parity += "\n\n" + _render("reload")
+    gate_text = ""
     if gates:
-        add("## LayerScale gates")
-        add("")
-        if plot:
-            add(f"![Mean and range of |gamma| per block for the attention (ls1) and MLP (ls2) gates]({plot})")
-            add("")
-        add(_gate_summary(gates))
-        add("")
-    add("## Usage")
-    add("")
-    add("```bash")
-    add("pip install timm-layerscale")
-    add("```")
-    add("")
-    add("```python")
-    add("import timm_layerscale  # registers the LayerScale models with timm; import it first")
-    add("import timm")
-    add("import torch")
-    add("from PIL import Image")
-    add("")
-    add(f'model = timm.create_model("hf-hub:{repo_id}", pretrained=True).eval()')
-    add("config = timm.data.resolve_data_config({}, model=model)")
-    add("transform = timm.data.create_transform(**config)")
-    add("")
-    add('image = Image.open("image.jpg").convert("RGB")')
-    add("with torch.no_grad():")
-    add("    probs = model(transform(image).unsqueeze(0)).softmax(dim=-1)")
-    add("top5 = probs.topk(5)")
-    add("print(top5.indices, top5.values)")
-    add("```")
-    add("")
-    add("## Citation")
-    add("")
+        plot_text = _render("plot", file=plot) + "\n\n" if plot else ""
+        gate_text = _render("gates", plot=plot_text, summary=_gate_summary(gates)) + "\n\n"
     if family in BIBTEX:
-        add("```bibtex")
-        add(BIBTEX[family])
-        add("```")
+        citation = _render("bibtex", bibtex=BIBTEX[family])
     else:
-        add(_generic_citation(pcfg))
-    add("")
-    body = "\n".join(lines)
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+        citation = _generic_citation(pcfg)
+    text = _render(
+        "card",
+        metadata=data.to_yaml(),
+        full_name=full_name,
+        title=title,
+        description=description,
+        weights=weights,
+        architecture=variant.name,
+        reference=_reference_text(family, reference) if reference else None,
+        params_m=f"{num_params / 1e6:.1f}",
+        image_size=f"{size[-2]} x {size[-1]}",
+        init_value=f"{variant.init_value:g}" if variant.init_value is not None else None,
+        num_classes=config.get("num_classes"),
+        datasets=", ".join(datasets) or None,
+        paper=paper,
+        origin_url=pcfg.get("origin_url"),
+        layout_rows="\n".join(
+            f"| `{before}` | `{after}` | {note} |" for before, after, note in _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS)
+        ),
+        source_file=source_file,
+        source_sha256=conversion.source_sha256,
+        source_layout=conversion.source_layout,
+        version=__version__,
+        weights_name=WEIGHTS_NAME,
+        command=command,
+        parity=parity,
+        gates=gate_text,
+        repo_id=repo_id,
+        citation=citation,
+    )
+    return ModelCard(text + "\n")
+
+
+def _parity_text(report: Any) -> str:
+    """The Parity section: the verdict and the report's table, or why there is none."""
+    if report is None:
+        return _render("no-parity")
+    if report.bit_exact and report.passed:
+        verdict = "**bit-exact**: every output equals the reference's (`torch.equal`)"
+    else:
+        verdict = (
+            f"**within tolerance** `|ref - out| <= {report.atol:g} + {report.rtol:g} * |ref|` "
+            f"({report.tolerance_reason}); largest difference {report.max_abs_diff:.3g}"
+        )
+    weights_check = "identical" if report.weights_equal else "not compared" if report.weights_equal is None else "DIFFERENT"
+    return _render(
+        "parity", reference=report.reference, verdict=verdict, weights_check=weights_check, table=report.to_markdown()
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _sections() -> dict[str, str]:
+    """The sections of the template, by name, without the blank lines around them."""
+    text = resources.files(__package__).joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    parts = _SECTION.split(text)[1:]  # the text before the first section describes the format
+    return {name: body.strip("\n") for name, body in zip(parts[0::2], parts[1::2])}
+
+
+def _placeholders(line: str) -> list[str]:
+    return [m["named"] or m["braced"] for m in string.Template.pattern.finditer(line) if m["named"] or m["braced"]]
+
+
+def _render(section: str, **values: Any) -> str:
+    """Section ``section`` of the template with ``values`` filled in.
+
+    A line starting with ``?`` is kept (without the ``?``) only when every
+    placeholder on it has a value other than ``None``; any other placeholder must
+    have one.
+
+    Raises:
+        KeyError: A placeholder has no value.
+    """
+    given = {name: str(value) for name, value in values.items() if value is not None}
+    lines = []
+    for line in _sections()[section].split("\n"):
+        if line.startswith("?"):
+            line = line[1:]
+            if not all(name in given for name in _placeholders(line)):
+                continue
+        lines.append(line)
+    return string.Template("\n".join(lines)).substitute(given)
 
 
 def _reference_text(family: str, reference: str) -> str:

@@ -8,7 +8,7 @@ matplotlib is installed, ``gates.png``.
 
 This module sends no request itself: a remote source is fetched through
 :func:`~timm_layerscale.conversion.io.resolve_source` (by the converter) and ``push_to_hub``
-uploads through :func:`~timm_layerscale.hub.download.push_folder`.
+uploads through :func:`~timm_layerscale.hub.upload.push_folder`.
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card, write_config
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
-from .download import PushResult, _check_repo_id, _one_line, push_folder
+from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card, write_config
+from .errors import one_line
+from .upload import PushResult, check_repo_id, push_folder
 
 __all__ = ["export_folder", "ExportResult"]
 
@@ -104,7 +105,7 @@ def _check_reload(folder: Path, weights: Path, num_classes: int | None) -> None:
     try:
         model = timm.create_model(f"local-dir:{folder}", pretrained=True)
     except Exception as e:
-        raise LayerScaleError(f"timm cannot load the exported folder ({_one_line(e, 120)}); this is a bug, please report it") from e
+        raise LayerScaleError(f"timm cannot load the exported folder ({one_line(e, 120)}); this is a bug, please report it") from e
     state = model.state_dict()
     with safe_open(str(weights), framework="pt") as f:
         names = set(f.keys())
@@ -115,8 +116,19 @@ def _check_reload(folder: Path, weights: Path, num_classes: int | None) -> None:
                 raise LayerScaleError(f"reloaded weight {name!r} differs from the file; this is a bug, please report it")
 
 
-def _prepare_target(out: Path, overwrite: bool) -> list[Path]:
-    """Check ``out`` and create its missing parent folders; return those created, deepest first."""
+def _prepare_target(out: Path, tmp: Path, overwrite: bool) -> list[Path]:
+    """Check the export folder ``out``, create its missing parents and check that ``tmp`` can be made there.
+
+    Only what is particular to a folder is checked here: a file in the way, a folder
+    that is not empty, parents to create. Whether the temporary folder ``tmp`` can be
+    created next to ``out`` is the check of any output path,
+    :func:`~timm_layerscale.conversion.io.check_output`.
+
+    Returns:
+        The parent folders created, deepest first (removed again if the export fails).
+    """
+    from ..conversion.io import check_output
+
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; export needs a folder path")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -128,12 +140,13 @@ def _prepare_target(out: Path, overwrite: bool) -> list[Path]:
         parent = parent.parent
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        check_output(tmp, overwrite=False)
     except OSError as e:
         _remove_empty(created)
         raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
-    if not os.access(out.parent, os.W_OK | os.X_OK):
+    except BaseException:
         _remove_empty(created)
-        raise CheckpointError(f"{out.parent} is not writable; choose another folder")
+        raise
     return created
 
 
@@ -162,8 +175,8 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
 
 
 def export_folder(
-    source: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    source: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     model: str | None = None,
     overwrite: bool = False,
@@ -194,7 +207,7 @@ def export_folder(
         overwrite: Replace ``out_dir`` if it exists and is not empty.
         push_to_hub: Upload the folder to this ``ORG/NAME`` after writing it.
         ema: Take the ``'model_ema'`` weights of a training checkpoint.
-        options: Verification options (:class:`~timm_layerscale.parity.compare.VerifyOptions`).
+        options: Verification options (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`).
         private: With ``push_to_hub``, create the repository as private.
         commit_message: With ``push_to_hub``, the commit message.
         repo_id: Hub id for the card's usage code (default ``push_to_hub``, else
@@ -212,15 +225,16 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
-    from ..conversion.pipeline import command_line, convert_checkpoint
+    from ..options import command_line
+    from ..conversion.pipeline import convert_checkpoint
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
 
     out = Path(out_dir)
     if push_to_hub:
-        _check_repo_id(push_to_hub)
+        check_repo_id(push_to_hub)
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
-    created = _prepare_target(out, overwrite)
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    created = _prepare_target(out, tmp, overwrite)
     try:
         tmp.mkdir()
     except BaseException:

@@ -36,9 +36,10 @@ compare them operand by operand, and run both under several CPU kernel dispatche
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -101,13 +102,12 @@ class TalkingHeadAttn(MultiHeadAttention):
             return False
         if torch.is_autocast_enabled("cpu") or (self.training and self.attn_drop.p > 0.0):
             return False
-        if torch.is_grad_enabled():
-            if x.requires_grad or any(p.requires_grad for p in self.parameters()):
-                return False
-        return True
+        return not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
 
-_WORKSPACE: ContextVar[Optional[dict]] = ContextVar("timm_layerscale_attention_workspace", default=None)
+#: The shared buffers of an :func:`attention_workspace`, three per (dtype, device).
+_Workspace = dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]
+_WORKSPACE: ContextVar[_Workspace | None] = ContextVar("timm_layerscale_attention_workspace", default=None)
 
 
 @contextmanager
@@ -119,7 +119,7 @@ def _workspace() -> Iterator[None]:
         _WORKSPACE.reset(token)
 
 
-def attention_workspace() -> ContextManager[None]:
+def attention_workspace() -> AbstractContextManager[None]:
     """Share the buffered attention's buffers between the calls inside the ``with`` block.
 
     A model runs its blocks inside one, so a forward pass allocates the three

@@ -7,153 +7,21 @@ and an independent official-layout implementation for ViT-5. Both models see the
 same inputs; the report states how far apart their outputs are, and whether every
 converted weight equals its source tensor.
 
-What is asserted follows from how the two sides compute:
-
-* CaiT and DeiT-III: the converted model makes the reference's ATen calls on the same
-  operands (the same timm model for DeiT-III; for CaiT a model whose attention is
-  checked call for call against timm's), so outputs must be ``torch.equal``.
-* ViT-5: the reference is an independent implementation of the same equations, whose
-  reductions are ordered differently; outputs must agree within
-  :data:`VIT5_TOLERANCE` unless ``exact`` is asked for.
-* Folded LayerScale (``fuse``): ``diag(gamma) W`` rounds differently from ``gamma *
-  (W x)``, so outputs must agree within :data:`FUSED_TOLERANCE`.
-* Weights, always: every converted tensor ``torch.equal`` to its source tensor after
-  the requested dtype cast (folded tensors: to the fold of the source), which holds
-  on any machine because a cast and a copy round the same way everywhere.
+The tolerances are :mod:`.tolerance`'s; the inputs and seeded weights :mod:`.inputs`'.
 """
 from __future__ import annotations
 
-import math
 import platform
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from .._version import __version__
+from .tolerance import Tolerance
 
-__all__ = [
-    "ParityReport",
-    "VerifyOptions",
-    "Tolerance",
-    "VIT5_TOLERANCE",
-    "FUSED_TOLERANCE",
-    "EXACT_FAMILIES",
-    "resolve_tolerance",
-    "compare_weights",
-    "seed_parameters_",
-    "seeded_inputs",
-    "image_inputs",
-    "compare_models",
-    "attention_path",
-]
-
-
-#: Families whose converted model makes the reference's kernel calls: outputs must be equal.
-EXACT_FAMILIES = ("cait", "deit3")
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """What a parity check accepts: ``|ref - out| <= atol + rtol * |ref|`` everywhere, or equality.
-
-    Attributes:
-        atol: Absolute tolerance (0 with ``rtol`` 0: bit-exact).
-        rtol: Relative tolerance.
-        reason: Why this tolerance applies, for the report.
-    """
-
-    atol: float
-    rtol: float
-    reason: str
-
-    @property
-    def exact(self) -> bool:
-        return self.atol == 0 and self.rtol == 0
-
-
-#: ViT-5 against its independent reference: ``(atol, rtol)`` per dtype.
-#: The two implementations order some reductions differently (RMSNorm, the rotary
-#: rotation, fused vs. manual attention), so each can differ by a few units of
-#: roundoff ``u`` of its result (fp32 ``2**-24``, fp16 ``2**-11``, bf16 ``2**-8``), and the
-#: residual stream carries these through the depth: ``|diff| <= c * depth * u * (1 + |y|)``
-#: for logits ``y`` of size 1-10. Measured, as the smallest ``t`` with
-#: ``|diff| <= t + t * |y|`` (vit5_small and vit5_base, every parameter random, gammas of
-#: std 0.1, 8 images, two seeds, manual and fused attention): fp32 2.6e-6, bf16 0.043.
-#: The bounds are about 40x (fp32) and 3.5x (bf16) above that; fp16 scales bf16's by
-#: its 8x smaller ``u``. A wrong layout (a swapped or unapplied gamma, a missed
-#: rotation) moves logits by O(1), far outside them.
-VIT5_TOLERANCE = {
-    torch.float32: (1e-4, 1e-4),
-    torch.float16: (2e-2, 2e-2),
-    torch.bfloat16: (0.15, 0.15),
-}
-
-#: A folded model (``diag(gamma) W``) against the unfolded reference: ``(atol, rtol)`` per dtype.
-#: Folding rounds each folded weight once more (one ``u``), which moves outputs by a few
-#: ``u`` per block as above. Measured on cait_xxs24_224 (random weights, gammas of std
-#: 0.1, 8 images): ``t`` = 1.2e-6 fp32, 0.034 bf16; the bounds are 8x and 4x above.
-FUSED_TOLERANCE = {
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (2e-2, 2e-2),
-    torch.bfloat16: (0.15, 0.15),
-}
-
-
-@dataclass(frozen=True)
-class VerifyOptions:
-    """How a conversion is verified: the same options for every command that verifies.
-
-    Attributes:
-        atol: Absolute tolerance; ``None`` takes the family's default.
-        rtol: Relative tolerance; ``None`` takes the family's default.
-        exact: Demand bit-exact outputs (``torch.equal``) whatever the family.
-        num_inputs: Seeded N(0, 1) images (at least 1).
-        seed: Seed of those images.
-        images: Image files added to the inputs (timm's eval transforms).
-        device: ``"cpu"``, or ``"cuda"`` to run both models on the GPU.
-        batch_size: Images per forward pass (at least 1).
-    """
-
-    atol: float | None = None
-    rtol: float | None = None
-    exact: bool = False
-    num_inputs: int = 8
-    seed: int = 0
-    images: tuple[str, ...] = ()
-    device: str = "cpu"
-    batch_size: int = 4
-
-    def __post_init__(self) -> None:
-        from ..errors import LayerScaleError
-
-        for name in ("atol", "rtol"):
-            value = getattr(self, name)
-            if value is not None and not (value >= 0 and math.isfinite(value)):
-                raise LayerScaleError(f"{name} must be a finite number >= 0, got {value}")
-        if self.exact and (self.atol or self.rtol):
-            raise LayerScaleError("exact parity takes no tolerance; drop exact or atol/rtol")
-        if self.num_inputs < 1 or self.batch_size < 1:
-            raise LayerScaleError("num_inputs and batch_size must be at least 1")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise LayerScaleError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        object.__setattr__(self, "images", tuple(self.images))
-
-
-def resolve_tolerance(family: str, dtype: torch.dtype, options: VerifyOptions, fused: bool = False) -> Tolerance:
-    """The tolerance a check applies: ``exact``, else the options', else the family's rule."""
-    if options.exact:
-        return Tolerance(0.0, 0.0, "exact parity requested")
-    if options.atol is not None or options.rtol is not None:
-        return Tolerance(options.atol or 0.0, options.rtol or 0.0, "tolerance given by the user")
-    if fused:
-        atol, rtol = FUSED_TOLERANCE.get(dtype, FUSED_TOLERANCE[torch.float32])
-        return Tolerance(atol, rtol, "LayerScale folded into the weights: rounding differs from the reference")
-    if family in EXACT_FAMILIES:
-        return Tolerance(0.0, 0.0, "bit-exact required: the converted model makes the reference's kernel calls")
-    atol, rtol = VIT5_TOLERANCE.get(dtype, VIT5_TOLERANCE[torch.float32])
-    return Tolerance(atol, rtol, "the reference is an independent implementation: reductions ordered differently")
+__all__ = ["ParityReport", "compare_weights", "compare_models", "attention_path", "versions"]
 
 
 def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> tuple[bool, int, str]:
@@ -297,81 +165,6 @@ def versions() -> dict[str, str]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-
-
-def _is_gamma(name: str) -> bool:
-    return name.endswith(("gamma", "gamma_1", "gamma_2"))
-
-
-@torch.no_grad()
-def seed_parameters_(model: nn.Module, seed: int = 0, gamma_std: float = 0.1) -> nn.Module:
-    """Fill every parameter and float buffer with seeded random values, in place.
-
-    The values make every branch matter: LayerScale gammas ~ N(0, gamma_std) (not
-    the 1e-5 init, which hides differences), matrices ~ N(0, 1/fan_in), norm
-    weights ~ 1 + N(0, 0.1), biases and embeddings ~ N(0, 0.1). Values depend only
-    on ``seed``, each parameter's name and its shape, so two models whose names map
-    onto each other (``gamma_1`` / ``ls1.gamma``) can be filled alike through
-    :func:`timm_layerscale.to_layerscale` instead.
-
-    Args:
-        model: Any module; parameters on any device and floating dtype.
-        seed: Seed of the generator.
-        gamma_std: Standard deviation of the LayerScale gammas.
-
-    Returns:
-        ``model``.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        shape = p.shape
-        if _is_gamma(name):
-            v = torch.randn(shape, generator=gen) * gamma_std
-        elif p.ndim >= 2 and not name.endswith(("pos_embed", "cls_token", "reg_token")):
-            fan_in = math.prod(shape[1:])
-            v = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
-        elif name.endswith("weight") and p.ndim == 1:
-            v = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        else:
-            v = 0.1 * torch.randn(shape, generator=gen)
-        p.copy_(v.to(p.dtype))
-    return model
-
-
-def seeded_inputs(
-    num_inputs: int, img_size: int | Sequence[int], seed: int = 0, in_chans: int = 3
-) -> torch.Tensor:
-    """Seeded N(0, 1) images, the scale of normalised photographs.
-
-    Returns:
-        Tensor ``(num_inputs, in_chans, H, W)`` in fp32.
-    """
-    h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(num_inputs, in_chans, h, w, generator=gen)
-
-
-def image_inputs(paths: Iterable[str], model: nn.Module) -> torch.Tensor:
-    """Load image files through timm's data config and eval transforms for ``model``.
-
-    Returns:
-        Tensor ``(len(paths), 3, H, W)``.
-    """
-    from PIL import Image
-    from timm.data import create_transform, resolve_data_config
-
-    from ..errors import CheckpointError
-
-    cfg = resolve_data_config({}, model=model)
-    transform = create_transform(**cfg, is_training=False)
-    out = []
-    for p in paths:
-        try:
-            with Image.open(p) as im:
-                out.append(transform(im.convert("RGB")))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read image {p}: {e}") from None
-    return torch.stack(out)
 
 
 def attention_path(model: nn.Module) -> str:

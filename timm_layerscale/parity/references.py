@@ -17,7 +17,7 @@ original weights loaded strictly.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ def reference_name(variant: Variant | str) -> str:
     return v.reference if v.reference is not None else f"{v.family}_official/{v.name}"
 
 
-def reference_state_dict(variant: Variant | str, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def reference_state_dict(variant: Variant | str, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A source state dict as the reference loads it.
 
     Args:
@@ -57,11 +57,11 @@ def reference_state_dict(variant: Variant | str, state_dict: Mapping[str, torch.
     sd = state_dict_of(state_dict)
     if v.family == "deit3":
         import timm
-        from timm.models.vision_transformer import checkpoint_filter_fn
+        from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
         with torch.device("meta"):
             target = timm.create_model(v.name)
-        return checkpoint_filter_fn(dict(sd), target, adapt_layer_scale=True)
+        return checkpoint_filter_fn(dict(sd), cast(VisionTransformer, target), adapt_layer_scale=True)
     out: dict[str, torch.Tensor] = official_rope_buffers(v) if v.family == "vit5" else {}
     out.update(to_gamma(to_layerscale(sd, v.family), v.family))
     out.update({k: t for k, t in sd.items() if k.endswith(".freqs")})
@@ -92,7 +92,7 @@ def build_loaded(
 
 
 def build_reference(
-    variant: Variant | str, state_dict: Mapping[str, torch.Tensor] | None = None, num_classes: int | None = None
+    variant: Variant | str, state_dict: Mapping[str, Any] | None = None, num_classes: int | None = None
 ) -> nn.Module:
     """The reference model of a variant.
 
@@ -116,7 +116,7 @@ def build_reference(
             return build_official_vit5(v, **kwargs)
         import timm
 
-        return timm.create_model(v.reference, **kwargs)
+        return timm.create_model(str(v.reference), **kwargs)
 
     if state_dict is None:
         return build()

@@ -11,19 +11,13 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..conversion.families import FAMILIES, Variant
+from ..conversion.families import FAMILIES, Family, Variant
 from ..conversion.keys import to_layerscale
 from ..errors import CheckpointError
 from ..progress import verification_passes
-from .compare import (
-    ParityReport,
-    VerifyOptions,
-    compare_models,
-    compare_weights,
-    image_inputs,
-    resolve_tolerance,
-    seeded_inputs,
-)
+from .compare import ParityReport, compare_models, compare_weights
+from .inputs import image_inputs, seeded_inputs
+from .tolerance import VerifyOptions, resolve_tolerance
 from .references import build_loaded, build_reference, reference_name
 
 __all__ = ["verify_state_dicts", "build_converted", "align_attention"]
@@ -57,7 +51,7 @@ def align_attention(reference: nn.Module, model: nn.Module) -> None:
     if not any(getattr(m, "fused_attn", False) for m in reference.modules()):
         for m in model.modules():
             if hasattr(m, "fused_attn"):
-                m.fused_attn = False
+                setattr(m, "fused_attn", False)  # noqa: B010  (a Module attribute mypy sees as Tensor | Module)
 
 
 def _dtype_of(sd: Mapping[str, torch.Tensor]) -> torch.dtype:
@@ -72,7 +66,7 @@ def _has_layerscale(sd: Mapping[str, torch.Tensor]) -> bool:
 
 
 def _expected_weights(
-    src_sd: Mapping[str, torch.Tensor], conv_ls: Mapping[str, torch.Tensor], family: str, fused: bool
+    src_sd: Mapping[str, torch.Tensor], conv_ls: Mapping[str, torch.Tensor], family: str | Family, fused: bool
 ) -> dict[str, torch.Tensor]:
     """The source's tensors as the converted ones must be: remapped, folded if ``fused``, cast to their dtypes."""
     from ..conversion.fold import fold_state_dict
@@ -109,7 +103,7 @@ def verify_state_dicts(
         conv_sd: The converted weights, any layout; their float dtype is the check's.
         variant: The architecture.
         num_classes: Classifier size when it differs from the variant's default.
-        options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.compare.VerifyOptions`).
+        options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`).
         fused: The converted weights have LayerScale folded in; default: detected
             (the source has gammas, the converted weights none).
 
@@ -130,7 +124,7 @@ def verify_state_dicts(
     align_attention(ref, out)
     ref.to(device, dtype)
     out.to(device, dtype)
-    img = variant.img_size
+    img: int | tuple[int, ...] = variant.img_size
     cfg_size = getattr(out, "pretrained_cfg", {}).get("input_size")
     if cfg_size:
         img = tuple(cfg_size[-2:])

@@ -1,0 +1,77 @@
+"""The README's tables of models say what the one variant table and the registry say."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import timm
+
+import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale.conversion.detect import state_dict_shapes
+from timm_layerscale.conversion.families import VARIANTS, Variant
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _table(header_start: str) -> list[list[str]]:
+    """The rows (cells, backticks removed) of the README table whose header row starts with ``header_start``."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().replace("`", "") for c in line.strip("|").split("|")])
+    return rows
+
+
+def _params_m(v: Variant) -> str:
+    return f"{sum(math.prod(s) for s in state_dict_shapes(v).values()) / 1e6:.1f}"
+
+
+def _tags(name: str) -> str:
+    tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{name}.*")]
+    return ", ".join(tags) if tags else "none released"
+
+
+def test_model_table_is_the_variant_table() -> None:
+    rows = _table("| model | timm reference twin |")
+    ours = [v for v in VARIANTS if v.family in ("cait", "vit5")]
+    assert [r[0] for r in rows] == [v.name for v in ours]
+    for row, v in zip(rows, ours):
+        assert row[1] == (v.reference or "—"), row
+        assert row[2] == _params_m(v), row
+        assert int(row[3]) == v.img_size, row
+        assert float(row[4]) == v.init_value, row
+        assert row[5] == _tags(v.name), row
+
+
+def test_vit5_table_is_the_variant_table() -> None:
+    rows = _table("| model | resolution | params (M) | ImageNet-1k top-1")
+    ours = [v for v in VARIANTS if v.family == "vit5"]
+    assert [r[0] for r in rows] == [v.name for v in ours]
+    for row, v in zip(rows, ours):
+        assert (int(row[1]), row[2]) == (v.img_size, _params_m(v)), row
+        assert (row[3] == "(no released weights)") == (v.official_file is None), row
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_computed_shapes_are_the_built_models(v: Variant) -> None:
+    import torch
+
+    for num_classes in (None, 10, 0):
+        kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
+        with torch.device("meta"):
+            model = timm.create_model(v.name, **kwargs)
+        assert state_dict_shapes(v, num_classes) == {k: tuple(t.shape) for k, t in model.state_dict().items()}
+
+
+def test_deit3_rows_are_timms_models() -> None:
+    assert sorted(v.name for v in VARIANTS if v.family == "deit3") == sorted(timm.list_models("deit3_*"))
+
+
+def test_model_files_register_the_table() -> None:
+    ours = {v.name for v in VARIANTS if v.family in ("cait", "vit5")}
+    assert ours == set(timm.list_models(module="cait_ls")) | set(timm.list_models(module="vit5"))

@@ -1,0 +1,190 @@
+"""What each subcommand of ``timm-layerscale`` does, its exit status and its error line.
+
+Each command calls one library function and prints its result (a table, or JSON with
+``--json``); heavy modules are imported inside the command that needs them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .options import verify_options
+
+__all__ = ["COMMANDS", "EXIT_OK", "EXIT_VERIFICATION_FAILED", "EXIT_USER_ERROR", "EXIT_INTERNAL_ERROR",
+           "EXIT_INTERRUPTED", "PROG", "cli_message", "error", "print_json"]
+
+PROG = "timm-layerscale"
+
+EXIT_OK = 0
+EXIT_VERIFICATION_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 3
+EXIT_INTERRUPTED = 130
+
+
+#: Advice in library messages is written for Python callers (``pass overwrite=True``);
+#: :func:`cli_message` rewrites it as options (``pass --overwrite``).
+_KEYWORD_ADVICE = re.compile(r"\bpass (\w+)=(True|'[^']*'|[0-9][0-9.eE+-]*)")
+#: Keyword arguments whose option has another name.
+_OPTION_NAMES = {"fmt": "format"}
+
+
+def cli_message(message: str) -> str:
+    """A library error message as the command line says it: keyword advice becomes options.
+
+    ``pass overwrite=True`` becomes ``pass --overwrite``; ``pass model='cait_s24_224_ls'``
+    becomes ``pass --model cait_s24_224_ls``; ``pass atol=1e-5`` becomes ``pass --atol 1e-5``.
+    """
+
+    def option(m: re.Match[str]) -> str:
+        name = _OPTION_NAMES.get(m.group(1), m.group(1)).replace("_", "-")
+        value = m.group(2)
+        if value == "True":
+            return f"pass --{name}"
+        return f"pass --{name} {value.strip(chr(39))}"
+
+    return _KEYWORD_ADVICE.sub(option, message)
+
+
+def error(message: str) -> None:
+    """Print ``message`` as the one error line: ``timm-layerscale: error: ...`` on stderr."""
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+
+def print_json(obj: Any) -> None:
+    """Print ``obj`` as indented JSON (values it cannot encode as strings)."""
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def cmd_convert(a: argparse.Namespace) -> int:
+    from .conversion.pipeline import convert_checkpoint
+    from .errors import ParityError
+
+    try:
+        res = convert_checkpoint(
+            a.source, a.output, model=a.model, to=a.to, fmt=a.fmt, dtype=a.dtype, overwrite=a.overwrite,
+            verify=a.verify, allow_nonfinite=a.allow_nonfinite, ema=a.ema, fuse=a.fuse, plain=a.plain,
+            options=verify_options(a),
+        )
+    except ParityError as e:
+        if a.json:
+            print_json({"ok": False, "error": cli_message(str(e)), "report": e.report.to_dict()})
+        else:
+            print(e.report.format_table())
+        error(cli_message(str(e)))
+        return EXIT_VERIFICATION_FAILED
+    if a.json:
+        print_json({
+            "ok": True, "output": str(res.output), "model": res.variant.name, "family": res.variant.family,
+            "source_sha256": res.source_sha256, "source_layout": res.source_layout, "target_layout": res.target_layout,
+            "container": res.container,
+            "seconds": round(res.seconds, 3), "metadata": res.metadata,
+            "report": res.report.to_dict() if res.report else None,
+        })
+        return 0
+    target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
+    print(f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s")
+    if res.report is not None:
+        print(res.report.format_table())
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from .conversion.pipeline import verify_checkpoint
+
+    rep = verify_checkpoint(a.source, a.converted, model=a.model, ema=a.ema, options=verify_options(a))
+    if a.json:
+        print_json(rep.to_dict())
+    else:
+        print(rep.format_table())
+    return EXIT_OK if rep.passed else EXIT_VERIFICATION_FAILED
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    from .catalog import format_catalog, model_catalog
+
+    rows = model_catalog(flops=a.flops)
+    if a.json:
+        print_json(rows)
+    else:
+        print(format_catalog(rows, flops=a.flops))
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    if run_demo(a.out, overwrite=a.overwrite, options=verify_options(a)):
+        return EXIT_OK
+    error("the demo's parity check failed; see the report above")
+    return EXIT_VERIFICATION_FAILED
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from .errors import ParityError
+    from .hub.export import export_folder
+
+    try:
+        res = export_folder(
+            a.source, a.dir, model=a.model, overwrite=a.overwrite, ema=a.ema, options=verify_options(a),
+            push_to_hub=a.push_to_hub, private=a.private, commit_message=a.commit_message, repo_id=a.repo_id,
+        )
+    except ParityError as e:
+        print(e.report.format_table())
+        error(cli_message(str(e)))
+        return EXIT_VERIFICATION_FAILED
+    if a.json:
+        print_json(res.to_dict())
+    else:
+        print(res.summary())
+    return 0
+
+
+def cmd_push(a: argparse.Namespace) -> int:
+    from .hub.upload import push_folder
+
+    res = push_folder(
+        a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
+        commit_message=a.commit_message, dry_run=a.dry_run,
+    )
+    if a.json:
+        print_json(res.to_dict())
+    else:
+        print(res.summary())
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from .inspection import format_gate_table, gate_profile, plot_gates, require_matplotlib
+
+    if a.plot:
+        require_matplotlib()  # before any output or download
+    profile = gate_profile(a.source, model=a.model, ema=a.ema)
+    if a.json:
+        print_json(profile)
+    else:
+        print(format_gate_table(profile))
+    if a.plot:
+        from pathlib import Path
+
+        plot_gates(profile, a.plot, title=f"{Path(a.source).name}: LayerScale gates")
+        if not a.json:
+            print(f"plot written to {a.plot}")
+    return 0
+
+
+#: Subcommand name to the function that runs it.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "convert": cmd_convert,
+    "verify": cmd_verify,
+    "list": cmd_list,
+    "demo": cmd_demo,
+    "export": cmd_export,
+    "push": cmd_push,
+    "inspect": cmd_inspect,
+}

@@ -1,0 +1,89 @@
+"""Options shared by the commands that verify, and the command line that reproduces a run.
+
+Standard library only: ``--help`` and argument errors never import torch or timm.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["positive_int", "tolerance", "add_verify_args", "verify_options", "command_line", "verify_flags"]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a count of inputs or a batch size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def tolerance(text: str) -> float:
+    """argparse type: a finite number >= 0 (an absolute or relative tolerance)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def add_verify_args(p: argparse.ArgumentParser) -> None:
+    """The verification options, the same for every command that verifies."""
+    g = p.add_argument_group("verification")
+    g.add_argument("--exact", action="store_true", help="demand bit-exact outputs (torch.equal), whatever the family")
+    g.add_argument("--atol", type=tolerance, metavar="X",
+                   help="absolute tolerance (default: the family's rule; 0 = bit-exact for CaiT and DeiT-III)")
+    g.add_argument("--rtol", type=tolerance, metavar="X", help="relative tolerance (default: the family's rule)")
+    g.add_argument("--num-inputs", type=positive_int, default=8, metavar="K", help="seeded random images (default 8)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random images (default 0)")
+    g.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
+    g.add_argument("--device", default="cpu", help="run both models on cpu (default) or cuda")
+    g.add_argument("--batch-size", type=positive_int, default=4, metavar="N", help="images per forward pass (default 4)")
+
+
+def verify_options(a: argparse.Namespace) -> Any:
+    """The :class:`~timm_layerscale.parity.tolerance.VerifyOptions` of parsed :func:`add_verify_args` options."""
+    from .parity.tolerance import VerifyOptions
+
+    return VerifyOptions(
+        atol=a.atol, rtol=a.rtol, exact=a.exact, num_inputs=a.num_inputs, seed=a.seed, images=tuple(a.images),
+        device=a.device, batch_size=a.batch_size,
+    )
+
+
+def command_line(words: Sequence[Any], options: Any = None, **opts: Any) -> str:
+    """A command line: ``words`` as given, then ``opts`` and the non-default ``options`` as flags.
+
+    A flag's value ``True`` gives a bare flag; ``None``, ``False`` and empty values leave it out.
+    """
+    parts = [str(w) for w in words]
+    if options is not None:
+        opts.update(verify_flags(options))
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value not in (None, False, (), []):
+            parts += [flag] + ([str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)])
+    return shlex.join(parts)
+
+
+def verify_flags(options: Any) -> dict[str, Any]:
+    """The non-default :class:`~timm_layerscale.parity.tolerance.VerifyOptions` as ``{flag_name: value}``."""
+    from .parity.tolerance import VerifyOptions
+
+    default = VerifyOptions()
+    flags: dict[str, Any] = {}
+    for name in ("exact", "atol", "rtol", "num_inputs", "seed", "images", "device", "batch_size"):
+        value = getattr(options, name)
+        if value != getattr(default, name):
+            flags[name] = list(value) if name == "images" else value
+    return flags

@@ -1,0 +1,85 @@
+"""Inputs of a parity check: seeded weights, seeded images, image files."""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["seed_parameters_", "seeded_inputs", "image_inputs"]
+
+
+def _is_gamma(name: str) -> bool:
+    return name.endswith(("gamma", "gamma_1", "gamma_2"))
+
+
+@torch.no_grad()
+def seed_parameters_(model: nn.Module, seed: int = 0, gamma_std: float = 0.1) -> nn.Module:
+    """Fill every parameter and float buffer with seeded random values, in place.
+
+    The values make every branch matter: LayerScale gammas ~ N(0, gamma_std) (not
+    the 1e-5 init, which hides differences), matrices ~ N(0, 1/fan_in), norm
+    weights ~ 1 + N(0, 0.1), biases and embeddings ~ N(0, 0.1). Values depend only
+    on ``seed``, each parameter's name and its shape, so two models whose names map
+    onto each other (``gamma_1`` / ``ls1.gamma``) can be filled alike through
+    :func:`timm_layerscale.to_layerscale` instead.
+
+    Args:
+        model: Any module; parameters on any device and floating dtype.
+        seed: Seed of the generator.
+        gamma_std: Standard deviation of the LayerScale gammas.
+
+    Returns:
+        ``model``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        shape = p.shape
+        if _is_gamma(name):
+            v = torch.randn(shape, generator=gen) * gamma_std
+        elif p.ndim >= 2 and not name.endswith(("pos_embed", "cls_token", "reg_token")):
+            fan_in = math.prod(shape[1:])
+            v = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+        elif name.endswith("weight") and p.ndim == 1:
+            v = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            v = 0.1 * torch.randn(shape, generator=gen)
+        p.copy_(v.to(p.dtype))
+    return model
+
+
+def seeded_inputs(
+    num_inputs: int, img_size: int | Sequence[int], seed: int = 0, in_chans: int = 3
+) -> torch.Tensor:
+    """Seeded N(0, 1) images, the scale of normalised photographs.
+
+    Returns:
+        Tensor ``(num_inputs, in_chans, H, W)`` in fp32.
+    """
+    h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_inputs, in_chans, h, w, generator=gen)
+
+
+def image_inputs(paths: Iterable[str], model: nn.Module) -> torch.Tensor:
+    """Load image files through timm's data config and eval transforms for ``model``.
+
+    Returns:
+        Tensor ``(len(paths), 3, H, W)``.
+    """
+    from PIL import Image
+    from timm.data import create_transform, resolve_data_config
+
+    from ..errors import CheckpointError
+
+    cfg = resolve_data_config({}, model=model)
+    transform = create_transform(**cfg, is_training=False)
+    out = []
+    for p in paths:
+        try:
+            with Image.open(p) as im:
+                out.append(transform(im.convert("RGB")))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read image {p}: {e}") from None
+    return torch.stack(out)
