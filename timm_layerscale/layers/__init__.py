@@ -1,4 +1,5 @@
 """Building blocks of the package's models, one idea per module."""
+
 from .attention import MultiHeadAttention, SdpaAttention
 from .block import PreNormBlock
 from .class_attn import ClassAttn, LayerScaleBlockClassAttn

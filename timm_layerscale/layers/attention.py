@@ -6,9 +6,10 @@ projection; a subclass says how the heads attend. :class:`SdpaAttention` attends
 ``softmax(q k^T / sqrt(d)) v``, through ``F.scaled_dot_product_attention`` when timm's
 fused attention is switched on.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -46,7 +47,7 @@ class MultiHeadAttention(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
         **qkv_args: Any,
     ) -> None:
         super().__init__()
@@ -55,7 +56,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self._build_qkv(dim, qkv_bias, **qkv_args, **dd)
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim, **dd)

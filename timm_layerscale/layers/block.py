@@ -6,9 +6,11 @@ https://arxiv.org/abs/2103.17239, section 2::
     x = x + drop_path(ls1(attn(norm1(x))))
     x = x + drop_path(ls2(mlp(norm2(x))))
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Type
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -49,12 +51,12 @@ class PreNormBlock(nn.Module):
         proj_drop: float = 0.0,
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
-        init_values: Optional[float] = 1e-4,
-        act_layer: Type[nn.Module] = nn.GELU,
+        init_values: float | None = 1e-4,
+        act_layer: type[nn.Module] = nn.GELU,
         norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
-        mlp_layer: Optional[Type[nn.Module]] = None,
+        mlp_layer: type[nn.Module] | None = None,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         from timm.layers import DropPath, Mlp  # at build, not at import: timm's import registers the models
 
@@ -62,11 +64,15 @@ class PreNormBlock(nn.Module):
         dd = {"device": device, "dtype": dtype}
         mlp_layer = mlp_layer or Mlp
         self.norm1 = norm_layer(dim, **dd)
-        self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
+        self.attn = attn_layer(
+            dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd
+        )
         self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
+        self.mlp = mlp_layer(
+            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd
+        )
         self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 

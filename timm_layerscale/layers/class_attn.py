@@ -3,9 +3,11 @@
 Paper: Touvron et al., "Going deeper with Image Transformers", ICCV 2021,
 https://arxiv.org/abs/2103.17239, section 3.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -46,7 +48,9 @@ class LayerScaleBlockClassAttn(PreNormBlock):
     :class:`ClassAttn` as the default attention.
     """
 
-    def __init__(self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module] = ClassAttn, **kwargs: Any) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module] = ClassAttn, **kwargs: Any
+    ) -> None:
         super().__init__(dim, num_heads, attn_layer, **kwargs)
 
     def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:

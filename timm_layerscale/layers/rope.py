@@ -4,9 +4,8 @@ Each attention head's channels are split in two halves, one per grid axis; withi
 half, channel pairs ``(2i, 2i+1)`` are rotated by the angle ``position * freq_i`` with
 ``freq_i = theta ** (-2i / (head_dim / 2))``.
 """
-from __future__ import annotations
 
-from typing import Optional, Tuple
+from __future__ import annotations
 
 import torch
 import torch.nn as nn
@@ -36,7 +35,7 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 #: ``(sin, cos)`` tables, each ``(N, head_dim)``, one row per token.
-RopeTables = Tuple[torch.Tensor, torch.Tensor]
+RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
@@ -58,7 +57,7 @@ class Vit5RotaryEmbedding(nn.Module):
         theta: Base of the frequency progression.
     """
 
-    def __init__(self, head_dim: int, ref_grid: Tuple[int, int], theta: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, ref_grid: tuple[int, int], theta: float = 10000.0) -> None:
         super().__init__()
         rope_bands(head_dim, theta)  # validates head_dim
         self.head_dim = head_dim
@@ -69,7 +68,7 @@ class Vit5RotaryEmbedding(nn.Module):
         """The per-axis frequencies ``(head_dim // 4,)`` (fp32, CPU)."""
         return rope_bands(self.head_dim, self.theta)
 
-    def get_embed(self, grid: Tuple[int, int], device: Optional[torch.device] = None) -> RopeTables:
+    def get_embed(self, grid: tuple[int, int], device: torch.device | None = None) -> RopeTables:
         """``(sin, cos)`` tables for a row-major ``H x W`` grid.
 
         Args:

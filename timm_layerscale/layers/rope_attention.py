@@ -1,8 +1,10 @@
 """Self-attention with QK-norm and 2-D rotary embedding on q and k (ViT-5), and its block."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -44,9 +46,9 @@ class Vit5Attention(SdpaAttention):
         qk_norm: bool = True,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
-        norm_layer: Optional[Callable[..., nn.Module]] = None,
+        norm_layer: Callable[..., nn.Module] | None = None,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         norm_layer = norm_layer or rms_norm()
         super().__init__(
@@ -60,7 +62,7 @@ class Vit5Attention(SdpaAttention):
         self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
 
-    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables | None = None) -> torch.Tensor:
         """Args: x: tokens ``(B, N, C)``; rope: ``(sin, cos)``, each ``(N, head_dim)``. Returns: ``(B, N, C)``."""
         B, N, C = x.shape
         q, k, v = self._split_qkv(x).unbind(0)
@@ -85,7 +87,7 @@ class Vit5Block(PreNormBlock):
         dim: int,
         num_heads: int,
         qk_norm: bool = True,
-        norm_layer: Optional[Callable[..., nn.Module]] = None,
+        norm_layer: Callable[..., nn.Module] | None = None,
         attn_layer: Callable[..., nn.Module] = Vit5Attention,
         **kwargs: Any,
     ) -> None:
@@ -93,7 +95,7 @@ class Vit5Block(PreNormBlock):
         attn = partial(attn_layer, qk_norm=qk_norm, norm_layer=norm_layer)
         super().__init__(dim, num_heads, attn, norm_layer=norm_layer, **kwargs)
 
-    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables | None = None) -> torch.Tensor:
         """Args: x: tokens ``(B, N, C)``; rope: tables for all ``N`` tokens. Returns: ``(B, N, C)``."""
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope)))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

@@ -34,6 +34,7 @@ stride-dependent ``mm`` / ``bmm`` choice instead, and the buffered class runs th
 reference formulation. The parity tests record the ATen calls of both classes and
 compare them operand by operand, and run both under several CPU kernel dispatches.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

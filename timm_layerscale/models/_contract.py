@@ -6,9 +6,11 @@ token, ``blocks``, a final ``norm``, ``head_drop`` and a linear ``head``.
 fine-tuning code calls on them; the functions below build the parts, checkpoints,
 registered variants and operation counts the model files share.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -50,23 +52,23 @@ class TimmContract:
     """
 
     #: Parameters initialised with a truncated normal and kept out of weight decay, in init order.
-    embedding_names: Tuple[str, ...] = ("pos_embed", "cls_token")
+    embedding_names: tuple[str, ...] = ("pos_embed", "cls_token")
     #: Tokens after the patch tokens (registers), left out of average pooling.
     num_reg_tokens: int = 0
 
     def _build_stem(
         self,
-        img_size: Union[int, Tuple[int, int]],
+        img_size: int | tuple[int, int],
         patch_size: int,
         in_chans: int,
         num_classes: int,
         global_pool: str,
         embed_dim: int,
-        init_values: Optional[float],
+        init_values: float | None,
         fused_layerscale: bool,
         dynamic_img_size: bool,
         dynamic_img_pad: bool,
-        embed_layer: Type[nn.Module],
+        embed_layer: type[nn.Module],
         **dd: Any,
     ) -> None:
         check_global_pool(global_pool)
@@ -79,7 +81,7 @@ class TimmContract:
         self.init_values = init_values
         self.fused_layerscale = fused_layerscale
         self.grad_checkpointing = False
-        embed_args: Dict[str, Any] = {}
+        embed_args: dict[str, Any] = {}
         if dynamic_img_size:
             embed_args.update(strict_img_size=False, output_fmt="NHWC")
         self.patch_embed = embed_layer(
@@ -125,7 +127,7 @@ class TimmContract:
     def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier with a new one of ``num_classes`` outputs (0 removes it)."""
         if global_pool is not None:
             check_global_pool(global_pool)
@@ -141,7 +143,7 @@ class TimmContract:
         )
         self.head.train(self.training)
 
-    def _patch_tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+    def _patch_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Images to patch tokens plus the position embedding ``(B, H * W, C)``, and the grid ``(H, W)``."""
         x = self.patch_embed(x)
         if self.dynamic_img_size:
@@ -162,8 +164,8 @@ class TimmContract:
         return blk(x, *args)
 
     def _collect_intermediates(
-        self, x: torch.Tensor, indices: Optional[Union[int, List[int]]], norm: bool, stop_early: bool, *args: Any
-    ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        self, x: torch.Tensor, indices: int | list[int] | None, norm: bool, stop_early: bool, *args: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the blocks (``blk(x, *args)``), keeping the outputs of those ``indices`` selects.
 
         Returns:
@@ -180,10 +182,10 @@ class TimmContract:
 
     def prune_intermediate_layers(
         self,
-        indices: Union[int, List[int]] = 1,
+        indices: int | list[int] = 1,
         prune_norm: bool = False,
         prune_head: bool = True,
-    ) -> List[int]:
+    ) -> list[int]:
         """Drop the blocks (and optionally the final norm and the head) not needed for ``indices``."""
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         self.blocks = self.blocks[: max_index + 1]
@@ -199,7 +201,7 @@ class TimmContract:
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Tokens ``(B, N, C)`` to logits ``(B, num_classes)`` (or pooled ``(B, C)``)."""
         if self.global_pool == "avg":
-            x = x[:, self.num_prefix_tokens: x.shape[1] - self.num_reg_tokens].mean(dim=1)
+            x = x[:, self.num_prefix_tokens : x.shape[1] - self.num_reg_tokens].mean(dim=1)
         elif self.global_pool == "token":
             x = x[:, 0]
         x = self.head_drop(x)
@@ -223,13 +225,13 @@ def check_output_fmt(output_fmt: str) -> None:
         raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
 
 
-def to_nchw(tokens: Iterable[torch.Tensor], grid: Tuple[int, int]) -> List[torch.Tensor]:
+def to_nchw(tokens: Iterable[torch.Tensor], grid: tuple[int, int]) -> list[torch.Tensor]:
     """Patch tokens ``(B, H * W, C)`` to feature maps ``(B, C, H, W)``."""
     H, W = grid
     return [y.reshape(y.shape[0], H, W, -1).permute(0, 3, 1, 2).contiguous() for y in tokens]
 
 
-def fit_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module, fold: bool) -> Dict[str, torch.Tensor]:
+def fit_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module, fold: bool) -> dict[str, torch.Tensor]:
     """Resample ``pos_embed`` to the model's grid where it differs; fold LayerScale into the linears if ``fold``."""
     pe = state_dict.get("pos_embed")
     if pe is not None and pe.shape != model.pos_embed.shape:
@@ -240,7 +242,11 @@ def fit_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module, fold: 
 
 
 def build_variant(
-    model_cls: Type[nn.Module], filter_fn: Callable[..., Any], variant: Variant, pretrained: bool, kwargs: Dict[str, Any]
+    model_cls: type[nn.Module],
+    filter_fn: Callable[..., Any],
+    variant: Variant,
+    pretrained: bool,
+    kwargs: dict[str, Any],
 ) -> nn.Module:
     """Build a registered variant: its architecture arguments, overridden by ``kwargs``."""
     kwargs = dict(variant.model_args, **kwargs)
@@ -255,7 +261,7 @@ def build_variant(
     )
 
 
-def pretrained_cfg(v: Variant, **kwargs: Any) -> Dict[str, Any]:
+def pretrained_cfg(v: Variant, **kwargs: Any) -> dict[str, Any]:
     """The pretrained config of a variant: ImageNet-1k classifier at ``v.img_size``, plus ``kwargs``."""
     return {
         "num_classes": 1000,

@@ -13,14 +13,15 @@ Pretrained weights are the official ones (``fb_dist_in1k``), remapped at load ti
 Beyond timm's CaiT: ``dynamic_img_size=True`` and pretrained loading at another
 ``img_size`` (the position embedding is resampled).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, List, Optional, Tuple, Type, Union
+from typing import Any
 
 import torch
 import torch.nn as nn
-
 from timm.layers import Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint_seq
@@ -37,8 +38,18 @@ from ..layers.talking_heads import (
     TalkingHeadAttn,
     attention_workspace,
 )
-from ._contract import TimmContract, build_variant, check_output_fmt, fit_state_dict, pretrained_cfg, to_nchw
-from ._contract import block_tail_flops, linear_flops, patch_embed_flops, self_attention_flops
+from ._contract import (
+    TimmContract,
+    block_tail_flops,
+    build_variant,
+    check_output_fmt,
+    fit_state_dict,
+    linear_flops,
+    patch_embed_flops,
+    pretrained_cfg,
+    self_attention_flops,
+    to_nchw,
+)
 
 __all__ = [
     "CaitLS",
@@ -50,7 +61,7 @@ __all__ = [
     "LayerScaleBlockClassAttn",
 ]
 
-InitValues = Union[float, str, None]
+InitValues = float | str | None
 
 
 class LayerScaleBlock(PreNormBlock):
@@ -97,7 +108,8 @@ class CaitLS(TimmContract, nn.Module):
             ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
             folded into ``attn.proj`` and ``mlp.fc2`` (:func:`timm_layerscale.fuse_layerscale`).
         norm_layer, act_layer, block_layer, block_layer_token, attn_layer,
-        attn_layer_token_only, mlp_layer, embed_layer: Layer types.
+        attn_layer_token_only, mlp_layer, embed_layer: Layer types (``norm_layer=None``:
+            LayerNorm, eps 1e-6).
         device: Device to build on (``"meta"`` allowed).
         dtype: Parameter dtype.
     """
@@ -106,7 +118,7 @@ class CaitLS(TimmContract, nn.Module):
 
     def __init__(
         self,
-        img_size: Union[int, Tuple[int, int]] = 224,
+        img_size: int | tuple[int, int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int = 1000,
@@ -127,17 +139,17 @@ class CaitLS(TimmContract, nn.Module):
         dynamic_img_size: bool = False,
         dynamic_img_pad: bool = False,
         fused_layerscale: bool = False,
-        norm_layer: Callable[..., nn.Module] = partial(nn.LayerNorm, eps=1e-6),
-        act_layer: Type[nn.Module] = nn.GELU,
-        block_layer: Type[nn.Module] = LayerScaleBlock,
-        block_layer_token: Type[nn.Module] = LayerScaleBlockClassAttn,
-        attn_layer: Optional[Type[nn.Module]] = None,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        act_layer: type[nn.Module] = nn.GELU,
+        block_layer: type[nn.Module] = LayerScaleBlock,
+        block_layer_token: type[nn.Module] = LayerScaleBlockClassAttn,
+        attn_layer: type[nn.Module] | None = None,
         attn_impl: str = "buffered",
-        attn_layer_token_only: Type[nn.Module] = ClassAttn,
-        mlp_layer: Type[nn.Module] = Mlp,
-        embed_layer: Type[nn.Module] = PatchEmbed,
+        attn_layer_token_only: type[nn.Module] = ClassAttn,
+        mlp_layer: type[nn.Module] = Mlp,
+        embed_layer: type[nn.Module] = PatchEmbed,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
@@ -147,38 +159,59 @@ class CaitLS(TimmContract, nn.Module):
             raise ValueError(f"init_values must be a number, 'auto' or None, got {init_values!r}")
         if fused_layerscale:
             init_values = None
+        norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
         if attn_layer is None:
             if attn_impl not in ATTN_IMPLS:
                 raise ValueError(f"attn_impl must be one of {', '.join(map(repr, ATTN_IMPLS))}, got {attn_impl!r}")
             attn_layer = ATTN_IMPLS[attn_impl]
 
         self._build_stem(
-            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, init_values, fused_layerscale,
-            dynamic_img_size, dynamic_img_pad, embed_layer, **dd,
+            img_size,
+            patch_size,
+            in_chans,
+            num_classes,
+            global_pool,
+            embed_dim,
+            init_values,
+            fused_layerscale,
+            dynamic_img_size,
+            dynamic_img_pad,
+            embed_layer,
+            **dd,
         )
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
         self.pos_embed = nn.Parameter(torch.empty(1, self.patch_embed.num_patches, embed_dim, **dd))
         self.pos_drop = nn.Dropout(p=pos_drop_rate)
 
         block_args = dict(
-            dim=embed_dim, num_heads=num_heads, qkv_bias=qkv_bias, init_values=init_values, act_layer=act_layer,
-            norm_layer=norm_layer, mlp_layer=mlp_layer, **dd,
+            dim=embed_dim,
+            num_heads=num_heads,
+            qkv_bias=qkv_bias,
+            init_values=init_values,
+            act_layer=act_layer,
+            norm_layer=norm_layer,
+            mlp_layer=mlp_layer,
+            **dd,
         )
-        self.blocks = nn.Sequential(*[
-            block_layer(
-                mlp_ratio=mlp_ratio,
-                proj_drop=proj_drop_rate,
-                attn_drop=attn_drop_rate,
-                drop_path=drop_path_rate,
-                attn_layer=attn_layer,
-                **block_args,
-            )
-            for _ in range(depth)
-        ])
-        self.blocks_token_only = nn.ModuleList([
-            block_layer_token(mlp_ratio=mlp_ratio_token_only, attn_layer=attn_layer_token_only, **block_args)
-            for _ in range(depth_token_only)
-        ])
+        self.blocks = nn.Sequential(
+            *[
+                block_layer(
+                    mlp_ratio=mlp_ratio,
+                    proj_drop=proj_drop_rate,
+                    attn_drop=attn_drop_rate,
+                    drop_path=drop_path_rate,
+                    attn_layer=attn_layer,
+                    **block_args,
+                )
+                for _ in range(depth)
+            ]
+        )
+        self.blocks_token_only = nn.ModuleList(
+            [
+                block_layer_token(mlp_ratio=mlp_ratio_token_only, attn_layer=attn_layer_token_only, **block_args)
+                for _ in range(depth_token_only)
+            ]
+        )
         self._build_head(depth, patch_size, drop_rate, norm_layer, **dd)
 
     @torch.jit.ignore
@@ -201,12 +234,12 @@ class CaitLS(TimmContract, nn.Module):
     def forward_intermediates(
         self,
         x: torch.Tensor,
-        indices: Optional[Union[int, List[int]]] = None,
+        indices: int | list[int] | None = None,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """Forward pass that also returns the outputs of selected self-attention blocks.
 
         Args:

@@ -32,13 +32,14 @@ per-block ``rope`` / ``rope_reg`` buffers. Beyond the official model: ``dynamic_
 non-square grids, pretrained loading at another ``img_size`` (the position embedding is
 resampled), timm's feature-extraction API.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
-
 from timm.layers import Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
 
@@ -47,8 +48,18 @@ from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
 from ..layer_scale import LayerScale
 from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
 from ..layers.rope_attention import Vit5Attention, Vit5Block, rms_norm
-from ._contract import TimmContract, build_variant, check_output_fmt, fit_state_dict, pretrained_cfg, to_nchw
-from ._contract import block_tail_flops, linear_flops, patch_embed_flops, self_attention_flops
+from ._contract import (
+    TimmContract,
+    block_tail_flops,
+    build_variant,
+    check_output_fmt,
+    fit_state_dict,
+    linear_flops,
+    patch_embed_flops,
+    pretrained_cfg,
+    self_attention_flops,
+    to_nchw,
+)
 
 __all__ = [
     "Vit5",
@@ -90,7 +101,8 @@ class Vit5(TimmContract, nn.Module):
         dynamic_img_size: Accept any input size divisible by the patch size; the position
             embedding is resampled and the rotary positions rescaled on the fly.
         dynamic_img_pad: Pad inputs to a multiple of the patch size.
-        norm_layer, act_layer, block_layer, attn_layer, mlp_layer, embed_layer: Layer types.
+        norm_layer, act_layer, block_layer, attn_layer, mlp_layer, embed_layer: Layer types
+            (``norm_layer=None``: RMSNorm, eps 1e-6).
         device: Device to build on (``"meta"`` allowed).
         dtype: Parameter dtype.
     """
@@ -100,7 +112,7 @@ class Vit5(TimmContract, nn.Module):
 
     def __init__(
         self,
-        img_size: Union[int, Tuple[int, int]] = 224,
+        img_size: int | tuple[int, int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int = 1000,
@@ -114,7 +126,7 @@ class Vit5(TimmContract, nn.Module):
         reg_tokens: int = 4,
         rope_theta: float = 10000.0,
         reg_rope_theta: float = 100.0,
-        init_values: Optional[float] = 1e-4,
+        init_values: float | None = 1e-4,
         fused_layerscale: bool = False,
         drop_rate: float = 0.0,
         proj_drop_rate: float = 0.0,
@@ -122,26 +134,35 @@ class Vit5(TimmContract, nn.Module):
         drop_path_rate: float = 0.0,
         dynamic_img_size: bool = False,
         dynamic_img_pad: bool = False,
-        norm_layer: Optional[Callable[..., nn.Module]] = None,
-        act_layer: Type[nn.Module] = nn.GELU,
-        block_layer: Type[nn.Module] = Vit5Block,
-        attn_layer: Type[nn.Module] = Vit5Attention,
-        mlp_layer: Type[nn.Module] = Mlp,
-        embed_layer: Type[nn.Module] = PatchEmbed,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        act_layer: type[nn.Module] = nn.GELU,
+        block_layer: type[nn.Module] = Vit5Block,
+        attn_layer: type[nn.Module] = Vit5Attention,
+        mlp_layer: type[nn.Module] = Mlp,
+        embed_layer: type[nn.Module] = PatchEmbed,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        reg_side = int(round(reg_tokens ** 0.5))
+        reg_side = round(reg_tokens**0.5)
         if reg_tokens < 0 or reg_side * reg_side != reg_tokens:
             raise ValueError(f"reg_tokens must be a square number (0, 1, 4, 9, ...), got {reg_tokens}")
         norm_layer = norm_layer or rms_norm()
 
         self._build_stem(
-            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim,
-            None if fused_layerscale else init_values, fused_layerscale, dynamic_img_size, dynamic_img_pad,
-            embed_layer, **dd,
+            img_size,
+            patch_size,
+            in_chans,
+            num_classes,
+            global_pool,
+            embed_dim,
+            None if fused_layerscale else init_values,
+            fused_layerscale,
+            dynamic_img_size,
+            dynamic_img_pad,
+            embed_layer,
+            **dd,
         )
         self.num_reg_tokens = reg_tokens
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
@@ -154,35 +175,37 @@ class Vit5(TimmContract, nn.Module):
             Vit5RotaryEmbedding(head_dim, (reg_side, reg_side), theta=reg_rope_theta) if reg_tokens else None
         )
 
-        self.blocks = nn.ModuleList([
-            block_layer(
-                dim=embed_dim,
-                num_heads=num_heads,
-                mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                qk_norm=qk_norm,
-                proj_drop=proj_drop_rate,
-                attn_drop=attn_drop_rate,
-                drop_path=drop_path_rate,
-                init_values=self.init_values,
-                act_layer=act_layer,
-                norm_layer=norm_layer,
-                attn_layer=attn_layer,
-                mlp_layer=mlp_layer,
-                **dd,
-            )
-            for _ in range(depth)
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                block_layer(
+                    dim=embed_dim,
+                    num_heads=num_heads,
+                    mlp_ratio=mlp_ratio,
+                    qkv_bias=qkv_bias,
+                    qk_norm=qk_norm,
+                    proj_drop=proj_drop_rate,
+                    attn_drop=attn_drop_rate,
+                    drop_path=drop_path_rate,
+                    init_values=self.init_values,
+                    act_layer=act_layer,
+                    norm_layer=norm_layer,
+                    attn_layer=attn_layer,
+                    mlp_layer=mlp_layer,
+                    **dd,
+                )
+                for _ in range(depth)
+            ]
+        )
         self._build_head(depth, patch_size, drop_rate, norm_layer, **dd)
 
     @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         return dict(
             stem=r"^cls_token|^reg_token|^pos_embed|^patch_embed",
             blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
         )
 
-    def _tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+    def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Images to tokens ``[cls, patches + pos_embed, registers]`` and the patch grid."""
         x, grid = self._patch_tokens(x)
         tokens = [self.cls_token.expand(x.shape[0], -1, -1), x]
@@ -190,7 +213,7 @@ class Vit5(TimmContract, nn.Module):
             tokens.append(self.reg_token.expand(x.shape[0], -1, -1))
         return torch.cat(tokens, dim=1), grid
 
-    def rope_tables(self, grid: Tuple[int, int], device: Optional[torch.device] = None) -> RopeTables:
+    def rope_tables(self, grid: tuple[int, int], device: torch.device | None = None) -> RopeTables:
         """Rotary ``(sin, cos)`` tables for every token of a ``grid`` input.
 
         Rows follow the token order: the class token (identity: sin 0, cos 1), the
@@ -212,13 +235,13 @@ class Vit5(TimmContract, nn.Module):
     def forward_intermediates(
         self,
         x: torch.Tensor,
-        indices: Optional[Union[int, List[int]]] = None,
+        indices: int | list[int] | None = None,
         return_prefix_tokens: bool = False,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
-    ) -> Union[List[Any], Tuple[torch.Tensor, List[Any]]]:
+    ) -> list[Any] | tuple[torch.Tensor, list[Any]]:
         """Forward pass that also returns the outputs of selected blocks.
 
         Intermediates hold the patch tokens only; the class token and the registers are
@@ -242,12 +265,12 @@ class Vit5(TimmContract, nn.Module):
         x, intermediates = self._collect_intermediates(x, indices, norm, stop_early, self.rope_tables(grid, x.device))
 
         n_pre, n_reg = self.num_prefix_tokens, self.num_reg_tokens
-        prefix = [torch.cat((y[:, :n_pre], y[:, y.shape[1] - n_reg:]), dim=1) for y in intermediates]
-        intermediates = [y[:, n_pre: y.shape[1] - n_reg] for y in intermediates]
+        prefix = [torch.cat((y[:, :n_pre], y[:, y.shape[1] - n_reg :]), dim=1) for y in intermediates]
+        intermediates = [y[:, n_pre : y.shape[1] - n_reg] for y in intermediates]
         if output_fmt == "NCHW":
             intermediates = to_nchw(intermediates, grid)
         if return_prefix_tokens:
-            intermediates = list(zip(intermediates, prefix))
+            intermediates = list(zip(intermediates, prefix, strict=True))
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates
@@ -285,7 +308,7 @@ class Vit5(TimmContract, nn.Module):
         return int(total) * int(batch_size)
 
 
-def _official_rope(model: Vit5) -> Dict[str, torch.Tensor]:
+def _official_rope(model: Vit5) -> dict[str, torch.Tensor]:
     """The rotary buffers an official checkpoint of ``model``'s shape holds."""
     reg_theta = model.rope_reg.theta if model.rope_reg is not None else VIT5_ROPE_THETA[1]
     return rope_buffers(len(model.blocks), model.rope.head_dim, (model.rope.theta, reg_theta))
@@ -297,8 +320,8 @@ def _wants_ema(model: nn.Module) -> bool:
 
 
 def checkpoint_filter_fn(
-    state_dict: Mapping[str, Any], model: Vit5, use_ema: Optional[bool] = None
-) -> Dict[str, torch.Tensor]:
+    state_dict: Mapping[str, Any], model: Vit5, use_ema: bool | None = None
+) -> dict[str, torch.Tensor]:
     """Turn any ViT-5 checkpoint into this model's layout.
 
     Accepts the official training dict (``{'model': ..., 'model_ema': ..., 'optimizer': ...}``),
@@ -323,7 +346,7 @@ def checkpoint_filter_fn(
     return fit_state_dict(to_layerscale(sd, "vit5"), model, fold=not isinstance(model.blocks[0].ls1, LayerScale))
 
 
-def _cfg(v: Variant, **kwargs: Any) -> Dict[str, Any]:
+def _cfg(v: Variant, **kwargs: Any) -> dict[str, Any]:
     file = v.official_file
     return pretrained_cfg(
         v,
@@ -340,7 +363,7 @@ def _cfg(v: Variant, **kwargs: Any) -> Dict[str, Any]:
 _EMA_NOTE = ("EMA weights ('model_ema') of the released training checkpoint",)
 
 
-def _tags(v: Variant) -> Dict[str, Dict[str, Any]]:
+def _tags(v: Variant) -> dict[str, dict[str, Any]]:
     if v.official_file is None:
         return {v.name: _cfg(v)}
     return {f"{v.name}.in1k": _cfg(v), f"{v.name}.in1k_ema": _cfg(v, notes=_EMA_NOTE)}
@@ -352,7 +375,7 @@ VARIANTS = variants_of("vit5")
 default_cfgs = generate_default_cfgs({tag: cfg for v in VARIANTS.values() for tag, cfg in _tags(v).items()})
 
 
-def _make(name: str, pretrained: bool, kwargs: Dict[str, Any]) -> Vit5:
+def _make(name: str, pretrained: bool, kwargs: dict[str, Any]) -> Vit5:
     return build_variant(Vit5, checkpoint_filter_fn, VARIANTS[name], pretrained, kwargs)
 
 
