@@ -53,7 +53,7 @@ class LayerScaleBlockClassAttn(PreNormBlock):
     ) -> None:
         super().__init__(dim, num_heads, attn_layer, **kwargs)
 
-    def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Args: x: patch tokens ``(B, N, C)``; x_cls: class token ``(B, 1, C)``. Returns: ``(B, 1, C)``."""
         u = torch.cat((x_cls, x), dim=1)
         x_cls = x_cls + self.drop_path1(self.ls1(self.attn(self.norm1(u))))

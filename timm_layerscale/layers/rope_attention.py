@@ -50,15 +50,20 @@ class Vit5Attention(SdpaAttention):
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        norm_layer = norm_layer or rms_norm()
         super().__init__(
             dim, num_heads, qkv_bias, attn_drop, proj_drop, device, dtype, qk_norm=qk_norm, norm_layer=norm_layer
         )
 
     def _build_qkv(
-        self, dim: int, qkv_bias: bool, qk_norm: bool, norm_layer: Callable[..., nn.Module], **dd: Any
+        self,
+        dim: int,
+        qkv_bias: bool,
+        qk_norm: bool = True,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        **dd: Any,
     ) -> None:
         super()._build_qkv(dim, qkv_bias, **dd)
+        norm_layer = norm_layer or rms_norm()
         self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
 

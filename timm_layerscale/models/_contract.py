@@ -10,12 +10,12 @@ registered variants and operation counts the model files share.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import RmsNorm, resample_abs_pos_embed, trunc_normal_
+from timm.layers import PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_
 from timm.models import build_model_with_cfg
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
@@ -43,18 +43,39 @@ def check_global_pool(global_pool: str) -> None:
         raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
 
 
-class TimmContract:
-    """timm's model methods for a ViT-shaped ``nn.Module`` (mixed in before ``nn.Module``).
+class TimmContract(nn.Module):
+    """Base of the ViT-shaped models: the methods timm calls on a model.
 
     A model calls :meth:`_build_stem` first in its constructor (attributes and
     ``patch_embed``), makes its tokens, position embedding and blocks, and ends with
-    :meth:`_build_head` (``feature_info``, ``norm``, ``head_drop``, ``head``, weights).
+    :meth:`_build_head` (``feature_info``, ``norm``, ``head_drop``, ``head``, weights);
+    it defines ``forward_features`` and ``forward_intermediates``.
     """
 
     #: Parameters initialised with a truncated normal and kept out of weight decay, in init order.
     embedding_names: tuple[str, ...] = ("pos_embed", "cls_token")
     #: Tokens after the patch tokens (registers), left out of average pooling.
     num_reg_tokens: int = 0
+
+    num_classes: int
+    in_chans: int
+    global_pool: str
+    num_features: int
+    head_hidden_size: int
+    embed_dim: int
+    num_prefix_tokens: int
+    dynamic_img_size: bool
+    init_values: float | None
+    fused_layerscale: bool
+    grad_checkpointing: bool
+    patch_embed: PatchEmbed
+    pos_embed: nn.Parameter
+    cls_token: nn.Parameter | None
+    blocks: nn.Sequential | nn.ModuleList
+    feature_info: list[dict[str, Any]]
+    norm: nn.Module
+    head_drop: nn.Dropout
+    head: nn.Module
 
     def _build_stem(
         self,
@@ -68,7 +89,7 @@ class TimmContract:
         fused_layerscale: bool,
         dynamic_img_size: bool,
         dynamic_img_pad: bool,
-        embed_layer: type[nn.Module],
+        embed_layer: Callable[..., PatchEmbed],
         **dd: Any,
     ) -> None:
         check_global_pool(global_pool)
@@ -207,6 +228,10 @@ class TimmContract:
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, N, C)``."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
@@ -231,7 +256,7 @@ def to_nchw(tokens: Iterable[torch.Tensor], grid: tuple[int, int]) -> list[torch
     return [y.reshape(y.shape[0], H, W, -1).permute(0, 3, 1, 2).contiguous() for y in tokens]
 
 
-def fit_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module, fold: bool) -> dict[str, torch.Tensor]:
+def fit_state_dict(state_dict: dict[str, torch.Tensor], model: TimmContract, fold: bool) -> dict[str, torch.Tensor]:
     """Resample ``pos_embed`` to the model's grid where it differs; fold LayerScale into the linears if ``fold``."""
     pe = state_dict.get("pos_embed")
     if pe is not None and pe.shape != model.pos_embed.shape:
@@ -241,13 +266,16 @@ def fit_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module, fold: 
     return fold_state_dict(state_dict) if fold else state_dict
 
 
+M = TypeVar("M", bound=TimmContract)
+
+
 def build_variant(
-    model_cls: type[nn.Module],
+    model_cls: type[M],
     filter_fn: Callable[..., Any],
     variant: Variant,
     pretrained: bool,
     kwargs: dict[str, Any],
-) -> nn.Module:
+) -> M:
     """Build a registered variant: its architecture arguments, overridden by ``kwargs``."""
     kwargs = dict(variant.model_args, **kwargs)
     out_indices = kwargs.pop("out_indices", 3)
@@ -283,21 +311,22 @@ def linear_flops(linear: nn.Linear, tokens: int) -> int:
     return tokens * linear.in_features * linear.out_features
 
 
-def patch_embed_flops(patch_embed: nn.Module) -> int:
+def patch_embed_flops(patch_embed: PatchEmbed) -> int:
     """The patch-embedding conv over every patch."""
     conv = patch_embed.proj
     kh, kw = conv.kernel_size
     return patch_embed.num_patches * conv.out_channels * (conv.in_channels // conv.groups) * kh * kw
 
 
-def self_attention_flops(attn: nn.Module, tokens: int) -> int:
-    """The ``qkv`` and ``proj`` linears, ``q @ k^T`` and ``attn @ v`` over ``tokens`` tokens."""
+def self_attention_flops(attn: Any, tokens: int) -> int:
+    """The ``qkv`` and ``proj`` linears, ``q @ k^T`` and ``attn @ v`` of a self-attention
+    over ``tokens`` tokens (any layer with ``qkv``, ``proj``, ``num_heads`` and ``head_dim``)."""
     total = linear_flops(attn.qkv, tokens) + linear_flops(attn.proj, tokens)
     return total + 2 * tokens * tokens * attn.num_heads * attn.head_dim
 
 
-def block_tail_flops(blk: nn.Module, tokens: int) -> int:
-    """MLP linears and LayerScale multiplies of a block whose branches see ``tokens`` tokens."""
+def block_tail_flops(blk: Any, tokens: int) -> int:
+    """MLP linears and LayerScale multiplies of a block (``mlp``, ``ls1``, ``ls2``) whose branches see ``tokens`` tokens."""
     total = sum(linear_flops(m, tokens) for m in blk.mlp.modules() if isinstance(m, nn.Linear))
     for ls in (blk.ls1, blk.ls2):
         if isinstance(ls, LayerScale):

@@ -73,7 +73,7 @@ class LayerScaleBlock(PreNormBlock):
         super().__init__(dim, num_heads, attn_layer, **kwargs)
 
 
-class CaitLS(TimmContract, nn.Module):
+class CaitLS(TimmContract):
     """CaiT (Class-Attention in Image Transformers) with LayerScale modules.
 
     Args:
@@ -114,7 +114,7 @@ class CaitLS(TimmContract, nn.Module):
         dtype: Parameter dtype.
     """
 
-    dynamic_img_size: torch.jit.Final[bool]
+    blocks_token_only: nn.ModuleList | None
 
     def __init__(
         self,
@@ -147,7 +147,7 @@ class CaitLS(TimmContract, nn.Module):
         attn_impl: str = "buffered",
         attn_layer_token_only: type[nn.Module] = ClassAttn,
         mlp_layer: type[nn.Module] = Mlp,
-        embed_layer: type[nn.Module] = PatchEmbed,
+        embed_layer: Callable[..., PatchEmbed] = PatchEmbed,
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -223,7 +223,7 @@ class CaitLS(TimmContract, nn.Module):
                 return int(name.split(".")[1]) + 1
             if name.startswith("blocks_token_only."):
                 # class-attention blocks share groups with the last self-attention blocks
-                offset = len(self.blocks) - len(self.blocks_token_only) + 1
+                offset = len(self.blocks) - len(self.blocks_token_only or ()) + 1
                 return int(name.split(".")[1]) + offset
             if name.startswith("norm."):
                 return len(self.blocks)
@@ -277,6 +277,9 @@ class CaitLS(TimmContract, nn.Module):
 
         Args: x: patch tokens ``(B, N, C)``. Returns: ``(B, 1 + N, C)``.
         """
+        assert self.cls_token is not None and self.blocks_token_only is not None, (
+            "the class token was pruned (prune_intermediate_layers)"
+        )
         cls_tokens = self.cls_token.expand(x.shape[0], -1, -1)
         for blk in self.blocks_token_only:
             cls_tokens = blk(x, cls_tokens)
@@ -317,18 +320,24 @@ class CaitLS(TimmContract, nn.Module):
         n = self.patch_embed.num_patches
         total = patch_embed_flops(self.patch_embed)
         for blk in self.blocks:
-            total += self_attention_flops(blk.attn, n)
-            total += 2 * n * n * blk.attn.num_heads * blk.attn.num_heads
-            total += block_tail_flops(blk, n)
+            total += self_attention_flops(blk.attn, n) + _talking_heads_flops(blk.attn, n) + block_tail_flops(blk, n)
         for blk in self.blocks_token_only or ():
-            attn = blk.attn
-            total += linear_flops(attn.q, 1) + linear_flops(attn.k, n + 1) + linear_flops(attn.v, n + 1)
-            total += 2 * (n + 1) * attn.num_heads * attn.head_dim
-            total += linear_flops(attn.proj, 1)
-            total += block_tail_flops(blk, 1)
+            total += _class_attention_flops(blk.attn, n) + block_tail_flops(blk, 1)
         if isinstance(self.head, nn.Linear):
             total += linear_flops(self.head, 1)
         return int(total) * int(batch_size)
+
+
+def _talking_heads_flops(attn: Any, tokens: int) -> int:
+    """The ``proj_l`` and ``proj_w`` head mixes: ``H^2`` per entry of the ``N x N`` logits."""
+    return 2 * tokens * tokens * attn.num_heads * attn.num_heads
+
+
+def _class_attention_flops(attn: Any, patches: int) -> int:
+    """``q`` and ``proj`` of the class token, ``k`` and ``v`` of all ``1 + N`` tokens, ``q @ k^T`` and ``attn @ v``."""
+    n = patches + 1
+    total = linear_flops(attn.q, 1) + linear_flops(attn.k, n) + linear_flops(attn.v, n) + linear_flops(attn.proj, 1)
+    return total + 2 * n * attn.num_heads * attn.head_dim
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> dict[str, torch.Tensor]:

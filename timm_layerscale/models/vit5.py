@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-class Vit5(TimmContract, nn.Module):
+class Vit5(TimmContract):
     """ViT-5 with LayerScale modules.
 
     Args:
@@ -107,8 +107,8 @@ class Vit5(TimmContract, nn.Module):
         dtype: Parameter dtype.
     """
 
-    dynamic_img_size: torch.jit.Final[bool]
     embedding_names = ("pos_embed", "cls_token", "reg_token")
+    cls_token: nn.Parameter
 
     def __init__(
         self,
@@ -139,7 +139,7 @@ class Vit5(TimmContract, nn.Module):
         block_layer: type[nn.Module] = Vit5Block,
         attn_layer: type[nn.Module] = Vit5Attention,
         mlp_layer: type[nn.Module] = Mlp,
-        embed_layer: type[nn.Module] = PatchEmbed,
+        embed_layer: Callable[..., PatchEmbed] = PatchEmbed,
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -266,14 +266,13 @@ class Vit5(TimmContract, nn.Module):
 
         n_pre, n_reg = self.num_prefix_tokens, self.num_reg_tokens
         prefix = [torch.cat((y[:, :n_pre], y[:, y.shape[1] - n_reg :]), dim=1) for y in intermediates]
-        intermediates = [y[:, n_pre : y.shape[1] - n_reg] for y in intermediates]
+        patches = [y[:, n_pre : y.shape[1] - n_reg] for y in intermediates]
         if output_fmt == "NCHW":
-            intermediates = to_nchw(intermediates, grid)
-        if return_prefix_tokens:
-            intermediates = list(zip(intermediates, prefix, strict=True))
+            patches = to_nchw(patches, grid)
+        out: list[Any] = list(zip(patches, prefix, strict=True)) if return_prefix_tokens else patches
         if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
+            return out
+        return self.norm(x), out
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N + reg_tokens, C)``: class, patches, registers."""
