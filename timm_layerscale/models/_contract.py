@@ -28,13 +28,10 @@ __all__ = [
     "TimmContract",
     "block_tail_flops",
     "build_variant",
-    "check_output_fmt",
     "fit_state_dict",
     "linear_flops",
-    "patch_embed_flops",
     "pretrained_cfg",
     "self_attention_flops",
-    "to_nchw",
 ]
 
 
@@ -184,6 +181,17 @@ class TimmContract(nn.Module):
             return checkpoint(blk, x, *args)
         return blk(x, *args)
 
+    @staticmethod
+    def _check_output_fmt(output_fmt: str) -> None:
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+
+    @staticmethod
+    def _to_nchw(tokens: Iterable[torch.Tensor], grid: tuple[int, int]) -> list[torch.Tensor]:
+        """Patch tokens ``(B, H * W, C)`` to feature maps ``(B, C, H, W)``."""
+        H, W = grid
+        return [y.reshape(y.shape[0], H, W, -1).permute(0, 3, 1, 2).contiguous() for y in tokens]
+
     def _collect_intermediates(
         self, x: torch.Tensor, indices: int | list[int] | None, norm: bool, stop_early: bool, *args: Any
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -228,6 +236,13 @@ class TimmContract(nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
+    def _flop_total(self, block_flops: int, batch_size: int) -> int:
+        """The patch-embedding conv, ``block_flops`` and the classifier (one token), for ``batch_size`` images."""
+        total = _patch_embed_flops(self.patch_embed) + block_flops
+        if isinstance(self.head, nn.Linear):
+            total += linear_flops(self.head, 1)
+        return int(total) * int(batch_size)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, N, C)``."""
         raise NotImplementedError
@@ -243,17 +258,6 @@ def _init_module(m: nn.Module) -> None:
             nn.init.zeros_(m.bias)
     elif isinstance(m, (nn.LayerNorm, RmsNorm, LayerScale)):
         m.reset_parameters()
-
-
-def check_output_fmt(output_fmt: str) -> None:
-    if output_fmt not in ("NCHW", "NLC"):
-        raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-
-
-def to_nchw(tokens: Iterable[torch.Tensor], grid: tuple[int, int]) -> list[torch.Tensor]:
-    """Patch tokens ``(B, H * W, C)`` to feature maps ``(B, C, H, W)``."""
-    H, W = grid
-    return [y.reshape(y.shape[0], H, W, -1).permute(0, 3, 1, 2).contiguous() for y in tokens]
 
 
 def fit_state_dict(state_dict: dict[str, torch.Tensor], model: TimmContract, fold: bool) -> dict[str, torch.Tensor]:
@@ -311,7 +315,7 @@ def linear_flops(linear: nn.Linear, tokens: int) -> int:
     return tokens * linear.in_features * linear.out_features
 
 
-def patch_embed_flops(patch_embed: PatchEmbed) -> int:
+def _patch_embed_flops(patch_embed: PatchEmbed) -> int:
     """The patch-embedding conv over every patch."""
     conv = patch_embed.proj
     kh, kw = conv.kernel_size

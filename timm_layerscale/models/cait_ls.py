@@ -42,13 +42,10 @@ from ._contract import (
     TimmContract,
     block_tail_flops,
     build_variant,
-    check_output_fmt,
     fit_state_dict,
     linear_flops,
-    patch_embed_flops,
     pretrained_cfg,
     self_attention_flops,
-    to_nchw,
 )
 
 __all__ = [
@@ -253,12 +250,12 @@ class CaitLS(TimmContract):
         Returns:
             The intermediates, or ``(final_tokens (B, 1 + N, C), intermediates)``.
         """
-        check_output_fmt(output_fmt)
+        self._check_output_fmt(output_fmt)
         x, grid = self._patch_tokens(x)
         with attention_workspace():
             x, intermediates = self._collect_intermediates(self.pos_drop(x), indices, norm, stop_early)
         if output_fmt == "NCHW":
-            intermediates = to_nchw(intermediates, grid)
+            intermediates = self._to_nchw(intermediates, grid)
         if intermediates_only:
             return intermediates
         if self.blocks_token_only is not None:
@@ -318,14 +315,12 @@ class CaitLS(TimmContract):
             The count for ``batch_size`` images.
         """
         n = self.patch_embed.num_patches
-        total = patch_embed_flops(self.patch_embed)
+        total = 0
         for blk in self.blocks:
             total += self_attention_flops(blk.attn, n) + _talking_heads_flops(blk.attn, n) + block_tail_flops(blk, n)
         for blk in self.blocks_token_only or ():
             total += _class_attention_flops(blk.attn, n) + block_tail_flops(blk, 1)
-        if isinstance(self.head, nn.Linear):
-            total += linear_flops(self.head, 1)
-        return int(total) * int(batch_size)
+        return self._flop_total(total, batch_size)
 
 
 def _talking_heads_flops(attn: Any, tokens: int) -> int:

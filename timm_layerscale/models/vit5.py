@@ -52,13 +52,9 @@ from ._contract import (
     TimmContract,
     block_tail_flops,
     build_variant,
-    check_output_fmt,
     fit_state_dict,
-    linear_flops,
-    patch_embed_flops,
     pretrained_cfg,
     self_attention_flops,
-    to_nchw,
 )
 
 __all__ = [
@@ -260,7 +256,7 @@ class Vit5(TimmContract):
         Returns:
             The intermediates, or ``(final_tokens (B, 1 + H * W + reg_tokens, C), intermediates)``.
         """
-        check_output_fmt(output_fmt)
+        self._check_output_fmt(output_fmt)
         x, grid = self._tokens(x)
         x, intermediates = self._collect_intermediates(x, indices, norm, stop_early, self.rope_tables(grid, x.device))
 
@@ -268,7 +264,7 @@ class Vit5(TimmContract):
         prefix = [torch.cat((y[:, :n_pre], y[:, y.shape[1] - n_reg :]), dim=1) for y in intermediates]
         patches = [y[:, n_pre : y.shape[1] - n_reg] for y in intermediates]
         if output_fmt == "NCHW":
-            patches = to_nchw(patches, grid)
+            patches = self._to_nchw(patches, grid)
         out: list[Any] = list(zip(patches, prefix, strict=True)) if return_prefix_tokens else patches
         if intermediates_only:
             return out
@@ -299,12 +295,8 @@ class Vit5(TimmContract):
             The count for ``batch_size`` images.
         """
         n = self.num_prefix_tokens + self.patch_embed.num_patches + self.num_reg_tokens
-        total = patch_embed_flops(self.patch_embed)
-        for blk in self.blocks:
-            total += self_attention_flops(blk.attn, n) + block_tail_flops(blk, n)
-        if isinstance(self.head, nn.Linear):
-            total += linear_flops(self.head, 1)
-        return int(total) * int(batch_size)
+        total = sum(self_attention_flops(blk.attn, n) + block_tail_flops(blk, n) for blk in self.blocks)
+        return self._flop_total(total, batch_size)
 
 
 def _official_rope(model: Vit5) -> dict[str, torch.Tensor]:
