@@ -18,7 +18,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_
 from timm.models import build_model_with_cfg
 from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint
+from timm.models._manipulate import checkpoint as grad_checkpoint
 
 from ..conversion.families import Variant
 from ..conversion.fold import fold_state_dict
@@ -178,7 +178,7 @@ class TimmContract(nn.Module):
 
     def _run_block(self, blk: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint(blk, x, *args)
+            return grad_checkpoint(blk, x, *args)
         return blk(x, *args)
 
     @staticmethod
