@@ -272,6 +272,7 @@ def test_dtype_bf16_casts_and_verifies_in_bf16(official, ls_sd, tmp_path, few_in
     res = convert_checkpoint(official, tmp_path / "bf16.safetensors", dtype="bf16")
     assert_same_tensors(load_output(res.output), ls_sd, dtype=torch.bfloat16)
     rep = res.report
+    assert rep is not None
     assert rep.dtype == "bfloat16" and rep.passed and rep.bit_exact and rep.num_inputs == 1
 
 
@@ -378,7 +379,7 @@ def test_detection_finds_a_finetuned_head(gamma_sd, official, tmp_path, few_inpu
     torch.save({"model": sd}, src)
     res = convert_checkpoint(src, tmp_path / "ft10.safetensors")
     assert res.num_classes == 10 and res.metadata["num_classes"] == "10"
-    assert res.report.passed and res.report.bit_exact
+    assert res.report is not None and res.report.passed and res.report.bit_exact
     assert tuple(load_output(res.output)["head.weight"].shape) == (10, 192)
 
 

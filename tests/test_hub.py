@@ -183,7 +183,7 @@ class FakeHub:
         """File downloads: ``/{repo_id}/resolve/{revision}/{filename}`` (public repositories)."""
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         repo = self.repos.get(m.group(1)) if m else None
-        if repo is None:
+        if m is None or repo is None:
             h.send_response(404)
             h.send_header("X-Error-Code", "RepoNotFound")
             h.send_header("Content-Length", "0")

@@ -121,7 +121,7 @@ def test_train_mode_gradients_bit_exact(fused, drop, fused_attn):
 def test_fused_layerscale_constructor():
     model = CaitLS(**TINY, fused_layerscale=True)
     assert model.fused_layerscale
-    blocks = [*model.blocks, *model.blocks_token_only]
+    blocks = [*model.blocks, *(model.blocks_token_only or ())]
     assert all(isinstance(b.ls1, nn.Identity) and isinstance(b.ls2, nn.Identity) for b in blocks)
     assert not any(k.endswith("gamma") for k in model.state_dict())
     assert not CaitLS(**TINY).fused_layerscale

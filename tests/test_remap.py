@@ -22,7 +22,7 @@ from timm_layerscale.models.cait_ls import VARIANTS
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_round_trip_every_variant_on_meta(name):
-    ref = timm.create_model(VARIANTS[name].reference, device="meta").state_dict()
+    ref = timm.create_model(str(VARIANTS[name].reference), device="meta").state_dict()
     ls = to_layerscale(ref)
     assert detect_layout(ref, "cait") == "gamma" and detect_layout(ls, "cait") == "ls"
     assert not any("gamma_" in k for k in ls)

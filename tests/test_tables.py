@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import timm
@@ -61,7 +62,7 @@ def test_computed_shapes_are_the_built_models(v: Variant) -> None:
     import torch
 
     for num_classes in (None, 10, 0):
-        kwargs = {} if num_classes is None else {"num_classes": num_classes}
+        kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
         with torch.device("meta"):
             model = timm.create_model(v.name, **kwargs)
         assert state_dict_shapes(v, num_classes) == {k: tuple(t.shape) for k, t in model.state_dict().items()}

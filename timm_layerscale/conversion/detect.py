@@ -9,7 +9,8 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from typing import Any, Mapping, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from ..errors import ArchitectureError, RemapError
 from .families import FAMILIES, VARIANTS, Variant
@@ -189,7 +190,8 @@ class _Shape:
         self.ndim = len(shape)
 
 
-class Detection(NamedTuple):
+@dataclass(frozen=True)
+class Detection:
     """What :func:`detect` found.
 
     Attributes:

@@ -1,14 +1,16 @@
-"""2-D rotary position embedding on a square grid of tokens (ViT-5).
+"""2-D rotary position embedding on a grid of tokens (ViT-5).
 
 Each attention head's channels are split in two halves, one per grid axis; within a
 half, channel pairs ``(2i, 2i+1)`` are rotated by the angle ``position * freq_i`` with
 ``freq_i = theta ** (-2i / (head_dim / 2))``.
 """
+
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
-__all__ = ["rope_bands", "rotate_pairs"]
+__all__ = ["RopeTables", "Vit5RotaryEmbedding", "apply_rope", "rope_bands", "rotate_pairs"]
 
 
 def rope_bands(head_dim: int, theta: float) -> torch.Tensor:
@@ -30,3 +32,60 @@ def rope_bands(head_dim: int, theta: float) -> torch.Tensor:
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent channel pairs by 90 degrees over the last dimension: ``(a, b) -> (-b, a)``."""
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+#: ``(sin, cos)`` tables, each ``(N, head_dim)``, one row per token.
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotate interleaved channel pairs of ``x (..., N, head_dim)`` by the ``(sin, cos)`` tables ``(N, head_dim)``."""
+    sin, cos = rope
+    return (x * cos + rotate_pairs(x) * sin).to(x.dtype)
+
+
+class Vit5RotaryEmbedding(nn.Module):
+    """2-D axial rotary embedding with interleaved pairs and positions scaled to a reference grid.
+
+    Holds no parameters or buffers: the tables are computed from constants on demand
+    (frequencies on the CPU, positions and angles on the target device, as the
+    official code does), so the module works unchanged after a meta-device build.
+
+    Args:
+        head_dim: Width of one attention head ``d`` (a multiple of 4).
+        ref_grid: ``(H_ref, W_ref)``; a grid ``H x W`` gets positions ``r / H * H_ref``.
+        theta: Base of the frequency progression.
+    """
+
+    def __init__(self, head_dim: int, ref_grid: tuple[int, int], theta: float = 10000.0) -> None:
+        super().__init__()
+        rope_bands(head_dim, theta)  # validates head_dim
+        self.head_dim = head_dim
+        self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
+        self.theta = theta
+
+    def bands(self) -> torch.Tensor:
+        """The per-axis frequencies ``(head_dim // 4,)`` (fp32, CPU)."""
+        return rope_bands(self.head_dim, self.theta)
+
+    def get_embed(self, grid: tuple[int, int], device: torch.device | None = None) -> RopeTables:
+        """``(sin, cos)`` tables for a row-major ``H x W`` grid.
+
+        Args:
+            grid: ``(H, W)``.
+            device: Device of the tables.
+
+        Returns:
+            ``(sin, cos)``, each fp32 ``(H * W, head_dim)``.
+        """
+        bands = self.bands().to(device)
+        h, w = int(grid[0]), int(grid[1])
+        ang_h = (torch.arange(h, device=device) / h * self.ref_grid[0])[:, None] * bands
+        ang_w = (torch.arange(w, device=device) / w * self.ref_grid[1])[:, None] * bands
+        ang_h = ang_h.repeat_interleave(2, dim=-1)[:, None, :].expand(h, w, -1)
+        ang_w = ang_w.repeat_interleave(2, dim=-1)[None, :, :].expand(h, w, -1)
+        ang = torch.cat((ang_h, ang_w), dim=-1).reshape(h * w, self.head_dim)
+        return ang.sin(), ang.cos()
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, ref_grid={self.ref_grid}, theta={self.theta:g}"

@@ -34,6 +34,7 @@ stride-dependent ``mm`` / ``bmm`` choice instead, and the buffered class runs th
 reference formulation. The parity tests record the ATen calls of both classes and
 compare them operand by operand, and run both under several CPU kernel dispatches.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -44,6 +45,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .attention import MultiHeadAttention
 
 __all__ = [
     "TalkingHeadAttn",
@@ -59,7 +62,7 @@ __all__ = [
 FAST_ATTN_RTOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-class TalkingHeadAttn(nn.Module):
+class TalkingHeadAttn(MultiHeadAttention):
     """Multi-head self-attention with talking heads: the reference formulation.
 
     Heads are mixed by ``proj_l`` (a ``(H, H)`` linear map over the head axis) on the
@@ -76,34 +79,14 @@ class TalkingHeadAttn(nn.Module):
         dtype: Parameter dtype.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = False,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        device: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim, **dd)
-        self.proj_l = nn.Linear(num_heads, num_heads, **dd)
-        self.proj_w = nn.Linear(num_heads, num_heads, **dd)
-        self.proj_drop = nn.Dropout(proj_drop)
+    def _build_attend(self, **dd: Any) -> None:
+        self.proj_l = nn.Linear(self.num_heads, self.num_heads, **dd)
+        self.proj_w = nn.Linear(self.num_heads, self.num_heads, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x: tokens ``(B, N, C)``. Returns: ``(B, N, C)``."""
         B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self._split_qkv(x)
         q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
         attn = q @ k.transpose(-2, -1)
         attn = self.proj_l(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
@@ -111,9 +94,7 @@ class TalkingHeadAttn(nn.Module):
         attn = self.proj_w(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         attn = self.attn_drop(attn)
         x = (attn @ v).transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
+        return self._project(x)
 
     @torch.jit.ignore
     def _eager_inference(self, x: torch.Tensor) -> bool:
@@ -223,7 +204,7 @@ class BufferedTalkingHeadAttn(TalkingHeadAttn):
         # written into one of three flat buffers (views from offset 0) instead of a fresh tensor.
         B, N, C = x.shape
         H = self.num_heads
-        qkv = self.qkv(x).reshape(B, N, 3, H, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self._split_qkv(x)
         q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
         buf = _buffers(B * H * N * N, qkv)
         logits = torch.bmm(
@@ -234,9 +215,7 @@ class BufferedTalkingHeadAttn(TalkingHeadAttn):
         attn = _linear_into(attn.permute(0, 2, 3, 1), self.proj_w, buf[0], buf[2]).permute(0, 3, 1, 2)
         x = torch.bmm(_reshape_into(attn, (B * H, N, N), buf[0]), v.reshape(B * H, N, -1))
         x = x.view(B, H, N, -1).transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
+        return self._project(x)
 
 
 class FastTalkingHeadAttn(TalkingHeadAttn):
@@ -284,9 +263,7 @@ class FastTalkingHeadAttn(TalkingHeadAttn):
         self._mix(logits, self.proj_w, mixed)
         out = torch.bmm(mixed.view(B * H, N, N), v.view(B * H, N, d), out=q.view(B * H, N, d))
         x = out.view(B, H, N, d).transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
+        return self._project(x)
 
     @staticmethod
     def _mix(attn: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> None:

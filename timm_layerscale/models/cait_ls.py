@@ -13,25 +13,24 @@ Pretrained weights are the official ones (``fb_dist_in1k``), remapped at load ti
 Beyond timm's CaiT: ``dynamic_img_size=True`` and pretrained loading at another
 ``img_size`` (the position embedding is resampled).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, List, Optional, Tuple, Type, Union
+from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_, use_fused_attn
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint as grad_checkpoint
+from timm.layers import Mlp, PatchEmbed
+from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint_seq
 
 from ..conversion.families import CAIT_RELEASE_URL, Variant, variants_of
-from ..conversion.fold import fold_state_dict
-from ..layer_scale import LayerScale, cait_init_value, layer_scale_or_identity
+from ..conversion.keys import to_layerscale, unwrap_state_dict
+from ..layer_scale import cait_init_value
+from ..layers.block import PreNormBlock
+from ..layers.class_attn import ClassAttn, LayerScaleBlockClassAttn
 from ..layers.talking_heads import (
     ATTN_IMPLS,
     BufferedTalkingHeadAttn,
@@ -39,7 +38,15 @@ from ..layers.talking_heads import (
     TalkingHeadAttn,
     attention_workspace,
 )
-from ..conversion.keys import to_layerscale, unwrap_state_dict
+from ._contract import (
+    TimmContract,
+    block_tail_flops,
+    build_variant,
+    fit_state_dict,
+    linear_flops,
+    pretrained_cfg,
+    self_attention_flops,
+)
 
 __all__ = [
     "CaitLS",
@@ -51,149 +58,19 @@ __all__ = [
     "LayerScaleBlockClassAttn",
 ]
 
-InitValues = Union[float, str, None]
+InitValues = float | str | None
 
 
-def _linear_flops(linear: nn.Linear, tokens: int) -> int:
-    return tokens * linear.in_features * linear.out_features
-
-
-def _block_tail_flops(blk: nn.Module, tokens: int) -> int:
-    """MLP linears and LayerScale multiplies of a block whose branches see ``tokens`` tokens."""
-    total = sum(_linear_flops(m, tokens) for m in blk.mlp.modules() if isinstance(m, nn.Linear))
-    for ls in (blk.ls1, blk.ls2):
-        if isinstance(ls, LayerScale):
-            total += ls.flop_count(tokens)
-    return total
-
-
-class ClassAttn(nn.Module):
-    """Class attention: the class token queries the class token and all patch tokens."""
-
-    fused_attn: torch.jit.Final[bool]
+class LayerScaleBlock(PreNormBlock):
+    """Self-attention block: :class:`~timm_layerscale.layers.block.PreNormBlock` with talking-heads attention by default."""
 
     def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = False,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module] = BufferedTalkingHeadAttn, **kwargs: Any
     ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.fused_attn = use_fused_attn()
-        self.q = nn.Linear(dim, dim, bias=qkv_bias, **dd)
-        self.k = nn.Linear(dim, dim, bias=qkv_bias, **dd)
-        self.v = nn.Linear(dim, dim, bias=qkv_bias, **dd)
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim, **dd)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x: ``(B, 1 + N, C)``, class token first. Returns: ``(B, 1, C)``."""
-        B, N, C = x.shape
-        q = self.q(x[:, 0]).unsqueeze(1).reshape(B, 1, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
-        k = self.k(x).reshape(B, N, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
-        v = self.v(x).reshape(B, N, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
-        if self.fused_attn:
-            x_cls = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            q = q * self.scale
-            attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
-            attn = self.attn_drop(attn)
-            x_cls = attn @ v
-        x_cls = x_cls.transpose(1, 2).reshape(B, 1, C)
-        x_cls = self.proj(x_cls)
-        x_cls = self.proj_drop(x_cls)
-        return x_cls
+        super().__init__(dim, num_heads, attn_layer, **kwargs)
 
 
-class LayerScaleBlock(nn.Module):
-    """Pre-norm transformer block with LayerScale on both residual branches."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = False,
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        init_values: Optional[float] = 1e-4,
-        act_layer: Type[nn.Module] = nn.GELU,
-        norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
-        attn_layer: Type[nn.Module] = BufferedTalkingHeadAttn,
-        mlp_layer: Type[nn.Module] = Mlp,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        self.norm1 = norm_layer(dim, **dd)
-        self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
-        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x: ``(B, N, C)``. Returns: ``(B, N, C)``."""
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
-
-
-class LayerScaleBlockClassAttn(nn.Module):
-    """Class-attention block: updates the class token only, with LayerScale on both branches."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = False,
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        init_values: Optional[float] = 1e-4,
-        act_layer: Type[nn.Module] = nn.GELU,
-        norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
-        attn_layer: Type[nn.Module] = ClassAttn,
-        mlp_layer: Type[nn.Module] = Mlp,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        self.norm1 = norm_layer(dim, **dd)
-        self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
-        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-
-    def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:
-        """Args: x: patch tokens ``(B, N, C)``; x_cls: class token ``(B, 1, C)``. Returns: ``(B, 1, C)``."""
-        u = torch.cat((x_cls, x), dim=1)
-        x_cls = x_cls + self.drop_path1(self.ls1(self.attn(self.norm1(u))))
-        x_cls = x_cls + self.drop_path2(self.ls2(self.mlp(self.norm2(x_cls))))
-        return x_cls
-
-
-class CaitLS(nn.Module):
+class CaitLS(TimmContract):
     """CaiT (Class-Attention in Image Transformers) with LayerScale modules.
 
     Args:
@@ -228,16 +105,17 @@ class CaitLS(nn.Module):
             ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
             folded into ``attn.proj`` and ``mlp.fc2`` (:func:`timm_layerscale.fuse_layerscale`).
         norm_layer, act_layer, block_layer, block_layer_token, attn_layer,
-        attn_layer_token_only, mlp_layer, embed_layer: Layer types.
+        attn_layer_token_only, mlp_layer, embed_layer: Layer types (``norm_layer=None``:
+            LayerNorm, eps 1e-6).
         device: Device to build on (``"meta"`` allowed).
         dtype: Parameter dtype.
     """
 
-    dynamic_img_size: torch.jit.Final[bool]
+    blocks_token_only: nn.ModuleList | None
 
     def __init__(
         self,
-        img_size: Union[int, Tuple[int, int]] = 224,
+        img_size: int | tuple[int, int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int = 1000,
@@ -258,128 +136,80 @@ class CaitLS(nn.Module):
         dynamic_img_size: bool = False,
         dynamic_img_pad: bool = False,
         fused_layerscale: bool = False,
-        norm_layer: Callable[..., nn.Module] = partial(nn.LayerNorm, eps=1e-6),
-        act_layer: Type[nn.Module] = nn.GELU,
-        block_layer: Type[nn.Module] = LayerScaleBlock,
-        block_layer_token: Type[nn.Module] = LayerScaleBlockClassAttn,
-        attn_layer: Optional[Type[nn.Module]] = None,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        act_layer: type[nn.Module] = nn.GELU,
+        block_layer: type[nn.Module] = LayerScaleBlock,
+        block_layer_token: type[nn.Module] = LayerScaleBlockClassAttn,
+        attn_layer: type[nn.Module] | None = None,
         attn_impl: str = "buffered",
-        attn_layer_token_only: Type[nn.Module] = ClassAttn,
-        mlp_layer: Type[nn.Module] = Mlp,
-        embed_layer: Type[nn.Module] = PatchEmbed,
+        attn_layer_token_only: type[nn.Module] = ClassAttn,
+        mlp_layer: type[nn.Module] = Mlp,
+        embed_layer: Callable[..., PatchEmbed] = PatchEmbed,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        if global_pool not in ("", "token", "avg"):
-            raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
         if init_values == "auto":
             init_values = cait_init_value(depth)
         elif isinstance(init_values, str):
             raise ValueError(f"init_values must be a number, 'auto' or None, got {init_values!r}")
         if fused_layerscale:
             init_values = None
+        norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
         if attn_layer is None:
             if attn_impl not in ATTN_IMPLS:
                 raise ValueError(f"attn_impl must be one of {', '.join(map(repr, ATTN_IMPLS))}, got {attn_impl!r}")
             attn_layer = ATTN_IMPLS[attn_impl]
 
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1
-        self.dynamic_img_size = dynamic_img_size
-        self.init_values = init_values
-        self.fused_layerscale = fused_layerscale
-        self.grad_checkpointing = False
-
-        embed_args: dict[str, Any] = {}
-        if dynamic_img_size:
-            embed_args.update(strict_img_size=False, output_fmt="NHWC")
-        self.patch_embed = embed_layer(
-            img_size=img_size,
-            patch_size=patch_size,
-            in_chans=in_chans,
-            embed_dim=embed_dim,
-            dynamic_img_pad=dynamic_img_pad,
-            **embed_args,
+        self._build_stem(
+            img_size,
+            patch_size,
+            in_chans,
+            num_classes,
+            global_pool,
+            embed_dim,
+            init_values,
+            fused_layerscale,
+            dynamic_img_size,
+            dynamic_img_pad,
+            embed_layer,
             **dd,
         )
-        num_patches = self.patch_embed.num_patches
-        r = self.patch_embed.feat_ratio() if hasattr(self.patch_embed, "feat_ratio") else patch_size
-
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
-        self.pos_embed = nn.Parameter(torch.empty(1, num_patches, embed_dim, **dd))
+        self.pos_embed = nn.Parameter(torch.empty(1, self.patch_embed.num_patches, embed_dim, **dd))
         self.pos_drop = nn.Dropout(p=pos_drop_rate)
 
-        self.blocks = nn.Sequential(*[
-            block_layer(
-                dim=embed_dim,
-                num_heads=num_heads,
-                mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                proj_drop=proj_drop_rate,
-                attn_drop=attn_drop_rate,
-                drop_path=drop_path_rate,
-                init_values=init_values,
-                act_layer=act_layer,
-                norm_layer=norm_layer,
-                attn_layer=attn_layer,
-                mlp_layer=mlp_layer,
-                **dd,
-            )
-            for _ in range(depth)
-        ])
-        self.feature_info = [dict(num_chs=embed_dim, reduction=r, module=f"blocks.{i}") for i in range(depth)]
-        self.blocks_token_only = nn.ModuleList([
-            block_layer_token(
-                dim=embed_dim,
-                num_heads=num_heads,
-                mlp_ratio=mlp_ratio_token_only,
-                qkv_bias=qkv_bias,
-                init_values=init_values,
-                act_layer=act_layer,
-                norm_layer=norm_layer,
-                attn_layer=attn_layer_token_only,
-                mlp_layer=mlp_layer,
-                **dd,
-            )
-            for _ in range(depth_token_only)
-        ])
-        self.norm = norm_layer(embed_dim, **dd)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        if not self.pos_embed.is_meta:  # a meta build is filled by load_state_dict or init_weights() later
-            self.init_weights()
-
-    def init_weights(self) -> None:
-        """Initialise as CaiT does: truncated normal (std 0.02) for embeddings and
-        linear weights, zero biases, unit LayerNorm, LayerScale at ``init_values``."""
-        trunc_normal_(self.pos_embed, std=0.02)
-        trunc_normal_(self.cls_token, std=0.02)
-        self.apply(self._init_module)
-
-    @staticmethod
-    def _init_module(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, LayerScale):
-            m.reset_parameters()
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token"}
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
+        block_args = dict(
+            dim=embed_dim,
+            num_heads=num_heads,
+            qkv_bias=qkv_bias,
+            init_values=init_values,
+            act_layer=act_layer,
+            norm_layer=norm_layer,
+            mlp_layer=mlp_layer,
+            **dd,
+        )
+        self.blocks = nn.Sequential(
+            *[
+                block_layer(
+                    mlp_ratio=mlp_ratio,
+                    proj_drop=proj_drop_rate,
+                    attn_drop=attn_drop_rate,
+                    drop_path=drop_path_rate,
+                    attn_layer=attn_layer,
+                    **block_args,
+                )
+                for _ in range(depth)
+            ]
+        )
+        self.blocks_token_only = nn.ModuleList(
+            [
+                block_layer_token(mlp_ratio=mlp_ratio_token_only, attn_layer=attn_layer_token_only, **block_args)
+                for _ in range(depth_token_only)
+            ]
+        )
+        self._build_head(depth, patch_size, drop_rate, norm_layer, **dd)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Callable[[str], float]:
@@ -390,7 +220,7 @@ class CaitLS(nn.Module):
                 return int(name.split(".")[1]) + 1
             if name.startswith("blocks_token_only."):
                 # class-attention blocks share groups with the last self-attention blocks
-                offset = len(self.blocks) - len(self.blocks_token_only) + 1
+                offset = len(self.blocks) - len(self.blocks_token_only or ()) + 1
                 return int(name.split(".")[1]) + offset
             if name.startswith("norm."):
                 return len(self.blocks)
@@ -398,47 +228,15 @@ class CaitLS(nn.Module):
 
         return _matcher
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """Replace the classifier with a new one of ``num_classes`` outputs (0 removes it)."""
-        if global_pool is not None:
-            if global_pool not in ("", "token", "avg"):
-                raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
-            if global_pool == "token" and not self.num_prefix_tokens:
-                raise ValueError("token pooling needs the class token, which was pruned")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        ref = self.norm.weight if isinstance(self.norm, nn.LayerNorm) else self.pos_embed
-        self.head = (
-            nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-            if num_classes > 0
-            else nn.Identity()
-        )
-        self.head.train(self.training)
-
-    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dynamic_img_size:
-            B, H, W, C = x.shape
-            pos_embed = resample_abs_pos_embed(
-                self.pos_embed, new_size=(H, W), old_size=self.patch_embed.grid_size, num_prefix_tokens=0
-            )
-            x = x.view(B, -1, C)
-        else:
-            pos_embed = self.pos_embed
-        return self.pos_drop(x + pos_embed)
-
     def forward_intermediates(
         self,
         x: torch.Tensor,
-        indices: Optional[Union[int, List[int]]] = None,
+        indices: int | list[int] | None = None,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """Forward pass that also returns the outputs of selected self-attention blocks.
 
         Args:
@@ -452,30 +250,12 @@ class CaitLS(nn.Module):
         Returns:
             The intermediates, or ``(final_tokens (B, 1 + N, C), intermediates)``.
         """
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        reshape = output_fmt == "NCHW"
-        intermediates = []
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-
-        B, _, height, width = x.shape
-        x = self._pos_embed(self.patch_embed(x))
-        if torch.jit.is_scripting() or not stop_early:
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[: max_index + 1]
+        self._check_output_fmt(output_fmt)
+        x, grid = self._patch_tokens(x)
         with attention_workspace():
-            for i, blk in enumerate(blocks):
-                if self.grad_checkpointing and not torch.jit.is_scripting():
-                    x = grad_checkpoint(blk, x)
-                else:
-                    x = blk(x)
-                if i in take_indices:
-                    intermediates.append(self.norm(x) if norm else x)
-
-        if reshape:
-            H, W = self.patch_embed.dynamic_feat_size((height, width))
-            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+            x, intermediates = self._collect_intermediates(self.pos_drop(x), indices, norm, stop_early)
+        if output_fmt == "NCHW":
+            intermediates = self._to_nchw(intermediates, grid)
         if intermediates_only:
             return intermediates
         if self.blocks_token_only is not None:
@@ -483,29 +263,20 @@ class CaitLS(nn.Module):
         x = self.norm(x)
         return x, intermediates
 
-    def prune_intermediate_layers(
-        self,
-        indices: Union[int, List[int]] = 1,
-        prune_norm: bool = False,
-        prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the blocks (and optionally norm, class attention and head) not needed for ``indices``."""
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[: max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.blocks_token_only = None
-            self.cls_token = None
-            self.num_prefix_tokens = 0
-            self.reset_classifier(0, "")
-        return take_indices
+    def _prune_head(self) -> None:
+        self.blocks_token_only = None
+        self.cls_token = None
+        self.num_prefix_tokens = 0
+        self.reset_classifier(0, "")
 
     def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
         """Run the class token through the class-attention blocks and prepend it.
 
         Args: x: patch tokens ``(B, N, C)``. Returns: ``(B, 1 + N, C)``.
         """
+        assert self.cls_token is not None and self.blocks_token_only is not None, (
+            "the class token was pruned (prune_intermediate_layers)"
+        )
         cls_tokens = self.cls_token.expand(x.shape[0], -1, -1)
         for blk in self.blocks_token_only:
             cls_tokens = blk(x, cls_tokens)
@@ -513,7 +284,7 @@ class CaitLS(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N, C)``, class token first."""
-        x = self._pos_embed(self.patch_embed(x))
+        x = self.pos_drop(self._patch_tokens(x)[0])
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.blocks, x)
         else:
@@ -522,16 +293,6 @@ class CaitLS(nn.Module):
         if self.blocks_token_only is not None:
             x = self.forward_cls(x)
         return self.norm(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Tokens ``(B, 1 + N, C)`` to logits ``(B, num_classes)`` (or pooled ``(B, C)``)."""
-        if self.global_pool:
-            x = x[:, self.num_prefix_tokens:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
     def flop_count(self, batch_size: int = 1) -> int:
         """Multiplications of one forward pass at the model's ``img_size``.
@@ -554,24 +315,24 @@ class CaitLS(nn.Module):
             The count for ``batch_size`` images.
         """
         n = self.patch_embed.num_patches
-        conv = self.patch_embed.proj
-        kh, kw = conv.kernel_size
-        total = n * conv.out_channels * (conv.in_channels // conv.groups) * kh * kw
+        total = 0
         for blk in self.blocks:
-            attn = blk.attn
-            total += _linear_flops(attn.qkv, n) + _linear_flops(attn.proj, n)
-            total += 2 * n * n * attn.num_heads * attn.head_dim
-            total += 2 * n * n * attn.num_heads * attn.num_heads
-            total += _block_tail_flops(blk, n)
+            total += self_attention_flops(blk.attn, n) + _talking_heads_flops(blk.attn, n) + block_tail_flops(blk, n)
         for blk in self.blocks_token_only or ():
-            attn = blk.attn
-            total += _linear_flops(attn.q, 1) + _linear_flops(attn.k, n + 1) + _linear_flops(attn.v, n + 1)
-            total += 2 * (n + 1) * attn.num_heads * attn.head_dim
-            total += _linear_flops(attn.proj, 1)
-            total += _block_tail_flops(blk, 1)
-        if isinstance(self.head, nn.Linear):
-            total += _linear_flops(self.head, 1)
-        return int(total) * int(batch_size)
+            total += _class_attention_flops(blk.attn, n) + block_tail_flops(blk, 1)
+        return self._flop_total(total, batch_size)
+
+
+def _talking_heads_flops(attn: Any, tokens: int) -> int:
+    """The ``proj_l`` and ``proj_w`` head mixes: ``H^2`` per entry of the ``N x N`` logits."""
+    return 2 * tokens * tokens * attn.num_heads * attn.num_heads
+
+
+def _class_attention_flops(attn: Any, patches: int) -> int:
+    """``q`` and ``proj`` of the class token, ``k`` and ``v`` of all ``1 + N`` tokens, ``q @ k^T`` and ``attn @ v``."""
+    n = patches + 1
+    total = linear_flops(attn.q, 1) + linear_flops(attn.k, n) + linear_flops(attn.v, n) + linear_flops(attn.proj, 1)
+    return total + 2 * n * attn.num_heads * attn.head_dim
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> dict[str, torch.Tensor]:
@@ -584,27 +345,7 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> 
     ``fused_layerscale=True`` the gammas are folded into ``attn.proj`` and ``mlp.fc2``
     (:func:`timm_layerscale.conversion.fold.fold_state_dict`).
     """
-    out = to_layerscale(unwrap_state_dict(state_dict), "cait")
-    pe = out.get("pos_embed")
-    if pe is not None and pe.shape != model.pos_embed.shape:
-        out["pos_embed"] = resample_abs_pos_embed(
-            pe, new_size=model.patch_embed.grid_size, num_prefix_tokens=0, verbose=False
-        )
-    if model.fused_layerscale:
-        out = fold_state_dict(out)
-    return out
-
-
-def _create_cait_ls(variant: str, pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    out_indices = kwargs.pop("out_indices", 3)
-    return build_model_with_cfg(
-        CaitLS,
-        variant,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs,
-    )
+    return fit_state_dict(to_layerscale(unwrap_state_dict(state_dict), "cait"), model, fold=model.fused_layerscale)
 
 
 #: The registered variants (:data:`timm_layerscale.conversion.families.VARIANTS`).
@@ -612,31 +353,21 @@ VARIANTS = variants_of("cait")
 
 
 def _cfg(v: Variant) -> dict[str, Any]:
-    return {
-        "url": CAIT_RELEASE_URL + str(v.official_file),
-        "hf_hub_id": f"timm/{v.reference}.fb_dist_in1k",
-        "num_classes": 1000,
-        "input_size": (3, v.img_size, v.img_size),
-        "pool_size": None,
-        "crop_pct": 1.0,
-        "interpolation": "bicubic",
-        "fixed_input_size": True,
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj",
-        "classifier": "head",
-        "license": "apache-2.0",
-        "paper_ids": "arXiv:2103.17239",
-        "paper_name": "Going deeper with Image Transformers",
-        "origin_url": "https://github.com/facebookresearch/deit",
-    }
+    return pretrained_cfg(
+        v,
+        url=CAIT_RELEASE_URL + str(v.official_file),
+        hf_hub_id=f"timm/{v.reference}.fb_dist_in1k",
+        paper_ids="arXiv:2103.17239",
+        paper_name="Going deeper with Image Transformers",
+        origin_url="https://github.com/facebookresearch/deit",
+    )
 
 
 default_cfgs = generate_default_cfgs({f"{name}.fb_dist_in1k": _cfg(v) for name, v in VARIANTS.items()})
 
 
 def _make(name: str, pretrained: bool, kwargs: dict[str, Any]) -> CaitLS:
-    return _create_cait_ls(name, pretrained=pretrained, **dict(VARIANTS[name].model_args, **kwargs))
+    return build_variant(CaitLS, checkpoint_filter_fn, VARIANTS[name], pretrained, kwargs)
 
 
 @register_model

@@ -32,27 +32,30 @@ per-block ``rope`` / ``rope_reg`` buffers. Beyond the official model: ``dynamic_
 non-square grids, pretrained loading at another ``img_size`` (the position embedding is
 resampled), timm's feature-extraction API.
 """
+
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from timm.layers import Mlp, PatchEmbed
+from timm.models import generate_default_cfgs, register_model
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_, use_fused_attn
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint
-
-from ..errors import RemapError
-from ..conversion.fold import fold_state_dict
-from ..layer_scale import LayerScale, layer_scale_or_identity
 from ..conversion.families import VIT5_HUB_REPO, VIT5_ROPE_THETA, Variant, check_rope_buffers, rope_buffers, variants_of
 from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
-from ..layers.rope import rope_bands, rotate_pairs
+from ..layer_scale import LayerScale
+from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
+from ..layers.rope_attention import Vit5Attention, Vit5Block, rms_norm
+from ._contract import (
+    TimmContract,
+    block_tail_flops,
+    build_variant,
+    fit_state_dict,
+    pretrained_cfg,
+    self_attention_flops,
+)
 
 __all__ = [
     "Vit5",
@@ -62,159 +65,8 @@ __all__ = [
     "apply_rope",
 ]
 
-#: ``(sin, cos)`` tables, each ``(N, head_dim)``, one row per token.
-RopeTables = Tuple[torch.Tensor, torch.Tensor]
 
-
-def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-    """Rotate interleaved channel pairs of ``x (..., N, head_dim)`` by the ``(sin, cos)`` tables ``(N, head_dim)``."""
-    sin, cos = rope
-    return (x * cos + rotate_pairs(x) * sin).to(x.dtype)
-
-
-class Vit5RotaryEmbedding(nn.Module):
-    """2-D axial rotary embedding with interleaved pairs and positions scaled to a reference grid.
-
-    Holds no parameters or buffers: the tables are computed from constants on demand
-    (frequencies on the CPU, positions and angles on the target device, as the
-    official code does), so the module works unchanged after a meta-device build.
-
-    Args:
-        head_dim: Width of one attention head ``d`` (a multiple of 4).
-        ref_grid: ``(H_ref, W_ref)``; a grid ``H x W`` gets positions ``r / H * H_ref``.
-        theta: Base of the frequency progression.
-    """
-
-    def __init__(self, head_dim: int, ref_grid: Tuple[int, int], theta: float = 10000.0) -> None:
-        super().__init__()
-        rope_bands(head_dim, theta)  # validates head_dim
-        self.head_dim = head_dim
-        self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
-        self.theta = theta
-
-    def bands(self) -> torch.Tensor:
-        """The per-axis frequencies ``(head_dim // 4,)`` (fp32, CPU)."""
-        return rope_bands(self.head_dim, self.theta)
-
-    def get_embed(self, grid: Tuple[int, int], device: Optional[torch.device] = None) -> RopeTables:
-        """``(sin, cos)`` tables for a row-major ``H x W`` grid.
-
-        Args:
-            grid: ``(H, W)``.
-            device: Device of the tables.
-
-        Returns:
-            ``(sin, cos)``, each fp32 ``(H * W, head_dim)``.
-        """
-        bands = self.bands().to(device)
-        h, w = int(grid[0]), int(grid[1])
-        ang_h = (torch.arange(h, device=device) / h * self.ref_grid[0])[:, None] * bands
-        ang_w = (torch.arange(w, device=device) / w * self.ref_grid[1])[:, None] * bands
-        ang_h = ang_h.repeat_interleave(2, dim=-1)[:, None, :].expand(h, w, -1)
-        ang_w = ang_w.repeat_interleave(2, dim=-1)[None, :, :].expand(h, w, -1)
-        ang = torch.cat((ang_h, ang_w), dim=-1).reshape(h * w, self.head_dim)
-        return ang.sin(), ang.cos()
-
-    def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, ref_grid={self.ref_grid}, theta={self.theta:g}"
-
-
-class Vit5Attention(nn.Module):
-    """Multi-head self-attention with QK RMSNorm and rotary embedding on q and k."""
-
-    fused_attn: torch.jit.Final[bool]
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = False,
-        qk_norm: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        norm_layer: Callable[..., nn.Module] = partial(RmsNorm, eps=1e-6),
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.fused_attn = use_fused_attn()
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
-        self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
-        self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim, **dd)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
-        """Args: x: tokens ``(B, N, C)``; rope: ``(sin, cos)``, each ``(N, head_dim)``. Returns: ``(B, N, C)``."""
-        B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.fused_attn:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            q = q * self.scale
-            attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
-            attn = self.attn_drop(attn)
-            x = attn @ v
-        x = x.transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
-
-
-
-class Vit5Block(nn.Module):
-    """Pre-norm transformer block with LayerScale on both residual branches."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = False,
-        qk_norm: bool = True,
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        init_values: Optional[float] = 1e-4,
-        act_layer: Type[nn.Module] = nn.GELU,
-        norm_layer: Callable[..., nn.Module] = partial(RmsNorm, eps=1e-6),
-        attn_layer: Type[nn.Module] = Vit5Attention,
-        mlp_layer: Type[nn.Module] = Mlp,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        self.norm1 = norm_layer(dim, **dd)
-        self.attn = attn_layer(
-            dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
-            proj_drop=proj_drop, norm_layer=norm_layer, **dd,
-        )
-        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-
-    def forward(self, x: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
-        """Args: x: tokens ``(B, N, C)``; rope: tables for all ``N`` tokens. Returns: ``(B, N, C)``."""
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope)))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
-
-
-class Vit5(nn.Module):
+class Vit5(TimmContract):
     """ViT-5 with LayerScale modules.
 
     Args:
@@ -245,16 +97,18 @@ class Vit5(nn.Module):
         dynamic_img_size: Accept any input size divisible by the patch size; the position
             embedding is resampled and the rotary positions rescaled on the fly.
         dynamic_img_pad: Pad inputs to a multiple of the patch size.
-        norm_layer, act_layer, block_layer, attn_layer, mlp_layer, embed_layer: Layer types.
+        norm_layer, act_layer, block_layer, attn_layer, mlp_layer, embed_layer: Layer types
+            (``norm_layer=None``: RMSNorm, eps 1e-6).
         device: Device to build on (``"meta"`` allowed).
         dtype: Parameter dtype.
     """
 
-    dynamic_img_size: torch.jit.Final[bool]
+    embedding_names = ("pos_embed", "cls_token", "reg_token")
+    cls_token: nn.Parameter
 
     def __init__(
         self,
-        img_size: Union[int, Tuple[int, int]] = 224,
+        img_size: int | tuple[int, int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int = 1000,
@@ -268,7 +122,7 @@ class Vit5(nn.Module):
         reg_tokens: int = 4,
         rope_theta: float = 10000.0,
         reg_rope_theta: float = 100.0,
-        init_values: Optional[float] = 1e-4,
+        init_values: float | None = 1e-4,
         fused_layerscale: bool = False,
         drop_rate: float = 0.0,
         proj_drop_rate: float = 0.0,
@@ -276,53 +130,40 @@ class Vit5(nn.Module):
         drop_path_rate: float = 0.0,
         dynamic_img_size: bool = False,
         dynamic_img_pad: bool = False,
-        norm_layer: Optional[Callable[..., nn.Module]] = None,
-        act_layer: Type[nn.Module] = nn.GELU,
-        block_layer: Type[nn.Module] = Vit5Block,
-        attn_layer: Type[nn.Module] = Vit5Attention,
-        mlp_layer: Type[nn.Module] = Mlp,
-        embed_layer: Type[nn.Module] = PatchEmbed,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        act_layer: type[nn.Module] = nn.GELU,
+        block_layer: type[nn.Module] = Vit5Block,
+        attn_layer: type[nn.Module] = Vit5Attention,
+        mlp_layer: type[nn.Module] = Mlp,
+        embed_layer: Callable[..., PatchEmbed] = PatchEmbed,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        if global_pool not in ("", "token", "avg"):
-            raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
-        reg_side = int(round(reg_tokens ** 0.5))
+        reg_side = round(reg_tokens**0.5)
         if reg_tokens < 0 or reg_side * reg_side != reg_tokens:
             raise ValueError(f"reg_tokens must be a square number (0, 1, 4, 9, ...), got {reg_tokens}")
-        norm_layer = norm_layer or partial(RmsNorm, eps=1e-6)
+        norm_layer = norm_layer or rms_norm()
 
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1
-        self.num_reg_tokens = reg_tokens
-        self.dynamic_img_size = dynamic_img_size
-        self.init_values = None if fused_layerscale else init_values
-        self.fused_layerscale = fused_layerscale
-        self.grad_checkpointing = False
-
-        embed_args: Dict[str, Any] = {}
-        if dynamic_img_size:
-            embed_args.update(strict_img_size=False, output_fmt="NHWC")
-        self.patch_embed = embed_layer(
-            img_size=img_size,
-            patch_size=patch_size,
-            in_chans=in_chans,
-            embed_dim=embed_dim,
-            dynamic_img_pad=dynamic_img_pad,
-            **embed_args,
+        self._build_stem(
+            img_size,
+            patch_size,
+            in_chans,
+            num_classes,
+            global_pool,
+            embed_dim,
+            None if fused_layerscale else init_values,
+            fused_layerscale,
+            dynamic_img_size,
+            dynamic_img_pad,
+            embed_layer,
             **dd,
         )
-        num_patches = self.patch_embed.num_patches
-        r = self.patch_embed.feat_ratio() if hasattr(self.patch_embed, "feat_ratio") else patch_size
-
+        self.num_reg_tokens = reg_tokens
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
         self.reg_token = nn.Parameter(torch.empty(1, reg_tokens, embed_dim, **dd)) if reg_tokens else None
-        self.pos_embed = nn.Parameter(torch.empty(1, num_patches, embed_dim, **dd))
+        self.pos_embed = nn.Parameter(torch.empty(1, self.patch_embed.num_patches, embed_dim, **dd))
 
         head_dim = embed_dim // num_heads
         self.rope = Vit5RotaryEmbedding(head_dim, tuple(self.patch_embed.grid_size), theta=rope_theta)
@@ -330,104 +171,45 @@ class Vit5(nn.Module):
             Vit5RotaryEmbedding(head_dim, (reg_side, reg_side), theta=reg_rope_theta) if reg_tokens else None
         )
 
-        self.blocks = nn.ModuleList([
-            block_layer(
-                dim=embed_dim,
-                num_heads=num_heads,
-                mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                qk_norm=qk_norm,
-                proj_drop=proj_drop_rate,
-                attn_drop=attn_drop_rate,
-                drop_path=drop_path_rate,
-                init_values=self.init_values,
-                act_layer=act_layer,
-                norm_layer=norm_layer,
-                attn_layer=attn_layer,
-                mlp_layer=mlp_layer,
-                **dd,
-            )
-            for _ in range(depth)
-        ])
-        self.feature_info = [dict(num_chs=embed_dim, reduction=r, module=f"blocks.{i}") for i in range(depth)]
-        self.norm = norm_layer(embed_dim, **dd)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        if not self.pos_embed.is_meta:  # a meta build is filled by load_state_dict or init_weights() later
-            self.init_weights()
-
-    def init_weights(self) -> None:
-        """Initialise as ViT-5 does: truncated normal (std 0.02) for the class, register
-        and position embeddings and linear weights, zero biases, unit RMSNorm weights,
-        LayerScale at ``init_values``; the patch-embedding conv keeps PyTorch's default."""
-        trunc_normal_(self.pos_embed, std=0.02)
-        trunc_normal_(self.cls_token, std=0.02)
-        if self.reg_token is not None:
-            trunc_normal_(self.reg_token, std=0.02)
-        self.apply(self._init_module)
-
-    @staticmethod
-    def _init_module(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, (RmsNorm, LayerScale)):
-            m.reset_parameters()
+        self.blocks = nn.ModuleList(
+            [
+                block_layer(
+                    dim=embed_dim,
+                    num_heads=num_heads,
+                    mlp_ratio=mlp_ratio,
+                    qkv_bias=qkv_bias,
+                    qk_norm=qk_norm,
+                    proj_drop=proj_drop_rate,
+                    attn_drop=attn_drop_rate,
+                    drop_path=drop_path_rate,
+                    init_values=self.init_values,
+                    act_layer=act_layer,
+                    norm_layer=norm_layer,
+                    attn_layer=attn_layer,
+                    mlp_layer=mlp_layer,
+                    **dd,
+                )
+                for _ in range(depth)
+            ]
+        )
+        self._build_head(depth, patch_size, drop_rate, norm_layer, **dd)
 
     @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return {"pos_embed", "cls_token", "reg_token"}
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         return dict(
             stem=r"^cls_token|^reg_token|^pos_embed|^patch_embed",
             blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
         )
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """Replace the classifier with a new one of ``num_classes`` outputs (0 removes it)."""
-        if global_pool is not None:
-            if global_pool not in ("", "token", "avg"):
-                raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        ref = self.pos_embed
-        self.head = (
-            nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-            if num_classes > 0
-            else nn.Identity()
-        )
-        self.head.train(self.training)
-
-    def _pos_embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        """Patch embeddings to ``[cls, patches + pos_embed, registers]`` and the patch grid."""
-        if self.dynamic_img_size:
-            B, H, W, C = x.shape
-            pos_embed = resample_abs_pos_embed(
-                self.pos_embed, new_size=(H, W), old_size=self.patch_embed.grid_size, num_prefix_tokens=0
-            )
-            x = x.view(B, -1, C)
-            grid = (H, W)
-        else:
-            pos_embed = self.pos_embed
-            grid = tuple(self.patch_embed.grid_size)
-        x = x + pos_embed
+    def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Images to tokens ``[cls, patches + pos_embed, registers]`` and the patch grid."""
+        x, grid = self._patch_tokens(x)
         tokens = [self.cls_token.expand(x.shape[0], -1, -1), x]
         if self.reg_token is not None:
             tokens.append(self.reg_token.expand(x.shape[0], -1, -1))
         return torch.cat(tokens, dim=1), grid
 
-    def rope_tables(self, grid: Tuple[int, int], device: Optional[torch.device] = None) -> RopeTables:
+    def rope_tables(self, grid: tuple[int, int], device: torch.device | None = None) -> RopeTables:
         """Rotary ``(sin, cos)`` tables for every token of a ``grid`` input.
 
         Rows follow the token order: the class token (identity: sin 0, cos 1), the
@@ -446,24 +228,16 @@ class Vit5(nn.Module):
             coss.append(reg_cos)
         return torch.cat(sins), torch.cat(coss)
 
-    def _run_blocks(self, x: torch.Tensor, rope: RopeTables, blocks: Any = None) -> torch.Tensor:
-        for blk in self.blocks if blocks is None else blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, rope)
-            else:
-                x = blk(x, rope=rope)
-        return x
-
     def forward_intermediates(
         self,
         x: torch.Tensor,
-        indices: Optional[Union[int, List[int]]] = None,
+        indices: int | list[int] | None = None,
         return_prefix_tokens: bool = False,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
-    ) -> Union[List[Any], Tuple[torch.Tensor, List[Any]]]:
+    ) -> list[Any] | tuple[torch.Tensor, list[Any]]:
         """Forward pass that also returns the outputs of selected blocks.
 
         Intermediates hold the patch tokens only; the class token and the registers are
@@ -482,64 +256,27 @@ class Vit5(nn.Module):
         Returns:
             The intermediates, or ``(final_tokens (B, 1 + H * W + reg_tokens, C), intermediates)``.
         """
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-
-        B = x.shape[0]
-        x, grid = self._pos_embed(self.patch_embed(x))
-        rope = self.rope_tables(grid, x.device)
-        blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[: max_index + 1]
-        intermediates = []
-        for i, blk in enumerate(blocks):
-            x = self._run_blocks(x, rope, [blk])
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        self._check_output_fmt(output_fmt)
+        x, grid = self._tokens(x)
+        x, intermediates = self._collect_intermediates(x, indices, norm, stop_early, self.rope_tables(grid, x.device))
 
         n_pre, n_reg = self.num_prefix_tokens, self.num_reg_tokens
-        prefix = [torch.cat((y[:, :n_pre], y[:, y.shape[1] - n_reg:]), dim=1) for y in intermediates]
-        intermediates = [y[:, n_pre: y.shape[1] - n_reg] for y in intermediates]
+        prefix = [torch.cat((y[:, :n_pre], y[:, y.shape[1] - n_reg :]), dim=1) for y in intermediates]
+        patches = [y[:, n_pre : y.shape[1] - n_reg] for y in intermediates]
         if output_fmt == "NCHW":
-            H, W = grid
-            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
-        if return_prefix_tokens:
-            intermediates = list(zip(intermediates, prefix))
+            patches = self._to_nchw(patches, grid)
+        out: list[Any] = list(zip(patches, prefix, strict=True)) if return_prefix_tokens else patches
         if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
-
-    def prune_intermediate_layers(
-        self,
-        indices: Union[int, List[int]] = 1,
-        prune_norm: bool = False,
-        prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the blocks (and optionally the final norm and head) not needed for ``indices``."""
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[: max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices
+            return out
+        return self.norm(x), out
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N + reg_tokens, C)``: class, patches, registers."""
-        x, grid = self._pos_embed(self.patch_embed(x))
-        x = self._run_blocks(x, self.rope_tables(grid, x.device))
+        x, grid = self._tokens(x)
+        rope = self.rope_tables(grid, x.device)
+        for blk in self.blocks:
+            x = self._run_block(blk, x, rope)
         return self.norm(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Tokens ``(B, 1 + N + reg_tokens, C)`` to logits ``(B, num_classes)`` (or pooled ``(B, C)``)."""
-        if self.global_pool == "avg":
-            x = x[:, self.num_prefix_tokens: x.shape[1] - self.num_reg_tokens].mean(dim=1)
-        elif self.global_pool == "token":
-            x = x[:, 0]
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
     def flop_count(self, batch_size: int = 1) -> int:
         """Multiplications of one forward pass at the model's ``img_size``.
@@ -557,27 +294,12 @@ class Vit5(nn.Module):
         Returns:
             The count for ``batch_size`` images.
         """
-        gh, gw = self.patch_embed.grid_size
-        patches = gh * gw
-        n = self.num_prefix_tokens + patches + self.num_reg_tokens
-        conv = self.patch_embed.proj
-        total = patches * conv.out_channels * conv.in_channels // conv.groups * conv.kernel_size[0] * conv.kernel_size[1]
-        for blk in self.blocks:
-            attn = blk.attn
-            total += n * attn.qkv.in_features * attn.qkv.out_features
-            total += 2 * attn.num_heads * n * n * attn.head_dim
-            total += n * attn.proj.in_features * attn.proj.out_features
-            for fc in (blk.mlp.fc1, blk.mlp.fc2):
-                total += n * fc.in_features * fc.out_features
-            for ls in (blk.ls1, blk.ls2):
-                if isinstance(ls, LayerScale):
-                    total += ls.flop_count(n)
-        if isinstance(self.head, nn.Linear):
-            total += self.head.in_features * self.head.out_features
-        return int(total) * int(batch_size)
+        n = self.num_prefix_tokens + self.patch_embed.num_patches + self.num_reg_tokens
+        total = sum(self_attention_flops(blk.attn, n) + block_tail_flops(blk, n) for blk in self.blocks)
+        return self._flop_total(total, batch_size)
 
 
-def _official_rope(model: Vit5) -> Dict[str, torch.Tensor]:
+def _official_rope(model: Vit5) -> dict[str, torch.Tensor]:
     """The rotary buffers an official checkpoint of ``model``'s shape holds."""
     reg_theta = model.rope_reg.theta if model.rope_reg is not None else VIT5_ROPE_THETA[1]
     return rope_buffers(len(model.blocks), model.rope.head_dim, (model.rope.theta, reg_theta))
@@ -589,8 +311,8 @@ def _wants_ema(model: nn.Module) -> bool:
 
 
 def checkpoint_filter_fn(
-    state_dict: Mapping[str, Any], model: Vit5, use_ema: Optional[bool] = None
-) -> Dict[str, torch.Tensor]:
+    state_dict: Mapping[str, Any], model: Vit5, use_ema: bool | None = None
+) -> dict[str, torch.Tensor]:
     """Turn any ViT-5 checkpoint into this model's layout.
 
     Accepts the official training dict (``{'model': ..., 'model_ema': ..., 'optimizer': ...}``),
@@ -601,67 +323,38 @@ def checkpoint_filter_fn(
     as it is; note that timm's own loader for ``pretrained_cfg_overlay=dict(file=...)``
     unwraps a training dict itself before this filter runs, preferring ``'model_ema'``.
 
-    The rotary buffers are checked against the computed tables (:class:`RemapError` if
-    they differ) and dropped; the position embedding is resampled when the
-    checkpoint's grid differs from the model's; LayerScale is folded into
-    ``attn.proj`` / ``mlp.fc2`` when the model has none (``fused_layerscale``).
+    The rotary buffers are checked against the computed tables
+    (:class:`~timm_layerscale.errors.RemapError` if they differ) and dropped; the position
+    embedding is resampled when the checkpoint's grid differs from the model's;
+    LayerScale is folded into ``attn.proj`` / ``mlp.fc2`` when the model has none
+    (``fused_layerscale``).
     """
     if use_ema is None:
         use_ema = _wants_ema(model)
     wrapped = any(k in state_dict for k in WRAPPER_KEYS)
     sd = state_dict_of(state_dict, ema=bool(use_ema and wrapped))
     check_rope_buffers(sd, _official_rope(model))
-    out = to_layerscale(sd, "vit5")
-    pe = out.get("pos_embed")
-    if pe is not None and pe.shape != model.pos_embed.shape:
-        out["pos_embed"] = resample_abs_pos_embed(
-            pe, new_size=model.patch_embed.grid_size, num_prefix_tokens=0, verbose=False
-        )
-    if not isinstance(model.blocks[0].ls1, LayerScale):
-        out = fold_state_dict(out)
-    return out
+    return fit_state_dict(to_layerscale(sd, "vit5"), model, fold=not isinstance(model.blocks[0].ls1, LayerScale))
 
 
-def _create_vit5(variant: str, pretrained: bool = False, **kwargs: Any) -> Vit5:
-    out_indices = kwargs.pop("out_indices", 3)
-    return build_model_with_cfg(
-        Vit5,
-        variant,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+def _cfg(v: Variant, **kwargs: Any) -> dict[str, Any]:
+    file = v.official_file
+    return pretrained_cfg(
+        v,
+        url="",
+        hf_hub_id=VIT5_HUB_REPO if file else None,
+        hf_hub_filename=file or None,
+        paper_ids="arXiv:2602.08071",
+        paper_name="ViT-5: Vision Transformers for the Mid-2020s",
+        origin_url="https://github.com/wangf3014/ViT-5",
         **kwargs,
     )
-
-
-def _cfg(v: Variant, **kwargs: Any) -> Dict[str, Any]:
-    file = v.official_file
-    return {
-        "url": "",
-        "hf_hub_id": VIT5_HUB_REPO if file else None,
-        "hf_hub_filename": file or None,
-        "num_classes": 1000,
-        "input_size": (3, v.img_size, v.img_size),
-        "pool_size": None,
-        "crop_pct": 1.0,
-        "interpolation": "bicubic",
-        "fixed_input_size": True,
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj",
-        "classifier": "head",
-        "license": "apache-2.0",
-        "paper_ids": "arXiv:2602.08071",
-        "paper_name": "ViT-5: Vision Transformers for the Mid-2020s",
-        "origin_url": "https://github.com/wangf3014/ViT-5",
-        **kwargs,
-    }
 
 
 _EMA_NOTE = ("EMA weights ('model_ema') of the released training checkpoint",)
 
 
-def _tags(v: Variant) -> Dict[str, Dict[str, Any]]:
+def _tags(v: Variant) -> dict[str, dict[str, Any]]:
     if v.official_file is None:
         return {v.name: _cfg(v)}
     return {f"{v.name}.in1k": _cfg(v), f"{v.name}.in1k_ema": _cfg(v, notes=_EMA_NOTE)}
@@ -673,8 +366,8 @@ VARIANTS = variants_of("vit5")
 default_cfgs = generate_default_cfgs({tag: cfg for v in VARIANTS.values() for tag, cfg in _tags(v).items()})
 
 
-def _make(name: str, pretrained: bool, kwargs: Dict[str, Any]) -> Vit5:
-    return _create_vit5(name, pretrained=pretrained, **dict(VARIANTS[name].model_args, **kwargs))
+def _make(name: str, pretrained: bool, kwargs: dict[str, Any]) -> Vit5:
+    return build_variant(Vit5, checkpoint_filter_fn, VARIANTS[name], pretrained, kwargs)
 
 
 @register_model
