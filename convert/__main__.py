@@ -1,4 +1,5 @@
 """``python -m convert``: run the CaiT release pipeline."""
+
 import sys
 
 from .release_cait import main

@@ -17,6 +17,7 @@ Run from the repository root::
     python -m convert --only cait_xxs24_224 cait_s24_224  # a subset
     python -m convert --list                              # the table
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from timm_layerscale.options import add_verify_args, verify_options
 from timm_layerscale.conversion.families import CAIT_RELEASE_URL, variants_of
 from timm_layerscale.errors import LayerScaleError
+from timm_layerscale.options import add_verify_args, verify_options
 
 __all__ = ["Release", "RELEASES", "TAG", "select", "run_release", "write_summary", "main"]
 
@@ -171,9 +172,7 @@ def _check_sha256(rel: Release, path: Path) -> str:
 
     digest = sha256_file(path)
     if rel.sha256 is not None and digest != rel.sha256:
-        raise PipelineError(
-            f"{path} has sha256 {digest}, not the pinned {rel.sha256}; delete it and download it again"
-        )
+        raise PipelineError(f"{path} has sha256 {digest}, not the pinned {rel.sha256}; delete it and download it again")
     return digest
 
 
@@ -181,7 +180,12 @@ def _command(rel: Release, out: Path, sources: Path | None, org: str | None, pri
     from timm_layerscale.options import command_line
 
     return command_line(
-        ("python", "-m", "convert"), options, only=rel.reference, out=out, sources=sources, org=org,
+        ("python", "-m", "convert"),
+        options,
+        only=rel.reference,
+        out=out,
+        sources=sources,
+        org=org,
         private=bool(org and private),
     )
 
@@ -206,9 +210,20 @@ def run_release(
     from timm_layerscale.hub.export import export_folder
 
     row: dict[str, Any] = {
-        "variant": rel.model, "reference": rel.reference, "file": rel.file, "status": "failed", "error": None,
-        "params": None, "source_sha256": None, "max_abs_diff": None, "bit_exact": None, "seconds": None,
-        "peak_memory_mib": None, "folder": None, "repo_id": f"{org}/{rel.name}" if org else None, "url": None,
+        "variant": rel.model,
+        "reference": rel.reference,
+        "file": rel.file,
+        "status": "failed",
+        "error": None,
+        "params": None,
+        "source_sha256": None,
+        "max_abs_diff": None,
+        "bit_exact": None,
+        "seconds": None,
+        "peak_memory_mib": None,
+        "folder": None,
+        "repo_id": f"{org}/{rel.name}" if org else None,
+        "url": None,
     }
     t0 = time.perf_counter()
     with PeakMemory() as peak:
@@ -216,12 +231,20 @@ def run_release(
             source, path = _fetch(rel, sources)
             row["source_sha256"] = _check_sha256(rel, path)
             result = export_folder(
-                source, out / rel.name, model=rel.model, overwrite=overwrite, options=options,
-                push_to_hub=row["repo_id"], private=private, command=_command(rel, out, sources, org, private, options),
+                source,
+                out / rel.name,
+                model=rel.model,
+                overwrite=overwrite,
+                options=options,
+                push_to_hub=row["repo_id"],
+                private=private,
+                command=_command(rel, out, sources, org, private, options),
             )
             report = result.conversion.report
             row.update(
-                status="ok", params=result.num_params, folder=str(result.folder),
+                status="ok",
+                params=result.num_params,
+                folder=str(result.folder),
                 source_sha256=result.conversion.source_sha256,
                 max_abs_diff=report.max_abs_diff if report else None,
                 bit_exact=report.bit_exact if report else None,
@@ -252,16 +275,29 @@ def _fmt(value: Any, kind: str) -> str:
 def format_markdown(rows: Sequence[dict[str, Any]], title: str = "CaiT release") -> str:
     """The summary as a markdown table, failures listed below it."""
     push = any(r.get("repo_id") for r in rows)
-    head = ["variant", "params (M)", "source sha256", "max abs diff", "bit-exact", "seconds", "peak memory (MiB)", "status"]
+    head = [
+        "variant",
+        "params (M)",
+        "source sha256",
+        "max abs diff",
+        "bit-exact",
+        "seconds",
+        "peak memory (MiB)",
+        "status",
+    ]
     if push:
         head.append("Hub")
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [
-            f"`{r['variant']}`", _fmt(r["params"], "params"),
+            f"`{r['variant']}`",
+            _fmt(r["params"], "params"),
             f"`{r['source_sha256']}`" if r["source_sha256"] else "-",
-            _fmt(r["max_abs_diff"], "diff"), _fmt(r["bit_exact"], "bool"), _fmt(r["seconds"], "float1"),
-            _fmt(r["peak_memory_mib"], "float1"), r["status"],
+            _fmt(r["max_abs_diff"], "diff"),
+            _fmt(r["bit_exact"], "bool"),
+            _fmt(r["seconds"], "float1"),
+            _fmt(r["peak_memory_mib"], "float1"),
+            r["status"],
         ]
         if push:
             cells.append(f"[{r['repo_id']}]({r['url']})" if r.get("url") else "-")
@@ -306,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m convert",
         description="Convert, verify, export (and upload) every official CaiT checkpoint.",
-        epilog="examples (from the repository root):\n" + __doc__.split("Run from the repository root::", 1)[1].strip("\n"),
+        epilog="examples (from the repository root):\n"
+        + __doc__.split("Run from the repository root::", 1)[1].strip("\n"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default="release", metavar="DIR", help="output folder (default: release)")

@@ -1,4 +1,5 @@
 """Test set-up: offline, seeded, small."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,9 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 #: A CaiT small enough to run in milliseconds, with every feature of the real ones.
-TINY_CAIT: dict[str, Any] = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5)
+TINY_CAIT: dict[str, Any] = dict(
+    img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5
+)
 
 
 @pytest.fixture

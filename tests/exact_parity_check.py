@@ -5,6 +5,7 @@
 are read once at start-up. It prints one JSON object: the active ATen capability and,
 per check, whether the outputs were ``torch.equal``.
 """
+
 from __future__ import annotations
 
 import json

@@ -7,6 +7,7 @@ movement (views, copies) and ``out=`` / in-place variants are free to differ, so
 are left out or normalised. Elementwise calls are kept by name only: each rounds once
 per element whatever the layout, so their order is what has to agree.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,18 +17,58 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Calls that only move or describe data.
-DATA_MOVEMENT = frozenset({
-    "view", "_unsafe_view", "_reshape_alias", "reshape", "permute", "transpose", "t", "expand", "select",
-    "slice", "unsqueeze", "squeeze", "as_strided", "alias", "detach", "clone", "copy", "contiguous",
-    "empty", "empty_like", "empty_strided", "new_empty", "cat", "lift_fresh", "unbind", "split",
-})
+DATA_MOVEMENT = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "_reshape_alias",
+        "reshape",
+        "permute",
+        "transpose",
+        "t",
+        "expand",
+        "select",
+        "slice",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "alias",
+        "detach",
+        "clone",
+        "copy",
+        "contiguous",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "cat",
+        "lift_fresh",
+        "unbind",
+        "split",
+    }
+)
 
 #: Reductions: operands must agree in shape, strides and dtype.
-REDUCTIONS = frozenset({
-    "mm", "bmm", "addmm", "baddbmm", "matmul", "_softmax", "native_layer_norm", "convolution",
-    "_convolution", "mkldnn_convolution", "_scaled_dot_product_flash_attention_for_cpu", "mean", "sum",
-    "_fused_rms_norm", "rms_norm", "linalg_vector_norm",
-})
+REDUCTIONS = frozenset(
+    {
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "matmul",
+        "_softmax",
+        "native_layer_norm",
+        "convolution",
+        "_convolution",
+        "mkldnn_convolution",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "mean",
+        "sum",
+        "_fused_rms_norm",
+        "rms_norm",
+        "linalg_vector_norm",
+    }
+)
 
 #: Reductions whose CPU kernel runs on ``input.contiguous()``: only the values reach it.
 CONTIGUOUS_INPUT = frozenset({"_softmax"})

@@ -121,7 +121,10 @@ def _build_args() -> list:
 def _pip(python, *args: str, home: Path) -> None:
     proc = subprocess.run(
         [str(python), "-m", "pip", *args, "-q", "--disable-pip-version-check"],
-        cwd=home, env=_clean_environ(home), capture_output=True, text=True,
+        cwd=home,
+        env=_clean_environ(home),
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -1,4 +1,5 @@
 """LayerScale CaiT: registry, timm model contract, and bit-exact parity with timm's ``cait_*``."""
+
 from __future__ import annotations
 
 import math
@@ -41,6 +42,7 @@ def images():
 
 # --- registry --------------------------------------------------------------------------------
 
+
 def test_ten_names_registered_in_their_own_module():
     ours = timm.list_models(module="cait_ls")
     assert sorted(ours) == NAMES and len(NAMES) == 10
@@ -71,6 +73,7 @@ def test_registry_meta_build_and_pretrained_cfg(name):
 
 # --- parity ----------------------------------------------------------------------------------
 
+
 def test_forward_bit_exact(xxs24, images):
     ref, ours = xxs24
     with torch.no_grad():
@@ -87,11 +90,11 @@ def test_forward_features_and_intermediates_bit_exact(xxs24, images):
         fa, ia = ref.forward_intermediates(images, indices=[0, 11, 23])
         fb, ib = ours.forward_intermediates(images, indices=[0, 11, 23])
         assert torch.equal(fa, fb)
-        assert len(ia) == len(ib) == 3 and all(torch.equal(x, y) for x, y in zip(ia, ib))
+        assert len(ia) == len(ib) == 3 and all(torch.equal(x, y) for x, y in zip(ia, ib, strict=True))
         assert ib[0].shape == (2, 192, 14, 14)
         na = ref.forward_intermediates(images, indices=2, norm=True, output_fmt="NLC", intermediates_only=True)
         nb = ours.forward_intermediates(images, indices=2, norm=True, output_fmt="NLC", intermediates_only=True)
-        assert all(torch.equal(x, y) for x, y in zip(na, nb))
+        assert all(torch.equal(x, y) for x, y in zip(na, nb, strict=True))
 
 
 def test_bf16_bit_exact(images):
@@ -140,6 +143,7 @@ def _official_forward(sd: dict, x: torch.Tensor, num_heads: int, patch: int) -> 
     Plain tensor code on an official-layout state dict (``gamma_1``/``gamma_2``),
     independent of timm and of this package.
     """
+
     def ln(t, p):
         return F.layer_norm(t, t.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], eps=1e-6)
 
@@ -213,6 +217,7 @@ def test_fused_attention_close_to_official_math(xxs24, images):
 
 # --- pretrained loading ----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def weight_files(tmp_path_factory, xxs24):
     ref, _ = xxs24
@@ -237,7 +242,9 @@ def test_pretrained_from_any_layout(weight_files, xxs24, images, fname):
 def test_pretrained_at_another_img_size(weight_files, xxs24):
     ref, _ = xxs24
     model = timm.create_model(
-        "cait_xxs24_224_ls", pretrained=True, img_size=288,
+        "cait_xxs24_224_ls",
+        pretrained=True,
+        img_size=288,
         pretrained_cfg_overlay=dict(file=str(weight_files / "XXS24_224.pth")),
     ).eval()
     assert model.pos_embed.shape == (1, 18 * 18, 192)
@@ -261,6 +268,7 @@ def test_dynamic_img_size(tiny_cait_kwargs):
 
 
 # --- timm model contract ---------------------------------------------------------------------
+
 
 def test_model_contract(tiny_cait_kwargs):
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ script (``python -m timm_layerscale``) in a subprocess. Bad inputs must give exi
 status 2 (130 for an interruption), exactly one line on stderr starting with
 ``timm-layerscale: error:``, no traceback, and nothing left in the output folder.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -174,7 +175,16 @@ def test_convert_json(official, tmp_path, capsys, few_inputs):
     assert res["metadata"]["format"] == "pt" and res["metadata"]["architecture"] == MODEL
     rep = res["report"]
     assert rep["bit_exact"] is True and rep["passed"] is True and rep["max_abs_diff"] == 0
-    for key in ("max_rel_diff", "cosine_min", "top1_agreement", "top5_agreement", "dtype", "device", "attention", "versions"):
+    for key in (
+        "max_rel_diff",
+        "cosine_min",
+        "top1_agreement",
+        "top5_agreement",
+        "dtype",
+        "device",
+        "attention",
+        "versions",
+    ):
         assert key in rep
 
     code, stdout, _ = cli(capsys, "convert", out, tmp_path / "g.pth", "--to", "gamma", "--no-verify", "--json")
@@ -196,9 +206,23 @@ def test_convert_failed_parity_exits_1_and_removes_the_output(official, tmp_path
     from timm_layerscale.parity.compare import ParityReport
 
     failing = ParityReport(
-        reference=REFERENCE, model=MODEL, family="cait", inputs="1 image", num_inputs=1, dtype="float32",
-        device="cpu", attention="manual", max_abs_diff=0.5, max_rel_diff=0.1, cosine_min=0.99,
-        top1_agreement=1.0, top5_agreement=1.0, bit_exact=False, atol=0.0, rtol=0.0, passed=False,
+        reference=REFERENCE,
+        model=MODEL,
+        family="cait",
+        inputs="1 image",
+        num_inputs=1,
+        dtype="float32",
+        device="cpu",
+        attention="manual",
+        max_abs_diff=0.5,
+        max_rel_diff=0.1,
+        cosine_min=0.99,
+        top1_agreement=1.0,
+        top5_agreement=1.0,
+        bit_exact=False,
+        atol=0.0,
+        rtol=0.0,
+        passed=False,
     )
     monkeypatch.setattr(conversion, "verify_state_dicts", lambda *a, **k: failing)
     out = tmp_path / "x.safetensors"
@@ -313,7 +337,9 @@ def _write(kind: str, src: Path, light_sd: dict) -> None:
         torch.save({"model": light_sd}, src)
         src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
     elif kind == "truncated-safetensors":
-        safetensors.torch.save_file({k: plain[k].contiguous() for k in ("cls_token", "pos_embed", "norm.weight")}, str(src))
+        safetensors.torch.save_file(
+            {k: plain[k].contiguous() for k in ("cls_token", "pos_embed", "norm.weight")}, str(src)
+        )
         src.write_bytes(src.read_bytes()[:-100])
     elif kind == "text":
         src.write_text("<!DOCTYPE html>\n<html><body>Not Found</body></html>\n")
@@ -354,10 +380,20 @@ BAD_INPUTS = [
     ("extra-key", "XXS24_224.pth", ["--model", MODEL], "1 unexpected (blocks.24.norm1.weight [192])"),
     ("unknown-key", "XXS24_224.pth", ["--model", MODEL], "not part of a cait checkpoint: blocks.0.attn.rope.freqs"),
     ("misshaped", "XXS24_224.pth", ["--model", MODEL], "1 mis-shaped (blocks.3.mlp.fc1.bias [700] != [768])"),
-    ("nan", "XXS24_224.pth", [], "NaN or Inf, first 'blocks.5.attn.proj.weight'; check the source checkpoint, or pass --allow-nonfinite"),
+    (
+        "nan",
+        "XXS24_224.pth",
+        [],
+        "NaN or Inf, first 'blocks.5.attn.proj.weight'; check the source checkpoint, or pass --allow-nonfinite",
+    ),
     ("inf", "XXS24_224.pth", [], "--allow-nonfinite"),
     ("no-ema", "XXS24_224.pth", ["--ema"], "no 'model_ema' state dict"),
-    ("missing-key", "XXS24_224.pth", ["--model", "cait_xxs24_224_lss"], "unknown model 'cait_xxs24_224_lss'; did you mean cait_xxs24_224_ls"),
+    (
+        "missing-key",
+        "XXS24_224.pth",
+        ["--model", "cait_xxs24_224_lss"],
+        "unknown model 'cait_xxs24_224_lss'; did you mean cait_xxs24_224_ls",
+    ),
 ]
 
 
@@ -388,8 +424,11 @@ def test_nonfinite_values_convert_with_allow_nonfinite(light_sd, tmp_path, capsy
 def test_pickle_that_runs_code_is_refused_and_not_run(fmt, tmp_path, capsys):
     marker = tmp_path / "pwned"
     src = tmp_path / "evil.pth"
-    torch.save({"model": {"cls_token": torch.zeros(1, 1, 192), "x": _TouchOnLoad(marker)}}, src,
-               _use_new_zipfile_serialization=fmt == "zip")
+    torch.save(
+        {"model": {"cls_token": torch.zeros(1, 1, 192), "x": _TouchOnLoad(marker)}},
+        src,
+        _use_new_zipfile_serialization=fmt == "zip",
+    )
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.safetensors"), "was not loaded")
@@ -623,7 +662,9 @@ def timm_hub_file(official, tmp_path_factory) -> Path:
         ("hf-hub:someone/cait-weights/xxs24/model.safetensors", "someone/cait-weights", "xxs24/model.safetensors"),
     ],
 )
-def test_hf_hub_source_goes_through_hf_hub_download(source, repo, filename, timm_hub_file, tmp_path, capsys, monkeypatch):
+def test_hf_hub_source_goes_through_hf_hub_download(
+    source, repo, filename, timm_hub_file, tmp_path, capsys, monkeypatch
+):
     import huggingface_hub
 
     calls = []
@@ -645,7 +686,11 @@ def test_hf_hub_source_goes_through_hf_hub_download(source, repo, filename, timm
 @pytest.mark.parametrize(
     "exc,offline,expect",
     [
-        ("LocalEntryNotFoundError", False, "check the network"),  # what hf_hub_download raises when the Hub is unreachable
+        (
+            "LocalEntryNotFoundError",
+            False,
+            "check the network",
+        ),  # what hf_hub_download raises when the Hub is unreachable
         ("ConnectionError", False, "check the network"),
         ("LocalEntryNotFoundError", True, "HF_HUB_OFFLINE"),  # offline mode and nothing cached
     ],

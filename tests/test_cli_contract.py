@@ -5,6 +5,7 @@ error. Every error is one line on stderr starting with ``timm-layerscale: error:
 Also here: what ``convert --to gamma`` writes, progress bars, failing fast offline, and
 the model card's reference and citation.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,9 +49,23 @@ def one_line_error(code: int, err: str, status: int, expect: str = "") -> str:
 
 def failing_report() -> ParityReport:
     return ParityReport(
-        reference="cait_xxs24_224", model=MODEL, family="cait", inputs="1 image", num_inputs=1, dtype="float32",
-        device="cpu", attention="manual", max_abs_diff=0.5, max_rel_diff=0.1, cosine_min=0.99,
-        top1_agreement=1.0, top5_agreement=1.0, bit_exact=False, atol=0.0, rtol=0.0, passed=False,
+        reference="cait_xxs24_224",
+        model=MODEL,
+        family="cait",
+        inputs="1 image",
+        num_inputs=1,
+        dtype="float32",
+        device="cpu",
+        attention="manual",
+        max_abs_diff=0.5,
+        max_rel_diff=0.1,
+        cosine_min=0.99,
+        top1_agreement=1.0,
+        top5_agreement=1.0,
+        bit_exact=False,
+        atol=0.0,
+        rtol=0.0,
+        passed=False,
     )
 
 
@@ -145,7 +160,10 @@ def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys,
         convert_checkpoint(official, out, verify=False)
     one_line_error(*run(capsys, "convert", official, out)[::2], 2, "pass --overwrite to replace it")
     assert out.read_bytes() == b"keep me"
-    assert commands.cli_message("closest is x; pass model='cait_s24_224_ls' to see") == "closest is x; pass --model cait_s24_224_ls to see"
+    assert (
+        commands.cli_message("closest is x; pass model='cait_s24_224_ls' to see")
+        == "closest is x; pass --model cait_s24_224_ls to see"
+    )
     assert commands.cli_message("or pass allow_nonfinite=True to convert") == "or pass --allow-nonfinite to convert"
     assert commands.cli_message("or pass fmt='pth'") == "or pass --format pth"
     assert commands.cli_message("pass atol=1e-5 to accept") == "pass --atol 1e-5 to accept"
@@ -208,7 +226,9 @@ def test_convert_to_gamma_on_the_command_line(official, tmp_path, capsys):
     obj = torch.load(tmp_path / "official.pth", weights_only=True)
     assert list(obj) == ["model"] and all(k.startswith("module.") for k in obj["model"])
 
-    code, out, err = run(capsys, "convert", ls, tmp_path / "plain.pth", "--to", "gamma", "--plain", "--no-verify", "--json")
+    code, out, err = run(
+        capsys, "convert", ls, tmp_path / "plain.pth", "--to", "gamma", "--plain", "--no-verify", "--json"
+    )
     assert code == 0 and json.loads(out)["container"] == "plain"
     assert "blocks.0.gamma_1" in torch.load(tmp_path / "plain.pth", weights_only=True)
 
@@ -268,7 +288,9 @@ def _unresolvable(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
 
-@pytest.mark.parametrize("source", ["hf-hub:timm/cait_xxs24_224.fb_dist_in1k", "https://dl.fbaipublicfiles.com/deit/XXS24_224.pth"])
+@pytest.mark.parametrize(
+    "source", ["hf-hub:timm/cait_xxs24_224.fb_dist_in1k", "https://dl.fbaipublicfiles.com/deit/XXS24_224.pth"]
+)
 def test_no_name_resolution_fails_at_once(source, tmp_path, capsys, monkeypatch):
     import huggingface_hub.constants
 
@@ -290,7 +312,10 @@ def test_hf_hub_offline_fails_at_once_in_a_fresh_process(tmp_path):
         t0 = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-m", "timm_layerscale", "convert", source, str(tmp_path / "x.safetensors")],
-            env=env, capture_output=True, text=True, timeout=120,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert time.perf_counter() - t0 < 10 + 5  # generous: a cold interpreter imports torch first
         one_line_error(proc.returncode, proc.stderr, 2, "HF_HUB_OFFLINE is set")
@@ -341,7 +366,12 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
     [
         ("cait_s24_224_ls", "cait_s24_224", "Going Deeper With Image Transformers", ("Revenge", "ViT-5")),
         ("deit3_small_patch16_224", "deit3_small_patch16_224", "Revenge of the {ViT}", ("Going Deeper", "ViT-5")),
-        ("vit5_small_patch16_224", "vit5_official/vit5_small_patch16_224", "Vision Transformers for the Mid-2020s", ("Going Deeper", "Revenge")),
+        (
+            "vit5_small_patch16_224",
+            "vit5_official/vit5_small_patch16_224",
+            "Vision Transformers for the Mid-2020s",
+            ("Going Deeper", "Revenge"),
+        ),
     ],
 )
 def test_model_card_names_its_reference_and_cites_its_family(name, reference, cites, not_cited, tmp_path):
@@ -350,17 +380,38 @@ def test_model_card_names_its_reference_and_cites_its_family(name, reference, ci
     from timm_layerscale.parity.compare import ParityReport
 
     report = ParityReport(
-        reference=reference, model=name, family=get_variant(name).family, inputs="1 image", num_inputs=1,
-        dtype="float32", device="cpu", attention="manual", max_abs_diff=0.0, max_rel_diff=0.0, cosine_min=1.0,
-        top1_agreement=1.0, top5_agreement=1.0, bit_exact=True, atol=0.0, rtol=0.0, passed=True,
-        weights_equal=True, weights_compared=3,
+        reference=reference,
+        model=name,
+        family=get_variant(name).family,
+        inputs="1 image",
+        num_inputs=1,
+        dtype="float32",
+        device="cpu",
+        attention="manual",
+        max_abs_diff=0.0,
+        max_rel_diff=0.0,
+        cosine_min=1.0,
+        top1_agreement=1.0,
+        top5_agreement=1.0,
+        bit_exact=True,
+        atol=0.0,
+        rtol=0.0,
+        passed=True,
+        weights_equal=True,
+        weights_compared=3,
     )
     conversion = SimpleNamespace(
-        variant=get_variant(name), source=str(tmp_path / "w.pth"), source_path=tmp_path / "w.pth",
-        source_sha256="ab" * 32, source_layout="gamma", report=report,
+        variant=get_variant(name),
+        source=str(tmp_path / "w.pth"),
+        source_path=tmp_path / "w.pth",
+        source_sha256="ab" * 32,
+        source_layout="gamma",
+        report=report,
     )
     config = {"architecture": name, "num_classes": 1000, "pretrained_cfg": {"input_size": [3, 224, 224]}}
-    text = str(build_model_card(conversion, repo_id="org/x", config=config, num_params=1, command="timm-layerscale export a b"))
+    text = str(
+        build_model_card(conversion, repo_id="org/x", config=config, num_params=1, command="timm-layerscale export a b")
+    )
     ref_line = next(line for line in text.splitlines() if line.startswith("- **Reference:**"))
     if name.startswith("vit5"):
         assert "timm's" not in ref_line and "timm_layerscale.parity.vit5_official" in ref_line

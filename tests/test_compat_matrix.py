@@ -1,4 +1,5 @@
 """The compatibility matrix agrees with what the package declares, and reads pytest's summary."""
+
 from __future__ import annotations
 
 from importlib.metadata import requires
@@ -24,8 +25,10 @@ def test_matrix_crosses_both_ends_of_both_ranges():
 
 def test_counts_read_the_pytest_summary(tmp_path):
     log = tmp_path / "pytest.log"
-    log.write_text("....F.\n=== short test summary info ===\nFAILED tests/x.py::y\n"
-                   "1 failed, 73 passed, 2 skipped, 375 deselected, 1 error in 478.12s (0:07:58)\n")
+    log.write_text(
+        "....F.\n=== short test summary info ===\nFAILED tests/x.py::y\n"
+        "1 failed, 73 passed, 2 skipped, 375 deselected, 1 error in 478.12s (0:07:58)\n"
+    )
     assert _counts(log) == {"failed": 1, "passed": 73, "skipped": 2, "deselected": 375, "error": 1}
     log.write_text("no summary here\n")
     assert _counts(log) == {}

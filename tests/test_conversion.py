@@ -6,6 +6,7 @@ official layout, ``{'model': {'module.' + key: tensor}}``; every test here reads
 re-saves its tensors in another layout. Forward passes use few inputs except in the
 one default conversion, which runs the full default verification.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -161,7 +162,14 @@ def test_command_reproduces_the_options(official, converted, tmp_path, monkeypat
     assert argv[:2] == ["timm-layerscale", "convert"]
     a = build_parser().parse_args(argv[1:])
     assert (a.source, a.output, a.to, a.dtype, a.atol, a.rtol, a.verify, a.plain) == (
-        str(source), str(out), "gamma", "fp16", 1e-3, 1e-4, True, True
+        str(source),
+        str(out),
+        "gamma",
+        "fp16",
+        1e-3,
+        1e-4,
+        True,
+        True,
     )
 
 
@@ -239,7 +247,7 @@ def test_to_gamma_round_trip_gives_back_the_official_file(official, official_sd,
 
 
 def test_a_gamma_file_to_gamma_says_it_is_already_in_that_layout(official, tmp_path):
-    with pytest.raises(LayerScaleError, match="XXS24_224.pth is already in the gamma layout; nothing to convert"):
+    with pytest.raises(LayerScaleError, match=r"XXS24_224\.pth is already in the gamma layout; nothing to convert"):
         convert_checkpoint(official, tmp_path / "again.pth", to="gamma", verify=False)
     with pytest.raises(LayerScaleError, match="plain applies to the gamma layout only"):
         convert_checkpoint(official, tmp_path / "x.pth", plain=True, verify=False)
@@ -319,7 +327,17 @@ def test_fused_attention_off_runs_manual_attention_bit_exact(official, converted
     """With TIMM_FUSED_ATTN=0 both models compute attention by hand, as the official code does."""
     env = dict(os.environ, TIMM_FUSED_ATTN="0", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "timm_layerscale", "verify", str(official), str(converted.output), "--num-inputs", "2", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "timm_layerscale",
+        "verify",
+        str(official),
+        str(converted.output),
+        "--num-inputs",
+        "2",
+        "--json",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
@@ -356,11 +374,23 @@ def test_existing_output_is_kept_without_overwrite(official, tmp_path):
 
 
 def test_detection_from_each_layout(official_sd, gamma_sd, ls_sd):
-    for sd in ({"model": official_sd}, official_sd, gamma_sd, ls_sd, {"state_dict": {"_orig_mod." + k: v for k, v in ls_sd.items()}}):
+    for sd in (
+        {"model": official_sd},
+        official_sd,
+        gamma_sd,
+        ls_sd,
+        {"state_dict": {"_orig_mod." + k: v for k, v in ls_sd.items()}},
+    ):
         variant, info = detect_variant(sd)
         assert variant.name == MODEL and variant.reference == REFERENCE and variant.family == "cait"
         assert "num_classes" not in info
-        assert (info["embed_dim"], info["depth"], info["num_heads"], info["class_attn_depth"], info["grid"]) == (192, 24, 4, 2, 14)
+        assert (info["embed_dim"], info["depth"], info["num_heads"], info["class_attn_depth"], info["grid"]) == (
+            192,
+            24,
+            4,
+            2,
+            14,
+        )
 
 
 def test_detection_reads_the_grid_from_pos_embed(gamma_sd):
@@ -417,7 +447,7 @@ def test_named_model_mismatch_lists_missing_unexpected_and_misshaped_keys(gamma_
     assert "1 unexpected (blocks.24.norm1.weight [192])" in msg
     assert "1 mis-shaped (blocks.3.mlp.fc1.bias [700] != [768])" in msg
 
-    with pytest.raises(RemapError, match="not part of a cait checkpoint: blocks.0.attn.rope.freqs"):
+    with pytest.raises(RemapError, match=r"not part of a cait checkpoint: blocks\.0\.attn\.rope\.freqs"):
         detect_variant(dict(gamma_sd, **{"blocks.0.attn.rope.freqs": torch.ones(4)}), MODEL)
     with pytest.raises(ArchitectureError, match="unknown model 'cait_xxs24_224_lss'; did you mean cait_xxs24_224_ls"):
         detect_variant(gamma_sd, "cait_xxs24_224_lss")

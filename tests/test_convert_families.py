@@ -1,4 +1,5 @@
 """``timm-layerscale convert`` on official ViT-5 training dicts and official DeiT-III files."""
+
 from __future__ import annotations
 
 import argparse

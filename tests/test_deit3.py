@@ -4,6 +4,7 @@ The reference is timm itself: its ``deit3_*`` models load an official file throu
 own checkpoint filter, and the file converted by the ``deit3`` key rules must give the
 same model, bit for bit.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -56,14 +57,37 @@ def deit3_small() -> torch.nn.Module:
 def test_official_keys(deit3_small) -> None:
     official = remap.to_gamma(deit3_small.state_dict(), "deit3")
     block = sorted(k.split(".", 2)[2] for k in official if k.startswith("blocks.0."))
-    assert block == sorted([
-        "gamma_1", "gamma_2", "norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias",
-        "attn.proj.weight", "attn.proj.bias", "norm2.weight", "norm2.bias",
-        "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias",
-    ])
+    assert block == sorted(
+        [
+            "gamma_1",
+            "gamma_2",
+            "norm1.weight",
+            "norm1.bias",
+            "attn.qkv.weight",
+            "attn.qkv.bias",
+            "attn.proj.weight",
+            "attn.proj.bias",
+            "norm2.weight",
+            "norm2.bias",
+            "mlp.fc1.weight",
+            "mlp.fc1.bias",
+            "mlp.fc2.weight",
+            "mlp.fc2.bias",
+        ]
+    )
     top = sorted(k for k in official if not k.startswith("blocks."))
-    assert top == sorted(["cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias",
-                          "norm.weight", "norm.bias", "head.weight", "head.bias"])
+    assert top == sorted(
+        [
+            "cls_token",
+            "pos_embed",
+            "patch_embed.proj.weight",
+            "patch_embed.proj.bias",
+            "norm.weight",
+            "norm.bias",
+            "head.weight",
+            "head.bias",
+        ]
+    )
     assert official["pos_embed"].shape == (1, 196, 384)  # no class-token slot
 
 

@@ -11,6 +11,7 @@ Three kinds of evidence:
 The opt-in ``fast`` attention is a different formulation: it is checked against the
 reference with its documented tolerance instead.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,9 +41,19 @@ from timm_layerscale.layers.talking_heads import (
 from timm_layerscale.models.cait_ls import CaitLS
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY: dict[str, Any] = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5)
+TINY: dict[str, Any] = dict(
+    img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5
+)
 #: (B, N, C, H): real sizes, a single image, a single token, a single head.
-SHAPES = [(2, 17, 32, 4), (3, 50, 96, 6), (2, 197, 128, 8), (1, 65, 256, 16), (1, 5, 48, 6), (2, 1, 32, 4), (3, 7, 16, 1)]
+SHAPES = [
+    (2, 17, 32, 4),
+    (3, 50, 96, 6),
+    (2, 197, 128, 8),
+    (1, 65, 256, 16),
+    (1, 5, 48, 6),
+    (2, 1, 32, 4),
+    (3, 7, 16, 1),
+]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -223,7 +234,10 @@ def test_exact_parity_under_other_kernel_dispatch(dispatch):
     env.update(env_update)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "exact_parity_check.py")],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,6 +7,7 @@ patching the failing call, which always runs. The expectations are the command l
 line on stderr, a non-zero exit, no output and no temporary file left behind, the source
 untouched.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -105,6 +106,7 @@ def mounted(*args: str, target: Path, then_ro: bool = False):
 
 # --- disk full ----------------------------------------------------------------------------------
 
+
 class _FillingFile:
     """A file that takes ``room`` bytes and then fails every write with ENOSPC, as a full disk does."""
 
@@ -182,6 +184,7 @@ def test_disk_full_on_a_small_tmpfs(source, tmp_path, capsys, suffix):
 
 # --- two writers, one output ----------------------------------------------------------------------
 
+
 def _leftovers(folder: Path) -> list[str]:
     return [n for n in names(folder) if ".tmp-" in n]
 
@@ -256,8 +259,21 @@ def test_two_processes_converting_to_one_output(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _RACER, str(barrier), str(i), "convert", str(src), str(out_dir / "x.safetensors"), "--no-verify"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-c",
+                _RACER,
+                str(barrier),
+                str(i),
+                "convert",
+                str(src),
+                str(out_dir / "x.safetensors"),
+                "--no-verify",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i, src in enumerate(sources)
     ]
@@ -277,6 +293,7 @@ def test_two_processes_converting_to_one_output(tmp_path):
 
 
 # --- read-only folders ----------------------------------------------------------------------------
+
 
 def test_read_only_source_folder_mounted(source, tmp_path, capsys):
     before = sha256(source)
@@ -309,7 +326,11 @@ def test_read_only_source_folder_simulated(source, tmp_path, capsys, monkeypatch
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
     def guarded_open(path, mode="r", *args, **kwargs):
-        if isinstance(path, (str, os.PathLike)) and Path(path).parent == source.parent and any(m in mode for m in "wax+"):
+        if (
+            isinstance(path, (str, os.PathLike))
+            and Path(path).parent == source.parent
+            and any(m in mode for m in "wax+")
+        ):
             refuse(path)
         return real_open(path, mode, *args, **kwargs)
 
@@ -339,7 +360,9 @@ def test_read_only_output_folder_simulated(source, tmp_path, capsys, monkeypatch
         return real_os_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", read_only)
-    assert_one_line_error(*cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify"), "Read-only file system")
+    assert_one_line_error(
+        *cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify"), "Read-only file system"
+    )
     assert names(out_dir) == []
 
 

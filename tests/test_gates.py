@@ -1,4 +1,5 @@
 """Tests for the LayerScale gate profile, table and plot (timm_layerscale.inspection)."""
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,13 @@ def _stats(t: torch.Tensor) -> dict:
 
 def test_profile_of_an_official_checkpoint(official: dict) -> None:
     rows = gate_profile(official)
-    assert [r["block"] for r in rows] == ["blocks.0", "blocks.1", "blocks.2", "blocks_token_only.0", "blocks_token_only.1"]
+    assert [r["block"] for r in rows] == [
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks_token_only.0",
+        "blocks_token_only.1",
+    ]
     assert [r["depth"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r["class_attn"] for r in rows] == [False, False, False, True, True]
     assert all(r["dim"] == 32 and r["layout"] == "gamma" for r in rows)
@@ -58,7 +65,9 @@ def test_any_layout_and_any_container_gives_the_same_numbers(official: dict, tmp
 
 
 def test_other_families_and_nested_stages() -> None:
-    model = timm.create_model("deit3_small_patch16_224", img_size=32, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+    model = timm.create_model(
+        "deit3_small_patch16_224", img_size=32, embed_dim=32, depth=2, num_heads=2, num_classes=10
+    )
     rows = gate_profile(model.state_dict())
     assert [r["block"] for r in rows] == ["blocks.0", "blocks.1"]
     assert not any(r["class_attn"] for r in rows)
@@ -98,7 +107,23 @@ def test_table_marks_class_attention_blocks(official: dict) -> None:
     text = format_gate_table(gate_profile(official), title="tiny")
     lines = text.splitlines()
     assert lines[0] == "tiny"
-    assert lines[1].split() == ["block", "kind", "dim", "ls1", "mean", "ls1", "min", "ls1", "max", "ls2", "mean", "ls2", "min", "ls2", "max"]
+    assert lines[1].split() == [
+        "block",
+        "kind",
+        "dim",
+        "ls1",
+        "mean",
+        "ls1",
+        "min",
+        "ls1",
+        "max",
+        "ls2",
+        "mean",
+        "ls2",
+        "min",
+        "ls2",
+        "max",
+    ]
     body = {line.split()[0]: line.split() for line in lines[3:8]}
     assert body["blocks.0"][1] == "SA" and body["blocks_token_only.1"][1] == "CA"
     assert "3 self-attention (SA) block(s); 2 class-attention (CA) block(s), depth 3-4" in text

@@ -7,6 +7,7 @@ validation, preupload, NDJSON commit, pull requests, repository info), answers
 "regular" upload mode for every file so content travels inline in the commit, and
 records every request.
 """
+
 from __future__ import annotations
 
 import base64
@@ -66,7 +67,7 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         self.thread.start()
         return self
 
@@ -127,18 +128,18 @@ class FakeHub:
         repo_id, rest = m.group(1), m.group(2) or ""
         repo = self.repos[repo_id]
         if method == "GET" and (rest == "" or rest.startswith("revision/")):
-            rev = rest[len("revision/"):] or "main"
+            rev = rest[len("revision/") :] or "main"
             files = repo["branches"][rev]
             head = self._head(repo_id, rev)
             return 200, {"id": repo_id, "sha": head, "private": False, "siblings": [{"rfilename": f} for f in files]}
         if method == "POST" and rest.startswith("branch/"):
-            branch = rest[len("branch/"):]
+            branch = rest[len("branch/") :]
             if branch in repo["branches"]:
                 return 409, {"error": "Reference already exists"}
             repo["branches"][branch] = dict(repo["branches"]["main"])
             return 200, {}
         if method == "POST" and rest.startswith("preupload/"):
-            rev = rest[len("preupload/"):]
+            rev = rest[len("preupload/") :]
             files = repo["branches"].get(rev, repo["branches"]["main"])
             out = []
             for f in json.loads(raw)["files"]:
@@ -147,7 +148,7 @@ class FakeHub:
                 out.append({"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": oid})
             return 200, {"files": out, "commitOid": self._head(repo_id, rev)}
         if method == "POST" and rest.startswith("commit/"):
-            rev = rest[len("commit/"):]
+            rev = rest[len("commit/") :]
             lines = [json.loads(line) for line in raw.splitlines() if line.strip()]
             header = lines[0]["value"]
             files = {}
@@ -157,7 +158,9 @@ class FakeHub:
                 files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
             repo["branches"].setdefault(rev, dict(repo["branches"]["main"])).update(files)
             oid = hashlib.sha1(f"{repo_id}{rev}{len(self.commits)}".encode()).hexdigest()
-            self.commits.append({"repo_id": repo_id, "revision": rev, "summary": header["summary"], "files": files, "oid": oid})
+            self.commits.append(
+                {"repo_id": repo_id, "revision": rev, "summary": header["summary"], "files": files, "oid": oid}
+            )
             pr = re.fullmatch(r"refs/pr/(\d+)", rev)
             pr_url = f"{self.url}/{repo_id}/discussions/{pr.group(1)}" if pr else None
             return 200, {"commitUrl": f"{self.url}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": pr_url}
@@ -171,11 +174,18 @@ class FakeHub:
             num = int(rest.split("/")[1])
             pr = repo["prs"][num]
             return 200, {
-                "num": num, "title": pr["title"], "status": "draft", "isPullRequest": True,
-                "author": {"name": "tester"}, "createdAt": "2024-01-01T00:00:00.000Z",
-                "repo": {"name": repo_id, "type": "model"}, "events": [],
-                "changes": {"base": "refs/heads/main"}, "filesWithConflicts": [],
-                "diff": "", "pinned": False,
+                "num": num,
+                "title": pr["title"],
+                "status": "draft",
+                "isPullRequest": True,
+                "author": {"name": "tester"},
+                "createdAt": "2024-01-01T00:00:00.000Z",
+                "repo": {"name": repo_id, "type": "model"},
+                "events": [],
+                "changes": {"base": "refs/heads/main"},
+                "filesWithConflicts": [],
+                "diff": "",
+                "pinned": False,
             }
         return 404, {"error": f"no route for {method} {path}"}
 
@@ -405,12 +415,28 @@ def test_plan_skips_temporary_and_git_files(folder: Path) -> None:
 def test_cli_push_in_a_subprocess_never_shows_the_token(hub: FakeHub, folder: Path, tmp_path: Path) -> None:
     env = dict(os.environ)
     env.update(
-        HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / "hf-home"),
-        HF_DEBUG="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        HF_ENDPOINT=hub.url,
+        HF_TOKEN=TOKEN,
+        HF_HUB_OFFLINE="0",
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_DEBUG="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "timm_layerscale", "push", str(folder), "my-org/cli-model", "--commit-message", "from the CLI"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "timm_layerscale",
+            "push",
+            str(folder),
+            "my-org/cli-model",
+            "--commit-message",
+            "from the CLI",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert hub.commits and hub.commits[0]["summary"] == "from the CLI"
@@ -428,7 +454,7 @@ def test_no_row_of_the_error_table_is_hidden_by_an_earlier_one() -> None:
 
     rows = [types if isinstance(types, tuple) else (types,) for types, _ in MESSAGES]
     for i, earlier in enumerate(rows):
-        for later in rows[i + 1:]:
+        for later in rows[i + 1 :]:
             hidden = [t.__name__ for t in later if issubclass(t, earlier)]
             assert not hidden, f"{hidden} come after their base {[t.__name__ for t in earlier]}"
 
@@ -474,13 +500,14 @@ def test_hub_errors_raises_one_line_and_lets_unknown_errors_through() -> None:
 
     from timm_layerscale.hub.errors import hub_errors
 
-    with pytest.raises(HubError, match="could not reach the Hub at http://h while downloading x") as info:
-        with hub_errors("downloading x", "o/x", endpoint="http://h"):
-            raise httpx.ConnectTimeout("timed\nout")
+    with (
+        pytest.raises(HubError, match="could not reach the Hub at http://h while downloading x") as info,
+        hub_errors("downloading x", "o/x", endpoint="http://h"),
+    ):
+        raise httpx.ConnectTimeout("timed\nout")
     assert "\n" not in str(info.value) and isinstance(info.value.__cause__, httpx.ConnectTimeout)
-    with pytest.raises(KeyError):
-        with hub_errors("downloading x", "o/x", endpoint="http://h"):
-            raise KeyError("a bug stays a bug")
+    with pytest.raises(KeyError), hub_errors("downloading x", "o/x", endpoint="http://h"):
+        raise KeyError("a bug stays a bug")
 
 
 # ---- the package ------------------------------------------------------------------------
@@ -531,7 +558,7 @@ def test_resolve_source_reuses_a_cached_download(tmp_path: Path, monkeypatch) ->
 def test_resolve_source_network_failure_is_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    with pytest.raises(HubError, match="could not download .*check the network and retry"):
+    with pytest.raises(HubError, match=r"could not download .*check the network and retry"):
         resolve_source(_free_port_url() + "/deit/XXS24_224.pth")
     assert not (tmp_path / "checkpoints" / "XXS24_224.pth").exists()
 
@@ -543,11 +570,11 @@ def test_resolve_source_downloads_from_the_hub(hub: FakeHub) -> None:
     assert resolve_source("hf-hub:my-org/st").read_bytes() == b"safe"
     assert resolve_source("hf-hub:my-org/st@main/other.bin").read_bytes() == b"other"
     assert resolve_source("hf-hub:my-org/bin").read_bytes() == b"pickle"
-    with pytest.raises(HubError, match="has no file model.safetensors or pytorch_model.bin"):
+    with pytest.raises(HubError, match=r"has no file model\.safetensors or pytorch_model\.bin"):
         resolve_source("hf-hub:my-org/empty")
-    with pytest.raises(HubError, match="not found or is not accessible .*check the repo id"):
+    with pytest.raises(HubError, match=r"not found or is not accessible .*check the repo id"):
         resolve_source("hf-hub:my-org/does-not-exist")
-    with pytest.raises(HubError, match="my-org/st has no revision 'v9' \\(404\\) .*check the revision"):
+    with pytest.raises(HubError, match=r"my-org/st has no revision 'v9' \(404\) .*check the revision"):
         resolve_source("hf-hub:my-org/st@v9")
 
 
@@ -569,7 +596,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory):
     reference = write_official_checkpoint(source, "cait_xxs24_224", seed=0)
     with FakeHub() as server, pytest.MonkeyPatch.context() as mp:
         _point_at(mp, server.url, root)
-        result = export_folder(source, root / "out" / "cait_xxs24_224_ls.fb_dist_in1k", push_to_hub="my-org/cait_xxs24_224_ls.fb_dist_in1k")
+        result = export_folder(
+            source, root / "out" / "cait_xxs24_224_ls.fb_dist_in1k", push_to_hub="my-org/cait_xxs24_224_ls.fb_dist_in1k"
+        )
     yield result, reference, server, source
 
 
@@ -598,8 +627,8 @@ def test_export_files_config_and_metadata(exported) -> None:
     )
     with safe_open(str(result.folder / "model.safetensors"), framework="pt") as f:
         meta = f.metadata()
-        assert any(k.endswith("ls1.gamma") for k in f.keys())
-        assert not any("gamma_1" in k for k in f.keys())
+        assert any(k.endswith("ls1.gamma") for k in f.keys())  # noqa: SIM118  (safe_open has no __iter__)
+        assert not any("gamma_1" in k for k in f.keys())  # noqa: SIM118
     assert meta["format"] == "pt"
     assert meta["source_sha256"] == sha256_file(source)
     assert meta["architecture"] == "cait_xxs24_224_ls"
@@ -675,9 +704,11 @@ def test_export_into_a_folder_it_cannot_write_fails_before_converting(tmp_path: 
 
 
 def test_failed_export_leaves_nothing_behind(tmp_path: Path) -> None:
+    from timm_layerscale.errors import CheckpointError
+
     bad = tmp_path / "bad.pth"
     bad.write_bytes(b"PK\x03\x04 not really a zip file")
-    with pytest.raises(Exception):
+    with pytest.raises(CheckpointError, match="could not be read"):
         export_folder(bad, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pth"]
 
@@ -691,11 +722,21 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
     from timm_layerscale.hub.card import build_model_card
 
     conversion = SimpleNamespace(
-        variant=get_variant("cait_s24_224_ls"), source="https://dl.fbaipublicfiles.com/deit/S24_224.pth",
-        source_path=tmp_path / "S24_224.pth", source_sha256="ab" * 32, source_layout="gamma", report=None,
+        variant=get_variant("cait_s24_224_ls"),
+        source="https://dl.fbaipublicfiles.com/deit/S24_224.pth",
+        source_path=tmp_path / "S24_224.pth",
+        source_sha256="ab" * 32,
+        source_layout="gamma",
+        report=None,
     )
-    config = {"architecture": "cait_s24_224_ls", "num_classes": 1000, "pretrained_cfg": {"input_size": [3, 224, 224], "tag": "fb_dist_in1k"}}
-    card = build_model_card(conversion, repo_id="org/x", config=config, num_params=46_900_000, command="timm-layerscale export a b")
+    config = {
+        "architecture": "cait_s24_224_ls",
+        "num_classes": 1000,
+        "pretrained_cfg": {"input_size": [3, 224, 224], "tag": "fb_dist_in1k"},
+    }
+    card = build_model_card(
+        conversion, repo_id="org/x", config=config, num_params=46_900_000, command="timm-layerscale export a b"
+    )
     text = str(card)
     assert ModelCard(text).data.to_dict()["license"] == "apache-2.0"
     assert "[S24_224.pth](https://dl.fbaipublicfiles.com/deit/S24_224.pth)" in text

@@ -1,4 +1,5 @@
 """LayerScale, the CaiT init rule and optimizer parameter groups."""
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """``import timm_layerscale``: cheap, and it always registers the models."""
+
 from __future__ import annotations
 
 import os
@@ -39,10 +40,14 @@ def test_public_names_load_on_first_use():
     assert _run(code).splitlines() == ["False", "LayerScale True True", "[]"]
 
 
-@pytest.mark.parametrize("first", ["timm_layerscale.conversion.fold", "timm_layerscale.parity.compare", "timm_layerscale.layers"])
+@pytest.mark.parametrize(
+    "first", ["timm_layerscale.conversion.fold", "timm_layerscale.parity.compare", "timm_layerscale.layers"]
+)
 def test_any_module_imported_first_registers_the_models_cleanly(first):
     # A module that imports timm while the models import it back must not break registration.
     code = f"import {first}, timm; print(len(timm.list_models('*_ls')))"
     full = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-W", "error", "-c", code], env=full, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], env=full, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip() == "10", out.stderr

@@ -6,6 +6,7 @@ changes rounding, so folded models are compared with a tolerance; ``flop_count``
 agree with ``torch.utils.flop_counter`` within 1%. The inference attention is covered by
 ``test_exact_attention.py``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,7 +24,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from timm_layerscale import LayerScale, fuse_layerscale, to_gamma, to_layerscale
 from timm_layerscale.models.cait_ls import CaitLS
 
-TINY: dict[str, Any] = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5)
+TINY: dict[str, Any] = dict(
+    img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5
+)
 
 
 def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:

@@ -30,6 +30,7 @@ error for an offline machine with nothing cached (``LocalEntryNotFoundError``,
 must not use what a marked one would have made. A marked line that succeeds fails the
 test: the mark is wrong.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -82,7 +83,7 @@ def readme_blocks(text: str) -> list[Block]:
         indent, fence, language = m.groups()
         body, j = [], i + 1
         while j < len(lines) and not lines[j].strip().startswith(fence):
-            body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
+            body.append(lines[j][len(indent) :] if lines[j].startswith(indent) else lines[j])
             j += 1
         blocks.append(Block(language.lower(), "\n".join(body) + "\n", i + 1))
         i = j + 1
@@ -117,7 +118,9 @@ def workdir(tmp_path_factory) -> Path:
     vit5 = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
     model_sd = {k: v.clone() for k, v in seed_parameters_(vit5, seed=7).state_dict().items()}
     ema_sd = {k: v.clone() for k, v in seed_parameters_(vit5, seed=8).state_dict().items()}
-    torch.save({"model": model_sd, "model_ema": ema_sd, "optimizer": {}, "epoch": 799}, work / "vit5_small_patch16_224.pth")
+    torch.save(
+        {"model": model_sd, "model_ema": ema_sd, "optimizer": {}, "epoch": 799}, work / "vit5_small_patch16_224.pth"
+    )
     gen = torch.Generator().manual_seed(0)
     for name in ("cat.jpg", "dog.jpg"):
         pixels = torch.randint(0, 256, (256, 320, 3), generator=gen, dtype=torch.uint8).numpy()
@@ -198,7 +201,7 @@ def run_command(line: str) -> None:
 
 # ---- running Python blocks --------------------------------------------------------------
 
-_DRIVER = r'''
+_DRIVER = r"""
 import ast, sys, time, traceback
 source = open(sys.argv[1], encoding="utf-8").read()
 lines = source.splitlines()
@@ -225,7 +228,7 @@ for stmt in ast.parse(source).body:
     else:
         if network:
             sys.exit(f"[network] statement succeeded offline; remove the mark: {text}")
-'''
+"""
 
 
 def run_python(block: Block, workdir: Path, env: dict[str, str]) -> None:
@@ -236,7 +239,12 @@ def run_python(block: Block, workdir: Path, env: dict[str, str]) -> None:
     full_env = dict(os.environ, **env)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(driver), str(script)], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(driver), str(script)],
+        cwd=workdir,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, f"{block.id}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
@@ -254,7 +262,9 @@ def test_fence_parser_reads_languages_bodies_and_indented_fences():
     text = "x\n```bash\na  # [network]\n```\n  ```python\n  print(1)\n  ```\n~~~\nplain\n~~~\n"
     blocks = readme_blocks(text)
     assert [(b.language, b.code, b.line) for b in blocks] == [
-        ("bash", "a  # [network]\n", 2), ("python", "print(1)\n", 5), ("", "plain\n", 8)
+        ("bash", "a  # [network]\n", 2),
+        ("python", "print(1)\n", 5),
+        ("", "plain\n", 8),
     ]
 
 

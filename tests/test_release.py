@@ -5,6 +5,7 @@ The pipeline runs over a folder of synthetic checkpoints in the official layout
 corrupt one between them and one missing, and uploads to the loopback Hub of
 ``test_hub``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,13 +63,34 @@ def test_list_prints_the_table(capsys) -> None:
 
 def test_markdown_summary_format() -> None:
     rows: list[dict[str, Any]] = [
-        {"variant": "cait_xxs24_224_ls", "params": 11_956_264, "source_sha256": "ab" * 32, "max_abs_diff": 0.0,
-         "bit_exact": True, "seconds": 12.345, "peak_memory_mib": 812.4, "status": "ok", "error": None},
-        {"variant": "cait_s24_224_ls", "params": None, "source_sha256": None, "max_abs_diff": None,
-         "bit_exact": None, "seconds": 0.1, "peak_memory_mib": 300.0, "status": "failed", "error": "boom; retry"},
+        {
+            "variant": "cait_xxs24_224_ls",
+            "params": 11_956_264,
+            "source_sha256": "ab" * 32,
+            "max_abs_diff": 0.0,
+            "bit_exact": True,
+            "seconds": 12.345,
+            "peak_memory_mib": 812.4,
+            "status": "ok",
+            "error": None,
+        },
+        {
+            "variant": "cait_s24_224_ls",
+            "params": None,
+            "source_sha256": None,
+            "max_abs_diff": None,
+            "bit_exact": None,
+            "seconds": 0.1,
+            "peak_memory_mib": 300.0,
+            "status": "failed",
+            "error": "boom; retry",
+        },
     ]
     md = format_markdown(rows)
-    assert "| variant | params (M) | source sha256 | max abs diff | bit-exact | seconds | peak memory (MiB) | status |" in md
+    assert (
+        "| variant | params (M) | source sha256 | max abs diff | bit-exact | seconds | peak memory (MiB) | status |"
+        in md
+    )
     assert f"| `cait_xxs24_224_ls` | 12.0 | `{'ab' * 32}` | 0 | yes | 12.3 | 812.4 | ok |" in md
     assert "| `cait_s24_224_ls` | - | - | - | - | 0.1 | 300.0 | failed |" in md
     assert "- `cait_s24_224_ls`: boom; retry" in md
@@ -99,7 +121,12 @@ def test_pipeline_runs_on_after_a_failure_and_exits_1(pipeline) -> None:
     assert code == 1
     data = json.loads((out / "summary.json").read_text())
     rows = data["results"]
-    assert [r["variant"] for r in rows] == ["cait_xxs24_224_ls", "cait_xxs24_384_ls", "cait_xxs36_224_ls", "cait_xs24_384_ls"]
+    assert [r["variant"] for r in rows] == [
+        "cait_xxs24_224_ls",
+        "cait_xxs24_384_ls",
+        "cait_xxs36_224_ls",
+        "cait_xs24_384_ls",
+    ]
     assert [r["status"] for r in rows] == ["ok", "failed", "ok", "failed"]
     assert data["failed"] == ["cait_xxs24_384_ls", "cait_xs24_384_ls"]
     assert "XXS24_384.pth" in rows[1]["error"]
@@ -114,7 +141,10 @@ def test_pipeline_summary_rows(pipeline) -> None:
 
     _, out, sources, _, _, _ = pipeline
     rows = {r["variant"]: r for r in json.loads((out / "summary.json").read_text())["results"]}
-    for name, file, params in (("cait_xxs24_224_ls", "XXS24_224.pth", 12.0e6), ("cait_xxs36_224_ls", "XXS36_224.pth", 17.3e6)):
+    for name, file, params in (
+        ("cait_xxs24_224_ls", "XXS24_224.pth", 12.0e6),
+        ("cait_xxs36_224_ls", "XXS36_224.pth", 17.3e6),
+    ):
         r = rows[name]
         assert r["source_sha256"] == sha256_file(sources / file)
         assert r["bit_exact"] is True and r["max_abs_diff"] == 0.0
@@ -137,4 +167,4 @@ def test_pipeline_exports_and_pushes_only_the_good_variants(pipeline) -> None:
         assert config["architecture"] == folder.split(".")[0]
         card = (out / folder / "README.md").read_text()
         assert "python -m convert --only" in card and f"--sources {sources}" in card
-        assert f'hf-hub:my-org/{folder}' in card
+        assert f"hf-hub:my-org/{folder}" in card

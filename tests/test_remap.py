@@ -1,4 +1,5 @@
 """Key rules between the gamma and LayerScale-module layouts."""
+
 from __future__ import annotations
 
 import pytest
@@ -103,13 +104,25 @@ def test_mismatch_report_lists_missing_unexpected_misshaped():
         check_state_dict({}, many)
 
 
-_SUFFIXES = st.sampled_from([
-    "gamma_1", "gamma_2", "norm1.weight", "norm2.bias", "attn.proj.weight", "mlp.fc1.bias", "mlp.fc2.weight",
-])
+_SUFFIXES = st.sampled_from(
+    [
+        "gamma_1",
+        "gamma_2",
+        "norm1.weight",
+        "norm2.bias",
+        "attn.proj.weight",
+        "mlp.fc1.bias",
+        "mlp.fc2.weight",
+    ]
+)
 _TOKEN_SUFFIXES = st.sampled_from(["gamma_1", "gamma_2", "attn.q.weight", "attn.v.bias", "norm1.weight"])
 _KEYS = st.one_of(
     st.builds(lambda i, s: f"blocks.{i}.{s}", st.integers(0, 60), _SUFFIXES),
-    st.builds(lambda i, s: f"blocks.{i}.attn.{s}", st.integers(0, 60), st.sampled_from(["qkv.weight", "proj_l.bias", "proj_w.weight"])),
+    st.builds(
+        lambda i, s: f"blocks.{i}.attn.{s}",
+        st.integers(0, 60),
+        st.sampled_from(["qkv.weight", "proj_l.bias", "proj_w.weight"]),
+    ),
     st.builds(lambda i, s: f"blocks_token_only.{i}.{s}", st.integers(0, 3), _TOKEN_SUFFIXES),
     st.sampled_from(["cls_token", "pos_embed", "patch_embed.proj.weight", "norm.bias", "head.weight"]),
 )
@@ -123,5 +136,5 @@ def test_round_trip_property(keys, prefix):
     assert len(ls) == len(sd)
     assert not any(k.endswith(("gamma_1", "gamma_2")) for k in ls)
     back = to_gamma(ls)
-    assert back == {k[len(prefix):]: v for k, v in sd.items()}
+    assert back == {k[len(prefix) :]: v for k, v in sd.items()}
     assert to_layerscale(back) == ls

@@ -1,4 +1,5 @@
 """The README's tables of models say what the one variant table and the registry say."""
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,7 @@ def test_model_table_is_the_variant_table() -> None:
     rows = _table("| model | timm reference twin |")
     ours = [v for v in VARIANTS if v.family in ("cait", "vit5")]
     assert [r[0] for r in rows] == [v.name for v in ours]
-    for row, v in zip(rows, ours):
+    for row, v in zip(rows, ours, strict=True):
         assert row[1] == (v.reference or "—"), row
         assert row[2] == _params_m(v), row
         assert int(row[3]) == v.img_size, row
@@ -52,7 +53,7 @@ def test_vit5_table_is_the_variant_table() -> None:
     rows = _table("| model | resolution | params (M) | ImageNet-1k top-1")
     ours = [v for v in VARIANTS if v.family == "vit5"]
     assert [r[0] for r in rows] == [v.name for v in ours]
-    for row, v in zip(rows, ours):
+    for row, v in zip(rows, ours, strict=True):
         assert (int(row[1]), row[2]) == (v.img_size, _params_m(v)), row
         assert (row[3] == "(no released weights)") == (v.official_file is None), row
 

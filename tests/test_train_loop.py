@@ -5,6 +5,7 @@ the CPU. Covered: the optimizer factory's weight-decay groups, ``ModelEmaV3``, g
 checkpointing and ``torch.compile`` against eager gradients, bf16 autocast, the loss going
 down, and a checkpoint written by timm's ``CheckpointSaver`` converted to the official layout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,7 @@ def grads(model: torch.nn.Module, forward, x: torch.Tensor, y: torch.Tensor) -> 
 
 # --- optimizer and EMA -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("layer_decay", [None, 0.75], ids=["plain", "layer_decay"])
 def test_optimizer_factory_exempts_every_gamma_from_weight_decay(layer_decay):
     model = tiny_model()
@@ -69,7 +71,9 @@ def test_optimizer_factory_exempts_every_gamma_from_weight_decay(layer_decay):
     assert len(gamma_ids) == 2 * (TINY["depth"] + 2)
     assert gamma_ids <= no_decay
     assert {id(model.pos_embed), id(model.cls_token)} <= no_decay  # the model's no_weight_decay()
-    assert {"blocks.0.attn.qkv.weight", "blocks_token_only.1.mlp.fc2.weight", "head.weight"} <= {names[i] for i in decay}
+    assert {"blocks.0.attn.qkv.weight", "blocks_token_only.1.mlp.fc2.weight", "head.weight"} <= {
+        names[i] for i in decay
+    }
     # A step with zero gradients moves nothing but AdamW's decoupled weight decay.
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -107,6 +111,7 @@ def test_model_ema_keeps_the_tag_and_tracks_the_model():
 
 
 # --- gradients: checkpointing and compilation ---------------------------------------------------
+
 
 def test_grad_checkpointing_gives_the_eager_gradients_exactly():
     """Equal by construction: recomputation runs the same ATen calls on the same tensors.
@@ -153,6 +158,7 @@ def test_compiled_train_step_gives_the_eager_gradients():
 
 # --- the loop ---------------------------------------------------------------------------------
 
+
 def test_a_few_bf16_autocast_steps_lower_the_loss():
     model = tiny_model().train()
     init = {n: p.detach().clone() for n, p in gammas(model).items()}
@@ -185,6 +191,7 @@ def test_a_few_bf16_autocast_steps_lower_the_loss():
 
 # --- a train.py checkpoint, converted to the official layout ------------------------------------
 
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """``cait_xxs24_224_ls`` fine-tuned for a step to 10 classes, saved by timm's CheckpointSaver.
@@ -200,8 +207,16 @@ def trained(tmp_path_factory):
     opt.step()
     ema.update(model)
     args = argparse.Namespace(
-        model=NAME, num_classes=10, opt="adamw", lr=1e-3, weight_decay=0.05, drop_path=0.1,
-        model_ema=True, model_ema_decay=0.9, amp=False, epochs=1,
+        model=NAME,
+        num_classes=10,
+        opt="adamw",
+        lr=1e-3,
+        weight_decay=0.05,
+        drop_path=0.1,
+        model_ema=True,
+        model_ema_decay=0.9,
+        amp=False,
+        epochs=1,
     )
     folder = tmp_path_factory.mktemp("train-output")
     saver = CheckpointSaver(model, opt, args=args, model_ema=ema, checkpoint_dir=str(folder), recovery_dir=str(folder))
@@ -223,13 +238,15 @@ def test_train_py_checkpoint_converts_to_gamma_and_loads_into_timm_cait(trained,
     expected = ema_model if ema else model
     assert not torch.equal(ema_model.blocks[0].ls1.gamma, model.blocks[0].ls1.gamma)
     out = tmp_path / "XXS24_224_finetuned.pth"
-    argv = ["convert", str(path), str(out), "--to", "gamma", "--num-inputs", "2"] + (["--ema", "--no-verify"] if ema else [])
+    argv = ["convert", str(path), str(out), "--to", "gamma", "--num-inputs", "2"] + (
+        ["--ema", "--no-verify"] if ema else []
+    )
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 0, err
     official = torch.load(out, weights_only=True)
     assert list(official) == ["model"] and all(k.startswith("module.") for k in official["model"])
-    sd = {k[len("module."):]: v for k, v in official["model"].items()}
+    sd = {k[len("module.") :]: v for k, v in official["model"].items()}
     assert "blocks.0.gamma_1" in sd and not any(".ls1." in k or ".ls2." in k for k in sd)
     reference = timm.create_model("cait_xxs24_224", num_classes=10)
     reference.load_state_dict(sd, strict=True)

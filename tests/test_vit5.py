@@ -4,6 +4,7 @@ Parity is checked against a forward pass written here from the published math in
 PyTorch (float64, rotary embedding as complex multiplication), independent of the
 package's code, on official-layout state dicts whose every entry is random.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,26 +61,28 @@ def official_state_dict(
     }
     for i in range(depth):
         p = f"blocks.{i}."
-        sd.update({
-            p + "gamma_1": rnd(dim, std=0.1),
-            p + "gamma_2": rnd(dim, std=0.1),
-            p + "norm1.weight": rnd(dim, std=0.1, mean=1.0),
-            p + "attn.qkv.weight": rnd(3 * dim, dim, std=dim ** -0.5),
-            p + "attn.proj.weight": rnd(dim, dim, std=dim ** -0.5),
-            p + "attn.proj.bias": rnd(dim, std=0.1),
-            p + "attn.q_norm.weight": rnd(hd, std=0.1, mean=1.0),
-            p + "attn.k_norm.weight": rnd(hd, std=0.1, mean=1.0),
-            p + "attn.rope.freqs": _official_freqs(hd, 10000),
-            p + "attn.rope_reg.freqs": _official_freqs(hd, 100),
-            p + "norm2.weight": rnd(dim, std=0.1, mean=1.0),
-            p + "mlp.fc1.weight": rnd(hidden, dim, std=dim ** -0.5),
-            p + "mlp.fc1.bias": rnd(hidden, std=0.1),
-            p + "mlp.fc2.weight": rnd(dim, hidden, std=hidden ** -0.5),
-            p + "mlp.fc2.bias": rnd(dim, std=0.1),
-        })
+        sd.update(
+            {
+                p + "gamma_1": rnd(dim, std=0.1),
+                p + "gamma_2": rnd(dim, std=0.1),
+                p + "norm1.weight": rnd(dim, std=0.1, mean=1.0),
+                p + "attn.qkv.weight": rnd(3 * dim, dim, std=dim**-0.5),
+                p + "attn.proj.weight": rnd(dim, dim, std=dim**-0.5),
+                p + "attn.proj.bias": rnd(dim, std=0.1),
+                p + "attn.q_norm.weight": rnd(hd, std=0.1, mean=1.0),
+                p + "attn.k_norm.weight": rnd(hd, std=0.1, mean=1.0),
+                p + "attn.rope.freqs": _official_freqs(hd, 10000),
+                p + "attn.rope_reg.freqs": _official_freqs(hd, 100),
+                p + "norm2.weight": rnd(dim, std=0.1, mean=1.0),
+                p + "mlp.fc1.weight": rnd(hidden, dim, std=dim**-0.5),
+                p + "mlp.fc1.bias": rnd(hidden, std=0.1),
+                p + "mlp.fc2.weight": rnd(dim, hidden, std=hidden**-0.5),
+                p + "mlp.fc2.bias": rnd(dim, std=0.1),
+            }
+        )
     sd["norm.weight"] = rnd(dim, std=0.1, mean=1.0)
     if num_classes:
-        sd["head.weight"] = rnd(num_classes, dim, std=dim ** -0.5)
+        sd["head.weight"] = rnd(num_classes, dim, std=dim**-0.5)
         sd["head.bias"] = rnd(num_classes, std=0.1)
     return sd
 
@@ -110,7 +113,10 @@ def _rotate(t: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 
 
 def independent_forward(
-    sd: dict[str, torch.Tensor], x: torch.Tensor, heads: int, train_grid: tuple[int, int] | None = None,
+    sd: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    heads: int,
+    train_grid: tuple[int, int] | None = None,
     pos_embed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ViT-5 logits from an official state dict, in float64, from the published math."""
@@ -125,11 +131,13 @@ def independent_forward(
     N, D = t.shape[1:]
     hd = D // heads
     ref = train_grid or (rows, cols)
-    rot = torch.cat((
-        torch.ones(1, hd // 2, dtype=torch.complex128),  # class token: not rotated
-        _rotations(rows, cols, ref, hd, PATCH_THETA),
-        _rotations(2, 2, (2, 2), hd, REG_THETA),
-    ))
+    rot = torch.cat(
+        (
+            torch.ones(1, hd // 2, dtype=torch.complex128),  # class token: not rotated
+            _rotations(rows, cols, ref, hd, PATCH_THETA),
+            _rotations(2, 2, (2, 2), hd, REG_THETA),
+        )
+    )
     depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
     for i in range(depth):
         p = f"blocks.{i}."
@@ -200,7 +208,9 @@ def test_parity_with_independent_forward_small_224() -> None:
         out = model(x)
     ref = independent_forward(sd, x, 6)
     diff, top1 = parity(out, ref)
-    print(f"vit5_small_patch16_224: max abs diff {diff:.3g}, top-1 agreement {top1:.0%}, |logits| max {ref.abs().max():.3g}")
+    print(
+        f"vit5_small_patch16_224: max abs diff {diff:.3g}, top-1 agreement {top1:.0%}, |logits| max {ref.abs().max():.3g}"
+    )
     assert diff <= PARITY_ATOL
     assert top1 == 1.0
 
@@ -251,7 +261,11 @@ def test_reference_interface_loads_official_and_converted_weights() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_official_freqs_equal_computed_tables(name: str) -> None:
     computed = official_rope_buffers(name)
-    official = {k: v for k, v in vit5_official.build_official_vit5(vit5.VARIANTS[name]).state_dict().items() if k.endswith(".freqs")}
+    official = {
+        k: v
+        for k, v in vit5_official.build_official_vit5(vit5.VARIANTS[name]).state_dict().items()
+        if k.endswith(".freqs")
+    }
     assert computed.keys() == official.keys()
     assert all(torch.equal(computed[k], official[k]) for k in computed)
     depth, hd = vit5.VARIANTS[name].depth, vit5.VARIANTS[name].embed_dim // vit5.VARIANTS[name].num_heads
@@ -380,7 +394,9 @@ def test_filter_ema_selection_and_errors() -> None:
     sd, ema = official_state_dict(**TINY, grid=2, seed=1), official_state_dict(**TINY, grid=2, seed=2)
     model = tiny(32)
     assert vit5.checkpoint_filter_fn({"model": sd, "model_ema": ema}, model)["cls_token"] is sd["cls_token"]
-    assert vit5.checkpoint_filter_fn({"model": sd, "model_ema": ema}, model, use_ema=True)["cls_token"] is ema["cls_token"]
+    assert (
+        vit5.checkpoint_filter_fn({"model": sd, "model_ema": ema}, model, use_ema=True)["cls_token"] is ema["cls_token"]
+    )
     assert vit5.checkpoint_filter_fn(sd, model, use_ema=True)["cls_token"] is sd["cls_token"]
     with pytest.raises(RemapError, match="model_ema"):
         vit5.checkpoint_filter_fn({"model": sd}, model, use_ema=True)

@@ -6,6 +6,7 @@ models are registered the moment it is (right after timm's own import finishes),
 so ``import timm_layerscale`` alone loads neither torch nor timm and the command
 line starts instantly. The public names below are imported on first use.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """``python -m timm_layerscale``: the command line."""
+
 import sys
 
 from .cli import main

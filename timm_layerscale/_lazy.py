@@ -1,4 +1,5 @@
 """Module attributes imported on first use, so that importing a package loads no torch."""
+
 from __future__ import annotations
 
 import importlib

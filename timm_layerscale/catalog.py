@@ -1,4 +1,5 @@
 """The table of registered models shown by ``timm-layerscale list`` and the README."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -63,7 +64,14 @@ def format_catalog(rows: list[dict[str, Any]], flops: bool = False) -> str:
     table = [head]
     for r in rows:
         tags = ", ".join(t.split(".", 1)[1] for t in r["pretrained"]) or "-"
-        line = [r["name"], r["reference"], f"{r['params'] / 1e6:.1f}", str(r["resolution"]), f"{r['init_value']:g}", tags]
+        line = [
+            r["name"],
+            r["reference"],
+            f"{r['params'] / 1e6:.1f}",
+            str(r["resolution"]),
+            f"{r['init_value']:g}",
+            tags,
+        ]
         if flops:
             line.insert(4, "-" if r.get("flops") is None else f"{r['flops'] / 1e9:.2f}")
         table.append(line)

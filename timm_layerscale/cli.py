@@ -15,6 +15,7 @@ every command:
 130   interrupted (Ctrl-C)
 ====  ==========================================================================
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,10 @@ def _add_common(p: argparse.ArgumentParser, top: bool = False, quiet: bool = Tru
     p.add_argument("--debug", action="store_true", default=default, help="show the full traceback on errors")
     if quiet:
         p.add_argument(
-            "-q", "--quiet", action="store_true", default=default,
+            "-q",
+            "--quiet",
+            action="store_true",
+            default=default,
             help="no progress bars (they are shown only when stderr is a terminal)",
         )
 
@@ -74,13 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     def add(name: str, help: str, epilog: str = "", quiet: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=help, description=help, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         _add_common(p, quiet=quiet)
         return p
 
     def source_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", metavar="NAME", help="model name; overrides architecture detection")
-        p.add_argument("--ema", action="store_true", help="take the EMA weights of a training checkpoint ('model_ema', or timm's 'state_dict_ema')")
+        p.add_argument(
+            "--ema",
+            action="store_true",
+            help="take the EMA weights of a training checkpoint ('model_ema', or timm's 'state_dict_ema')",
+        )
 
     p = add(
         "convert",
@@ -92,12 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("output", metavar="OUTPUT")
     source_args(p)
     p.add_argument(
-        "--to", choices=("ls", "gamma"), default="ls",
+        "--to",
+        choices=("ls", "gamma"),
+        default="ls",
         help="target layout (default: ls). gamma writes the official file: a .pth holding "
         "{'model': {'module.' + key: tensor}} for CaiT, {'model': state_dict} for DeiT-III and ViT-5",
     )
-    p.add_argument("--plain", action="store_true", help="with --to gamma: write the bare state dict, without the official wrapper")
-    p.add_argument("--format", dest="fmt", choices=("safetensors", "pth"), help="output format (default: from OUTPUT's suffix, else safetensors)")
+    p.add_argument(
+        "--plain", action="store_true", help="with --to gamma: write the bare state dict, without the official wrapper"
+    )
+    p.add_argument(
+        "--format",
+        dest="fmt",
+        choices=("safetensors", "pth"),
+        help="output format (default: from OUTPUT's suffix, else safetensors)",
+    )
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
     p.add_argument("--fuse", action="store_true", help="fold LayerScale into the preceding Linear layers")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
@@ -137,7 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     source_args(p)
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder after exporting it")
-    p.add_argument("--repo-id", metavar="ORG/NAME", help="repo id shown in the model card's usage code (default: --push-to-hub, else ORG/<DIR name>)")
+    p.add_argument(
+        "--repo-id",
+        metavar="ORG/NAME",
+        help="repo id shown in the model card's usage code (default: --push-to-hub, else ORG/<DIR name>)",
+    )
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
     p.add_argument("--commit-message", metavar="M", help="commit message of the upload")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

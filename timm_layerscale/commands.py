@@ -3,6 +3,7 @@
 Each command calls one library function and prints its result (a table, or JSON with
 ``--json``); heavy modules are imported inside the command that needs them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,18 @@ from typing import Any
 
 from .options import verify_options
 
-__all__ = ["COMMANDS", "EXIT_OK", "EXIT_VERIFICATION_FAILED", "EXIT_USER_ERROR", "EXIT_INTERNAL_ERROR",
-           "EXIT_INTERRUPTED", "PROG", "cli_message", "error", "print_json"]
+__all__ = [
+    "COMMANDS",
+    "EXIT_OK",
+    "EXIT_VERIFICATION_FAILED",
+    "EXIT_USER_ERROR",
+    "EXIT_INTERNAL_ERROR",
+    "EXIT_INTERRUPTED",
+    "PROG",
+    "cli_message",
+    "error",
+    "print_json",
+]
 
 PROG = "timm-layerscale"
 
@@ -55,7 +66,6 @@ def error(message: str) -> None:
     print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
 
 
-
 def print_json(obj: Any) -> None:
     """Print ``obj`` as indented JSON (values it cannot encode as strings)."""
     print(json.dumps(obj, indent=2, default=str))
@@ -67,8 +77,18 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
     try:
         res = convert_checkpoint(
-            a.source, a.output, model=a.model, to=a.to, fmt=a.fmt, dtype=a.dtype, overwrite=a.overwrite,
-            verify=a.verify, allow_nonfinite=a.allow_nonfinite, ema=a.ema, fuse=a.fuse, plain=a.plain,
+            a.source,
+            a.output,
+            model=a.model,
+            to=a.to,
+            fmt=a.fmt,
+            dtype=a.dtype,
+            overwrite=a.overwrite,
+            verify=a.verify,
+            allow_nonfinite=a.allow_nonfinite,
+            ema=a.ema,
+            fuse=a.fuse,
+            plain=a.plain,
             options=verify_options(a),
         )
     except ParityError as e:
@@ -79,16 +99,26 @@ def cmd_convert(a: argparse.Namespace) -> int:
         error(cli_message(str(e)))
         return EXIT_VERIFICATION_FAILED
     if a.json:
-        print_json({
-            "ok": True, "output": str(res.output), "model": res.variant.name, "family": res.variant.family,
-            "source_sha256": res.source_sha256, "source_layout": res.source_layout, "target_layout": res.target_layout,
-            "container": res.container,
-            "seconds": round(res.seconds, 3), "metadata": res.metadata,
-            "report": res.report.to_dict() if res.report else None,
-        })
+        print_json(
+            {
+                "ok": True,
+                "output": str(res.output),
+                "model": res.variant.name,
+                "family": res.variant.family,
+                "source_sha256": res.source_sha256,
+                "source_layout": res.source_layout,
+                "target_layout": res.target_layout,
+                "container": res.container,
+                "seconds": round(res.seconds, 3),
+                "metadata": res.metadata,
+                "report": res.report.to_dict() if res.report else None,
+            }
+        )
         return 0
     target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
-    print(f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s")
+    print(
+        f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s"
+    )
     if res.report is not None:
         print(res.report.format_table())
     return 0
@@ -131,8 +161,16 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     try:
         res = export_folder(
-            a.source, a.dir, model=a.model, overwrite=a.overwrite, ema=a.ema, options=verify_options(a),
-            push_to_hub=a.push_to_hub, private=a.private, commit_message=a.commit_message, repo_id=a.repo_id,
+            a.source,
+            a.dir,
+            model=a.model,
+            overwrite=a.overwrite,
+            ema=a.ema,
+            options=verify_options(a),
+            push_to_hub=a.push_to_hub,
+            private=a.private,
+            commit_message=a.commit_message,
+            repo_id=a.repo_id,
         )
     except ParityError as e:
         print(e.report.format_table())
@@ -149,8 +187,13 @@ def cmd_push(a: argparse.Namespace) -> int:
     from .hub.upload import push_folder
 
     res = push_folder(
-        a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
-        commit_message=a.commit_message, dry_run=a.dry_run,
+        a.dir,
+        a.repo_id,
+        private=a.private,
+        revision=a.revision,
+        create_pr=a.create_pr,
+        commit_message=a.commit_message,
+        dry_run=a.dry_run,
     )
     if a.json:
         print_json(res.to_dict())

@@ -11,6 +11,7 @@
 
 Nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,9 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run_demo(out: str | os.PathLike[str] = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None) -> bool:
+def run_demo(
+    out: str | os.PathLike[str] = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None
+) -> bool:
     """Run the demo into folder ``out``; return whether every parity check held.
 
     ``options`` (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`) set the verification of step 2.
@@ -94,16 +97,34 @@ def run_demo(out: str | os.PathLike[str] = "demo-out", overwrite: bool = False, 
     _say("[3/3] loading the results with timm.create_model and comparing with the reference")
     inputs = seeded_inputs(4, 224, seed=seed + 1)
     loaded = timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(converted)))
-    rep = compare_models(reference, loaded, inputs, reference_name=REFERENCE, model_name=f"{MODEL} (file)",
-                         family="cait", inputs_desc="4 seeded images")
-    _say(f"      timm.create_model('{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)): "
-         f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})")
+    rep = compare_models(
+        reference,
+        loaded,
+        inputs,
+        reference_name=REFERENCE,
+        model_name=f"{MODEL} (file)",
+        family="cait",
+        inputs_desc="4 seeded images",
+    )
+    _say(
+        f"      timm.create_model('{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)): "
+        f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})"
+    )
     ok = ok and rep.passed
     hub_model = timm.create_model(f"local-dir:{hub_dir}", pretrained=True)
-    rep = compare_models(reference, hub_model, inputs, reference_name=REFERENCE, model_name=f"{MODEL} (local-dir)",
-                         family="cait", inputs_desc="4 seeded images")
-    _say(f"      timm.create_model('local-dir:{hub_dir}', pretrained=True): "
-         f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})")
+    rep = compare_models(
+        reference,
+        hub_model,
+        inputs,
+        reference_name=REFERENCE,
+        model_name=f"{MODEL} (local-dir)",
+        family="cait",
+        inputs_desc="4 seeded images",
+    )
+    _say(
+        f"      timm.create_model('local-dir:{hub_dir}', pretrained=True): "
+        f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})"
+    )
     ok = ok and rep.passed
     return finish(ok)
 

@@ -5,6 +5,7 @@ is a :class:`LayerScaleError` whose message is one line saying what is wrong and
 what to do. The command line prints that line and exits with the error's
 :attr:`~LayerScaleError.exit_code`; ``--debug`` shows the traceback.
 """
+
 from __future__ import annotations
 
 from typing import Any

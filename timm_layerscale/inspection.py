@@ -11,6 +11,7 @@ Only the gamma tensors are read; safetensors files are opened lazily, so
 inspecting a large checkpoint costs little memory. Drawing needs matplotlib
 (``pip install 'timm-layerscale[plot]'``), imported only when a plot is asked for.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,14 @@ from typing import Any
 
 from .errors import LayerScaleError
 
-__all__ = ["gate_profile", "format_gate_table", "plot_gates", "gate_stats", "require_matplotlib", "MissingPlotDependency"]
+__all__ = [
+    "gate_profile",
+    "format_gate_table",
+    "plot_gates",
+    "gate_stats",
+    "require_matplotlib",
+    "MissingPlotDependency",
+]
 
 #: ``<block>.gamma_1`` (official layout) or ``<block>.ls1.gamma`` (module layout).
 _GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
@@ -119,7 +127,9 @@ def gate_profile(
             "it is not a LayerScale model"
         )
     if len(layouts) > 1:
-        raise LayerScaleError("checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows")
+        raise LayerScaleError(
+            "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"
+        )
     rows = sorted(blocks.values(), key=lambda r: (_stage_order(r["stage"]), r["index"]))
     layout = layouts.pop()
     out = []
@@ -131,17 +141,19 @@ def gate_profile(
                 gamma = tensors[key]
                 row[which] = gate_stats(gamma)
                 dim = int(gamma.numel())
-        out.append({
-            "depth": depth,
-            "block": row["block"],
-            "stage": row["stage"],
-            "index": row["index"],
-            "class_attn": row["stage"] in _CLASS_ATTN_STAGES,
-            "dim": dim,
-            "ls1": row["ls1"],
-            "ls2": row["ls2"],
-            "layout": layout,
-        })
+        out.append(
+            {
+                "depth": depth,
+                "block": row["block"],
+                "stage": row["stage"],
+                "index": row["index"],
+                "class_attn": row["stage"] in _CLASS_ATTN_STAGES,
+                "dim": dim,
+                "ls1": row["ls1"],
+                "ls2": row["ls2"],
+                "layout": layout,
+            }
+        )
     if model is not None:
         _check_model(out, model)
     return out
@@ -171,7 +183,11 @@ def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
     missing = sorted(want - have)
     extra = sorted(have - want)
     if missing or extra:
-        what = f"{len(missing)} missing (first {'.'.join(missing[0])})" if missing else f"{len(extra)} unexpected (first {'.'.join(extra[0])})"
+        what = (
+            f"{len(missing)} missing (first {'.'.join(missing[0])})"
+            if missing
+            else f"{len(extra)} unexpected (first {'.'.join(extra[0])})"
+        )
         raise LayerScaleError(f"checkpoint gates do not fit {model}: {what}; check the model name")
 
 
@@ -202,7 +218,9 @@ def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = Non
     widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(header)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
 
     out = []
     if title:
@@ -287,9 +305,7 @@ def plot_gates(
         raise LayerScaleError("no gates to plot")
     out = Path(path)
     depth = [r["depth"] for r in rows]
-    positive = [
-        v for r in rows for w in ("ls1", "ls2") if r[w] for v in r[w].values() if not math.isnan(v) and v > 0
-    ]
+    positive = [v for r in rows for w in ("ls1", "ls2") if r[w] for v in r[w].values() if not math.isnan(v) and v > 0]
     floor = min(positive) if positive else 1e-12
     log = bool(positive)
 
@@ -299,7 +315,9 @@ def plot_gates(
     ca = [r["depth"] for r in rows if r["class_attn"]]
     handles: list[Artist] = []
     if ca:
-        handles.append(ax.axvspan(min(ca) - 0.5, max(ca) + 0.5, color="0.88", zorder=0, label="class-attention (CA) blocks"))
+        handles.append(
+            ax.axvspan(min(ca) - 0.5, max(ca) + 0.5, color="0.88", zorder=0, label="class-attention (CA) blocks")
+        )
     styles = (("ls1", "attention (ls1)", "tab:blue", "o"), ("ls2", "MLP (ls2)", "tab:orange", "s"))
     for which, label, color, marker in styles:
         pts = [(r["depth"], r[which]) for r in rows if r[which]]
@@ -310,7 +328,9 @@ def plot_gates(
         mean = [clip(s["mean"]) for _, s in pts]
         lo = [clip(s["min"]) for _, s in pts]
         hi = [clip(s["max"]) for _, s in pts]
-        (line,) = ax.plot(xs, mean, color=color, marker=marker, markersize=4, linewidth=2, label=f"{label}: mean", zorder=3)
+        (line,) = ax.plot(
+            xs, mean, color=color, marker=marker, markersize=4, linewidth=2, label=f"{label}: mean", zorder=3
+        )
         band = ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0, label=f"{label}: min to max", zorder=1)
         handles += [line, band]
     if log:

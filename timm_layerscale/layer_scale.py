@@ -9,6 +9,7 @@ A transformer block with LayerScale computes, for a token stream ``x`` of shape
 Reference: Touvron et al., "Going deeper with Image Transformers", ICCV 2021
 (arXiv 2103.17239), section 2.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -143,9 +144,7 @@ class LayerScale(nn.Module):
             ValueError: ``x.shape[-1] != C``.
         """
         if x.shape[-1] != self.dim:
-            raise ValueError(
-                f"LayerScale expected an input whose last dimension is {self.dim}, got {x.shape[-1]}"
-            )
+            raise ValueError(f"LayerScale expected an input whose last dimension is {self.dim}, got {x.shape[-1]}")
         return x * self.gamma.to(x.dtype)
 
     def flop_count(self, num_tokens: int) -> int:
@@ -265,12 +264,7 @@ def param_groups(
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if (
-            getattr(param, NO_WEIGHT_DECAY_ATTR, False)
-            or name in skip
-            or param.ndim <= 1
-            or name.endswith(".bias")
-        ):
+        if getattr(param, NO_WEIGHT_DECAY_ATTR, False) or name in skip or param.ndim <= 1 or name.endswith(".bias"):
             no_decay.append(param)
         else:
             decay.append(param)

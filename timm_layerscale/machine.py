@@ -1,4 +1,5 @@
 """What machine this is, for reports and benchmark tables (standard library only)."""
+
 from __future__ import annotations
 
 import platform

@@ -2,6 +2,7 @@
 
 Standard library only: ``--help`` and argument errors never import torch or timm.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,20 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
     """The verification options, the same for every command that verifies."""
     g = p.add_argument_group("verification")
     g.add_argument("--exact", action="store_true", help="demand bit-exact outputs (torch.equal), whatever the family")
-    g.add_argument("--atol", type=tolerance, metavar="X",
-                   help="absolute tolerance (default: the family's rule; 0 = bit-exact for CaiT and DeiT-III)")
+    g.add_argument(
+        "--atol",
+        type=tolerance,
+        metavar="X",
+        help="absolute tolerance (default: the family's rule; 0 = bit-exact for CaiT and DeiT-III)",
+    )
     g.add_argument("--rtol", type=tolerance, metavar="X", help="relative tolerance (default: the family's rule)")
     g.add_argument("--num-inputs", type=positive_int, default=8, metavar="K", help="seeded random images (default 8)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random images (default 0)")
     g.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
     g.add_argument("--device", default="cpu", help="run both models on cpu (default) or cuda")
-    g.add_argument("--batch-size", type=positive_int, default=4, metavar="N", help="images per forward pass (default 4)")
+    g.add_argument(
+        "--batch-size", type=positive_int, default=4, metavar="N", help="images per forward pass (default 4)"
+    )
 
 
 def verify_options(a: argparse.Namespace) -> Any:
@@ -54,8 +61,14 @@ def verify_options(a: argparse.Namespace) -> Any:
     from .parity.tolerance import VerifyOptions
 
     return VerifyOptions(
-        atol=a.atol, rtol=a.rtol, exact=a.exact, num_inputs=a.num_inputs, seed=a.seed, images=tuple(a.images),
-        device=a.device, batch_size=a.batch_size,
+        atol=a.atol,
+        rtol=a.rtol,
+        exact=a.exact,
+        num_inputs=a.num_inputs,
+        seed=a.seed,
+        images=tuple(a.images),
+        device=a.device,
+        batch_size=a.batch_size,
     )
 
 

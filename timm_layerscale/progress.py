@@ -5,6 +5,7 @@ work that lasts longer than :data:`DELAY` seconds, so short runs, pipes, logs an
 stay clean. :func:`disable_progress_bars` (the command line's ``--quiet``) turns them
 off, together with huggingface_hub's download bars and torch.hub's.
 """
+
 from __future__ import annotations
 
 import sys

@@ -14,6 +14,7 @@ One concern per module, pure rules in the middle and I/O at the edges:
 
 The names below are imported on first use, so importing this package loads no torch.
 """
+
 from __future__ import annotations
 
 from .._lazy import lazy_attributes

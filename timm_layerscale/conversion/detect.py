@@ -4,13 +4,15 @@ Reads the variant table (:data:`~timm_layerscale.conversion.families.VARIANTS`) 
 the shapes it implies (:func:`~timm_layerscale.conversion.families.state_dict_shapes`);
 no model is built and neither torch nor timm is imported.
 """
+
 from __future__ import annotations
 
 import difflib
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import ArchitectureError, RemapError
 from .families import FAMILIES, VARIANTS, Variant

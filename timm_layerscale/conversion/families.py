@@ -14,11 +14,13 @@ here imports torch or timm at module level, so reading the tables is instant.
 - ViT-5's rotary tables: the official checkpoints store them as buffers;
   :func:`official_rope_buffers` computes them, :func:`check_rope_buffers` checks a file's.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RemapError
 
@@ -112,9 +114,7 @@ def get_family(name: str) -> Family:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise RemapError(
-            f"unknown model family {name!r}; choose one of: {', '.join(sorted(FAMILIES))}"
-        ) from None
+        raise RemapError(f"unknown model family {name!r}; choose one of: {', '.join(sorted(FAMILIES))}") from None
 
 
 _LINEAR = r"\.(?:weight|bias)"
@@ -127,16 +127,32 @@ register_family(
             Rule(r"blocks(?:_token_only)?\.\d+\.ls[12]\.gamma", KEEP),
             Rule(r"cls_token|pos_embed", KEEP),
             Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
-            Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
-            Rule(r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
+            Rule(
+                r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)"
+                + _LINEAR,
+                KEEP,
+            ),
+            Rule(
+                r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)"
+                + _LINEAR,
+                KEEP,
+            ),
         ),
         to_gamma=(
             Rule(r"(blocks(?:_token_only)?\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
             Rule(r"blocks(?:_token_only)?\.\d+\.gamma_[12]", KEEP),
             Rule(r"cls_token|pos_embed", KEEP),
             Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
-            Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
-            Rule(r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
+            Rule(
+                r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)"
+                + _LINEAR,
+                KEEP,
+            ),
+            Rule(
+                r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)"
+                + _LINEAR,
+                KEEP,
+            ),
         ),
         official_prefix="module.",
     )
@@ -144,7 +160,11 @@ register_family(
 
 # ViT-5 (official ``models_vit5.py``): RMSNorm (weight only), QK-norm, no qkv bias,
 # registers, and per-block rotary frequency buffers that this package recomputes.
-_VIT5_BLOCK = r"blocks\.\d+\.(?:(?:norm1|norm2|attn\.q_norm|attn\.k_norm)\.weight|attn\.qkv\.weight|(?:attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR + ")"
+_VIT5_BLOCK = (
+    r"blocks\.\d+\.(?:(?:norm1|norm2|attn\.q_norm|attn\.k_norm)\.weight|attn\.qkv\.weight|(?:attn\.proj|mlp\.fc1|mlp\.fc2)"
+    + _LINEAR
+    + ")"
+)
 _VIT5_TOP = (
     Rule(r"cls_token|reg_token|pos_embed", KEEP),
     Rule(r"patch_embed\.proj" + _LINEAR + r"|norm\.weight|head" + _LINEAR, KEEP),

@@ -7,9 +7,10 @@ time. Dropout and stochastic depth between the two commute with the per-channel 
 so the folded model computes the same function in train mode too; training it further
 is another parameterisation, though (no separate, undecayed ``gamma``).
 """
+
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Tuple
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from .families import FOLD_TARGETS
 
 __all__ = ["fuse_layerscale", "fold_state_dict", "fold_weights"]
 
+
 def _is_layerscale(module: nn.Module) -> bool:
     # this package's LayerScale or timm's: both scale by a per-channel ``gamma``
     from timm.layers import LayerScale as TimmLayerScale  # not at import: the models import this module
@@ -26,7 +28,7 @@ def _is_layerscale(module: nn.Module) -> bool:
     return isinstance(module, (LayerScale, TimmLayerScale))
 
 
-def _target_linear(parent: nn.Module, path: Tuple[str, ...]) -> nn.Module | None:
+def _target_linear(parent: nn.Module, path: tuple[str, ...]) -> nn.Module | None:
     module: nn.Module | None = parent
     for name in path:
         module = getattr(module, name, None) if isinstance(module, nn.Module) else None
@@ -35,8 +37,8 @@ def _target_linear(parent: nn.Module, path: Tuple[str, ...]) -> nn.Module | None
 
 @torch.no_grad()
 def fold_weights(
-    weight: torch.Tensor, bias: Optional[torch.Tensor], gamma: torch.Tensor
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(diag(gamma) W, gamma * b)``: the one folding rule, used for modules and state dicts alike.
 
     Computed in at least fp32 and rounded once to the weight's (and bias's) dtype.
@@ -64,7 +66,7 @@ def _fold(linear: nn.Linear, gamma: torch.Tensor) -> None:
         linear.bias.copy_(b)
 
 
-def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fold every ``*.ls1.gamma`` / ``*.ls2.gamma`` of an ``ls``-layout state dict into its linear layer.
 
     The state-dict twin of :func:`fuse_layerscale` (same :func:`fold_weights`, so the
@@ -83,7 +85,9 @@ def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> Dict[str, torch.T
         gamma = out.pop(key)
         if weight is None or weight.ndim != 2 or weight.shape[0] != gamma.shape[0]:
             found = "nothing" if weight is None else f"a weight of shape {tuple(weight.shape)}"
-            raise ValueError(f"cannot fold {key!r} (shape {tuple(gamma.shape)}): expected a linear weight at {target!r}, found {found}")
+            raise ValueError(
+                f"cannot fold {key!r} (shape {tuple(gamma.shape)}): expected a linear weight at {target!r}, found {found}"
+            )
         w, b = fold_weights(weight, out.get(f"{target}.bias"), gamma)
         out[f"{target}.weight"] = w
         if b is not None:
@@ -115,7 +119,7 @@ def fuse_layerscale(model: nn.Module) -> nn.Module:
         ValueError: A block has LayerScale but no ``nn.Linear`` to fold it into, or
             the linear layer's output width is not the LayerScale's width.
     """
-    plan: List[Tuple[nn.Module, str, nn.Linear, torch.Tensor]] = []
+    plan: list[tuple[nn.Module, str, nn.Linear, torch.Tensor]] = []
     for prefix, parent in model.named_modules():
         for ls_name, path in FOLD_TARGETS.items():
             ls = parent._modules.get(ls_name)

@@ -11,10 +11,12 @@ Each family (:mod:`.families`) is an ordered table of rules. A source key is mat
 rules in order; the first rule that matches decides: rename the key, keep it, or drop
 it. A key no rule matches is an error that names it.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, TypeVar
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
 
 from ..errors import RemapError
 from .families import Family, Rule, get_family
@@ -77,25 +79,19 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
             EMA copy and none was asked for.
     """
     if not isinstance(checkpoint, Mapping):
-        raise RemapError(
-            f"checkpoint is a {type(checkpoint).__name__}, not a dict of tensors; save a state_dict()"
-        )
+        raise RemapError(f"checkpoint is a {type(checkpoint).__name__}, not a dict of tensors; save a state_dict()")
     if wrapper is not None:
         for key in EMA_KEYS if wrapper in EMA_KEYS else (wrapper,):
             if _is_state_dict(checkpoint.get(key)):
                 return checkpoint[key]
         found = ", ".join(k for k in WRAPPER_KEYS if k in checkpoint) or "none"
-        raise RemapError(
-            f"checkpoint has no {wrapper!r} state dict (wrappers found: {found})"
-        )
+        raise RemapError(f"checkpoint has no {wrapper!r} state dict (wrappers found: {found})")
     for key in WRAPPER_KEYS[:2]:
         if _is_state_dict(checkpoint.get(key)):
             return checkpoint[key]
     ema = [k for k in EMA_KEYS if _is_state_dict(checkpoint.get(k))]
     if ema and not any(hasattr(v, "shape") for v in checkpoint.values()):
-        raise RemapError(
-            f"checkpoint holds only an EMA state dict ({ema[0]!r}); ask for it explicitly: pass ema=True"
-        )
+        raise RemapError(f"checkpoint holds only an EMA state dict ({ema[0]!r}); ask for it explicitly: pass ema=True")
     return checkpoint
 
 
@@ -113,7 +109,7 @@ def strip_prefixes(state_dict: Mapping[str, V], prefixes: Iterable[str] = PREFIX
             changed = False
             for p in prefixes:
                 if new.startswith(p):
-                    new = new[len(p):]
+                    new = new[len(p) :]
                     changed = True
         if new in out:
             raise RemapError(f"two keys become {new!r} once prefixes are removed; the checkpoint is ambiguous")
@@ -145,13 +141,13 @@ def detect_layout(state_dict: Mapping[str, Any], family: str | Family) -> str:
     has_gamma = any(re.fullmatch(fam.gamma_pattern, k) for k in state_dict)
     has_ls = any(re.fullmatch(fam.ls_pattern, k) for k in state_dict)
     if has_gamma and has_ls:
-        raise RemapError("checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows")
+        raise RemapError(
+            "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"
+        )
     return "gamma" if has_gamma else "ls" if has_ls else "none"
 
 
-def _apply_rules(
-    state_dict: Mapping[str, V], rules: tuple[Rule, ...], family: str, direction: str
-) -> dict[str, V]:
+def _apply_rules(state_dict: Mapping[str, V], rules: tuple[Rule, ...], family: str, direction: str) -> dict[str, V]:
     out: dict[str, V] = {}
     unknown: list[str] = []
     for key, value in state_dict.items():
@@ -242,11 +238,7 @@ def check_state_dict(
     exp = {k: tuple(v) if isinstance(v, (tuple, list)) else _shape(v) for k, v in expected.items()}
     missing = [k for k in exp if k not in state_dict]
     unexpected = [k for k in state_dict if k not in exp]
-    misshaped = [
-        (k, _shape(state_dict[k]), exp[k])
-        for k in exp
-        if k in state_dict and _shape(state_dict[k]) != exp[k]
-    ]
+    misshaped = [(k, _shape(state_dict[k]), exp[k]) for k in exp if k in state_dict and _shape(state_dict[k]) != exp[k]]
     if not (missing or unexpected or misshaped):
         return
     parts = []

@@ -8,14 +8,16 @@ to the ``ls`` layout once, the target layout is derived from that, verification
 (:mod:`timm_layerscale.parity.verify`) runs in memory, and the writers of
 :mod:`~timm_layerscale.conversion.save` put the file in place atomically.
 """
+
 from __future__ import annotations
 
 import functools
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -93,7 +95,9 @@ def load_source(
     return path, sd, found.variant, found.info
 
 
-def _load(source: str | os.PathLike[str], *, model: str | None, ema: bool) -> tuple[Path, dict[str, torch.Tensor], Detection]:
+def _load(
+    source: str | os.PathLike[str], *, model: str | None, ema: bool
+) -> tuple[Path, dict[str, torch.Tensor], Detection]:
     path = ckpt.resolve_source(source)
     try:
         sd = state_dict_of(ckpt.load_checkpoint(path), ema=ema)
@@ -150,7 +154,9 @@ def verify_checkpoint(
         _, src_sd, found = _load(source, model=model, ema=ema)
     conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(ckpt.resolve_source(converted))
     conv_sd = state_dict_of(conv)
-    return verify_state_dicts(src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options)
+    return verify_state_dicts(
+        src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options
+    )
 
 
 def convert_checkpoint(
@@ -278,7 +284,8 @@ def convert_checkpoint(
         report = verify_state_dicts(sd, target, variant, num_classes=num_classes, options=options, fused=fuse)
         if not report.passed:
             what = (
-                "converted weights differ from the source" if report.weights_equal is False
+                "converted weights differ from the source"
+                if report.weights_equal is False
                 else f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}, "
                 f"{'bit-exact required' if report.atol == 0 and report.rtol == 0 else f'atol={report.atol:g}, rtol={report.rtol:g}'})"
             )
@@ -290,7 +297,12 @@ def convert_checkpoint(
         sha = one_pass.copy_to_safetensors(output, target, metadata, digest_key="source_sha256", overwrite=overwrite)
     else:
         save.save_state_dict(
-            output, target, metadata if fmt == "safetensors" else None, fmt=fmt, overwrite=overwrite, dtype=torch_dtype,
+            output,
+            target,
+            metadata if fmt == "safetensors" else None,
+            fmt=fmt,
+            overwrite=overwrite,
+            dtype=torch_dtype,
             wrap=wrap,
         )
     if verify:
@@ -311,10 +323,18 @@ def convert_checkpoint(
     from ..options import command_line
 
     command = command_line(
-        ("timm-layerscale", "convert", source, output), options if verify else None, model=model, to=None if to == "ls" else to,
+        ("timm-layerscale", "convert", source, output),
+        options if verify else None,
+        model=model,
+        to=None if to == "ls" else to,
         format=None if fmt == "safetensors" and output.suffix == ".safetensors" else fmt,
-        dtype=dtype, overwrite=overwrite or None, no_verify=not verify, allow_nonfinite=allow_nonfinite, ema=ema,
-        fuse=fuse, plain=plain,
+        dtype=dtype,
+        overwrite=overwrite or None,
+        no_verify=not verify,
+        allow_nonfinite=allow_nonfinite,
+        ema=ema,
+        fuse=fuse,
+        plain=plain,
     )
     return ConversionResult(
         output=output,
@@ -331,5 +351,3 @@ def convert_checkpoint(
         command=command,
         container=container,
     )
-
-

@@ -10,6 +10,7 @@
 Importing this package imports none of them (nor torch or huggingface_hub); each
 name below is imported from its module on first use.
 """
+
 from __future__ import annotations
 
 from .._lazy import lazy_attributes

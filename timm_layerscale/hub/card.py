@@ -8,6 +8,7 @@ LayerScale gates, usage code and the citation. The card's text is the template
 ``card_template.md`` next to this module; this module computes the values it is
 filled in with. Everything here is local: nothing is downloaded or sent.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,9 +16,10 @@ import math
 import os
 import re
 import string
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from .._version import __version__
@@ -93,9 +95,12 @@ _LAYOUT_ROWS = {
 _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-21k"}
 
 
-
 def write_config(
-    model_name: str, path: str | os.PathLike[str], *, num_classes: int | None = None, extra: Mapping[str, Any] | None = None
+    model_name: str,
+    path: str | os.PathLike[str],
+    *,
+    num_classes: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write timm's ``config.json`` for a registered model, with timm's own helper.
 
@@ -237,7 +242,8 @@ def build_model_card(
         paper=paper,
         origin_url=pcfg.get("origin_url"),
         layout_rows="\n".join(
-            f"| `{before}` | `{after}` | {note} |" for before, after, note in _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS)
+            f"| `{before}` | `{after}` | {note} |"
+            for before, after, note in _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS)
         ),
         source_file=source_file,
         source_sha256=conversion.source_sha256,
@@ -264,18 +270,20 @@ def _parity_text(report: Any) -> str:
             f"**within tolerance** `|ref - out| <= {report.atol:g} + {report.rtol:g} * |ref|` "
             f"({report.tolerance_reason}); largest difference {report.max_abs_diff:.3g}"
         )
-    weights_check = "identical" if report.weights_equal else "not compared" if report.weights_equal is None else "DIFFERENT"
+    weights_check = (
+        "identical" if report.weights_equal else "not compared" if report.weights_equal is None else "DIFFERENT"
+    )
     return _render(
         "parity", reference=report.reference, verdict=verdict, weights_check=weights_check, table=report.to_markdown()
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sections() -> dict[str, str]:
     """The sections of the template, by name, without the blank lines around them."""
     text = resources.files(__package__).joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
     parts = _SECTION.split(text)[1:]  # the text before the first section describes the format
-    return {name: body.strip("\n") for name, body in zip(parts[0::2], parts[1::2])}
+    return {name: body.strip("\n") for name, body in zip(parts[0::2], parts[1::2], strict=True)}
 
 
 def _placeholders(line: str) -> list[str]:
@@ -326,8 +334,14 @@ def _gate_summary(gates: Sequence[Mapping[str, Any]]) -> str:
         means = [(r[which]["mean"], r["block"]) for r in gates if r.get(which) and not math.isnan(r[which]["mean"])]
         if means:
             lo, hi = min(means), max(means)
-            parts.append(f"{label} gates (`{which}`) have mean |gamma| from {lo[0]:.3g} (`{lo[1]}`) to {hi[0]:.3g} (`{hi[1]}`)")
+            parts.append(
+                f"{label} gates (`{which}`) have mean |gamma| from {lo[0]:.3g} (`{lo[1]}`) to {hi[0]:.3g} (`{hi[1]}`)"
+            )
     ca = sum(1 for r in gates if r.get("class_attn"))
-    where = f" over {len(gates) - ca} self-attention and {ca} class-attention blocks" if ca else f" over {len(gates)} blocks"
+    where = (
+        f" over {len(gates) - ca} self-attention and {ca} class-attention blocks"
+        if ca
+        else f" over {len(gates)} blocks"
+    )
     text = "; ".join(parts) + where + "."
     return text[0].upper() + text[1:] + " Print the full table with `timm-layerscale inspect hf-hub:...`."

@@ -10,6 +10,7 @@ The only requests sent from here are in :func:`_download_url` and
 :class:`~timm_layerscale.errors.HubError` messages; those of huggingface_hub through
 :func:`~timm_layerscale.hub.errors.hub_errors`.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,7 +56,7 @@ def download_source(source: str) -> Path:
 
 
 def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
-    rest = spec[len("hf-hub:"):].strip("/")
+    rest = spec[len("hf-hub:") :].strip("/")
     parts = rest.split("/")
     if len(parts) < 2 or not all(parts[:2]):
         raise HubError(f"{spec!r} is not a Hub source; write hf-hub:ORG/REPO or hf-hub:ORG/REPO/FILE")
@@ -153,7 +154,9 @@ def _download_from_hub(repo_id: str, revision: str | None, filename: str | None)
             # No network: serve the cache at once instead of retrying for half a minute.
             for name in candidates:
                 try:
-                    return Path(hf_hub_download(repo_id, name, revision=revision, endpoint=endpoint, local_files_only=True))
+                    return Path(
+                        hf_hub_download(repo_id, name, revision=revision, endpoint=endpoint, local_files_only=True)
+                    )
                 except LocalEntryNotFoundError:
                     continue
             check_online(endpoint, f"downloading {what} (not in the local cache)")

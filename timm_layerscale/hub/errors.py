@@ -9,12 +9,14 @@ type answers. An exception no row matches is raised unchanged, and so is a
 
 Importing this module imports huggingface_hub, not torch.
 """
+
 from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from huggingface_hub import constants
 from huggingface_hub.errors import (

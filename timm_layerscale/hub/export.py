@@ -10,6 +10,7 @@ This module sends no request itself: a remote source is fetched through
 :func:`~timm_layerscale.conversion.io.resolve_source` (by the converter) and ``push_to_hub``
 uploads through :func:`~timm_layerscale.hub.upload.push_folder`.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,10 @@ import os
 import secrets
 import shlex
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card, write_config
@@ -34,7 +36,7 @@ def _count_params(weights: Path) -> int:
 
     total = 0
     with safe_open(str(weights), framework="pt") as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
             total += math.prod(f.get_slice(name).get_shape())
     return total
 
@@ -105,15 +107,21 @@ def _check_reload(folder: Path, weights: Path, num_classes: int | None) -> None:
     try:
         model = timm.create_model(f"local-dir:{folder}", pretrained=True)
     except Exception as e:
-        raise LayerScaleError(f"timm cannot load the exported folder ({one_line(e, 120)}); this is a bug, please report it") from e
+        raise LayerScaleError(
+            f"timm cannot load the exported folder ({one_line(e, 120)}); this is a bug, please report it"
+        ) from e
     state = model.state_dict()
     with safe_open(str(weights), framework="pt") as f:
         names = set(f.keys())
         if names != set(state):
-            raise LayerScaleError("the exported folder loads with other keys than it holds; this is a bug, please report it")
+            raise LayerScaleError(
+                "the exported folder loads with other keys than it holds; this is a bug, please report it"
+            )
         for name in names:
             if not torch.equal(state[name], f.get_tensor(name)):
-                raise LayerScaleError(f"reloaded weight {name!r} differs from the file; this is a bug, please report it")
+                raise LayerScaleError(
+                    f"reloaded weight {name!r} differs from the file; this is a bug, please report it"
+                )
 
 
 def _prepare_target(out: Path, tmp: Path, overwrite: bool) -> list[Path]:
@@ -225,10 +233,10 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
-    from ..options import command_line
     from ..conversion.pipeline import convert_checkpoint
     from ..conversion.save import temporary_folder
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
+    from ..options import command_line
 
     out = Path(out_dir)
     if push_to_hub:
@@ -250,16 +258,27 @@ def export_folder(
         plot_path, plot_note = None, None
         if plot:
             try:
-                plot_path = plot_gates(gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates across depth")
+                plot_path = plot_gates(
+                    gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates across depth"
+                )
             except MissingPlotDependency as e:
                 plot_note = f"no {PLOT_NAME}: {e}"
         num_params = _count_params(weights)
         cmd = command or command_line(
-            ("timm-layerscale", "export", source, out), options, model=model, ema=ema, push_to_hub=push_to_hub,
+            ("timm-layerscale", "export", source, out),
+            options,
+            model=model,
+            ema=ema,
+            push_to_hub=push_to_hub,
             private=bool(push_to_hub and private),
         )
         card = build_model_card(
-            conv, repo_id=repo, config=config, num_params=num_params, command=cmd, gates=gates,
+            conv,
+            repo_id=repo,
+            config=config,
+            num_params=num_params,
+            command=cmd,
+            gates=gates,
             plot=PLOT_NAME if plot_path else None,
         )
         card.save(tmp / CARD_NAME)
@@ -283,5 +302,7 @@ def export_folder(
         try:
             result.push = push_folder(out, push_to_hub, private=private, commit_message=commit_message)
         except HubError as e:
-            raise HubError(f"{e} (the folder {out} was written; upload it later with: timm-layerscale push {out} {push_to_hub})") from e
+            raise HubError(
+                f"{e} (the folder {out} was written; upload it later with: timm-layerscale push {out} {push_to_hub})"
+            ) from e
     return result

@@ -8,8 +8,10 @@ logs or stores it. Failures become one-line
 :class:`~timm_layerscale.errors.HubError` messages
 (:func:`~timm_layerscale.hub.errors.hub_errors`).
 """
+
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -43,7 +45,7 @@ def require_token() -> str:
     return token
 
 
-def _upload(plan: "PushResult") -> tuple[str, str | None, str | None]:
+def _upload(plan: PushResult) -> tuple[str, str | None, str | None]:
     """Create the repository if needed and commit the folder in ``plan``.
 
     Returns:
@@ -133,15 +135,25 @@ class PushResult:
             return "dry run: nothing was sent\n" + self.plan()
         done = self.pr_url or self.commit_url or self.repo_url
         head = f"uploaded {len(self.files)} file(s), {_human_size(self.total_bytes)}, to {self.repo_id}: {done}"
-        usage = f'load it with: import timm_layerscale, timm; timm.create_model("hf-hub:{self.repo_id}", pretrained=True)'
+        usage = (
+            f'load it with: import timm_layerscale, timm; timm.create_model("hf-hub:{self.repo_id}", pretrained=True)'
+        )
         return head + "\n" + usage
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "repo_id": self.repo_id, "folder": str(self.folder), "files": [list(f) for f in self.files],
-            "commit_message": self.commit_message, "private": self.private, "revision": self.revision,
-            "create_pr": self.create_pr, "endpoint": self.endpoint, "dry_run": self.dry_run,
-            "repo_url": self.repo_url, "commit_url": self.commit_url, "pr_url": self.pr_url,
+            "repo_id": self.repo_id,
+            "folder": str(self.folder),
+            "files": [list(f) for f in self.files],
+            "commit_message": self.commit_message,
+            "private": self.private,
+            "revision": self.revision,
+            "create_pr": self.create_pr,
+            "endpoint": self.endpoint,
+            "dry_run": self.dry_run,
+            "repo_url": self.repo_url,
+            "commit_url": self.commit_url,
+            "pr_url": self.pr_url,
         }
 
 
@@ -174,10 +186,8 @@ def _folder_files(folder: Path) -> list[tuple[str, int]]:
 
 def _default_commit_message(folder: Path) -> str:
     arch = None
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         arch = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")).get("architecture")
-    except (OSError, ValueError, AttributeError):
-        pass
     what = f"{arch} weights" if arch else "model folder"
     return f"Upload {what} (timm-layerscale {__version__})"
 

@@ -7,6 +7,7 @@
 - :mod:`.references`: the one :func:`~.references.build_reference` per variant;
 - :mod:`.vit5_official`: the plain-PyTorch ViT-5 in the official key layout.
 """
+
 from __future__ import annotations
 
 from .._lazy import lazy_attributes

@@ -9,11 +9,13 @@ converted weight equals its source tensor.
 
 The tolerances are :mod:`.tolerance`'s; the inputs and seeded weights :mod:`.inputs`'.
 """
+
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,7 +111,11 @@ class ParityReport:
             "parity_max_abs_diff": f"{self.max_abs_diff:.6g}",
             "parity_atol": f"{self.atol:g}",
             "parity_rtol": f"{self.rtol:g}",
-            "parity_weights": "equal" if self.weights_equal else "not compared" if self.weights_equal is None else "differ",
+            "parity_weights": "equal"
+            if self.weights_equal
+            else "not compared"
+            if self.weights_equal is None
+            else "differ",
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,7 +129,9 @@ class ParityReport:
         if self.weights_equal is None:
             weights = "not compared"
         else:
-            weights = f"{self.weights_compared} tensors {'equal to' if self.weights_equal else 'NOT equal to'} the source"
+            weights = (
+                f"{self.weights_compared} tensors {'equal to' if self.weights_equal else 'NOT equal to'} the source"
+            )
         return [
             ("weights", weights),
             ("reference", self.reference),
@@ -234,12 +242,18 @@ def compare_models(
     rel = torch.where(diff == 0, torch.zeros_like(diff), diff / denom.clamp_min(torch.finfo(torch.float32).tiny))
     a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
     cos = torch.nn.functional.cosine_similarity(a2.double(), b2.double(), dim=1)
-    bit_exact = all(torch.equal(x, y) for x, y in zip(outs_ref, outs))
+    bit_exact = all(torch.equal(x, y) for x, y in zip(outs_ref, outs, strict=True))
     k = min(5, a2.shape[1])
     top1 = (a2.argmax(1) == b2.argmax(1)).float().mean().item()
-    top5 = float(
-        sum(set(x.tolist()) == set(y.tolist()) for x, y in zip(a2.topk(k, 1).indices, b2.topk(k, 1).indices))
-    ) / a2.shape[0]
+    top5 = (
+        float(
+            sum(
+                set(x.tolist()) == set(y.tolist())
+                for x, y in zip(a2.topk(k, 1).indices, b2.topk(k, 1).indices, strict=True)
+            )
+        )
+        / a2.shape[0]
+    )
     tolerance = tolerance or Tolerance(0.0, 0.0, "")
     if tolerance.exact:
         passed = bit_exact

@@ -1,8 +1,9 @@
 """Inputs of a parity check: seeded weights, seeded images, image files."""
+
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -49,9 +50,7 @@ def seed_parameters_(model: nn.Module, seed: int = 0, gamma_std: float = 0.1) ->
     return model
 
 
-def seeded_inputs(
-    num_inputs: int, img_size: int | Sequence[int], seed: int = 0, in_chans: int = 3
-) -> torch.Tensor:
+def seeded_inputs(num_inputs: int, img_size: int | Sequence[int], seed: int = 0, in_chans: int = 3) -> torch.Tensor:
     """Seeded N(0, 1) images, the scale of normalised photographs.
 
     Returns:

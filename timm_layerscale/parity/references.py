@@ -14,10 +14,12 @@ the outputs of a *reference* loaded with the original file. Per family:
 :func:`build_reference` is the one way to get a reference: random weights, or the
 original weights loaded strictly.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping, cast
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn

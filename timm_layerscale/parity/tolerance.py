@@ -14,6 +14,7 @@ What is asserted follows from how the two sides compute:
   the requested dtype cast (folded tensors: to the fold of the source), which holds
   on any machine because a cast and a copy round the same way everywhere.
 """
+
 from __future__ import annotations
 
 import math

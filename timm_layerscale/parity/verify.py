@@ -4,9 +4,11 @@
 (:func:`~timm_layerscale.parity.compare.compare_models`) and compares every converted
 tensor with its source (:func:`~timm_layerscale.parity.compare.compare_weights`).
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,8 +19,8 @@ from ..errors import CheckpointError
 from ..progress import verification_passes
 from .compare import ParityReport, compare_models, compare_weights
 from .inputs import image_inputs, seeded_inputs
-from .tolerance import VerifyOptions, resolve_tolerance
 from .references import build_loaded, build_reference, reference_name
+from .tolerance import VerifyOptions, resolve_tolerance
 
 __all__ = ["verify_state_dicts", "build_converted", "align_attention"]
 

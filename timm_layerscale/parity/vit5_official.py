@@ -21,6 +21,7 @@ RMSNorm computes in fp32 and multiplies the weight after casting back, as the of
 code does. It shares only the rotary frequency table and pair rotation (:mod:`timm_layerscale.layers.rope`)
 with :mod:`timm_layerscale.models.vit5`.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,6 +34,7 @@ from ..conversion.families import Variant
 from ..layers.rope import rope_bands, rotate_pairs
 
 __all__ = ["Vit5Official", "build_official_vit5"]
+
 
 class RMSNorm(nn.Module):
     """``weight * (x / sqrt(mean(x^2) + eps))``, the mean over the last dimension, in fp32."""
@@ -88,7 +90,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         head_dim = dim // num_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.num_registers = num_registers
         self.qkv = nn.Linear(dim, dim * 3, bias=False)
         self.proj = nn.Linear(dim, dim)
@@ -124,8 +126,9 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, num_heads: int, pt_seq_len: int, num_registers: int, reg_theta: float,
-                 init_values: float) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, pt_seq_len: int, num_registers: int, reg_theta: float, init_values: float
+    ) -> None:
         super().__init__()
         self.norm1 = RMSNorm(dim)
         self.attn = Attention(dim, num_heads, pt_seq_len, num_registers, reg_theta)
@@ -213,8 +216,11 @@ def build_official_vit5(variant: Variant, **kwargs: Any) -> Vit5Official:
         **kwargs: Overrides of :class:`Vit5Official` arguments (``num_classes``, ...).
     """
     args: dict[str, Any] = dict(
-        img_size=variant.img_size, patch_size=variant.patch_size, embed_dim=variant.embed_dim,
-        depth=variant.depth, num_heads=variant.num_heads,
+        img_size=variant.img_size,
+        patch_size=variant.patch_size,
+        embed_dim=variant.embed_dim,
+        depth=variant.depth,
+        num_heads=variant.num_heads,
     )
     args.update(kwargs)
     return Vit5Official(**args)
