@@ -119,3 +119,10 @@ def pytest_collection_modifyitems(config, items) -> None:
         ]
         if missing:
             raise pytest.UsageError(f"tests/conftest.py COMPAT names tests that do not exist: {', '.join(missing)}")
+
+
+def create_model(name: str, **kwargs: Any) -> Any:
+    """``timm.create_model`` typed as ``Any``, for tests that reach into a model's submodules."""
+    import timm
+
+    return timm.create_model(name, **kwargs)

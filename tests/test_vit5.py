@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any, cast
 
 import pytest
 import timm
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import timm_layerscale  # noqa: F401  (registers the models)
+from conftest import create_model
 from timm_layerscale.conversion import keys as remap
 from timm_layerscale.conversion.detect import detect_variant, get_variant
 from timm_layerscale.conversion.families import official_rope_buffers, rope_buffers
@@ -160,11 +162,11 @@ def images(n: int, size: int | tuple[int, int], seed: int = 0) -> torch.Tensor:
     return torch.randn(n, 3, h, w, generator=torch.Generator().manual_seed(seed))
 
 
-def tiny(img: int = 32, **kwargs) -> vit5.Vit5:
-    return timm.create_model("vit5_small_patch16_224", img_size=img, **dict(TINY, **kwargs))
+def tiny(img: int = 32, **kwargs: Any) -> Any:
+    return create_model("vit5_small_patch16_224", img_size=img, **dict(TINY, **kwargs))
 
 
-def load_official(model: vit5.Vit5, sd: dict[str, torch.Tensor]) -> vit5.Vit5:
+def load_official(model: Any, sd: dict[str, torch.Tensor]) -> Any:
     model.load_state_dict(vit5.checkpoint_filter_fn({"model": sd}, model), strict=True)
     return model.eval()
 
@@ -172,7 +174,7 @@ def load_official(model: vit5.Vit5, sd: dict[str, torch.Tensor]) -> vit5.Vit5:
 def set_fused_attn(model: torch.nn.Module, fused: bool) -> None:
     for m in model.modules():
         if hasattr(m, "fused_attn"):
-            m.fused_attn = fused
+            setattr(m, "fused_attn", fused)  # noqa: B010  (typed Tensor | Module on nn.Module)
 
 
 def parity(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -202,7 +204,7 @@ def test_parity_with_independent_forward_tiny(img: int, fused: bool) -> None:
 
 def test_parity_with_independent_forward_small_224() -> None:
     sd = official_state_dict(384, 12, 6, grid=14, seed=3)
-    model = load_official(timm.create_model("vit5_small_patch16_224"), sd)
+    model = load_official(create_model("vit5_small_patch16_224"), sd)
     x = images(2, 224, seed=4)
     with torch.no_grad():
         out = model(x)
@@ -328,7 +330,7 @@ def test_unknown_key_is_named() -> None:
 def test_layout_matches_official_reference_on_meta(name: str) -> None:
     with torch.device("meta"):
         ref = vit5_official.build_official_vit5(vit5.VARIANTS[name])
-        model = timm.create_model(name)
+        model = create_model(name)
     official = ref.state_dict()
     converted = remap.to_layerscale(official, "vit5")
     remap.check_state_dict(converted, model.state_dict(), name)
@@ -429,11 +431,13 @@ def test_pretrained_cfgs() -> None:
     tags = timm.list_pretrained("vit5_*")
     assert sorted(t for t in tags if not t.endswith("_ema")) == sorted(f"{n}.in1k" for n in RELEASED)
     for name in RELEASED:
-        cfg = timm.models.get_pretrained_cfg(f"{name}.in1k")
+        cfg: Any = timm.models.get_pretrained_cfg(f"{name}.in1k")
         assert cfg.hf_hub_id == "FengWang3211/ViT-5" and cfg.hf_hub_filename == f"{name}.pth"
         assert cfg.input_size[-1] == int(name[-3:]) and cfg.num_classes == 1000
-        assert timm.models.get_pretrained_cfg(f"{name}.in1k_ema").hf_hub_filename == f"{name}.pth"
-    assert not timm.models.get_pretrained_cfg("vit5_xlarge_patch16_224").has_weights
+        ema: Any = timm.models.get_pretrained_cfg(f"{name}.in1k_ema")
+        assert ema.hf_hub_filename == f"{name}.pth"
+    xlarge: Any = timm.models.get_pretrained_cfg("vit5_xlarge_patch16_224")
+    assert not xlarge.has_weights
 
 
 # --- the timm model contract ------------------------------------------------------------------
@@ -441,14 +445,14 @@ def test_pretrained_cfgs() -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_meta_builds(name: str) -> None:
-    model = timm.create_model(name, device="meta")
+    model = create_model(name, device="meta")
     v = vit5.VARIANTS[name]
     assert all(p.is_meta for p in model.parameters())
     assert len(model.blocks) == v.depth and model.embed_dim == v.embed_dim
     assert model.patch_embed.img_size[0] == int(name[-3:])
     assert model.blocks[0].ls1.init_value == 1e-4
     with torch.device("meta"):
-        again = timm.create_model(name)
+        again = create_model(name)
     assert again.pos_embed.is_meta
     out = model(torch.empty(2, 3, int(name[-3:]), int(name[-3:]), device="meta"))
     assert out.shape == (2, 1000)
@@ -468,7 +472,7 @@ def test_meta_build_materialises_without_extra_steps() -> None:
 
 
 def test_parameter_counts() -> None:
-    counts = {n: sum(p.numel() for p in timm.create_model(n, device="meta").parameters()) for n in NAMES}
+    counts = {n: sum(p.numel() for p in create_model(n, device="meta").parameters()) for n in NAMES}
     assert round(counts["vit5_small_patch16_224"] / 1e6) == 22
     assert round(counts["vit5_base_patch16_224"] / 1e6) == 87
     assert round(counts["vit5_large_patch16_224"] / 1e6) == 304
@@ -505,7 +509,7 @@ def test_forward_intermediates() -> None:
 
 
 def test_features_only_and_prune() -> None:
-    feats = timm.create_model("vit5_small_patch16_224", img_size=32, **TINY, features_only=True, out_indices=(0, 1))
+    feats = create_model("vit5_small_patch16_224", img_size=32, **TINY, features_only=True, out_indices=(0, 1))
     out = feats(images(2, 32))
     assert [tuple(o.shape) for o in out] == [(2, 64, 2, 2)] * 2
     assert feats.feature_info.channels() == [64, 64] and feats.feature_info.reduction() == [16, 16]
@@ -524,7 +528,7 @@ def test_dynamic_img_size() -> None:
         y = images(3, (48, 64), seed=52)
         out = dynamic(y)
         inter = dynamic.forward_intermediates(y, intermediates_only=True)
-    assert inter[-1].shape == (3, 64, 3, 4)
+    assert isinstance(inter, list) and inter[-1].shape == (3, 64, 3, 4)
     from timm.layers import resample_abs_pos_embed
 
     pos = resample_abs_pos_embed(sd["pos_embed"], new_size=(3, 4), old_size=(2, 2), num_prefix_tokens=0)
@@ -553,7 +557,7 @@ def test_grad_checkpointing_matches() -> None:
     model = tiny(32)
     x = images(2, 32)
     model(x).sum().backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    grads = {k: cast(torch.Tensor, p.grad).clone() for k, p in model.named_parameters()}
     model.zero_grad()
     model.set_grad_checkpointing(True)
     model(x).sum().backward()
@@ -564,7 +568,7 @@ def test_grad_checkpointing_matches() -> None:
 @pytest.mark.parametrize("name", ["vit5_small_patch16_224", "vit5_base_patch16_384"])
 @pytest.mark.parametrize("fused_layerscale", [False, True])
 def test_flop_count_matches_torch_counter(name: str, fused_layerscale: bool) -> None:
-    model = timm.create_model(name, device="meta", fused_layerscale=fused_layerscale)
+    model = create_model(name, device="meta", fused_layerscale=fused_layerscale)
     size = int(name[-3:])
     with FlopCounterMode(display=False) as counter:
         model(torch.empty(2, 3, size, size, device="meta"))
