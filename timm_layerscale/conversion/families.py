@@ -119,105 +119,90 @@ def get_family(name: str) -> Family:
 
 _LINEAR = r"\.(?:weight|bias)"
 
-register_family(
-    Family(
-        name="cait",
-        to_layerscale=(
-            Rule(r"(blocks(?:_token_only)?\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
-            Rule(r"blocks(?:_token_only)?\.\d+\.ls[12]\.gamma", KEEP),
-            Rule(r"cls_token|pos_embed", KEEP),
-            Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
-            Rule(
-                r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)"
-                + _LINEAR,
-                KEEP,
-            ),
-            Rule(
-                r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)"
-                + _LINEAR,
-                KEEP,
-            ),
-        ),
-        to_gamma=(
-            Rule(r"(blocks(?:_token_only)?\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
-            Rule(r"blocks(?:_token_only)?\.\d+\.gamma_[12]", KEEP),
-            Rule(r"cls_token|pos_embed", KEEP),
-            Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
-            Rule(
-                r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)"
-                + _LINEAR,
-                KEEP,
-            ),
-            Rule(
-                r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)"
-                + _LINEAR,
-                KEEP,
-            ),
-        ),
-        official_prefix="module.",
+
+def _family(
+    name: str,
+    blocks: str,
+    keep: tuple[Rule, ...],
+    *,
+    ls_only: tuple[Rule, ...] = (),
+    gamma_only: tuple[Rule, ...] = (),
+    official_prefix: str = "",
+) -> Family:
+    """A family whose LayerScale lives in blocks matching ``blocks`` and whose other keys ``keep`` keeps.
+
+    ``ls_only`` and ``gamma_only`` are rules of one direction only (keys one layout
+    has and the other does not).
+    """
+    gamma, ls = rf"({blocks}\.\d+)\.gamma_([12])", rf"({blocks}\.\d+)\.ls([12])\.gamma"
+    return register_family(
+        Family(
+            name=name,
+            to_layerscale=(Rule(gamma, r"\1.ls\2.gamma"), Rule(ls, KEEP), *ls_only, *keep),
+            to_gamma=(Rule(ls, r"\1.gamma_\2"), Rule(gamma, KEEP), *gamma_only, *keep),
+            official_prefix=official_prefix,
+        )
     )
+
+
+# CaiT (official ``cait_models.py``; timm's ``cait_*``): self-attention blocks with
+# talking heads, then class-attention blocks; files saved from DistributedDataParallel.
+_family(
+    "cait",
+    r"blocks(?:_token_only)?",
+    (
+        Rule(r"cls_token|pos_embed", KEEP),
+        Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
+        Rule(
+            r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)" + _LINEAR,
+            KEEP,
+        ),
+        Rule(
+            r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR,
+            KEEP,
+        ),
+    ),
+    official_prefix="module.",
 )
 
 # ViT-5 (official ``models_vit5.py``): RMSNorm (weight only), QK-norm, no qkv bias,
-# registers, and per-block rotary frequency buffers that this package recomputes.
-_VIT5_BLOCK = (
-    r"blocks\.\d+\.(?:(?:norm1|norm2|attn\.q_norm|attn\.k_norm)\.weight|attn\.qkv\.weight|(?:attn\.proj|mlp\.fc1|mlp\.fc2)"
-    + _LINEAR
-    + ")"
-)
-_VIT5_TOP = (
-    Rule(r"cls_token|reg_token|pos_embed", KEEP),
-    Rule(r"patch_embed\.proj" + _LINEAR + r"|norm\.weight|head" + _LINEAR, KEEP),
-    Rule(_VIT5_BLOCK, KEEP),
-)
-
-register_family(
-    Family(
-        name="vit5",
-        to_layerscale=(
-            Rule(r"(blocks\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
-            Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
-            Rule(
-                r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs",
-                None,
-                why="rotary frequencies: constants the model recomputes (checked against them on loading)",
-            ),
-        )
-        + _VIT5_TOP,
-        # The official model also needs blocks.N.attn.rope.freqs / rope_reg.freqs; they are
-        # computed, not mapped: add timm_layerscale.models.vit5.rope_buffers(name).
-        to_gamma=(
-            Rule(r"(blocks\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
-            Rule(r"blocks\.\d+\.gamma_[12]", KEEP),
-            Rule(r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs", KEEP),
-        )
-        + _VIT5_TOP,
-    )
+# registers, and per-block rotary frequency buffers that the model computes: the
+# ``ls`` layout drops them, and a file mapped back to the ``gamma`` layout gets them
+# from :func:`official_rope_buffers`.
+_ROPE_BUFFER = r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs"
+_family(
+    "vit5",
+    r"blocks",
+    (
+        Rule(r"cls_token|reg_token|pos_embed", KEEP),
+        Rule(r"patch_embed\.proj" + _LINEAR + r"|norm\.weight|head" + _LINEAR, KEEP),
+        Rule(
+            r"blocks\.\d+\.(?:(?:norm1|norm2|attn\.q_norm|attn\.k_norm)\.weight|attn\.qkv\.weight"
+            r"|(?:attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR + ")",
+            KEEP,
+        ),
+    ),
+    ls_only=(
+        Rule(
+            _ROPE_BUFFER,
+            None,
+            why="rotary frequencies: constants the model recomputes (checked against them on loading)",
+        ),
+    ),
+    gamma_only=(Rule(_ROPE_BUFFER, KEEP),),
 )
 
 # DeiT-III (official ``models_v2.py``, files deit_3_*.pth = {'model': state_dict}; timm's
 # deit3_*): the same keys apart from LayerScale. The position embedding has no
 # class-token slot in both (timm builds deit3 with no_embed_class=True).
-_DEIT3_TOP = (
-    Rule(r"cls_token|pos_embed", KEEP),
-    Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
-    Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
-)
-
-register_family(
-    Family(
-        name="deit3",
-        to_layerscale=(
-            Rule(r"(blocks\.\d+)\.gamma_([12])", r"\1.ls\2.gamma"),
-            Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
-        )
-        + _DEIT3_TOP,
-        to_gamma=(
-            Rule(r"(blocks\.\d+)\.ls([12])\.gamma", r"\1.gamma_\2"),
-            Rule(r"blocks\.\d+\.gamma_[12]", KEEP),
-        )
-        + _DEIT3_TOP,
-    )
+_family(
+    "deit3",
+    r"blocks",
+    (
+        Rule(r"cls_token|pos_embed", KEEP),
+        Rule(r"(?:patch_embed\.proj|norm|head)" + _LINEAR, KEEP),
+        Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + _LINEAR, KEEP),
+    ),
 )
 
 

@@ -189,10 +189,7 @@ def to_layerscale(state_dict: Mapping[str, V], family: str | Family = "cait") ->
     Raises:
         RemapError: A key is not covered by the family's rules, or keys collide.
     """
-    fam = get_family(family) if isinstance(family, str) else family
-    sd = strip_prefixes(state_dict)
-    detect_layout(sd, fam)
-    return _apply_rules(sd, fam.to_layerscale, fam.name, "LayerScale-module")
+    return _remap(state_dict, family, "ls")
 
 
 def to_gamma(state_dict: Mapping[str, V], family: str | Family = "cait") -> dict[str, V]:
@@ -205,9 +202,15 @@ def to_gamma(state_dict: Mapping[str, V], family: str | Family = "cait") -> dict
     Raises:
         RemapError: A key is not covered by the family's rules, or keys collide.
     """
+    return _remap(state_dict, family, "gamma")
+
+
+def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[str, V]:
     fam = get_family(family) if isinstance(family, str) else family
     sd = strip_prefixes(state_dict)
     detect_layout(sd, fam)
+    if to == "ls":
+        return _apply_rules(sd, fam.to_layerscale, fam.name, "LayerScale-module")
     return _apply_rules(sd, fam.to_gamma, fam.name, "gamma")
 
 
