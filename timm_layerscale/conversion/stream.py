@@ -44,8 +44,8 @@ from .save import atomic_output, safetensors_header, safetensors_plan
 
 __all__ = ["SourcePass", "map_source"]
 
-_PIECE = 8 << 20  # bytes per read; a multiple of every element size
-_BUFFERS = 4  # pieces in flight between the reader and the hashing thread
+_PIECE = 8 << 20  # bytes of the mapping handled at a time; a multiple of every element size
+_IN_FLIGHT = 4  # pieces mapped at once: handled here, not yet hashed by the hashing thread
 _POPULATE_READ = 22  # madvise: map the pages now (Linux 5.14+)
 _SUMMABLE = {torch.float32: None, torch.float64: None, torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -261,9 +261,9 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, er
 class _Copier:
     """Copies runs of the source file into the output at given offsets.
 
-    The kernel copies file to file where it can (``copy_file_range``, as ``cp`` does:
-    no pass through this process's memory, and none of the per-process throttling of
-    a first large ``write``); elsewhere the bytes are written from the mapping.
+    The kernel copies file to file where it can (``copy_file_range``, as ``cp`` does,
+    without a pass through this process's memory); elsewhere, or between filesystems
+    that refuse it, the bytes are written from the mapping.
     """
 
     def __init__(self, path: Path, source: int, view: memoryview, output: int) -> None:
@@ -475,7 +475,7 @@ class SourcePass:
                         bad.add(run.index)
                 active = [item for item in active if item[2].stop > end]
                 bar.update(end - pos)
-                while len(hashing) > _BUFFERS or (hashing and end == len(view)):
+                while len(hashing) > _IN_FLIGHT or (hashing and end == len(view)):
                     done_pos, done_end, future = hashing.popleft()
                     future.result()
                     _advise(source, mmap.MADV_DONTNEED, done_pos, done_end)  # out of the resident set
