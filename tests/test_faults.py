@@ -27,10 +27,10 @@ from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion import save as ckpt_save
 from timm_layerscale.conversion import stream
+from timm_layerscale.conversion.atomic import atomic_output
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
 from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.conversion.keys import to_gamma
-from timm_layerscale.conversion.save import atomic_output
 from timm_layerscale.errors import CheckpointError, OutputExistsError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,7 +231,7 @@ def test_interleaved_writers_one_wins(tmp_path):
 _RACER = """
 import sys, time
 from pathlib import Path
-from timm_layerscale.conversion import save as checkpoint
+from timm_layerscale.conversion import atomic as checkpoint
 from timm_layerscale.cli import main
 
 barrier, me = Path(sys.argv[1]), sys.argv[2]

@@ -20,7 +20,8 @@ from timm_layerscale.conversion import pipeline, save, stream
 from timm_layerscale.conversion.io import check_finite, load_checkpoint
 from timm_layerscale.conversion.keys import official_checkpoint, strip_prefixes, unwrap_state_dict
 from timm_layerscale.conversion.save import save_safetensors
-from timm_layerscale.conversion.stream import SourcePass, map_source
+from timm_layerscale.conversion.source_map import map_source
+from timm_layerscale.conversion.stream import SourcePass
 from timm_layerscale.errors import CheckpointError
 
 

@@ -154,7 +154,7 @@ def write_official_checkpoint(
     import timm
     import torch
 
-    from .conversion.save import atomic_output
+    from .conversion.atomic import atomic_output
     from .parity.inputs import seed_parameters_
 
     ref = timm.create_model(model_name)

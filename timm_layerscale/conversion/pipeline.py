@@ -6,7 +6,7 @@ Source to output: :func:`~timm_layerscale.conversion.io.resolve_source` and
 :func:`~timm_layerscale.conversion.detect.detect` finds the variant and maps the keys
 to the ``ls`` layout once, the target layout is derived from that, verification
 (:mod:`timm_layerscale.parity.verify`) runs in memory, and the writers of
-:mod:`~timm_layerscale.conversion.save` put the file in place atomically.
+:mod:`~timm_layerscale.conversion.save` put the file in place atomically (:mod:`~timm_layerscale.conversion.atomic`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from ..errors import CheckpointError, LayerScaleError, ParityError, RemapError
 from ..parity.compare import ParityReport, compare_weights
 from ..parity.tolerance import VerifyOptions
 from ..parity.verify import verify_state_dicts
+from . import atomic, save, stream
 from . import io as ckpt
-from . import save, stream
 from .detect import Detection, Variant, detect
 from .families import FAMILIES, check_rope_buffers, official_rope_buffers
 from .keys import detect_layout, official_checkpoint, state_dict_of, to_gamma
@@ -230,7 +230,7 @@ def convert_checkpoint(
         raise LayerScaleError("fusing applies to the ls layout only; convert to 'ls', or do not fuse")
     if plain and to != "gamma":
         raise LayerScaleError("plain applies to the gamma layout only (an ls file is always plain); leave it out")
-    save.check_output(output, overwrite)
+    atomic.check_output(output, overwrite)
     torch_dtype = ckpt.parse_dtype(dtype) if dtype else None
 
     resolved = ckpt.resolve_source(source)

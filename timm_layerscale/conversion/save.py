@@ -1,8 +1,8 @@
 """Writing checkpoint files: atomic and streaming.
 
-Every write goes to a temporary file in the target folder and is moved onto the
-target only when complete, without replacing a file that another process put there
-meanwhile unless asked to (:func:`atomic_output`). :func:`save_safetensors` streams
+Every write goes through :func:`~timm_layerscale.conversion.atomic.atomic_output`: a
+temporary file in the target folder, moved onto the target only when complete.
+:func:`save_safetensors` streams
 tensors to disk one at a time, so peak memory is about one tensor whatever the file
 size, and produces the same bytes as ``safetensors.torch.save_file``. Bad input or a
 failed write raises :class:`~timm_layerscale.errors.CheckpointError` with a one-line
@@ -11,32 +11,23 @@ message saying what is wrong and what to do.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import math
 import os
 import struct
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
 
 from .. import progress
-from ..errors import CheckpointError, OutputExistsError
+from ..errors import CheckpointError
+from .atomic import atomic_output, check_output
 from .io import TORCH_SUFFIXES, _MappedPages
-from .temporaries import create_temporary, remove_stale_temporaries
 
-__all__ = [
-    "atomic_output",
-    "check_output",
-    "save_pth",
-    "save_safetensors",
-    "save_state_dict",
-    "temporary_folder",
-]
+__all__ = ["save_pth", "save_safetensors", "save_state_dict"]
 
 _WRITE_CHUNK = 16 << 20  # bytes per write call
 
@@ -67,139 +58,6 @@ _ST_DTYPES: dict[torch.dtype, str] = {
     if hasattr(torch, name)
 }
 _ST_RANK = {dtype: rank for rank, dtype in enumerate(_ST_DTYPES)}
-
-
-def check_output(target: Path, overwrite: bool) -> None:
-    """Raise unless ``target`` can be written as a new file (or replaced, with ``overwrite``).
-
-    Checked before any work and again just before the finished file is put in place.
-
-    Args:
-        target: The output file.
-        overwrite: An existing file at ``target`` may be replaced.
-
-    Raises:
-        OutputExistsError: ``target`` exists and ``overwrite`` is false.
-        CheckpointError: ``target`` is a directory, or its folder is missing or not
-            writable.
-    """
-    if target.is_dir():
-        raise CheckpointError(
-            f"output {target} is a directory; pass a file path such as {target / 'model.safetensors'}"
-        )
-    if target.exists() and not overwrite:
-        raise OutputExistsError(f"output {target} exists; pass overwrite=True to replace it")
-    parent = target.parent
-    if not parent.is_dir():
-        raise CheckpointError(f"output folder {parent} does not exist; create it or choose another output path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"output folder {parent} is not writable; choose another output path")
-
-
-# link(2) errors meaning "this filesystem has no hard links", not "the target exists".
-_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
-
-
-def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
-    """Move the finished ``tmp`` onto ``target``; without ``overwrite``, never replace a file.
-
-    ``os.link`` fails with ``EEXIST`` when ``target`` exists, atomically, so of two
-    writers racing for one name exactly one wins and the other gets
-    :class:`OutputExistsError`; the file is always one writer's whole output. Where
-    the filesystem has no hard links, the existence check and ``os.replace`` are two
-    steps, which leaves a short window for a writer in another process.
-    """
-    if overwrite:
-        os.replace(tmp, target)
-        return
-    try:
-        os.link(tmp, target)
-    except FileExistsError:
-        raise OutputExistsError(f"output {target} exists; pass --overwrite to replace it") from None
-    except OSError as e:
-        if e.errno not in _NO_HARD_LINKS:
-            raise
-        check_output(target, overwrite)
-        os.replace(tmp, target)
-        return
-    with contextlib.suppress(OSError):  # the output is complete; only a failing unlink keeps this name
-        tmp.unlink()
-
-
-#: Lock descriptors of the temporary folders made by :func:`temporary_folder`, while they keep their names.
-_FOLDER_LOCKS: dict[Path, int] = {}
-
-
-def temporary_folder(target: str | os.PathLike[str]) -> Path:
-    """Create a temporary folder next to ``target``, to be filled and then moved onto it.
-
-    Stale temporaries of ``target`` are removed first
-    (:func:`~timm_layerscale.conversion.temporaries.remove_stale_temporaries`). The
-    folder is locked while this process lives and the folder keeps its name, so that
-    no other writer takes it for stale; the caller moves or deletes it.
-
-    Raises:
-        CheckpointError: The folder cannot be created.
-    """
-    for held, fd in list(_FOLDER_LOCKS.items()):
-        try:
-            current = os.stat(held, follow_symlinks=False)
-        except OSError:
-            current = None
-        if current is None or not os.path.samestat(current, os.fstat(fd)):
-            os.close(_FOLDER_LOCKS.pop(held))
-    target = Path(target)
-    remove_stale_temporaries(target)
-    tmp, lock = create_temporary(target, folder=True)
-    if lock is not None:
-        _FOLDER_LOCKS[tmp] = lock
-    return tmp
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; move it onto ``path`` on success.
-
-    The temporary file (``.{name}.tmp-{pid}-{hex}`` in the target folder) is created
-    empty; the caller writes it by name. On any exception, including
-    ``KeyboardInterrupt``, it is deleted and ``path`` is left as it was. Without
-    ``overwrite`` the last step is a hard link, which fails if ``path`` exists by
-    then (another process wrote it first), so an existing file is never replaced;
-    with ``overwrite`` it is a rename. Either way ``path`` holds one whole file,
-    never a mix. Protects against failure of this process, not against power loss
-    (no ``fsync``). A process killed mid-write cannot delete its temporary; the
-    next write of ``path`` does (:func:`~timm_layerscale.conversion.temporaries.remove_stale_temporaries`), while the
-    temporaries of writers still running are left alone: each holds an exclusive
-    ``flock`` on its own until it ends.
-
-    Args:
-        path: The final file.
-        overwrite: Replace ``path`` if it exists.
-
-    Raises:
-        OutputExistsError: ``path`` exists (checked before writing, and atomically
-            when the finished file is put in place) and ``overwrite`` is false.
-        CheckpointError: ``path`` is a directory, its folder is missing or not
-            writable, or writing failed (for example, disk full).
-    """
-    target = Path(path)
-    check_output(target, overwrite)
-    remove_stale_temporaries(target)
-    tmp, lock = create_temporary(target)
-    try:
-        yield tmp
-        check_output(target, overwrite)
-        _publish(tmp, target, overwrite)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(
-                f"writing {target} failed ({e.strerror or e}); nothing was written, free space or choose another path"
-            ) from None
-        raise
-    finally:
-        if lock is not None:
-            os.close(lock)
 
 
 def _check_entry(name: object, t: object) -> None:

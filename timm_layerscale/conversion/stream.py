@@ -4,7 +4,7 @@ A conversion without verification needs three things of the source file: its SHA
 (recorded in the output), proof that no tensor holds NaN or Inf, and the tensors
 themselves. Tensors that :func:`~timm_layerscale.conversion.io.load_checkpoint`
 memory-maps from a PyTorch zip file or a safetensors file are runs of the file's
-bytes; :class:`SourcePass` finds each run (:func:`map_source`) and then goes through
+bytes; :class:`SourcePass` finds each run (:func:`~timm_layerscale.conversion.source_map.map_source`) and then goes through
 the file once, start to end, in 8 MiB pieces of one read-only mapping. Each piece is
 hashed in a second thread (``hashlib`` releases the GIL), the floating-point tensors
 in it are checked, and, when the output is a plain copy (safetensors, no cast), their
@@ -21,218 +21,30 @@ import collections
 import contextlib
 import errno
 import hashlib
-import json
 import mmap
 import os
-import struct
 import sys
 import warnings
-import zipfile
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import progress
 from ..errors import CheckpointError
+from .atomic import atomic_output
 from .io import all_finite, nonfinite_error
-from .save import atomic_output, safetensors_header, safetensors_plan
+from .save import safetensors_header, safetensors_plan
+from .source_map import Run, SourceMap, map_source
 
-__all__ = ["SourcePass", "map_source"]
+__all__ = ["SourcePass"]
 
 _PIECE = 8 << 20  # bytes of the mapping handled at a time; a multiple of every element size
 _IN_FLIGHT = 4  # pieces mapped at once: handled here, not yet hashed by the hashing thread
 _POPULATE_READ = 22  # madvise: map the pages now (Linux 5.14+)
 _SUMMABLE = {torch.float32: None, torch.float64: None, torch.float16: torch.float32, torch.bfloat16: torch.float32}
-
-
-def _zip_records(path: Path) -> dict[int, int] | None:
-    """File offset to size of each stored tensor record (``<archive>/data/<key>``) of a PyTorch zip file."""
-    records: dict[int, int] = {}
-    try:
-        with zipfile.ZipFile(path) as z, open(path, "rb") as f:
-            for info in z.infolist():
-                parts = info.filename.split("/")
-                if len(parts) == 2 and parts[1] == "byteorder" and z.read(info).strip() != b"little":
-                    return None  # torch.load swaps the bytes of big-endian files in memory
-                if len(parts) != 3 or parts[1] != "data" or not info.file_size:
-                    continue
-                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                    return None
-                f.seek(info.header_offset)
-                local = f.read(30)
-                if len(local) != 30 or not local.startswith(b"PK\x03\x04"):
-                    return None
-                name_len, extra_len = struct.unpack("<HH", local[26:30])
-                records[info.header_offset + 30 + name_len + extra_len] = info.file_size
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return None
-    return records
-
-
-def _safetensors_records(path: Path) -> dict[int, int] | None:
-    """File offset to size of each tensor of a safetensors file."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if not 2 <= n <= min(os.fstat(f.fileno()).st_size - 8, 1 << 27):
-                return None
-            header = json.loads(f.read(n))
-        return {
-            8 + n + begin: end - begin
-            for name, entry in header.items()
-            if name != "__metadata__"
-            for begin, end in [entry["data_offsets"]]
-            if end > begin
-        }
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None
-
-
-def _storage(t: object) -> tuple[int, int] | None:
-    """``(address, size)`` of the storage under a dense contiguous CPU tensor with data, else None."""
-    if not (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous()):
-        return None
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
-
-
-@dataclass(frozen=True)
-class _Run:
-    """A tensor's bytes in the source file, and where they go."""
-
-    start: int
-    stop: int
-    dtype: torch.dtype
-    index: int  # into the checked names, or the output offset for a write
-
-
-def _mapped_regions(path: Path) -> list[tuple[int, int, int]]:
-    """``(start, end, file offset)`` of this process's memory mappings of ``path`` (Linux), adjacent ones merged."""
-    st = os.stat(path)
-    regions: list[tuple[int, int, int]] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) < 6 or int(fields[4]) != st.st_ino:
-                    continue
-                device = tuple(int(x, 16) for x in fields[3].split(":"))
-                same_device = device == (os.major(st.st_dev), os.minor(st.st_dev))
-                if not same_device and fields[5].strip() != os.path.realpath(path):
-                    continue
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                regions.append((start, end, int(fields[2], 16)))
-    except (OSError, ValueError):
-        return []
-    regions.sort()
-    merged: list[tuple[int, int, int]] = []
-    for start, end, offset in regions:
-        if merged and merged[-1][1] == start and merged[-1][2] + start - merged[-1][0] == offset:
-            merged[-1] = (merged[-1][0], end, merged[-1][2])
-        else:
-            merged.append((start, end, offset))
-    return merged
-
-
-def _unmodified(spans: list[tuple[int, int]]) -> bool:
-    """Whether no page of these ``(address, size)`` spans of a private file mapping was written to.
-
-    A page written to is a private copy: present, and no longer a page of the file
-    (``/proc/self/pagemap``). The flags of all spans are read in one go.
-    """
-    page = os.sysconf("SC_PAGE_SIZE")
-    first = min(a for a, _ in spans) // page
-    count = -(-max(a + n for a, n in spans) // page) - first
-    try:
-        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
-            pagemap.seek(first * 8)
-            flags = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
-    except OSError:
-        return False
-    if len(flags) != count:
-        return False
-    written = ((flags >> 63) & 1).astype(bool) & ~((flags >> 61) & 1).astype(bool)
-    if not written.any():
-        return True
-    return not any(written[a // page - first : -(-(a + n) // page) - first].any() for a, n in spans)
-
-
-class SourceMap:
-    """Where the memory-mapped tensors of one file lie in it (see :func:`map_source`).
-
-    Attributes:
-        path: The file.
-        size: Its size when it was mapped.
-    """
-
-    def __init__(self, path: Path, size: int, offsets: dict[tuple[int, int], int]) -> None:
-        self.path, self.size = path, size
-        self._offsets = offsets  # (address, size) of a storage -> its offset in the file
-
-    def locate(self, t: object) -> tuple[int, int] | None:
-        """``(offset, nbytes)`` of a tensor's bytes in the file; ``None`` if they are not one run of it."""
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            return None
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0:
-            return 0, 0
-        storage = _storage(t)
-        begin = None if storage is None else self._offsets.get(storage)
-        if begin is None:
-            return None
-        offset = begin + t.storage_offset() * t.element_size()
-        return (int(offset), int(nbytes)) if offset % t.element_size() == 0 else None
-
-
-def map_source(path: str | os.PathLike[str], tensors: Mapping[str, Any]) -> SourceMap | None:
-    """Find where each of ``tensors``, memory-mapped from ``path``, lies in the file.
-
-    Each tensor's storage must lie in this process's memory mapping of the file (Linux:
-    ``/proc/self/maps``), exactly on a record of the file (a zip entry of a PyTorch
-    file, a tensor of a safetensors file), with none of its pages written to since.
-
-    Returns:
-        A :class:`SourceMap`, or ``None`` when a tensor is not one contiguous run of
-        the file as it is on disk: a tensor in memory, a strided view, a changed
-        page, a legacy or compressed file, or a system without ``/proc``.
-    """
-    path = Path(path)
-    if not sys.platform.startswith("linux") or sys.byteorder != "little":
-        return None
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    records = _zip_records(path) if magic == b"PK\x03\x04" else _safetensors_records(path)
-    if records is None:
-        return None
-    regions = _mapped_regions(path)
-    offsets: dict[tuple[int, int], int] = {}
-    for t in tensors.values():
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            return None
-        if t.numel() == 0:
-            continue
-        storage = _storage(t)
-        if storage is None:
-            return None
-        if storage in offsets:
-            continue
-        address, nbytes = storage
-        region = next((r for r in regions if r[0] <= address and address + nbytes <= r[1]), None)
-        if region is None:
-            return None
-        offset = region[2] + address - region[0]
-        if records.get(offset) != nbytes:
-            return None
-        offsets[storage] = offset
-    if offsets and not _unmodified(list(offsets)):
-        return None
-    found = SourceMap(path, path.stat().st_size, offsets)
-    return found if all(found.locate(t) is not None for t in tensors.values()) else None
 
 
 def _advise(source: Any, advice: int, start: int, end: int) -> None:
@@ -298,7 +110,7 @@ class SourcePass:
     :meth:`copy_to_safetensors` (hash, check and write in the same pass).
     """
 
-    def __init__(self, source: SourceMap, checks: list[_Run], names: list[str]) -> None:
+    def __init__(self, source: SourceMap, checks: list[Run], names: list[str]) -> None:
         self._source, self._checks, self._names = source, checks, names
 
     @classmethod
@@ -317,12 +129,12 @@ class SourcePass:
         source = map_source(path, state_dict)
         if source is None:
             return None
-        checks: list[_Run] = []
+        checks: list[Run] = []
         names: list[str] = []
         for name, t in state_dict.items():
             if check and (t.is_floating_point() or t.is_complex()) and t.numel():
                 offset, nbytes = source.locate(t) or (0, 0)  # located: map_source found every tensor
-                checks.append(_Run(offset, offset + nbytes, t.dtype, len(names)))
+                checks.append(Run(offset, offset + nbytes, t.dtype, len(names)))
                 names.append(name)
         return cls(source, checks, names)
 
@@ -363,7 +175,7 @@ class SourcePass:
 
         Args:
             output: The safetensors file, written atomically
-                (:func:`~timm_layerscale.conversion.save.atomic_output`).
+                (:func:`~timm_layerscale.conversion.atomic.atomic_output`).
             tensors: Name to tensor, each located in the source (:meth:`can_copy`).
             metadata: The header's metadata; ``metadata[digest_key]`` is set to the
                 source's SHA-256 once the pass has computed it.
@@ -387,7 +199,7 @@ class SourcePass:
                 raise CheckpointError(f"tensor {name!r} is not one run of {self._source.path}; save it another way")
             offset, nbytes = located
             if nbytes:
-                writes.append(_Run(offset, offset + nbytes, tensors[name].dtype, len(head) + end - nbytes))
+                writes.append(Run(offset, offset + nbytes, tensors[name].dtype, len(head) + end - nbytes))
         with (
             atomic_output(target, overwrite) as tmp,
             progress.bar(total=self._source.size, desc=f"writing {target.name}", unit="B", unit_scale=True) as bar,
@@ -404,7 +216,7 @@ class SourcePass:
                 os.close(fd)
         return digest
 
-    def _pass(self, writes: list[_Run], fd: int, bar: Any) -> str:
+    def _pass(self, writes: list[Run], fd: int, bar: Any) -> str:
         """Read the source once: hash it, check ``self._checks``, copy ``writes`` into ``fd``; return the hash."""
         with open(self._source.path, "rb") as f:
             if os.fstat(f.fileno()).st_size != self._source.size:
@@ -417,7 +229,7 @@ class SourcePass:
                     with contextlib.suppress(BufferError):  # else it closes when its last view goes
                         source.close()
 
-    def _scan(self, source_fd: int, source: Any, writes: list[_Run], fd: int, bar: Any) -> str:
+    def _scan(self, source_fd: int, source: Any, writes: list[Run], fd: int, bar: Any) -> str:
         digest = hashlib.sha256()
         bad: set[int] = set()
         threads = torch.get_num_threads()
@@ -446,7 +258,7 @@ class SourcePass:
         data: torch.Tensor,
         hasher: ThreadPoolExecutor,
         digest: Any,
-        writes: list[_Run],
+        writes: list[Run],
         fd: int,
         bad: set[int],
         bar: Any,
@@ -457,7 +269,7 @@ class SourcePass:
         view = memoryview(source)
         copy = _Copier(self._source.path, source_fd, view, fd)
         hashing: collections.deque[tuple[int, int, Future[None]]] = collections.deque()
-        active: list[tuple[int, bool, _Run]] = []  # runs that began before the end of the current piece
+        active: list[tuple[int, bool, Run]] = []  # runs that began before the end of the current piece
         upcoming = 0
         try:
             for pos in range(0, len(view), _PIECE):

@@ -130,12 +130,12 @@ def _prepare_target(out: Path, tmp: Path, overwrite: bool) -> list[Path]:
     Only what is particular to a folder is checked here: a file in the way, a folder
     that is not empty, parents to create. Whether the temporary folder ``tmp`` can be
     created next to ``out`` is the check of any output path,
-    :func:`~timm_layerscale.conversion.save.check_output`.
+    :func:`~timm_layerscale.conversion.atomic.check_output`.
 
     Returns:
         The parent folders created, deepest first (removed again if the export fails).
     """
-    from ..conversion.save import check_output
+    from ..conversion.atomic import check_output
 
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; export needs a folder path")
@@ -233,8 +233,8 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
+    from ..conversion.atomic import temporary_folder
     from ..conversion.pipeline import convert_checkpoint
-    from ..conversion.save import temporary_folder
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from timm_layerscale.conversion import temporaries
-from timm_layerscale.conversion.save import atomic_output, save_safetensors, temporary_folder
-from timm_layerscale.conversion.temporaries import remove_stale_temporaries
+from timm_layerscale.conversion import atomic as temporaries
+from timm_layerscale.conversion.atomic import atomic_output, remove_stale_temporaries, temporary_folder
+from timm_layerscale.conversion.save import save_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 POSIX = pytest.mark.skipif(sys.platform == "win32", reason="sends SIGKILL and takes flock")

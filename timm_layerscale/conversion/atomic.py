@@ -1,0 +1,295 @@
+"""Atomic writes: output checks, temporaries, putting the finished file in place, and removing what killed writers left.
+
+Every write goes to a temporary file in the target folder and is moved onto the
+target only when complete, without replacing a file that another process put there
+meanwhile unless asked to (:func:`atomic_output`).
+
+A writer builds its output under a hidden name next to the target,
+``.{name}.tmp-{pid}-{hex}``, and moves it onto the target when complete. While it
+lives it holds an exclusive ``flock`` on its temporary; the kernel drops that lock
+when the process ends, however it ends (``SIGKILL`` included). So a temporary that
+can be locked, of a process that no longer runs, was left by a writer that died,
+and :func:`remove_stale_temporaries` removes it; one whose lock is held belongs to a
+live writer and is never touched. Where ``fcntl`` is missing (Windows) the process
+id in the name is the only guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import shutil
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+if sys.platform != "win32":
+    import fcntl
+else:
+    fcntl = None
+
+from ..errors import CheckpointError, OutputExistsError
+
+__all__ = ["atomic_output", "check_output", "create_temporary", "remove_stale_temporaries", "temporary_folder"]
+
+
+# Hidden, and matched by the Hub upload's ignore pattern ``.*.tmp-*``.
+def _temporary_name(target: Path) -> Path:
+    return target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists; ``True`` when that cannot be told."""
+    if sys.platform == "win32":
+        import ctypes
+
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+        handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        if not handle:
+            return ctypes.get_last_error() == 5  # ERROR_ACCESS_DENIED: it exists
+        code = ctypes.c_ulong()
+        alive = not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)) or code.value == 259  # STILL_ACTIVE
+        kernel32.CloseHandle(handle)
+        return alive
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True
+    return True
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Try an exclusive ``flock`` on ``fd``: ``True`` taken, ``False`` held elsewhere, ``None`` not supported."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+def _remove_if_stale(path: Path, pid: int) -> bool:
+    """Remove the temporary ``path`` made by process ``pid`` if its writer is gone.
+
+    A writer holds an exclusive lock on its temporary while it lives, which the
+    kernel drops when the process ends, however it ends. The temporary is stale when
+    that lock can be taken and ``pid`` no longer runs (or is this process, whose
+    own writers hold their locks too). Without locks (Windows, or a filesystem that
+    refuses them) only a dead ``pid`` makes it stale.
+    """
+    own = pid == os.getpid()
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # gone, a link, or not ours to read: leave it
+        return False
+    try:
+        before = os.fstat(fd)
+        locked = _try_lock(fd)
+        if locked is False or (locked is None and own) or (not own and _pid_alive(pid)):
+            return False
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(path, follow_symlinks=False), before):
+                if stat.S_ISDIR(before.st_mode):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+                return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporaries that writers of ``target`` left when they were killed.
+
+    A writer that is killed (``SIGKILL``, power loss of the process, an out-of-memory
+    kill) cannot delete its ``.{name}.tmp-{pid}-{hex}`` file or folder; the next
+    write of the same ``target`` calls this. A temporary whose writer still runs, in
+    this process or another, is never touched.
+
+    Returns:
+        The temporaries removed.
+    """
+    target = Path(target)
+    pattern = re.compile(re.escape(f".{target.name}.tmp-") + r"([0-9]+)-[0-9a-f]+")
+    try:
+        names = [e.name for e in os.scandir(target.parent)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if (m := pattern.fullmatch(name)) and _remove_if_stale(target.parent / name, int(m.group(1))):
+            removed.append(target.parent / name)
+    return removed
+
+
+def create_temporary(target: Path, folder: bool = False) -> tuple[Path, int | None]:
+    """Create an empty temporary file (or folder) for ``target``; return it and the descriptor holding its lock."""
+    while True:
+        tmp = _temporary_name(target)
+        try:
+            if folder:
+                os.mkdir(tmp)
+                fd = os.open(tmp, os.O_RDONLY) if fcntl is not None else None
+            else:
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            what = "folder" if folder else "file"
+            raise CheckpointError(
+                f"cannot create a {what} in {target.parent} ({e.strerror}); choose another output path"
+            ) from None
+        if fcntl is None:
+            if fd is not None:
+                os.close(fd)
+            return tmp, None
+        _try_lock(fd)
+        try:  # a cleaner may have removed it before the lock was taken: start again
+            if os.path.samestat(os.stat(tmp, follow_symlinks=False), os.fstat(fd)):
+                return tmp, fd
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def check_output(target: Path, overwrite: bool) -> None:
+    """Raise unless ``target`` can be written as a new file (or replaced, with ``overwrite``).
+
+    Checked before any work and again just before the finished file is put in place.
+
+    Args:
+        target: The output file.
+        overwrite: An existing file at ``target`` may be replaced.
+
+    Raises:
+        OutputExistsError: ``target`` exists and ``overwrite`` is false.
+        CheckpointError: ``target`` is a directory, or its folder is missing or not
+            writable.
+    """
+    if target.is_dir():
+        raise CheckpointError(
+            f"output {target} is a directory; pass a file path such as {target / 'model.safetensors'}"
+        )
+    if target.exists() and not overwrite:
+        raise OutputExistsError(f"output {target} exists; pass overwrite=True to replace it")
+    parent = target.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"output folder {parent} does not exist; create it or choose another output path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"output folder {parent} is not writable; choose another output path")
+
+
+# link(2) errors meaning "this filesystem has no hard links", not "the target exists".
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
+
+
+def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Move the finished ``tmp`` onto ``target``; without ``overwrite``, never replace a file.
+
+    ``os.link`` fails with ``EEXIST`` when ``target`` exists, atomically, so of two
+    writers racing for one name exactly one wins and the other gets
+    :class:`OutputExistsError`; the file is always one writer's whole output. Where
+    the filesystem has no hard links, the existence check and ``os.replace`` are two
+    steps, which leaves a short window for a writer in another process.
+    """
+    if overwrite:
+        os.replace(tmp, target)
+        return
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise OutputExistsError(f"output {target} exists; pass --overwrite to replace it") from None
+    except OSError as e:
+        if e.errno not in _NO_HARD_LINKS:
+            raise
+        check_output(target, overwrite)
+        os.replace(tmp, target)
+        return
+    with contextlib.suppress(OSError):  # the output is complete; only a failing unlink keeps this name
+        tmp.unlink()
+
+
+#: Lock descriptors of the temporary folders made by :func:`temporary_folder`, while they keep their names.
+_FOLDER_LOCKS: dict[Path, int] = {}
+
+
+def temporary_folder(target: str | os.PathLike[str]) -> Path:
+    """Create a temporary folder next to ``target``, to be filled and then moved onto it.
+
+    Stale temporaries of ``target`` are removed first
+    (:func:`~timm_layerscale.conversion.atomic.remove_stale_temporaries`). The
+    folder is locked while this process lives and the folder keeps its name, so that
+    no other writer takes it for stale; the caller moves or deletes it.
+
+    Raises:
+        CheckpointError: The folder cannot be created.
+    """
+    for held, fd in list(_FOLDER_LOCKS.items()):
+        try:
+            current = os.stat(held, follow_symlinks=False)
+        except OSError:
+            current = None
+        if current is None or not os.path.samestat(current, os.fstat(fd)):
+            os.close(_FOLDER_LOCKS.pop(held))
+    target = Path(target)
+    remove_stale_temporaries(target)
+    tmp, lock = create_temporary(target, folder=True)
+    if lock is not None:
+        _FOLDER_LOCKS[tmp] = lock
+    return tmp
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; move it onto ``path`` on success.
+
+    The temporary file (``.{name}.tmp-{pid}-{hex}`` in the target folder) is created
+    empty; the caller writes it by name. On any exception, including
+    ``KeyboardInterrupt``, it is deleted and ``path`` is left as it was. Without
+    ``overwrite`` the last step is a hard link, which fails if ``path`` exists by
+    then (another process wrote it first), so an existing file is never replaced;
+    with ``overwrite`` it is a rename. Either way ``path`` holds one whole file,
+    never a mix. Protects against failure of this process, not against power loss
+    (no ``fsync``). A process killed mid-write cannot delete its temporary; the
+    next write of ``path`` does (:func:`~timm_layerscale.conversion.atomic.remove_stale_temporaries`), while the
+    temporaries of writers still running are left alone: each holds an exclusive
+    ``flock`` on its own until it ends.
+
+    Args:
+        path: The final file.
+        overwrite: Replace ``path`` if it exists.
+
+    Raises:
+        OutputExistsError: ``path`` exists (checked before writing, and atomically
+            when the finished file is put in place) and ``overwrite`` is false.
+        CheckpointError: ``path`` is a directory, its folder is missing or not
+            writable, or writing failed (for example, disk full).
+    """
+    target = Path(path)
+    check_output(target, overwrite)
+    remove_stale_temporaries(target)
+    tmp, lock = create_temporary(target)
+    try:
+        yield tmp
+        check_output(target, overwrite)
+        _publish(tmp, target, overwrite)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(
+                f"writing {target} failed ({e.strerror or e}); nothing was written, free space or choose another path"
+            ) from None
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
