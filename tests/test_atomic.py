@@ -96,7 +96,7 @@ def test_temporary_of_a_killed_writer_is_removed_by_the_next_write(tmp_path):
 _LIVE_WRITER = """
 import sys, time
 from pathlib import Path
-from timm_layerscale.conversion.save import atomic_output
+from timm_layerscale.conversion.atomic import atomic_output
 
 out, ready = Path(sys.argv[1]), Path(sys.argv[2])
 with atomic_output(out) as tmp:
@@ -195,7 +195,7 @@ def test_a_writer_in_this_process_keeps_its_temporary_from_another(tmp_path):
 _FOLDER_HOLDER = """
 import sys, time
 from pathlib import Path
-from timm_layerscale.conversion.save import temporary_folder
+from timm_layerscale.conversion.atomic import temporary_folder
 
 tmp = temporary_folder(Path(sys.argv[1]))
 (tmp / "model.safetensors").write_bytes(b"half")
