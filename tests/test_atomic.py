@@ -225,3 +225,53 @@ def test_temporary_folders_of_killed_exports_are_removed(tmp_path):
             p.kill()
             p.wait()
     mine.rmdir()
+
+
+# A real conversion on the command line, stopped for good in the middle of its copy.
+_STALLED_CONVERSION = """
+import os, sys, time
+from timm_layerscale.cli import main
+
+calls = []
+
+def stall(real):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:  # the first tensor is copied, then the conversion never ends
+            time.sleep(3600)
+        return real(*args, **kwargs)
+    return wrapper
+
+if hasattr(os, "copy_file_range"):
+    os.copy_file_range = stall(os.copy_file_range)
+os.pwrite = stall(os.pwrite)
+sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--no-verify", "--quiet"]))
+"""
+
+
+@POSIX
+def test_a_killed_conversion_leaves_nothing_after_the_next_one(official, tmp_path):
+    from timm_layerscale.cli import main
+
+    out = tmp_path / "cait_xxs24_224_ls.safetensors"
+    proc = subprocess.Popen([sys.executable, "-c", _STALLED_CONVERSION, str(official), str(out)], env=env())
+    try:
+        deadline = time.monotonic() + 120
+        while not temporaries_of(out):
+            assert proc.poll() is None, "the conversion ended before it was killed"
+            assert time.monotonic() < deadline, "no temporary appeared"
+            time.sleep(0.01)
+        time.sleep(0.2)  # well inside the copy: the header is not written yet
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    left = temporaries_of(out)
+    assert left and not out.exists()
+    assert (tmp_path / left[0]).stat().st_size > 0  # the killed writer's partial file
+
+    assert main(["convert", str(official), str(out), "--no-verify", "--quiet"]) == 0
+    assert temporaries_of(out) == [] and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    (tmp_path / "reference").mkdir()
+    reference = tmp_path / "reference" / out.name
+    assert main(["convert", str(official), str(reference), "--no-verify", "--quiet"]) == 0
+    assert out.read_bytes() == reference.read_bytes()
