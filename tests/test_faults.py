@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from timm_layerscale.cli import main
+from timm_layerscale.conversion import atomic, stream
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion import save as ckpt_save
-from timm_layerscale.conversion import stream
 from timm_layerscale.conversion.atomic import atomic_output
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
 from timm_layerscale.conversion.io import load_checkpoint
@@ -191,7 +191,7 @@ def _leftovers(folder: Path) -> list[str]:
 
 def test_final_step_never_replaces_a_file_that_appeared(tmp_path, monkeypatch):
     """With the pre-checks out of the way, the hard link alone keeps the first writer's file."""
-    monkeypatch.setattr(ckpt_save, "check_output", lambda target, overwrite: None)
+    monkeypatch.setattr(atomic, "check_output", lambda target, overwrite: None)
     out = tmp_path / "x.bin"
     out.write_bytes(b"first writer")
     with pytest.raises(OutputExistsError, match="exists; pass --overwrite"), atomic_output(out) as tmp:
