@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -38,23 +37,14 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from bench_convert_io import build_checkpoint, page_in, run_once, sha256  # noqa: E402
 
+from timm_layerscale.machine import cpu_model  # noqa: E402
+
 GENERAL = """
 import sys
 from timm_layerscale.conversion import pipeline, stream
 stream.SourcePass.prepare = classmethod(lambda cls, *a, **k: None)
 pipeline.convert_checkpoint(sys.argv[1], sys.argv[2], verify=False, overwrite=True)
 """
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measure(src: Path, out: Path, repeats: int, env: dict[str, str]) -> dict[str, tuple[list[float], list[float]]]:

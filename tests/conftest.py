@@ -126,3 +126,32 @@ def create_model(name: str, **kwargs: Any) -> Any:
     import timm
 
     return timm.create_model(name, **kwargs)
+
+
+def parity_report(
+    passed: bool, reference: str = "cait_xxs24_224", model: str = "cait_xxs24_224_ls", **fields: Any
+) -> Any:
+    """A :class:`~timm_layerscale.parity.compare.ParityReport` of one image: bit-exact, or off by 0.5."""
+    from timm_layerscale.parity.compare import ParityReport
+
+    values: dict[str, Any] = dict(
+        reference=reference,
+        model=model,
+        family="cait",
+        inputs="1 image",
+        num_inputs=1,
+        dtype="float32",
+        device="cpu",
+        attention="manual",
+        max_abs_diff=0.0 if passed else 0.5,
+        max_rel_diff=0.0 if passed else 0.1,
+        cosine_min=1.0 if passed else 0.99,
+        top1_agreement=1.0,
+        top5_agreement=1.0,
+        bit_exact=passed,
+        atol=0.0,
+        rtol=0.0,
+        passed=passed,
+    )
+    values.update(fields)
+    return ParityReport(**values)

@@ -24,6 +24,7 @@ import safetensors.torch
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
+from conftest import parity_report
 from timm_layerscale.cli import main
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion import save as ckpt_save
@@ -203,27 +204,8 @@ def test_convert_dtype_and_format_options(official, tmp_path, capsys):
 
 
 def test_convert_failed_parity_exits_1_and_removes_the_output(official, tmp_path, capsys, monkeypatch):
-    from timm_layerscale.parity.compare import ParityReport
 
-    failing = ParityReport(
-        reference=REFERENCE,
-        model=MODEL,
-        family="cait",
-        inputs="1 image",
-        num_inputs=1,
-        dtype="float32",
-        device="cpu",
-        attention="manual",
-        max_abs_diff=0.5,
-        max_rel_diff=0.1,
-        cosine_min=0.99,
-        top1_agreement=1.0,
-        top5_agreement=1.0,
-        bit_exact=False,
-        atol=0.0,
-        rtol=0.0,
-        passed=False,
-    )
+    failing = parity_report(False, REFERENCE, MODEL)
     monkeypatch.setattr(conversion, "verify_state_dicts", lambda *a, **k: failing)
     out = tmp_path / "x.safetensors"
     code, stdout, err = cli(capsys, "convert", official, out)

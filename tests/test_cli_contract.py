@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
+from conftest import parity_report
 from timm_layerscale import commands, progress
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
-from timm_layerscale.parity.compare import ParityReport
 
 ROOT = Path(__file__).resolve().parents[1]
 ERROR = "timm-layerscale: error: "
@@ -47,28 +47,6 @@ def one_line_error(code: int, err: str, status: int, expect: str = "") -> str:
     return lines[0]
 
 
-def failing_report() -> ParityReport:
-    return ParityReport(
-        reference="cait_xxs24_224",
-        model=MODEL,
-        family="cait",
-        inputs="1 image",
-        num_inputs=1,
-        dtype="float32",
-        device="cpu",
-        attention="manual",
-        max_abs_diff=0.5,
-        max_rel_diff=0.1,
-        cosine_min=0.99,
-        top1_agreement=1.0,
-        top5_agreement=1.0,
-        bit_exact=False,
-        atol=0.0,
-        rtol=0.0,
-        passed=False,
-    )
-
-
 # ---- exit codes and the error prefix ------------------------------------------------------
 
 
@@ -83,7 +61,7 @@ def test_an_internal_error_exits_3_with_the_common_prefix(capsys, monkeypatch):
 
 def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
     def failing(args):
-        raise ParityError("converted model does not match cait_xxs24_224", failing_report())
+        raise ParityError("converted model does not match cait_xxs24_224", parity_report(False))
 
     monkeypatch.setitem(commands.COMMANDS, "list", failing)
     one_line_error(*run(capsys, "list")[::2], 1, "does not match")
@@ -94,7 +72,7 @@ def test_demo_parity_failure_prints_the_report_and_exits_1(tmp_path, capsys, mon
     from timm_layerscale.hub import export
 
     def export_folder(*args, **kwargs):
-        raise ParityError("converted model does not match cait_xxs24_224 (max abs diff 0.5)", failing_report())
+        raise ParityError("converted model does not match cait_xxs24_224 (max abs diff 0.5)", parity_report(False))
 
     monkeypatch.setattr(export, "export_folder", export_folder)
     monkeypatch.setattr(demo, "write_official_checkpoint", lambda path, *a, **k: Path(path).touch())
@@ -377,28 +355,9 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
 def test_model_card_names_its_reference_and_cites_its_family(name, reference, cites, not_cited, tmp_path):
     from timm_layerscale.conversion.detect import get_variant
     from timm_layerscale.hub.card import build_model_card
-    from timm_layerscale.parity.compare import ParityReport
 
-    report = ParityReport(
-        reference=reference,
-        model=name,
-        family=get_variant(name).family,
-        inputs="1 image",
-        num_inputs=1,
-        dtype="float32",
-        device="cpu",
-        attention="manual",
-        max_abs_diff=0.0,
-        max_rel_diff=0.0,
-        cosine_min=1.0,
-        top1_agreement=1.0,
-        top5_agreement=1.0,
-        bit_exact=True,
-        atol=0.0,
-        rtol=0.0,
-        passed=True,
-        weights_equal=True,
-        weights_compared=3,
+    report = parity_report(
+        True, reference, name, family=get_variant(name).family, weights_equal=True, weights_compared=3
     )
     conversion = SimpleNamespace(
         variant=get_variant(name),
