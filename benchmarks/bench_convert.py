@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = 2
     start, load_before = time.perf_counter(), " / ".join(f"{x:.2f}" for x in os.getloadavg())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench_convert-", dir=args.workdir))
     try:
         src, out, general = workdir / "M48_448.pth", workdir / "out.safetensors", workdir / "general.safetensors"
