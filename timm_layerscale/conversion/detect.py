@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ArchitectureError, RemapError
-from .families import FAMILIES, VARIANTS, Variant
+from .families import DEFAULT_NUM_CLASSES, FAMILIES, VARIANTS, Variant
 from .keys import check_state_dict, strip_prefixes, to_layerscale, unwrap_state_dict
 
 __all__ = ["Detection", "get_variant", "state_dict_shapes", "describe_state_dict", "detect", "detect_variant"]
@@ -58,7 +58,7 @@ def state_dict_shapes(variant: Variant, num_classes: int | None = None) -> dict[
         num_classes: Classifier outputs (default 1000; 0: no classifier).
     """
     d, p, h = variant.embed_dim, variant.patch_size, variant.num_heads
-    classes = 1000 if num_classes is None else num_classes
+    classes = DEFAULT_NUM_CLASSES if num_classes is None else num_classes
     rms = variant.family == "vit5"  # RMSNorm (weight only), no qkv bias, QK-norm, registers
     grid = variant.img_size // p
     out: dict[str, tuple[int, ...]] = {"cls_token": (1, 1, d)}
@@ -260,14 +260,13 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
             continue
         info = described[v.family]
         num_classes = info.get("num_classes")
-        default_classes = state_dict_shapes(v)["head.weight"][0]
-        shapes = state_dict_shapes(v, num_classes if num_classes is not None else None)
+        shapes = state_dict_shapes(v, num_classes)
         bad = _mismatch(sd, shapes)
         if bad and model:  # a named model: list the missing, unexpected and mis-shaped keys
             check_state_dict(sd, shapes, v.name)
         if bad == 0:
             out = dict(info)
-            if num_classes is not None and num_classes == default_classes:
+            if num_classes == DEFAULT_NUM_CLASSES:
                 out.pop("num_classes")
             return Detection(v, out, sd)
         rank = (*_distance(v, shapes, info, _kinds(sd)), bad)

@@ -36,6 +36,7 @@ __all__ = [
     "get_family",
     "FOLD_TARGETS",
     "CAIT_RELEASE_URL",
+    "DEFAULT_NUM_CLASSES",
     "VIT5_HUB_REPO",
     "VIT5_ROPE_THETA",
     "Variant",
@@ -215,6 +216,8 @@ FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
 
 # ---- Variants -----------------------------------------------------------------------
 
+#: Classifier outputs of every released model (ImageNet-1k).
+DEFAULT_NUM_CLASSES = 1000
 #: Where the official CaiT checkpoints are published (``+ Variant.official_file``).
 CAIT_RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
 #: The Hub repository of the official ViT-5 checkpoints.

@@ -323,6 +323,30 @@ def nonfinite_error(bad: list[str]) -> CheckpointError:
     )
 
 
+#: ``madvise`` advice that maps a range's pages in one call (Linux 5.14+; not in :mod:`mmap` before Python 3.13).
+MADV_POPULATE_READ = 22
+
+
+def private_pages(first: int, count: int) -> np.ndarray | None:
+    """Which of ``count`` pages of this process's memory, from page number ``first``, were written to.
+
+    A page written to in a private file mapping is a private copy: present, and no
+    longer a page of the file (``/proc/self/pagemap``, Linux).
+
+    Returns:
+        One bool per page, or ``None`` when the page map cannot be read.
+    """
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            pagemap.seek(first * 8)
+            flags = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
+    except OSError:
+        return None
+    if len(flags) != count:
+        return None
+    return ((flags >> 63) & 1).astype(bool) & ~((flags >> 61) & 1).astype(bool)
+
+
 class _MappedPages:
     """Prefetch and release the pages of tensors memory-mapped from a file (Linux only).
 
@@ -334,7 +358,7 @@ class _MappedPages:
     than one fault at a time. Elsewhere both do nothing.
     """
 
-    _DONTNEED, _POPULATE_READ = 4, 22
+    _DONTNEED = 4
 
     def __init__(self) -> None:
         self._madvise: Any = None
@@ -356,21 +380,14 @@ class _MappedPages:
 
     def fetch(self, tensor: torch.Tensor) -> None:
         if span := self._span(tensor):
-            self._madvise(*span, self._POPULATE_READ)
+            self._madvise(*span, MADV_POPULATE_READ)
 
     def release(self, tensor: torch.Tensor) -> None:
         if not (span := self._span(tensor)):
             return
         lo, length = span
-        count = -(-length // self._page)
-        try:
-            with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
-                pagemap.seek(lo // self._page * 8)
-                flags = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
-        except OSError:
-            return
-        present, file_page = (flags >> 63) & 1, (flags >> 61) & 1
-        if len(flags) == count and not np.any(present & (file_page ^ 1)):
+        written = private_pages(lo // self._page, -(-length // self._page))
+        if written is not None and not written.any():
             self._madvise(lo, length, self._DONTNEED)
 
 

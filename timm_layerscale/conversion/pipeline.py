@@ -112,13 +112,14 @@ def _load(
 def _to_target(sd: Mapping[str, torch.Tensor], found: Detection, to: str) -> dict[str, torch.Tensor]:
     """The converted state dict in layout ``to``, from the source and its detection."""
     variant = found.variant
-    if variant.family == "vit5":  # a file's rotary buffers must be the ones the model computes
-        check_rope_buffers(sd, official_rope_buffers(variant))
+    rope = official_rope_buffers(variant) if variant.family == "vit5" else None
+    if rope is not None:  # a file's rotary buffers must be the ones the model computes
+        check_rope_buffers(sd, rope)
     if to == "ls":
         return found.state_dict
     out = to_gamma(found.state_dict, FAMILIES[variant.family])
-    if variant.family == "vit5":  # the official loader needs the rotary tables it keeps as buffers
-        out.update(official_rope_buffers(variant))
+    if rope is not None:  # the official loader needs the rotary tables it keeps as buffers
+        out.update(rope)
     return out
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+from .io import private_pages
 
 __all__ = ["Run", "SourceMap", "map_source"]
 
@@ -124,15 +125,9 @@ def _unmodified(spans: list[tuple[int, int]]) -> bool:
     page = os.sysconf("SC_PAGE_SIZE")
     first = min(a for a, _ in spans) // page
     count = -(-max(a + n for a, n in spans) // page) - first
-    try:
-        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
-            pagemap.seek(first * 8)
-            flags = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
-    except OSError:
+    written = private_pages(first, count)
+    if written is None:
         return False
-    if len(flags) != count:
-        return False
-    written = ((flags >> 63) & 1).astype(bool) & ~((flags >> 61) & 1).astype(bool)
     if not written.any():
         return True
     return not any(written[a // page - first : -(-(a + n) // page) - first].any() for a, n in spans)

@@ -35,7 +35,7 @@ import torch
 from .. import progress
 from ..errors import CheckpointError
 from .atomic import atomic_output
-from .io import all_finite, nonfinite_error
+from .io import MADV_POPULATE_READ, all_finite, nonfinite_error
 from .save import safetensors_header, safetensors_plan
 from .source_map import Run, SourceMap, map_source
 
@@ -43,7 +43,6 @@ __all__ = ["SourcePass"]
 
 _PIECE = 8 << 20  # bytes of the mapping handled at a time; a multiple of every element size
 _IN_FLIGHT = 4  # pieces mapped at once: handled here, not yet hashed by the hashing thread
-_POPULATE_READ = 22  # madvise: map the pages now (Linux 5.14+)
 _SUMMABLE = {torch.float32: None, torch.float64: None, torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
@@ -274,7 +273,7 @@ class SourcePass:
         try:
             for pos in range(0, len(view), _PIECE):
                 end = min(pos + _PIECE, len(view))
-                _advise(source, _POPULATE_READ, pos, end)  # map the piece's pages in one call
+                _advise(source, MADV_POPULATE_READ, pos, end)  # map the piece's pages in one call
                 hashing.append((pos, end, hasher.submit(digest.update, view[pos:end])))
                 while upcoming < len(runs) and runs[upcoming][0] < end:
                     active.append(runs[upcoming])
