@@ -79,9 +79,15 @@ def build_loaded(
         build: Makes the model.
         state_dict: Its exact keys and shapes.
         name: The model's name in the error message.
-        on_meta: Build on the meta device and take the tensors themselves
+        on_meta: Build on the meta device and assign fresh copies of the tensors
             (``load_state_dict(assign=True)``), skipping the random initialisation;
             only for models without computed (non-persistent) buffers.
+
+    Either way the model computes on fresh allocations, as ``timm.create_model(...,
+    pretrained=True)`` gives a user, never on tensors mapped from a file: a tensor
+    mapped from a safetensors file starts wherever the file's header ends (8-byte
+    steps), and a BLAS may sum a GEMM on a weight that is not 16-byte aligned in
+    another order, so the verdict would depend on the length of the file's metadata.
 
     Raises:
         RemapError: Missing, unexpected or mis-shaped keys (all listed in one message).
@@ -89,6 +95,8 @@ def build_loaded(
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = build()
     check_state_dict(state_dict, model.state_dict(), name)
+    if on_meta:
+        state_dict = {k: torch.empty(v.shape, dtype=v.dtype).copy_(v) for k, v in state_dict.items()}
     model.load_state_dict(state_dict, strict=True, assign=on_meta)
     return model.eval()
 
