@@ -45,6 +45,26 @@ def test_low_precision_input_keeps_its_dtype(dtype):
     assert torch.equal(y, x * ls.gamma.detach().to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_promote_multiplies_as_timm_and_the_official_blocks(dtype):
+    ls = LayerScale(4, init_value=0.3, promote=True)
+    with torch.no_grad():
+        ls.gamma.copy_(torch.tensor([0.1, -0.7, 1.3, 3e-3]))
+    x = torch.randn(2, 3, 4).to(dtype)
+    y = ls(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, ls.gamma.detach() * x)  # the official blocks' gamma_1 * x
+    assert "promote=True" in repr(ls) and "promote" not in repr(LayerScale(4))
+
+
+def test_model_blocks_promote(tiny_cait_kwargs):
+    from conftest import create_model
+
+    model = create_model("cait_xxs24_224_ls", **tiny_cait_kwargs)
+    gates = [m for m in model.modules() if isinstance(m, LayerScale)]
+    assert gates and all(m.promote for m in gates)
+
+
 def test_wrong_last_dim_names_both_sizes():
     with pytest.raises(ValueError, match=r"8.*7|7.*8"):
         LayerScale(8)(torch.randn(2, 7))

@@ -68,7 +68,12 @@ class LayerScale(nn.Module):
     leading axis, so inputs of shape ``(B, N, C)``, ``(B, H, W, C)`` or
     ``(B, T, H, W, C)`` all work. The output has the shape and dtype of the input:
     a bf16/fp16 input with an fp32 ``gamma`` returns bf16/fp16 (``gamma`` is cast to
-    the input's dtype first, then one elementwise multiply).
+    the input's dtype first, then one elementwise multiply). With ``promote=True`` the
+    multiply follows PyTorch's type promotion instead (``x * gamma``: a bf16 input with
+    an fp32 ``gamma`` gives an fp32 product, rounded once), which is what the official
+    CaiT and ViT-5 blocks (``gamma_1 * x``) and timm's own LayerScale compute. The
+    blocks of this package's models build with ``promote=True``, so under
+    ``torch.autocast`` they compute exactly what their references compute.
 
     **Cost.** :meth:`flop_count`: one multiplication per element, ``N * C`` for ``N``
     tokens. For deployment, :func:`~timm_layerscale.conversion.fold.fuse_layerscale` folds ``gamma``
@@ -77,6 +82,8 @@ class LayerScale(nn.Module):
     Args:
         dim: Number of channels ``C``; the size of the input's last dimension, >= 1.
         init_value: Initial value of every element of ``gamma``.
+        promote: Multiply with type promotion (output in the wider of the two dtypes)
+            instead of casting ``gamma`` to the input's dtype.
         device: Device on which ``gamma`` is created (``"meta"`` allowed).
         dtype: dtype of ``gamma``.
 
@@ -113,6 +120,7 @@ class LayerScale(nn.Module):
         self,
         dim: int,
         init_value: float = 1e-4,
+        promote: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -121,6 +129,7 @@ class LayerScale(nn.Module):
             raise ValueError(f"LayerScale dim must be positive, got {dim}")
         self.dim = dim
         self.init_value = float(init_value)
+        self.promote = promote
         self.gamma = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -138,14 +147,15 @@ class LayerScale(nn.Module):
                 block, ``(B, H, W, C)`` channels-last feature maps; any float dtype.
 
         Returns:
-            Tensor of the same shape and dtype, ``out[..., c] = x[..., c] * gamma[c]``.
+            Tensor of the same shape, ``out[..., c] = x[..., c] * gamma[c]``; of the
+            input's dtype, or with ``promote`` the promoted dtype of input and ``gamma``.
 
         Raises:
             ValueError: ``x.shape[-1] != C``.
         """
         if x.shape[-1] != self.dim:
             raise ValueError(f"LayerScale expected an input whose last dimension is {self.dim}, got {x.shape[-1]}")
-        return x * self.gamma.to(x.dtype)
+        return x * self.gamma if self.promote else x * self.gamma.to(x.dtype)
 
     def flop_count(self, num_tokens: int) -> int:
         """Multiplications of one forward pass over ``num_tokens`` tokens.
@@ -160,7 +170,7 @@ class LayerScale(nn.Module):
         return int(num_tokens) * self.dim
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, init_value={self.init_value:g}"
+        return f"dim={self.dim}, init_value={self.init_value:g}" + (", promote=True" if self.promote else "")
 
     # The no-weight-decay tag is a plain attribute of the Parameter object. Operations
     # that replace the Parameter (deepcopy, to_empty, load_state_dict(assign=True))
@@ -187,9 +197,9 @@ class LayerScale(nn.Module):
             self._retag()
 
 
-def layer_scale_or_identity(dim: int, init_values: float | None, **dd: Any) -> nn.Module:
+def layer_scale_or_identity(dim: int, init_values: float | None, promote: bool = False, **dd: Any) -> nn.Module:
     """A :class:`LayerScale` of ``dim`` channels, or ``nn.Identity`` when ``init_values`` is ``None``."""
-    return LayerScale(dim, init_values, **dd) if init_values is not None else nn.Identity()
+    return LayerScale(dim, init_values, promote, **dd) if init_values is not None else nn.Identity()
 
 
 def cait_init_value(depth: int) -> float:

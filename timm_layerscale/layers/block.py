@@ -34,6 +34,8 @@ class PreNormBlock(nn.Module):
         attn_drop: Dropout on attention weights.
         drop_path: Stochastic depth rate of both branches.
         init_values: LayerScale initial value; ``None`` for no LayerScale (``nn.Identity``).
+            The gates multiply with type promotion (``LayerScale(promote=True)``), as
+            ``gamma_1 * x`` does in the official blocks, so autocast runs their arithmetic.
         act_layer: MLP activation.
         norm_layer: Norm before each branch.
         mlp_layer: MLP type; ``None`` for timm's ``Mlp``.
@@ -67,13 +69,13 @@ class PreNormBlock(nn.Module):
         self.attn = attn_layer(
             dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd
         )
-        self.ls1 = layer_scale_or_identity(dim, init_values, **dd)
+        self.ls1 = layer_scale_or_identity(dim, init_values, promote=True, **dd)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim, **dd)
         self.mlp = mlp_layer(
             in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd
         )
-        self.ls2 = layer_scale_or_identity(dim, init_values, **dd)
+        self.ls2 = layer_scale_or_identity(dim, init_values, promote=True, **dd)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
