@@ -203,6 +203,36 @@ def test_convert_dtype_and_format_options(official, tmp_path, capsys):
     assert {v.dtype for v in sd.values()} == {torch.float16}
 
 
+@pytest.mark.parametrize("name", ["out.txt", "out", "model.npz"])
+def test_convert_refuses_an_output_suffix_that_names_no_format(light_sd, tmp_path, capsys, name):
+    source = tmp_path / "src.pth"
+    torch.save({"model": light_sd}, source)
+    code, out, err = cli(capsys, "convert", source, tmp_path / name, "--no-verify")
+    assert_one_line_error(code, out, err, "cannot tell the output format")
+    assert "pass --format safetensors" in err
+    assert folder_names(tmp_path) == ["src.pth"]
+
+
+@pytest.mark.parametrize("name, fmt", [("OUT.PTH", "pth"), ("x.ckpt", "pth"), ("x.SafeTensors", "safetensors")])
+def test_convert_output_suffix_any_case(light_sd, tmp_path, capsys, name, fmt):
+    source = tmp_path / "src.pth"
+    torch.save({"model": light_sd}, source)
+    code, _, err = cli(capsys, "convert", source, tmp_path / name, "--no-verify")
+    assert code == 0, err
+    head = (tmp_path / name).read_bytes()[:4]
+    assert (head == b"PK\x03\x04") == (fmt == "pth")
+
+
+def test_convert_integer_weight_is_a_user_error(light_sd, tmp_path, capsys):
+    key = "module.blocks.0.mlp.fc1.weight"
+    source = tmp_path / "int.pth"
+    torch.save({"model": dict(light_sd, **{key: light_sd[key].to(torch.int64)})}, source)
+    code, out, err = cli(capsys, "convert", source, tmp_path / "out.safetensors")
+    assert_one_line_error(code, out, err, "blocks.0.mlp.fc1.weight is int64")
+    assert "float32, bfloat16 or float16" in err
+    assert folder_names(tmp_path) == ["int.pth"]
+
+
 def test_convert_failed_parity_exits_1_and_removes_the_output(official, tmp_path, capsys, monkeypatch):
 
     failing = parity_report(False, REFERENCE, MODEL)

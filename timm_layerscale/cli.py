@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         dest="fmt",
         choices=("safetensors", "pth"),
-        help="output format (default: from OUTPUT's suffix, else safetensors)",
+        help="output format (default: from OUTPUT's suffix: .safetensors, or .pth .pt .bin .ckpt)",
     )
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
     p.add_argument("--fuse", action="store_true", help="fold LayerScale into the preceding Linear layers")

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ArchitectureError, RemapError
 from .families import DEFAULT_NUM_CLASSES, FAMILIES, VARIANTS, Variant
-from .keys import check_state_dict, strip_prefixes, to_layerscale, unwrap_state_dict
+from .keys import check_floating, check_state_dict, strip_prefixes, to_layerscale, unwrap_state_dict
 
 __all__ = ["Detection", "get_variant", "state_dict_shapes", "describe_state_dict", "detect", "detect_variant"]
 
@@ -265,6 +265,7 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
         if bad and model:  # a named model: list the missing, unexpected and mis-shaped keys
             check_state_dict(sd, shapes, v.name)
         if bad == 0:
+            check_floating(sd, v.name)
             out = dict(info)
             if num_classes == DEFAULT_NUM_CLASSES:
                 out.pop("num_classes")

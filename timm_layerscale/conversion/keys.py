@@ -29,6 +29,7 @@ __all__ = [
     "to_layerscale",
     "to_gamma",
     "official_checkpoint",
+    "check_floating",
     "check_state_dict",
     "WRAPPER_KEYS",
     "EMA_KEYS",
@@ -255,3 +256,25 @@ def check_state_dict(
         shown = ", ".join(f"{k} {list(a or [])} != {list(b or [])}" for k, a, b in misshaped[:limit])
         parts.append(f"{len(misshaped)} mis-shaped ({shown}{', ...' if len(misshaped) > limit else ''})")
     raise RemapError(f"checkpoint does not fit {what}: " + "; ".join(parts))
+
+
+def check_floating(state_dict: Mapping[str, Any], what: str = "model", limit: int = 5) -> None:
+    """Check that every tensor of a state dict is floating point, as every weight and buffer of these models is.
+
+    Args:
+        state_dict: Name to tensor.
+        what: Name of the target, used in the message.
+        limit: How many tensors the message names.
+
+    Raises:
+        RemapError: Naming the first ``limit`` other tensors with their dtypes, and the count.
+    """
+    bad = [(k, v.dtype) for k, v in state_dict.items() if hasattr(v, "is_floating_point") and not v.is_floating_point()]
+    if not bad:
+        return
+    shown = ", ".join(f"{k} is {str(dtype).removeprefix('torch.')}" for k, dtype in bad[:limit])
+    raise RemapError(
+        f"checkpoint does not fit {what}: {len(bad)} tensor(s) not floating point ({shown}"
+        f"{', ...' if len(bad) > limit else ''}); every weight must be float32, bfloat16 or float16, "
+        "check how the file was written"
+    )

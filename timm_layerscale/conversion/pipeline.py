@@ -201,7 +201,7 @@ def convert_checkpoint(
         model: Model name overriding architecture detection.
         to: Target layout: ``"ls"`` (``ls1.gamma``) or ``"gamma"`` (``gamma_1``).
         fmt: ``"safetensors"`` or ``"pth"``; default from the output's suffix
-            (``safetensors`` when it has none of these).
+            (``.safetensors``; ``.pth``, ``.pt``, ``.bin``, ``.ckpt``); another suffix needs it.
         dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``; default keeps the source's dtypes.
         overwrite: Replace an existing output.
         verify: Check parity of the written file against the reference.
@@ -222,9 +222,7 @@ def convert_checkpoint(
     """
     t0 = time.perf_counter()
     output = Path(output)
-    fmt = fmt or ("pth" if output.suffix in (".pth", ".pt", ".bin") else "safetensors")
-    if fmt not in ("safetensors", "pth"):
-        raise LayerScaleError(f"unknown format {fmt!r}; use 'safetensors' or 'pth'")
+    fmt = save.output_format(output, fmt)
     if to not in ("ls", "gamma"):
         raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
     if fuse and to != "ls":

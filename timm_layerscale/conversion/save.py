@@ -27,7 +27,7 @@ from ..errors import CheckpointError
 from .atomic import atomic_output, check_output
 from .io import TORCH_SUFFIXES, _MappedPages
 
-__all__ = ["save_pth", "save_safetensors", "save_state_dict"]
+__all__ = ["output_format", "save_pth", "save_safetensors", "save_state_dict"]
 
 _WRITE_CHUNK = 16 << 20  # bytes per write call
 
@@ -285,23 +285,36 @@ def save_state_dict(
         CheckpointError: Unknown ``fmt`` or suffix, ``wrap`` with safetensors, or
             any error of the writers.
     """
-    if fmt is None:
-        suffix = Path(path).suffix.lower()
-        if suffix == ".safetensors":
-            fmt = "safetensors"
-        elif suffix in TORCH_SUFFIXES:
-            fmt = "pth"
-        else:
-            raise CheckpointError(
-                f"cannot tell the output format from {path}; name it .safetensors or .pth, or pass format='pth'"
-            )
+    fmt = output_format(path, fmt)
     if fmt == "safetensors":
         if wrap is not None:
             raise CheckpointError(
                 "a safetensors file holds a flat state dict; write a .pth file for a wrapped checkpoint"
             )
         save_safetensors(path, state_dict, metadata, overwrite=overwrite, dtype=dtype)
-    elif fmt == "pth":
-        save_pth(path, state_dict, overwrite=overwrite, dtype=dtype, wrap=wrap)
     else:
-        raise CheckpointError(f"unknown output format {fmt!r}; use 'safetensors' or 'pth'")
+        save_pth(path, state_dict, overwrite=overwrite, dtype=dtype, wrap=wrap)
+
+
+def output_format(path: str | os.PathLike[str], fmt: str | None = None) -> str:
+    """The format to write ``path`` in: ``fmt`` if given, else from its suffix (any case).
+
+    Returns:
+        ``'safetensors'`` for ``.safetensors``, ``'pth'`` for ``.pth .pt .bin .ckpt``.
+
+    Raises:
+        CheckpointError: ``fmt`` is neither, or it is ``None`` and the suffix names no format.
+    """
+    if fmt is not None:
+        if fmt not in ("safetensors", "pth"):
+            raise CheckpointError(f"unknown output format {fmt!r}; use 'safetensors' or 'pth'")
+        return fmt
+    suffix = Path(path).suffix.lower()
+    if suffix == ".safetensors":
+        return "safetensors"
+    if suffix in TORCH_SUFFIXES:
+        return "pth"
+    raise CheckpointError(
+        f"cannot tell the output format from the name {Path(path).name!r}; "
+        "name it .safetensors or .pth, or pass fmt='safetensors'"
+    )
