@@ -143,22 +143,32 @@ def official_layout(model: Any, family: str = "cait") -> dict[str, Any]:
 def write_official_checkpoint(
     path: str | os.PathLike[str], model_name: str = "cait_xxs24_224", seed: int = 0, overwrite: bool = False
 ) -> Any:
-    """Build timm's reference model with seeded weights and save it in the official layout.
+    """Build a variant's reference model with seeded weights and save it in the official layout.
 
     Every parameter is random (:func:`~timm_layerscale.parity.inputs.seed_parameters_`,
     gammas of std 0.1), so that a layout or math error shows in the outputs.
 
+    Args:
+        path: The ``.pth`` file to write.
+        model_name: A variant's name (``deit3_small_patch16_224``, ``vit5_small_patch16_224``)
+            or its timm reference's (``cait_xxs24_224``).
+        seed: Seed of the weights.
+        overwrite: Replace an existing file.
+
     Returns:
         The reference model (eval mode) whose weights were written.
     """
-    import timm
     import torch
 
     from .conversion.atomic import atomic_output
+    from .conversion.detect import get_variant
+    from .conversion.families import VARIANTS
     from .parity.inputs import seed_parameters_
+    from .parity.references import build_reference
 
-    ref = timm.create_model(model_name)
+    variant = next((v for v in VARIANTS if model_name in (v.name, v.reference)), None) or get_variant(model_name)
+    ref = build_reference(variant)
     seed_parameters_(ref, seed)
     with atomic_output(path, overwrite) as tmp:
-        torch.save(official_layout(ref), tmp)
+        torch.save(official_layout(ref, variant.family), tmp)
     return ref.eval()
