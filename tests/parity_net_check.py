@@ -1,0 +1,241 @@
+"""The parity net: what varies between users, sampled in one fresh interpreter.
+
+``tests/test_parity_net.py`` runs this file once per process-wide setting (thread count,
+CPU kernel dispatch), each in a fresh interpreter because those are read at start-up.
+Within one run it varies what a user varies per call:
+
+* where the weights lie: the converted file rewritten with its data at every 8-byte
+  offset mod 64 (padded metadata), loaded by ``verify``, by ``timm.create_model(...,
+  pretrained=True, pretrained_cfg_overlay=dict(file=...))`` and from an exported folder
+  through ``local-dir:``;
+* batch size (1, 2, 3, 5), ``inference_mode`` / ``no_grad`` / autograd on, timm's fused
+  attention on and off, and ``torch.autocast`` in bf16 and fp16.
+
+CaiT and DeiT-III must be ``torch.equal`` to timm's reference in every case. ViT-5's
+reference is an independent implementation: its verification passes within the stated
+tolerance at every offset, ``--exact`` gives one verdict for all of them, and under
+autocast it stays within the tolerance of the autocast dtype.
+
+Usage: ``python tests/parity_net_check.py WORKDIR {full,core} {default,THREADS}``; prints one
+JSON object: the ATen capability, the thread count, per exact case the largest absolute
+difference (0.0 where the outputs are ``torch.equal``, else at least 1e-45), and ViT-5's verdicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import timm
+from timm.layers import set_fused_attn
+
+from timm_layerscale.parity.references import build_reference
+from timm_layerscale.parity.tolerance import VIT5_TOLERANCE, VerifyOptions
+
+#: (family, converted model) at the sizes the net samples; the references are timm's
+#: ``cait_xxs24_224`` and ``deit3_small_patch16_224``.
+MODELS = [("cait", "cait_xxs24_224_ls"), ("deit3", "deit3_small_patch16_224")]
+VIT5 = "vit5_small_patch16_224"
+OFFSETS = range(0, 64, 8)
+BATCHES = (1, 2, 3, 5)
+
+
+def write_at_offset(src: Path, dst: Path, offset: int) -> Path:
+    """Copy a safetensors file with its header padded so that its data starts at ``offset`` mod 64.
+
+    The tensors' bytes and the header's JSON are unchanged; the header ends in spaces,
+    the padding safetensors itself writes.
+    """
+    raw = src.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8 : 8 + n].rstrip(b" ")
+    header += b" " * ((offset - 8 - len(header)) % 64)
+    dst.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n :])
+    return dst
+
+
+def images(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(seed + batch))
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if torch.equal(a, b):
+        return 0.0
+    return max((a.float() - b.float()).abs().max().item(), 1e-45)
+
+
+def grad_mode(name: str) -> contextlib.AbstractContextManager[Any]:
+    return {"inference_mode": torch.inference_mode(), "no_grad": torch.no_grad(), "grad": torch.enable_grad()}[name]
+
+
+def autocast(dtype: str) -> contextlib.AbstractContextManager[Any]:
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype]))
+
+
+@contextlib.contextmanager
+def fused_attention(on: bool) -> Iterator[None]:
+    """timm's fused-attention setting for the models built inside (read at construction)."""
+    set_fused_attn(on)
+    try:
+        yield
+    finally:
+        set_fused_attn(True)
+
+
+class Net:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.results: dict[str, float] = {}
+        self.verdicts: dict[str, bool] = {}
+
+    def record(self, case: str, value: float) -> None:
+        self.results[case] = value
+
+    def compare(self, case: str, ref: torch.nn.Module, model: torch.nn.Module, batch: int, mode: str, dtype: str):
+        x = images(batch)
+        with grad_mode(mode), autocast(dtype):
+            expected, got = ref(x), model(x)
+        self.record(case, diff(expected, got))
+
+    def reference(self, family: str, name: str) -> torch.nn.Module:
+        """timm's reference model (``cait_*``, ``deit3_*``) on the official file, loaded from the zip."""
+        from timm_layerscale.conversion.io import load_checkpoint
+
+        return build_reference(name, load_checkpoint(self.official(family)))
+
+    def official(self, family: str) -> Path:
+        return self.workdir / f"{family}.pth"
+
+    def converted(self, family: str) -> Path:
+        return self.workdir / f"{family}.safetensors"
+
+    def exported(self, family: str) -> Path:
+        return self.workdir / f"{family}-export"
+
+    def from_file(self, name: str, file: Path, **kwargs: Any) -> torch.nn.Module:
+        overlay = dict(file=str(file))
+        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs).eval()
+
+    def from_folder(self, folder: Path) -> torch.nn.Module:
+        return timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+
+    def offsets(self, family: str, name: str, offsets: Any, routes: tuple[str, ...]) -> None:
+        """Each route at each offset of the converted data, at batch size 1 (a one-row GEMM in class attention)."""
+        from timm_layerscale.conversion.pipeline import verify_checkpoint
+
+        ref = self.reference(family, name)
+        for off in offsets:
+            tmp = self.workdir / f"off{off}"
+            tmp.mkdir(exist_ok=True)
+            try:
+                file = write_at_offset(self.converted(family), tmp / "model.safetensors", off)
+                if "verify" in routes:
+                    options = VerifyOptions(num_inputs=1, batch_size=1)
+                    report = verify_checkpoint(self.official(family), file, options=options)
+                    self.record(f"{family} verify offset {off}", 0.0 if report.bit_exact else report.max_abs_diff)
+                if "file" in routes:
+                    model = self.from_file(name, file)
+                    self.compare(f"{family} create_model(file) offset {off}", ref, model, 1, "inference_mode", "fp32")
+                if "local-dir" in routes:
+                    folder = self.exported(family)
+                    shutil.copy(folder / "config.json", tmp / "config.json")
+                    write_at_offset(folder / "model.safetensors", tmp / "model.safetensors", off)
+                    self.compare(
+                        f"{family} local-dir offset {off}", ref, self.from_folder(tmp), 1, "inference_mode", "fp32"
+                    )
+            finally:
+                shutil.rmtree(tmp)
+
+    def matrix(self, family: str, name: str, full: bool) -> None:
+        """Fused attention on and off, each with batch sizes, grad modes and autocast dtypes.
+
+        CaiT also runs its opt-in ``attn_impl="buffered"`` path on the fp32 cases (it steps
+        aside for the reference formulation under autocast).
+        """
+        cases = [("inference_mode", "fp32", b) for b in BATCHES] + [("inference_mode", "bf16", 1)]
+        if full:
+            cases += [("no_grad", "fp32", 1), ("grad", "fp32", 3), ("inference_mode", "bf16", 3)]
+            cases += [("grad", "bf16", 1), ("inference_mode", "fp16", 1), ("grad", "fp16", 2)]
+        for fused in (True, False):
+            with fused_attention(fused):
+                ref = self.reference(family, name)
+                model = self.from_file(name, self.converted(family))
+                buffered = (
+                    self.from_file(name, self.converted(family), attn_impl="buffered") if family == "cait" else None
+                )
+            for mode, dtype, batch in cases:
+                self.compare(f"{family} fused_attn={fused} {mode} {dtype} b{batch}", ref, model, batch, mode, dtype)
+                if buffered is not None and dtype == "fp32":
+                    case = f"{family} buffered fused_attn={fused} {mode} {dtype} b{batch}"
+                    self.compare(case, ref, buffered, batch, mode, dtype)
+
+    def vit5(self) -> None:
+        """ViT-5 at every offset: within the stated tolerance, and one ``--exact`` verdict."""
+        from timm_layerscale.conversion.pipeline import verify_checkpoint
+
+        for off in OFFSETS:
+            tmp = self.workdir / f"vit5-off{off}.safetensors"
+            write_at_offset(self.workdir / "vit5.safetensors", tmp, off)
+            try:
+                for exact in (False, True):
+                    options = VerifyOptions(num_inputs=1, batch_size=1, exact=exact)
+                    report = verify_checkpoint(self.workdir / "vit5.pth", tmp, options=options)
+                    self.verdicts[f"vit5 verify offset {off} exact={exact}"] = report.passed
+            finally:
+                tmp.unlink()
+        self.vit5_autocast()
+
+    def vit5_autocast(self) -> None:
+        """ViT-5 against its reference under bf16 and fp16 autocast, within :data:`VIT5_TOLERANCE`."""
+        from timm_layerscale.conversion.detect import get_variant
+        from timm_layerscale.conversion.io import load_checkpoint
+        from timm_layerscale.conversion.keys import state_dict_of
+        from timm_layerscale.parity.verify import align_attention, build_converted
+
+        variant = get_variant(VIT5)
+        sd = state_dict_of(load_checkpoint(self.workdir / "vit5.pth"))
+        ref, model = build_reference(variant, sd), build_converted(variant, sd)
+        align_attention(ref, model)
+        x = images(3)
+        for dtype in ("bf16", "fp16"):
+            for mode in ("inference_mode", "grad"):
+                with grad_mode(mode), autocast(dtype):
+                    expected, got = ref(x), model(x)
+                atol, rtol = VIT5_TOLERANCE[expected.dtype]
+                ok = torch.allclose(got.float(), expected.float(), atol=atol, rtol=rtol)
+                self.verdicts[f"vit5 autocast {dtype} {mode} within tolerance"] = ok
+
+
+def main(workdir: Path, scope: str) -> dict[str, Any]:
+    net = Net(workdir)
+    full = scope == "full"
+    for family, name in MODELS:
+        net.matrix(family, name, full)
+        routes = ("verify", "file", "local-dir") if full else ("file",)
+        net.offsets(family, name, OFFSETS if full else (0, 8), routes)
+    if full:
+        net.vit5()
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "results": net.results,
+        "vit5_verdicts": net.verdicts,
+    }
+
+
+if __name__ == "__main__":
+    if sys.argv[3] != "default":
+        torch.set_num_threads(int(sys.argv[3]))
+    print(json.dumps(main(Path(sys.argv[1]), sys.argv[2])))

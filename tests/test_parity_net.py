@@ -1,0 +1,99 @@
+"""The parity net: exact parity under what varies between users (``tests/parity_net_check.py``).
+
+Each process-wide setting (thread count, CPU kernel dispatch) runs in a fresh interpreter
+on the same files: seeded official-layout CaiT (``cait_xxs24_224``), DeiT-III
+(``deit3_small_patch16_224``) and ViT-5 (``vit5_small_patch16_224``) checkpoints, their
+conversions and exported folders. The default setting samples everything; the others
+sample batch sizes, fused attention, bf16 autocast and two offsets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_exact_attention import DISPATCHES
+from timm_layerscale.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {
+    "default-threads": ("best", "default", "full"),
+    "one-thread": ("best", "1", "core"),
+    "aten-default": ("aten-default", "default", "core"),
+    "aten-avx2-mkl-avx2": ("aten-avx2-mkl-avx2", "default", "core"),
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """Official-layout files of the three families, their conversions, and exported CaiT and DeiT-III folders."""
+    from timm_layerscale.conversion.pipeline import convert_checkpoint
+    from timm_layerscale.demo import write_official_checkpoint
+    from timm_layerscale.hub import export_folder
+    from timm_layerscale.parity import VerifyOptions
+
+    work = tmp_path_factory.mktemp("parity-net")
+    for family, name in [
+        ("cait", "cait_xxs24_224"),
+        ("deit3", "deit3_small_patch16_224"),
+        ("vit5", "vit5_small_patch16_224"),
+    ]:
+        write_official_checkpoint(work / f"{family}.pth", name, seed=3)
+        convert_checkpoint(work / f"{family}.pth", work / f"{family}.safetensors", verify=False)
+        if family != "vit5":
+            export_folder(
+                work / f"{family}.pth", work / f"{family}-export", plot=False, options=VerifyOptions(num_inputs=1)
+            )
+    return work
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_parity_net(setting: str, workdir: Path) -> None:
+    dispatch, threads, scope = SETTINGS[setting]
+    env_update, capability = DISPATCHES[dispatch]
+    if capability == ("AVX2",) and "avx2" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
+        pytest.skip("this CPU has no AVX2")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
+    env.update(env_update)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "parity_net_check.py"), str(workdir), scope, threads],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if capability:
+        assert result["capability"] in capability
+    if threads != "default":
+        assert result["threads"] == int(threads)
+    results = result["results"]
+    families = {case.split()[0] for case in results}
+    assert families == {"cait", "deit3"}
+    # per family: fused on and off x (11 or 5 cases, CaiT's buffered path on 6 or 4), then the offsets
+    expected = 2 * (11 + 11 + 6) + 8 * 3 * 2 if scope == "full" else 2 * (5 + 5 + 4) + 2 * 2
+    assert len(results) == expected
+    failed = {case: d for case, d in results.items() if d != 0.0}
+    assert not failed, f"not bit-exact ({result['capability']}, {result['threads']} threads): {failed}"
+    if scope == "full":
+        verdicts = result["vit5_verdicts"]
+        assert len(verdicts) == 16 + 4
+        assert all(v for case, v in verdicts.items() if "exact=True" not in case), verdicts
+        assert len({v for case, v in verdicts.items() if "exact=True" in case}) == 1, verdicts
+
+
+def test_cli_verify_batch_size_1_at_a_misaligned_offset(workdir: Path, tmp_path: Path, capsys) -> None:
+    """``verify --batch-size 1`` on a file whose data starts at 8 mod 16: bit-exact, exit 0."""
+    from parity_net_check import write_at_offset
+
+    file = write_at_offset(workdir / "cait.safetensors", tmp_path / "cait.safetensors", 8)
+    code = cli_main(["-q", "verify", str(workdir / "cait.pth"), str(file), "--num-inputs", "3", "--batch-size", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "PASS (bit-exact)" in out
