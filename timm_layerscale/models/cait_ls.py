@@ -97,10 +97,12 @@ class CaitLS(TimmContract):
             position embedding is resampled on the fly.
         dynamic_img_pad: Pad inputs to a multiple of the patch size.
         attn_impl: Talking-heads attention implementation (``attn_layer`` overrides it):
-            ``"buffered"`` (default; CPU inference in reused buffers, bit-identical to
-            ``"reference"``), ``"reference"`` (timm's formulation) or ``"fast"`` (fewer
-            copies, within :data:`~timm_layerscale.layers.talking_heads.FAST_ATTN_RTOL`
-            of the reference, not bit-exact). All three train identically.
+            ``"reference"`` (default; timm's formulation, so never slower than timm),
+            ``"buffered"`` (CPU inference in reused buffers, bit-identical to the
+            reference; faster where fresh large tensors page-fault, e.g. glibc's default
+            allocator) or ``"fast"`` (fewer copies, within
+            :data:`~timm_layerscale.layers.talking_heads.FAST_ATTN_RTOL` of the
+            reference, not bit-exact). All three train identically.
         fused_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
             ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
             folded into ``attn.proj`` and ``mlp.fc2`` (:func:`timm_layerscale.fuse_layerscale`).
@@ -141,7 +143,7 @@ class CaitLS(TimmContract):
         block_layer: type[nn.Module] = LayerScaleBlock,
         block_layer_token: type[nn.Module] = LayerScaleBlockClassAttn,
         attn_layer: type[nn.Module] | None = None,
-        attn_impl: str = "buffered",
+        attn_impl: str = "reference",
         attn_layer_token_only: type[nn.Module] = ClassAttn,
         mlp_layer: type[nn.Module] = Mlp,
         embed_layer: Callable[..., PatchEmbed] = PatchEmbed,
