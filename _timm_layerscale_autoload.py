@@ -20,8 +20,9 @@ registers the models. By then every name timm defines exists, so the plugin's ow
 is executed (a mere lookup, such as ``importlib.util.find_spec("timm")``, keeps it).
 
 This is a top-level module rather than part of the ``timm_layerscale`` package on purpose:
-importing any submodule of the package runs the package's ``__init__``, which imports torch
-and timm, and that must not happen at every interpreter start.
+importing any submodule of the package runs the package's ``__init__`` (its public names,
+the key rules and their tables), and interpreter start-up should load this one small file and
+nothing more.
 
 ``TIMM_LAYERSCALE_AUTOLOAD=0`` (or ``false``, ``no``, ``off``) turns the hook off. A failure
 while registering never breaks ``import timm``: it is reported in one ``RuntimeWarning``, the
