@@ -225,24 +225,29 @@ DISPATCHES = {
 }
 
 
-@pytest.mark.parametrize("dispatch", list(DISPATCHES))
-def test_exact_parity_under_other_kernel_dispatch(dispatch):
+def run_under_dispatch(dispatch: str, script: str, *args: str, timeout: int = 600) -> dict[str, Any]:
+    """Run ``tests/SCRIPT`` in a fresh interpreter under a kernel dispatch of :data:`DISPATCHES`; its JSON line.
+
+    Skips where the CPU lacks the dispatch, and checks the capability the script reports.
+    """
     env_update, capability = DISPATCHES[dispatch]
     if capability == ("AVX2",) and "avx2" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
         pytest.skip("this CPU has no AVX2")
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
     env.update(env_update)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "exact_parity_check.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, str(ROOT / "tests" / script), *args], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if capability:
         assert result["capability"] in capability
+    return result
+
+
+@pytest.mark.parametrize("dispatch", list(DISPATCHES))
+def test_exact_parity_under_other_kernel_dispatch(dispatch):
+    result = run_under_dispatch(dispatch, "exact_parity_check.py")
     failed = [name for name, ok in result["checks"].items() if not ok]
     assert len(result["checks"]) == 10
     assert not failed, f"not bit-exact under {dispatch} ({result['capability']}): {failed}"

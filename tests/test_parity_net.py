@@ -9,18 +9,13 @@ sample batch sizes, fused attention, bf16 autocast and two offsets.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_exact_attention import DISPATCHES
+from test_exact_attention import run_under_dispatch
 from timm_layerscale.cli import main as cli_main
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {
     "default-threads": ("best", "default", "full"),
     "one-thread": ("best", "1", "core"),
@@ -55,22 +50,7 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_parity_net(setting: str, workdir: Path) -> None:
     dispatch, threads, scope = SETTINGS[setting]
-    env_update, capability = DISPATCHES[dispatch]
-    if capability == ("AVX2",) and "avx2" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
-        pytest.skip("this CPU has no AVX2")
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
-    env.update(env_update)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "parity_net_check.py"), str(workdir), scope, threads],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if capability:
-        assert result["capability"] in capability
+    result = run_under_dispatch(dispatch, "parity_net_check.py", str(workdir), scope, threads, timeout=900)
     if threads != "default":
         assert result["threads"] == int(threads)
     results = result["results"]
