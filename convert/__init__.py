@@ -1,9 +1,9 @@
-"""Maintainers' release pipeline: every official CaiT checkpoint converted, verified, exported and uploaded.
+"""Maintainers' release pipeline: every official CaiT, DeiT-III and ViT-5 checkpoint converted, verified, exported and uploaded.
 
 ``python -m convert --help`` (from the repository root) lists the options; the
-table of checkpoints and the steps live in :mod:`convert.release_cait`.
+table of releases and the steps live in :mod:`convert.release`.
 """
 
-from .release_cait import RELEASES, Release, main
+from .release import Release, main, releases
 
-__all__ = ["RELEASES", "Release", "main"]
+__all__ = ["Release", "main", "releases"]

@@ -1,7 +1,7 @@
-"""``python -m convert``: run the CaiT release pipeline."""
+"""``python -m convert``: run the release pipeline."""
 
 import sys
 
-from .release_cait import main
+from .release import main
 
 sys.exit(main())

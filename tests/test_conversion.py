@@ -246,9 +246,17 @@ def test_to_gamma_round_trip_gives_back_the_official_file(official, official_sd,
     assert_same_tensors(load_output(again), load_output(converted.output))
 
 
-def test_a_gamma_file_to_gamma_says_it_is_already_in_that_layout(official, tmp_path):
-    with pytest.raises(LayerScaleError, match=r"XXS24_224\.pth is already in the gamma layout; nothing to convert"):
-        convert_checkpoint(official, tmp_path / "again.pth", to="gamma", verify=False)
+def test_a_gamma_file_to_gamma_is_resaved_in_timms_layout(official, official_sd, tmp_path):
+    # The official .pth re-saved as the bare safetensors file timm's cait_* loads, verified.
+    res = convert_checkpoint(official, tmp_path / "timm.safetensors", to="gamma")
+    assert (
+        res.report is not None
+        and res.report.bit_exact
+        and res.container == "plain"
+        and res.source_layout == res.target_layout == "gamma"
+    )
+    assert_same_tensors({"module." + k: v for k, v in load_output(res.output).items()}, official_sd)
+    res.output.unlink()
     with pytest.raises(LayerScaleError, match="plain applies to the gamma layout only"):
         convert_checkpoint(official, tmp_path / "x.pth", plain=True, verify=False)
     no_leftovers(tmp_path)

@@ -536,7 +536,7 @@ def test_card_template_ships_with_the_package() -> None:
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert TEMPLATE_NAME in package_data["timm_layerscale.hub"]
     text = resources.files("timm_layerscale.hub").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
-    assert "<!-- section: card -->" in text and "$repo_id" in text
+    assert text.startswith("---\n{{ card_data }}\n---") and "{{ repo_id }}" in text
 
 
 # ---- resolve_source ------------------------------------------------------------------

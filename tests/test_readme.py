@@ -6,8 +6,8 @@ How blocks run
   command writes are there for later blocks), prepared with the files the README names:
   ``XXS24_224.pth`` (timm's ``cait_xxs24_224``, seeded random weights, saved as the
   official CaiT code saves them), ``deit_3_small_224_1k.pth``, ``vit5_small_patch16_224.pth``
-  (an official ViT-5 training dict with ``model`` and ``model_ema``), ``cat.jpg``,
-  ``dog.jpg`` and ``~/deit/XXS24_224.pth`` (``HOME`` is a folder inside it). Everything
+  (an official ViT-5 training dict with ``model`` and ``model_ema``), ``finetuned.pth``
+  (the CaiT file with a 10-class head) and its ``labels.txt``, ``cat.jpg``, ``dog.jpg`` and ``~/deit/XXS24_224.pth`` (``HOME`` is a folder inside it). Everything
   runs offline: ``HF_HUB_OFFLINE=1``, ``HF_HOME`` and ``TORCH_HOME`` inside the folder.
 - ``python`` blocks: each runs in a fresh interpreter, one top-level statement at a time.
 - ``bash`` blocks: each line is one command, split like a shell does (``#`` starts a
@@ -26,7 +26,7 @@ the network. It runs up to the network boundary: a command must exit 2 at once (
 :data:`FAST` seconds) with one ``error:`` line naming ``HF_HUB_OFFLINE``; a Python
 statement (any statement with a marked line) must raise at once with huggingface_hub's
 error for an offline machine with nothing cached (``LocalEntryNotFoundError``,
-``OfflineModeIsEnabled``) or this package's one-line ``HF_HUB_OFFLINE`` error, and the block goes on with its next statement, so later statements
+``OfflineModeIsEnabled``; transformers' ``OSError`` that names offline mode) or this package's one-line ``HF_HUB_OFFLINE`` error, and the block goes on with its next statement, so later statements
 must not use what a marked one would have made. A marked line that succeeds fails the
 test: the mark is wrong.
 """
@@ -121,6 +121,12 @@ def workdir(tmp_path_factory) -> Path:
     torch.save(
         {"model": model_sd, "model_ema": ema_sd, "optimizer": {}, "epoch": 799}, work / "vit5_small_patch16_224.pth"
     )
+    tuned = torch.load(work / "XXS24_224.pth", weights_only=True)
+    head = tuned["model"]["module.head.weight"]
+    tuned["model"]["module.head.weight"] = head[:10].clone()
+    tuned["model"]["module.head.bias"] = tuned["model"]["module.head.bias"][:10].clone()
+    torch.save(tuned, work / "finetuned.pth")
+    (work / "labels.txt").write_text("".join(f"pet {i}\n" for i in range(10)))
     gen = torch.Generator().manual_seed(0)
     for name in ("cat.jpg", "dog.jpg"):
         pixels = torch.randint(0, 256, (256, 320, 3), generator=gen, dtype=torch.uint8).numpy()
@@ -168,7 +174,7 @@ def _entry_point(argv: list[str]):
 
         return main, argv[3:]
     if argv[:3] == ["python", "-m", "convert"]:
-        from convert.release_cait import main
+        from convert.release import main
 
         return main, argv[3:]
     return None, argv
@@ -220,7 +226,11 @@ for stmt in ast.parse(source).body:
             sys.exit(f"README statement failed: {text}")
         message = f"{type(e).__name__}: {e}"
         # huggingface_hub's errors for "no network and not cached", or this package's one line.
-        offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled") or "HF_HUB_OFFLINE" in message
+        offline = (
+            type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+            or "HF_HUB_OFFLINE" in message
+            or (isinstance(e, OSError) and "offline mode" in message)
+        )
         if not offline:
             sys.exit(f"[network] statement failed, but not because it is offline: {text}\n{message}")
         if time.perf_counter() - t0 >= FAST:

@@ -1,8 +1,8 @@
-"""Tests for the CaiT release pipeline (convert/), offline.
+"""Tests for the release pipeline of every family (convert/), offline.
 
-The pipeline runs over a folder of synthetic checkpoints in the official layout
-(``{'model': {'module.' + key: tensor}}``, seeded random weights): two good ones, a
-corrupt one between them and one missing, and uploads to the loopback Hub of
+The pipeline runs over a folder of synthetic checkpoints in the official layouts
+(seeded random weights): two good CaiT files, a corrupt one between them and one
+missing, a DeiT-III file and a ViT-5 training dict, and uploads to the loopback Hub of
 ``test_hub``.
 """
 
@@ -15,37 +15,61 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from convert.release_cait import RELEASES, PipelineError, format_markdown, main, select
+from convert.release import PipelineError, format_markdown, main, releases, select
 from test_hub import FakeHub, _point_at
 
-ONLY = ["cait_xxs24_224", "XXS24_384", "cait_xxs36_224_ls", "xs24_384"]
+ONLY = [
+    "cait_xxs24_224",
+    "XXS24_384",
+    "cait_xxs36_224_ls",
+    "xs24_384",
+    "deit_3_small_224_21k.pth",
+    "vit5_small_patch16_224.in1k_ema",
+]
 
 
-def test_table_holds_the_ten_official_checkpoints() -> None:
+def test_table_holds_every_official_release_of_each_family() -> None:
     import timm
 
     from timm_layerscale.models import cait_ls
 
-    assert len(RELEASES) == 10
-    assert [r.model for r in RELEASES] == list(cait_ls.VARIANTS)
-    for r in RELEASES:
-        assert timm.is_model(r.model) and timm.is_model(r.reference)
-        assert r.url == f"https://dl.fbaipublicfiles.com/deit/{r.file}"
-        reference_cfg = timm.models.get_pretrained_cfg(f"{r.reference}.fb_dist_in1k")
+    table = releases()
+    by_family = {f: [r for r in table if r.family == f] for f in ("cait", "deit3", "vit5")}
+    assert [r.model for r in by_family["cait"]] == list(cait_ls.VARIANTS)
+    assert len(by_family["deit3"]) == 16 and len(by_family["vit5"]) == 10 and len(table) == 36
+    for r in by_family["cait"]:
+        assert r.reference is not None and timm.is_model(r.model) and timm.is_model(r.reference)
+        assert r.source == f"https://dl.fbaipublicfiles.com/deit/{r.file}" and r.tag == "fb_dist_in1k"
         our_cfg = timm.models.get_pretrained_cfg(f"{r.model}.fb_dist_in1k")
+        assert our_cfg is not None and our_cfg.url == r.source
+    for r in by_family["cait"] + by_family["deit3"]:
+        reference_cfg = timm.models.get_pretrained_cfg(f"{r.reference}.{r.tag}")
         assert reference_cfg is not None and reference_cfg.hf_hub_id == r.timm_hub_id
-        assert our_cfg is not None and our_cfg.url == r.url
-        assert r.name == f"{r.model}.fb_dist_in1k"
-        assert r.sha256 is None  # not published upstream; see the comment on PINNED_SHA256
+    for r in by_family["deit3"]:
+        assert r.model == r.reference and r.source.startswith("https://dl.fbaipublicfiles.com/deit/deit_3_")
+    for r in by_family["vit5"]:
+        assert r.source == f"hf-hub:FengWang3211/ViT-5/{r.model}.pth" and r.timm_hub_id is None
+        assert r.ema == (r.tag == "in1k_ema")
+    assert all(r.sha256 is None for r in table)  # none published upstream; see OFFICIAL_SHA256
+    assert len({r.name for r in table}) == len(table)
 
 
 def test_select_by_any_name_in_table_order() -> None:
     picked = select(["S24_224", "cait_xxs24_224_LS", "cait_m48_448", "xxs36_384.pth"])
     assert [r.reference for r in picked] == ["cait_xxs24_224", "cait_xxs36_384", "cait_s24_224", "cait_m48_448"]
-    assert select(None) == list(RELEASES)
+    assert [r.name for r in select(["deit3_small_patch16_224"])] == [
+        "deit3_small_patch16_224.fb_in1k",
+        "deit3_small_patch16_224.fb_in22k_ft_in1k",
+    ]
+    assert [r.name for r in select(["vit5_base_patch16_384.in1k"])] == ["vit5_base_patch16_384.in1k"]
+    assert select(None) == list(releases())
+    assert {r.family for r in select(None, ["deit3"])} == {"deit3"}
     with pytest.raises(PipelineError, match="unknown variant"):
         select(["cait_s24_225"])
+    with pytest.raises(PipelineError, match="unknown variant"):
+        select(["cait_s24_224"], ["vit5"])
 
 
 def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
@@ -55,10 +79,13 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_list_prints_the_table(capsys) -> None:
+def test_list_prints_the_plan_offline(capsys) -> None:
     assert main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert all(r.url in out and r.timm_hub_id in out for r in RELEASES)
+    assert all(r.source in out and r.name in out and (r.timm_hub_id or "-") in out for r in releases())
+    assert main(["--list", "--family", "vit5"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == 10 and all(line.startswith("vit5_") for line in lines)
 
 
 def test_markdown_summary_format() -> None:
@@ -88,7 +115,7 @@ def test_markdown_summary_format() -> None:
     ]
     md = format_markdown(rows)
     assert (
-        "| variant | params (M) | source sha256 | max abs diff | bit-exact | seconds | peak memory (MiB) | status |"
+        "| release | params (M) | source sha256 | max abs diff | bit-exact | seconds | peak memory (MiB) | status |"
         in md
     )
     assert f"| `cait_xxs24_224_ls` | 12.0 | `{'ab' * 32}` | 0 | yes | 12.3 | 812.4 | ok |" in md
@@ -105,6 +132,11 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory):
     sources.mkdir()
     write_official_checkpoint(sources / "XXS24_224.pth", "cait_xxs24_224", seed=0)
     write_official_checkpoint(sources / "XXS36_224.pth", "cait_xxs36_224", seed=1)
+    write_official_checkpoint(sources / "deit_3_small_224_21k.pth", "deit3_small_patch16_224", seed=2)
+    write_official_checkpoint(sources / "vit5_small_patch16_224.pth", "vit5_small_patch16_224", seed=3)
+    vit5 = torch.load(sources / "vit5_small_patch16_224.pth", weights_only=True)
+    vit5["model_ema"] = {k: v if k.endswith(".freqs") else v + 0.01 for k, v in vit5["model"].items()}
+    torch.save(vit5, sources / "vit5_small_patch16_224.pth")
     good = (sources / "XXS24_224.pth").read_bytes()
     (sources / "XXS24_384.pth").write_bytes(good[: len(good) // 3])  # truncated download
     out = root / "out"
@@ -121,18 +153,20 @@ def test_pipeline_runs_on_after_a_failure_and_exits_1(pipeline) -> None:
     assert code == 1
     data = json.loads((out / "summary.json").read_text())
     rows = data["results"]
-    assert [r["variant"] for r in rows] == [
-        "cait_xxs24_224_ls",
-        "cait_xxs24_384_ls",
-        "cait_xxs36_224_ls",
-        "cait_xs24_384_ls",
+    assert [f"{r['variant']}.{r['tag']}" for r in rows] == [
+        "cait_xxs24_224_ls.fb_dist_in1k",
+        "cait_xxs24_384_ls.fb_dist_in1k",
+        "cait_xxs36_224_ls.fb_dist_in1k",
+        "cait_xs24_384_ls.fb_dist_in1k",
+        "vit5_small_patch16_224.in1k_ema",
+        "deit3_small_patch16_224.fb_in22k_ft_in1k",
     ]
-    assert [r["status"] for r in rows] == ["ok", "failed", "ok", "failed"]
-    assert data["failed"] == ["cait_xxs24_384_ls", "cait_xs24_384_ls"]
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok", "failed", "ok", "ok"]
+    assert data["failed"] == ["cait_xxs24_384_ls.fb_dist_in1k", "cait_xs24_384_ls.fb_dist_in1k"]
     assert "XXS24_384.pth" in rows[1]["error"]
     assert "XS24_384.pth is not in" in rows[3]["error"]
-    assert "2 of 4 variant(s) failed" in stderr
-    assert "cait_xxs24_384" in stderr and "cait_xs24_384" in stderr
+    assert "2 of 6 release(s) failed" in stderr
+    assert "cait_xxs24_384_ls.fb_dist_in1k" in stderr and "cait_xs24_384_ls.fb_dist_in1k" in stderr
     assert "summary written to" in stdout
 
 
@@ -140,31 +174,48 @@ def test_pipeline_summary_rows(pipeline) -> None:
     from timm_layerscale.conversion.io import sha256_file
 
     _, out, sources, _, _, _ = pipeline
-    rows = {r["variant"]: r for r in json.loads((out / "summary.json").read_text())["results"]}
-    for name, file, params in (
-        ("cait_xxs24_224_ls", "XXS24_224.pth", 12.0e6),
-        ("cait_xxs36_224_ls", "XXS36_224.pth", 17.3e6),
+    rows = {f"{r['variant']}.{r['tag']}": r for r in json.loads((out / "summary.json").read_text())["results"]}
+    for name, file, params, exact in (
+        ("cait_xxs24_224_ls.fb_dist_in1k", "XXS24_224.pth", 12.0e6, True),
+        ("cait_xxs36_224_ls.fb_dist_in1k", "XXS36_224.pth", 17.3e6, True),
+        ("deit3_small_patch16_224.fb_in22k_ft_in1k", "deit_3_small_224_21k.pth", 22.1e6, True),
+        ("vit5_small_patch16_224.in1k_ema", "vit5_small_patch16_224.pth", 22.0e6, None),  # within tolerance
     ):
         r = rows[name]
         assert r["source_sha256"] == sha256_file(sources / file)
-        assert r["bit_exact"] is True and r["max_abs_diff"] == 0.0
+        if exact:
+            assert r["bit_exact"] is True and r["max_abs_diff"] == 0.0
         assert r["params"] == pytest.approx(params, rel=0.01)
         assert r["seconds"] > 0 and r["peak_memory_mib"] > 0
-        assert Path(r["folder"]) == out / f"{name}.fb_dist_in1k"
+        assert Path(r["folder"]) == out / name
     md = (out / "summary.md").read_text()
-    assert "| `cait_xxs24_224_ls` | 12.0 |" in md and "## Failures" in md
+    assert "| `cait_xxs24_224_ls.fb_dist_in1k` | 12.0 |" in md and "## Failures" in md
     assert "[my-org/cait_xxs24_224_ls.fb_dist_in1k](" in md
 
 
 def test_pipeline_exports_and_pushes_only_the_good_variants(pipeline) -> None:
     _, out, sources, hub, _, _ = pipeline
     folders = sorted(p.name for p in out.iterdir() if p.is_dir())
-    assert folders == ["cait_xxs24_224_ls.fb_dist_in1k", "cait_xxs36_224_ls.fb_dist_in1k"]
+    assert folders == [
+        "cait_xxs24_224_ls.fb_dist_in1k",
+        "cait_xxs36_224_ls.fb_dist_in1k",
+        "deit3_small_patch16_224.fb_in22k_ft_in1k",
+        "vit5_small_patch16_224.in1k_ema",
+    ]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
     assert sorted(c["repo_id"] for c in hub.commits) == [f"my-org/{f}" for f in folders]
     for folder in folders:
         config = json.loads((out / folder / "config.json").read_text())
-        assert config["architecture"] == folder.split(".")[0]
+        assert [config["architecture"], config["pretrained_cfg"]["tag"]] == folder.split(".")
         card = (out / folder / "README.md").read_text()
         assert "python -m convert --only" in card and f"--sources {sources}" in card
         assert f"hf-hub:my-org/{folder}" in card
+
+
+def test_pipeline_takes_the_ema_weights_for_an_ema_release(pipeline) -> None:
+    from safetensors.torch import load_file
+
+    _, out, sources, _, _, _ = pipeline
+    ema = torch.load(sources / "vit5_small_patch16_224.pth", weights_only=True)["model_ema"]
+    exported = load_file(out / "vit5_small_patch16_224.in1k_ema" / "model.safetensors")
+    assert torch.equal(exported["blocks.0.ls1.gamma"], ema["blocks.0.gamma_1"])

@@ -161,6 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORG/NAME",
         help="repo id shown in the model card's usage code (default: --push-to-hub, else ORG/<DIR name>)",
     )
+    p.add_argument(
+        "--to",
+        choices=("ls", "gamma"),
+        default="ls",
+        help="ls (default): this package's architecture (cait_*_ls, vit5_*). gamma, for CaiT: timm's own "
+        "cait_* architecture and gamma_1 layout, which timm and transformers load without this package",
+    )
+    p.add_argument(
+        "--label-names",
+        metavar="FILE",
+        help="class names of a fine-tuned head: one per line (name<TAB>description allowed) or a JSON list "
+        "(default: timm's ImageNet names for 1000 classes, none otherwise)",
+    )
+    p.add_argument(
+        "--tag", help="pretrained tag written into config.json (default: the architecture's, e.g. fb_dist_in1k)"
+    )
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
     p.add_argument("--commit-message", metavar="M", help="commit message of the upload")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -171,6 +171,9 @@ def cmd_export(a: argparse.Namespace) -> int:
             private=a.private,
             commit_message=a.commit_message,
             repo_id=a.repo_id,
+            to=a.to,
+            label_names=a.label_names,
+            tag=a.tag,
         )
     except ParityError as e:
         print(e.report.format_table())

@@ -38,6 +38,7 @@ __all__ = [
     "CAIT_RELEASE_URL",
     "DEFAULT_NUM_CLASSES",
     "VIT5_HUB_REPO",
+    "OFFICIAL_SHA256",
     "VIT5_ROPE_THETA",
     "Variant",
     "VARIANTS",
@@ -222,6 +223,13 @@ DEFAULT_NUM_CLASSES = 1000
 CAIT_RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
 #: The Hub repository of the official ViT-5 checkpoints.
 VIT5_HUB_REPO = "FengWang3211/ViT-5"
+#: SHA-256 of official release files, by file name. A model card calls weights "the
+#: official weights released with the paper" only when the source matches an entry, and
+#: the release pipeline (``python -m convert``) refuses a file that differs from its pin.
+#: The releases publish no checksums, so an entry is added only after a file fetched
+#: from its official address has been checked; until then cards name the source file
+#: and its SHA-256 (every release summary records them).
+OFFICIAL_SHA256: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

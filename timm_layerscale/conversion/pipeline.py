@@ -191,9 +191,8 @@ def convert_checkpoint(
     expects the prefix) and ``{'model': state_dict}`` for DeiT-III and ViT-5, so
     the official code loads it as it is; ``plain=True`` writes the bare state dict
     instead. A safetensors file always holds the bare state dict (timm's own
-    layout for its ``cait_*`` Hub copies). A source already in the ``gamma``
-    layout is refused for ``to="gamma"``; one already in the ``ls`` layout is
-    re-saved for ``to="ls"`` (format, ``dtype`` and ``fuse`` apply).
+    layout for its ``cait_*`` Hub copies). A source already in the target
+    layout is re-saved: another container or format, ``dtype`` and (for ``ls``) ``fuse`` apply.
 
     Args:
         source: Local file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
@@ -216,8 +215,7 @@ def convert_checkpoint(
         A :class:`ConversionResult`.
 
     Raises:
-        LayerScaleError: Bad options, a source already in the ``gamma`` layout for
-            ``to="gamma"``, or any error of reading, detecting or writing.
+        LayerScaleError: Bad options, or any error of reading, detecting or writing.
         ParityError: The written file does not match the reference.
     """
     t0 = time.perf_counter()
@@ -237,11 +235,6 @@ def convert_checkpoint(
     path, sd, found = _load(resolved, model=model, ema=ema)
     variant, num_classes = found.variant, found.info.get("num_classes")
     layout = detect_layout(sd, FAMILIES[variant.family])
-    if layout == "gamma" and to == "gamma":
-        raise LayerScaleError(
-            f"{path.name} is already in the gamma layout; nothing to convert "
-            "(convert it to the ls layout, the default, to get ls1.gamma / ls2.gamma)"
-        )
     # Without verification, hashing, the NaN/Inf check and (for a plain copy) writing share one read of the file.
     one_pass = None if verify else stream.SourcePass.prepare(path, sd, check=not allow_nonfinite)
     if not allow_nonfinite and one_pass is None:

@@ -3,7 +3,8 @@
 - :mod:`~timm_layerscale.hub.download`: ``https://`` and ``hf-hub:`` sources, cached; the offline checks;
 - :mod:`~timm_layerscale.hub.upload`: :func:`~timm_layerscale.hub.upload.push_folder` and its plan;
 - :mod:`~timm_layerscale.hub.errors`: Hub exceptions mapped to one-line messages;
-- :mod:`~timm_layerscale.hub.card`: ``config.json`` and the model card, rendered from a template;
+- :mod:`~timm_layerscale.hub.config`: ``config.json`` and class-name files;
+- :mod:`~timm_layerscale.hub.card`: the model card, rendered from a template;
 - :mod:`~timm_layerscale.hub.export`: :func:`~timm_layerscale.hub.export.export_folder`, the folder
   ``timm.create_model("hf-hub:...")`` loads.
 
@@ -29,7 +30,8 @@ _LAZY = {
     "export_folder": ".export",
     "ExportResult": ".export",
     "build_model_card": ".card",
-    "write_config": ".card",
+    "write_config": ".config",
+    "read_label_names": ".config",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,30 +1,35 @@
-"""The files that describe an exported folder: timm's ``config.json`` and the model card.
+"""The model card of an exported folder.
 
-:func:`write_config` writes ``config.json`` with timm's own helper, so
-``timm.create_model("local-dir:DIR")`` (or ``"hf-hub:ORG/NAME"``) builds the right
-architecture. :func:`build_model_card` writes the ``README.md`` text: Hub metadata,
-model details, the layout change, provenance, the parity table, a summary of the
-LayerScale gates, usage code and the citation. The card's text is the template
-``card_template.md`` next to this module; this module computes the values it is
-filled in with. Everything here is local: nothing is downloaded or sent.
+:func:`build_model_card` renders ``card_template.md`` (a Jinja template shipped next
+to this module) through ``huggingface_hub.ModelCard.from_template``: Hub metadata,
+model details, which package loads the folder, the layout, provenance, the parity
+table, a summary of the LayerScale gates, usage code for timm and transformers, and
+the citation. This module computes the values. The card calls the weights the
+official ones only when the source's SHA-256 matches a pinned official release
+(:data:`~timm_layerscale.conversion.families.OFFICIAL_SHA256`). Everything here is
+local: nothing is downloaded or sent.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import re
-import string
 from collections.abc import Mapping, Sequence
 from importlib import resources
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from .._version import __version__
+from ..errors import LayerScaleError
 
-__all__ = ["build_model_card", "write_config", "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "PLOT_NAME", "TEMPLATE_NAME"]
+__all__ = [
+    "build_model_card",
+    "timm_hub_copy",
+    "is_official",
+    "WEIGHTS_NAME",
+    "CONFIG_NAME",
+    "CARD_NAME",
+    "PLOT_NAME",
+    "TEMPLATE_NAME",
+]
 
 #: The files of an exported folder.
 WEIGHTS_NAME = "model.safetensors"
@@ -32,9 +37,8 @@ CONFIG_NAME = "config.json"
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
 
-#: The model card's template, a data file of this package.
+#: The model card's template (Jinja), a data file of this package.
 TEMPLATE_NAME = "card_template.md"
-_SECTION = re.compile(r"^<!-- section: ([\w-]+) -->\n", re.MULTILINE)
 
 #: The paper of each family, as BibTeX; a card cites its own family's paper only.
 BIBTEX = {
@@ -95,57 +99,30 @@ _LAYOUT_ROWS = {
 _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-21k"}
 
 
-def write_config(
-    model_name: str,
-    path: str | os.PathLike[str],
-    *,
-    num_classes: int | None = None,
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write timm's ``config.json`` for a registered model, with timm's own helper.
-
-    The model is built on the ``meta`` device (no memory, no weights) and passed to
-    ``timm.models.save_config_for_hf``, which records ``architecture``,
-    ``num_classes``, ``num_features``, ``model_args`` and the ``pretrained_cfg``
-    (input size, crop, mean/std, interpolation).
-
-    Args:
-        model_name: Registered model name (``cait_s24_224_ls``).
-        path: The ``config.json`` to write.
-        num_classes: Classifier size when it differs from the model's default.
-        extra: Extra top-level fields (``pretrained_cfg`` entries are merged).
-
-    Returns:
-        The written configuration.
-    """
-    import json
-
-    import timm
-    import torch
-    from timm.models._hub import save_config_for_hf
-
-    kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
-    with torch.device("meta"):
-        model = timm.create_model(model_name, **kwargs)
-    save_config_for_hf(model, str(path), model_config=dict(extra or {}))
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+_PREFIX_ROW = ("module.<key>", "<key>", "DistributedDataParallel prefix removed")
 
 
-def _pretrained_field(variant_name: str, name: str) -> Any:
-    """A field of the model's default ``pretrained_cfg`` in timm's registry, or ``None``."""
+def _pretrained_cfg(name: str) -> Any:
+    """timm's registered ``pretrained_cfg`` for ``name`` (``arch.tag``), or ``None``."""
     import timm
 
-    cfg = timm.models.get_pretrained_cfg(variant_name)
-    return getattr(cfg, name, None) if cfg is not None else None
+    return timm.models.get_pretrained_cfg(name)
 
 
-def _official_file(variant_name: str) -> str | None:
-    url = _pretrained_field(variant_name, "url")
-    return os.path.basename(urlparse(url).path) if url else None
+def timm_hub_copy(reference: str | None, tag: str | None) -> str | None:
+    """timm's own Hub repository for the reference's weights under ``tag`` (``timm/cait_xxs24_224.fb_dist_in1k``), if any."""
+    if not reference or not tag:
+        return None
+    cfg = _pretrained_cfg(f"{reference}.{tag}")
+    hub_id = getattr(cfg, "hf_hub_id", None)
+    return hub_id if hub_id and hub_id.startswith("timm/") else None
 
 
-def _md_code(text: str) -> str:
-    return "`" + text.replace("`", "'") + "`"
+def is_official(source_name: str, sha256: str) -> bool:
+    """Whether the source is an official release: its file name has a pinned SHA-256 and the source matches it."""
+    from ..conversion.families import OFFICIAL_SHA256
+
+    return OFFICIAL_SHA256.get(source_name) == sha256
 
 
 def build_model_card(
@@ -161,8 +138,11 @@ def build_model_card(
 ) -> Any:
     """Build the model card (a huggingface_hub ``ModelCard``) of an exported folder.
 
-    The text is ``card_template.md`` (shipped with the package) filled in with the
-    facts of the conversion.
+    The folder's architecture is ``config["architecture"]``: this package's model
+    (``cait_s24_224_ls``, ``vit5_*``), or timm's own (``cait_s24_224`` from
+    ``export --to gamma``, ``deit3_*``); the card says which package loads it.
+    ``base_model`` names timm's Hub copy of the reference's weights where timm has one.
+    The metadata is read back with ``ModelCard(..., ignore_metadata_errors=False)``.
 
     Args:
         conversion: The :class:`~timm_layerscale.conversion.pipeline.ConversionResult`.
@@ -172,97 +152,124 @@ def build_model_card(
         command: The command line that made the folder.
         gates: :func:`~timm_layerscale.inspection.gate_profile` rows, summarised in the card.
         plot: File name of the gate plot inside the folder, if one was drawn.
-        reload_checked: The folder was reloaded with ``local-dir:`` and matched.
+        reload_checked: The folder was loaded back with ``local-dir:`` and matched.
 
     Returns:
         A ``huggingface_hub.ModelCard``; ``str(card)`` is the README text.
+
+    Raises:
+        LayerScaleError: The rendered metadata does not read back as written (a bug).
     """
     from huggingface_hub import ModelCard, ModelCardData
 
     variant = conversion.variant
     family = variant.family
+    architecture = config["architecture"]
+    needs_package = architecture != variant.reference
+    layout = "gamma" if family == "cait" and not needs_package else "ls"
     pcfg = dict(config.get("pretrained_cfg", {}))
-    tag = pcfg.get("tag") or _pretrained_field(variant.name, "tag")
-    full_name = f"{variant.name}.{tag}" if tag else variant.name
-    datasets = sorted({ds for key, ds in _DATASETS.items() if tag and key in tag})
-    if family == "cait" and not datasets:
-        datasets = ["imagenet-1k"]
+    tag = pcfg.get("tag")
+    full_name = f"{architecture}.{tag}" if tag else architecture
+    datasets = sorted({ds for key, ds in _DATASETS.items() if tag and key in tag}) or None
     data = ModelCardData(
         library_name="timm",
         license=pcfg.get("license") or ("apache-2.0" if family == "cait" else None),
         tags=["image-classification", "timm", "layerscale", family, "timm-layerscale"],
-        datasets=datasets or None,
+        datasets=datasets,
         pipeline_tag="image-classification",
         model_name=full_name,
+        base_model=timm_hub_copy(variant.reference, tag),
     )
 
     title, description = _FAMILY_TEXT.get(family, (family, "a Vision Transformer with LayerScale"))
-    size = pcfg.get("input_size", (3, variant.img_size, variant.img_size))
-    source, source_name = conversion.source, conversion.source_path.name
+    source, source_name, sha = conversion.source, conversion.source_path.name, conversion.source_sha256
     if source.startswith(("https://", "http://")):
         source_file = f"[{source_name}]({source})"
     else:
         source_file = _md_code(source if source.startswith("hf-hub:") else source_name)
+    if is_official(source_name, sha):
+        weights = f"These are the official weights released with the paper (`{source_name}`, SHA-256 as pinned)"
+    else:
+        weights = f"The weights come from `{source_name}` (SHA-256 `{sha}`)"
+    if needs_package and family == "vit5":
+        needs = "timm with `timm-layerscale` installed, which registers this architecture (timm has no ViT-5)."
+    elif needs_package:
+        needs = f"timm with `timm-layerscale` installed, which registers `{architecture}`."
+    else:
+        needs = f"timm alone (timm's own `{architecture}`); timm-layerscale is not needed."
+    needs += " transformers loads it through `TimmWrapper`, in the same environment."
+    paper = pcfg.get("paper_name")
+    ids = str(pcfg.get("paper_ids", ""))
+    if paper and ids.startswith("arXiv:"):
+        paper += f", https://arxiv.org/abs/{ids.split(':', 1)[1]}"
     report = conversion.report
     reference = report.reference if report is not None else variant.reference
-    if _official_file(variant.name) == source_name:
-        weights = f"These are the official weights released with the paper (`{source_name}`)"
-    else:
-        weights = f"The weights come from `{source_name}`"
-    paper = pcfg.get("paper_name")
-    if paper:
-        ids = str(pcfg.get("paper_ids", ""))
-        if ids.startswith("arXiv:"):
-            paper += f", https://arxiv.org/abs/{ids.split(':', 1)[1]}"
-    parity = _parity_text(report)
-    if reload_checked:
-        parity += "\n\n" + _render("reload")
-    gate_text = ""
-    if gates:
-        plot_text = _render("plot", file=plot) + "\n\n" if plot else ""
-        gate_text = _render("gates", plot=plot_text, summary=_gate_summary(gates)) + "\n\n"
-    if family in BIBTEX:
-        citation = _render("bibtex", bibtex=BIBTEX[family])
-    else:
-        citation = _generic_citation(pcfg)
-    text = _render(
-        "card",
-        metadata=data.to_yaml(),
+    size = pcfg.get("input_size", (3, variant.img_size, variant.img_size))
+    rows = _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS) if layout == "ls" else [_PREFIX_ROW]
+    template = resources.files(__package__).joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    card = ModelCard.from_template(
+        data,
+        template_str=template,
         full_name=full_name,
         title=title,
         description=description,
         weights=weights,
-        architecture=variant.name,
+        layout=layout,
+        needs=needs,
+        needs_package=needs_package,
+        pip="timm-layerscale" if needs_package else "timm",
+        architecture=architecture,
+        registered="registered with timm by `import timm_layerscale`" if needs_package else "timm's own architecture",
         reference=_reference_text(family, reference) if reference else None,
         params_m=f"{num_params / 1e6:.1f}",
         image_size=f"{size[-2]} x {size[-1]}",
         init_value=f"{variant.init_value:g}" if variant.init_value is not None else None,
         num_classes=config.get("num_classes"),
-        datasets=", ".join(datasets) or None,
+        labelled="label_names" in config,
+        dataset_names=", ".join(datasets or []),
         paper=paper,
         origin_url=pcfg.get("origin_url"),
-        layout_rows="\n".join(
-            f"| `{before}` | `{after}` | {note} |"
-            for before, after, note in _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS)
-        ),
+        layout_rows=rows,
         source_file=source_file,
-        source_sha256=conversion.source_sha256,
+        source_sha256=sha,
         source_layout=conversion.source_layout,
         version=__version__,
         weights_name=WEIGHTS_NAME,
         command=command,
-        parity=parity,
-        gates=gate_text,
+        **_parity_values(report),
+        reload_checked=reload_checked,
+        gate_summary=_gate_summary(gates) if gates else None,
+        plot=plot,
         repo_id=repo_id,
-        citation=citation,
+        bibtex=BIBTEX.get(family),
+        citation=_generic_citation(pcfg),
     )
-    return ModelCard(text + "\n")
+    _check_metadata(card, data)
+    return card
 
 
-def _parity_text(report: Any) -> str:
-    """The Parity section: the verdict and the report's table, or why there is none."""
+def _check_metadata(card: Any, data: Any) -> None:
+    """Read the card's metadata back strictly and compare it with what was meant."""
+    from huggingface_hub import ModelCard
+    from huggingface_hub.utils import validate_repo_id
+
+    written = ModelCard(str(card), ignore_metadata_errors=False).data.to_dict()
+    if written != data.to_dict():
+        raise LayerScaleError(
+            "the model card's metadata does not read back as written; this is a bug, please report it"
+        )
+    if data.base_model:
+        validate_repo_id(data.base_model)
+
+
+def _md_code(text: str) -> str:
+    return "`" + text.replace("`", "'") + "`"
+
+
+def _parity_values(report: Any) -> dict[str, Any]:
+    """The Parity section's values: the verdict and the report's table (none without a report)."""
     if report is None:
-        return _render("no-parity")
+        return {"table": None}
     if report.bit_exact and report.passed:
         verdict = "**bit-exact**: every output equals the reference's (`torch.equal`)"
     else:
@@ -273,42 +280,12 @@ def _parity_text(report: Any) -> str:
     weights_check = (
         "identical" if report.weights_equal else "not compared" if report.weights_equal is None else "DIFFERENT"
     )
-    return _render(
-        "parity", reference=report.reference, verdict=verdict, weights_check=weights_check, table=report.to_markdown()
-    )
-
-
-@functools.cache
-def _sections() -> dict[str, str]:
-    """The sections of the template, by name, without the blank lines around them."""
-    text = resources.files(__package__).joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
-    parts = _SECTION.split(text)[1:]  # the text before the first section describes the format
-    return {name: body.strip("\n") for name, body in zip(parts[0::2], parts[1::2], strict=True)}
-
-
-def _placeholders(line: str) -> list[str]:
-    return [m["named"] or m["braced"] for m in string.Template.pattern.finditer(line) if m["named"] or m["braced"]]
-
-
-def _render(section: str, **values: Any) -> str:
-    """Section ``section`` of the template with ``values`` filled in.
-
-    A line starting with ``?`` is kept (without the ``?``) only when every
-    placeholder on it has a value other than ``None``; any other placeholder must
-    have one.
-
-    Raises:
-        KeyError: A placeholder has no value.
-    """
-    given = {name: str(value) for name, value in values.items() if value is not None}
-    lines = []
-    for line in _sections()[section].split("\n"):
-        if line.startswith("?"):
-            line = line[1:]
-            if not all(name in given for name in _placeholders(line)):
-                continue
-        lines.append(line)
-    return string.Template("\n".join(lines)).substitute(given)
+    return {
+        "table": report.to_markdown(),
+        "parity_reference": report.reference,
+        "verdict": verdict,
+        "weights_check": weights_check,
+    }
 
 
 def _reference_text(family: str, reference: str) -> str:

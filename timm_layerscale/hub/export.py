@@ -3,8 +3,10 @@
 :func:`export_folder` converts and verifies a checkpoint and writes a folder that
 ``timm.create_model("local-dir:DIR", pretrained=True)`` (and, once uploaded,
 ``"hf-hub:ORG/NAME"``) loads as it is: ``model.safetensors``, timm's ``config.json``,
-a ``README.md`` model card (both written by :mod:`timm_layerscale.hub.card`) and, when
-matplotlib is installed, ``gates.png``.
+a ``README.md`` model card (written by :mod:`~timm_layerscale.hub.config` and
+:mod:`~timm_layerscale.hub.card`) and, when matplotlib is installed, ``gates.png``. The
+same folder loads in transformers (``AutoModelForImageClassification``, ``AutoModel``,
+``pipeline("image-classification")``) through its ``TimmWrapper``.
 
 This module sends no request itself: a remote source is fetched through
 :func:`~timm_layerscale.conversion.io.resolve_source` (by the converter) and ``push_to_hub``
@@ -24,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
-from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card, write_config
+from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card
+from .config import read_label_names, write_config
 from .errors import one_line
 from .upload import PushResult, check_repo_id, push_folder
 
@@ -54,6 +57,9 @@ class ExportResult:
         plot: The gate plot, or ``None``.
         plot_note: Why there is no plot, when there is none.
         push: The upload, with ``push_to_hub``.
+        gates: The :func:`~timm_layerscale.inspection.gate_profile` rows.
+        architecture: The architecture ``config.json`` names (``cait_s24_224_ls``, or
+            timm's ``cait_s24_224`` with ``to="gamma"``).
     """
 
     folder: Path
@@ -65,6 +71,7 @@ class ExportResult:
     plot_note: str | None = None
     push: PushResult | None = None
     gates: list[dict[str, Any]] = field(default_factory=list)
+    architecture: str = ""
 
     def summary(self) -> str:
         """Human-readable account for the command line."""
@@ -87,6 +94,7 @@ class ExportResult:
             "folder": str(self.folder),
             "files": [p.name for p in self.files],
             "model": c.variant.name,
+            "architecture": self.architecture,
             "repo_id": self.repo_id,
             "num_params": self.num_params,
             "source": c.source,
@@ -98,7 +106,7 @@ class ExportResult:
         }
 
 
-def _check_reload(folder: Path, weights: Path, num_classes: int | None) -> None:
+def _check_reload(folder: Path, weights: Path) -> None:
     """Load the folder as timm does and check that every weight matches the file."""
     import timm
     import torch
@@ -122,6 +130,21 @@ def _check_reload(folder: Path, weights: Path, num_classes: int | None) -> None:
                 raise LayerScaleError(
                     f"reloaded weight {name!r} differs from the file; this is a bug, please report it"
                 )
+
+
+def _architecture(variant: Any, to: str) -> str:
+    """The architecture an export names: the package's model, or timm's own with ``to="gamma"``."""
+    if to == "ls":
+        return str(variant.name)
+    if variant.family == "deit3":
+        raise CheckpointError(
+            f"a DeiT-III folder already uses timm's own {variant.name} architecture and layout; leave out to='gamma'"
+        )
+    if variant.reference is None:
+        raise CheckpointError(
+            f"timm has no architecture for {variant.name} to load the gamma layout; leave out to='gamma'"
+        )
+    return str(variant.reference)
 
 
 def _prepare_target(out: Path, tmp: Path, overwrite: bool) -> list[Path]:
@@ -196,12 +219,16 @@ def export_folder(
     repo_id: str | None = None,
     plot: bool = True,
     command: str | None = None,
+    to: str = "ls",
+    label_names: Sequence[str] | str | os.PathLike[str] | None = None,
+    tag: str | None = None,
 ) -> ExportResult:
     """Convert, verify and write a folder that timm loads as it is, and optionally upload it.
 
     The folder holds ``model.safetensors`` (LayerScale-module layout, safetensors
     metadata ``format=pt`` plus the converter's provenance fields), ``config.json``
-    (timm's format, written by timm's ``save_config_for_hf``), ``README.md`` (the
+    (timm's format, written by timm's ``save_config_for_hf``, ``model_args`` only where
+    the architecture's defaults differ, so transformers loads it too), ``README.md`` (the
     model card) and, when matplotlib is installed, ``gates.png``. It is built in a
     temporary folder next to ``out_dir``, loaded back with
     ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for
@@ -223,12 +250,23 @@ def export_folder(
         plot: Draw ``gates.png`` when matplotlib is installed.
         command: Command line recorded in the card (default: the equivalent
             ``timm-layerscale export`` command).
+        to: ``"ls"`` (this package's architecture, ``ls1.gamma``) or, for CaiT,
+            ``"gamma"``: timm's own ``cait_*`` architecture and layout, which timm and
+            transformers load without this package. DeiT-III folders always use timm's
+            own ``deit3_*``; ViT-5 has no timm architecture.
+        label_names: Class names for a fine-tuned head: a list, or a file with one name
+            per line (``name<TAB>description`` allowed) or a JSON list. Without them a
+            1000-class model keeps timm's ImageNet labels and other sizes get none.
+        tag: Pretrained tag written into ``config.json`` (default: the architecture's
+            default tag, e.g. ``fb_dist_in1k``).
 
     Returns:
         An :class:`ExportResult`; ``summary()`` prints it.
 
     Raises:
         OutputExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
+        CheckpointError: The label names do not fit the classifier, or ``to`` does not
+            apply to the family.
         ParityError: The converted model does not match the reference.
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
@@ -239,6 +277,13 @@ def export_folder(
     from ..options import command_line
 
     out = Path(out_dir)
+    if to not in ("ls", "gamma"):
+        raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
+    label_file = None
+    descriptions = None
+    if isinstance(label_names, (str, os.PathLike)):
+        label_file = label_names
+        label_names, descriptions = read_label_names(label_file)
     if push_to_hub:
         check_repo_id(push_to_hub)
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
@@ -251,9 +296,16 @@ def export_folder(
         raise
     try:
         weights = tmp / WEIGHTS_NAME
-        conv = convert_checkpoint(source, weights, model=model, to="ls", fmt="safetensors", ema=ema, options=options)
-        config = write_config(conv.variant.name, tmp / CONFIG_NAME, num_classes=conv.num_classes)
-        _check_reload(tmp, weights, conv.num_classes)
+        conv = convert_checkpoint(source, weights, model=model, to=to, fmt="safetensors", ema=ema, options=options)
+        architecture = _architecture(conv.variant, to)
+        config = write_config(
+            f"{architecture}.{tag}" if tag else architecture,
+            tmp / CONFIG_NAME,
+            num_classes=conv.num_classes,
+            label_names=label_names,
+            label_descriptions=descriptions,
+        )
+        _check_reload(tmp, weights)
         gates = gate_profile(weights)
         plot_path, plot_note = None, None
         if plot:
@@ -271,6 +323,9 @@ def export_folder(
             ema=ema,
             push_to_hub=push_to_hub,
             private=bool(push_to_hub and private),
+            to=None if to == "ls" else to,
+            label_names=label_file,
+            tag=tag,
         )
         card = build_model_card(
             conv,
@@ -297,6 +352,7 @@ def export_folder(
         plot=out / PLOT_NAME if plot_path else None,
         plot_note=plot_note,
         gates=gates,
+        architecture=architecture,
     )
     if push_to_hub:
         try:

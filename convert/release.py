@@ -1,26 +1,26 @@
-"""Release pipeline for the ten official CaiT checkpoints.
+"""Release pipeline for the official checkpoints of every family: CaiT, DeiT-III and ViT-5.
 
-For every checkpoint in :data:`RELEASES`: fetch it (or take it from ``--sources``),
-check its sha256 where one is pinned, convert it to the LayerScale-module layout,
-verify bit-exact parity against timm's reference model, export a Hub-ready folder
-``OUT/<model>.fb_dist_in1k`` and, with ``--org``, upload it to
-``ORG/<model>.fb_dist_in1k``. A summary (``summary.md`` and ``summary.json`` in
-``OUT``) records, per variant: parameters, source sha256, max abs diff, bit-exactness,
-seconds and peak memory. A failing variant does not stop the others; failures are
-listed at the end and the exit status is 1.
+For every release in :func:`releases`: fetch the official file (or take it from
+``--sources``), check its sha256 where one is pinned, convert it, verify it against its
+reference, export a Hub-ready folder ``OUT/<model>.<tag>`` and, with ``--org``, upload
+it to ``ORG/<model>.<tag>``. A summary (``summary.md`` and ``summary.json`` in ``OUT``)
+records, per release: parameters, source sha256, max abs diff, bit-exactness, seconds
+and peak memory. A failing release does not stop the others; failures are listed at
+the end and the exit status is 1.
 
 Run from the repository root::
 
-    python -m convert --out release                      # download all ten, export
-    python -m convert --sources ~/deit --out release      # files already on disk
-    python -m convert --out release --org my-org          # and upload
-    python -m convert --only cait_xxs24_224 cait_s24_224  # a subset
-    python -m convert --list                              # the table
+    python -m convert --list                                # the plan: every release, offline
+    python -m convert --out release                         # download all, export
+    python -m convert --family cait --sources ~/deit --out release   # CaiT files already on disk
+    python -m convert --family deit3 vit5 --out release --org my-org # and upload
+    python -m convert --only cait_xxs24_224 deit3_small_patch16_224.fb_in1k   # a subset
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -31,60 +31,92 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from timm_layerscale.conversion.families import CAIT_RELEASE_URL, variants_of
+from timm_layerscale.conversion.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.options import add_verify_args, verify_options
 
-__all__ = ["Release", "RELEASES", "TAG", "select", "run_release", "write_summary", "main"]
+__all__ = ["Release", "FAMILIES", "releases", "select", "run_release", "write_summary", "main"]
 
-TAG = "fb_dist_in1k"
-BASE_URL = CAIT_RELEASE_URL
+#: The families the pipeline releases, in table order.
+FAMILIES = ("cait", "deit3", "vit5")
+#: The tag of the official CaiT weights (timm's).
+CAIT_TAG = "fb_dist_in1k"
 
 
 @dataclass(frozen=True)
 class Release:
-    """One official CaiT checkpoint.
+    """One official checkpoint, as one Hub repository.
 
     Attributes:
-        model: The model this package registers (``cait_s24_224_ls``).
-        reference: timm's model for the same weights (``cait_s24_224``).
-        file: File name of the official release.
+        model: The model the folder is exported as (``cait_s24_224_ls``, ``deit3_small_patch16_224``).
+        family: ``cait``, ``deit3`` or ``vit5``.
+        tag: The pretrained tag (``fb_dist_in1k``, ``fb_in22k_ft_in1k``, ``in1k_ema``).
+        source: The official address: an ``https://`` URL or ``hf-hub:ORG/REPO/FILE``.
+        reference: timm's model for the same weights, or ``None`` (ViT-5).
+        ema: Take the file's ``'model_ema'`` weights.
         sha256: Pinned SHA-256 of the official file, or ``None`` when unknown.
     """
 
     model: str
-    reference: str
-    file: str
+    family: str
+    tag: str
+    source: str
+    reference: str | None
+    ema: bool = False
     sha256: str | None = None
 
     @property
-    def url(self) -> str:
-        """Official download address."""
-        return BASE_URL + self.file
+    def file(self) -> str:
+        """File name of the official release."""
+        return (
+            self.source.rsplit("/", 1)[-1]
+            if self.source.startswith("hf-hub:")
+            else os.path.basename(urlparse(self.source).path)
+        )
 
     @property
-    def timm_hub_id(self) -> str:
-        """timm's own Hub copy of these weights (``gamma_1`` layout, safetensors)."""
-        return f"timm/{self.reference}.{TAG}"
+    def timm_hub_id(self) -> str | None:
+        """timm's own Hub copy of these weights, where timm has one."""
+        return f"timm/{self.reference}.{self.tag}" if self.reference else None
 
     @property
     def name(self) -> str:
-        """Folder and Hub repository name: ``<model>.fb_dist_in1k``."""
-        return f"{self.model}.{TAG}"
+        """Folder and Hub repository name: ``<model>.<tag>``."""
+        return f"{self.model}.{self.tag}"
 
 
-#: Pinned SHA-256 of official files, by file name. The official release publishes no
-#: checksums (neither in the URLs nor in the repository), so none is pinned yet: each run
-#: records the sha256 of the file it converted in its summary and model cards. Pin a
-#: value here once a release has been checked, and later runs will refuse any other file.
-PINNED_SHA256: dict[str, str] = {}
+@functools.cache
+def releases() -> tuple[Release, ...]:
+    """Every official release of the variant table, read from timm's registry.
 
-#: The ten official CaiT checkpoints: the ``cait`` rows of the package's variant table.
-RELEASES: tuple[Release, ...] = tuple(
-    Release(v.name, str(v.reference), str(v.official_file), PINNED_SHA256.get(str(v.official_file)))
-    for v in variants_of("cait").values()
-)
+    CaiT: the ten official files (``CAIT_RELEASE_URL + official_file``). DeiT-III: each
+    pretrained tag timm registers for the variant, from its official URL. ViT-5: each tag
+    this package registers (``in1k``, ``in1k_ema``: the same file, its two sets of weights)
+    from the official Hub repository.
+    """
+    import timm
+
+    import timm_layerscale  # noqa: F401  (registers the ViT-5 tags)
+
+    rows = []
+    for v in VARIANTS:
+        if v.family == "cait":
+            src = CAIT_RELEASE_URL + str(v.official_file)
+            rows.append(Release(v.name, "cait", CAIT_TAG, src, v.reference))
+            continue
+        for full in timm.list_pretrained(f"{v.name}.*"):
+            cfg: Any = timm.models.get_pretrained_cfg(full)
+            tag = full.split(".", 1)[1]
+            if v.family == "deit3" and cfg.url:
+                rows.append(Release(v.name, "deit3", tag, str(cfg.url), v.reference))
+            elif v.family == "vit5" and cfg.hf_hub_id and cfg.hf_hub_filename:
+                src = f"hf-hub:{cfg.hf_hub_id}/{cfg.hf_hub_filename}"
+                rows.append(Release(v.name, "vit5", tag, src, None, ema=tag.endswith("_ema")))
+    return tuple(
+        Release(r.model, r.family, r.tag, r.source, r.reference, r.ema, OFFICIAL_SHA256.get(r.file)) for r in rows
+    )
 
 
 class PipelineError(Exception):
@@ -93,23 +125,27 @@ class PipelineError(Exception):
 
 def _keys(rel: Release) -> set[str]:
     stem = rel.file.rsplit(".", 1)[0]
-    return {k.lower() for k in (rel.model, rel.reference, rel.name, rel.file, stem, f"{rel.reference}.{TAG}")}
+    names = {rel.model, rel.name, rel.file, stem}
+    if rel.reference:
+        names |= {rel.reference, f"{rel.reference}.{rel.tag}"}
+    return {k.lower() for k in names}
 
 
-def select(names: Sequence[str] | None) -> list[Release]:
-    """The releases named by ``names`` (model, timm name or file stem, any case), in table order.
+def select(names: Sequence[str] | None, families: Sequence[str] = FAMILIES) -> list[Release]:
+    """The releases of ``families`` named by ``names`` (model, timm name, ``name.tag`` or file, any case), in table order.
 
     Raises:
-        PipelineError: A name matches no release.
+        PipelineError: A name matches no release of those families.
     """
+    table = [r for r in releases() if r.family in families]
     if not names:
-        return list(RELEASES)
+        return table
     wanted = {n.lower() for n in names}
-    unknown = [n for n in names if not any(n.lower() in _keys(r) for r in RELEASES)]
+    unknown = [n for n in names if not any(n.lower() in _keys(r) for r in table)]
     if unknown:
-        known = ", ".join(r.reference for r in RELEASES)
+        known = ", ".join(dict.fromkeys(r.reference or r.model for r in table))
         raise PipelineError(f"unknown variant(s) {', '.join(unknown)}; choose from: {known}")
-    return [r for r in RELEASES if _keys(r) & wanted]
+    return [r for r in table if _keys(r) & wanted]
 
 
 class PeakMemory:
@@ -162,9 +198,9 @@ def _fetch(rel: Release, sources: Path | None) -> tuple[str, Path]:
     if sources is not None:
         path = sources / rel.file
         if not path.is_file():
-            raise PipelineError(f"{rel.file} is not in {sources}; download it from {rel.url}")
+            raise PipelineError(f"{rel.file} is not in {sources}; download it from {rel.source}")
         return str(path), path
-    return rel.url, resolve_source(rel.url)
+    return rel.source, resolve_source(rel.source)
 
 
 def _check_sha256(rel: Release, path: Path) -> str:
@@ -182,7 +218,7 @@ def _command(rel: Release, out: Path, sources: Path | None, org: str | None, pri
     return command_line(
         ("python", "-m", "convert"),
         options,
-        only=rel.reference,
+        only=rel.name,
         out=out,
         sources=sources,
         org=org,
@@ -211,6 +247,8 @@ def run_release(
 
     row: dict[str, Any] = {
         "variant": rel.model,
+        "tag": rel.tag,
+        "family": rel.family,
         "reference": rel.reference,
         "file": rel.file,
         "status": "failed",
@@ -234,6 +272,8 @@ def run_release(
                 source,
                 out / rel.name,
                 model=rel.model,
+                ema=rel.ema,
+                tag=rel.tag,
                 overwrite=overwrite,
                 options=options,
                 push_to_hub=row["repo_id"],
@@ -272,11 +312,11 @@ def _fmt(value: Any, kind: str) -> str:
     return str(value)
 
 
-def format_markdown(rows: Sequence[dict[str, Any]], title: str = "CaiT release") -> str:
+def format_markdown(rows: Sequence[dict[str, Any]], title: str = "Release") -> str:
     """The summary as a markdown table, failures listed below it."""
     push = any(r.get("repo_id") for r in rows)
     head = [
-        "variant",
+        "release",
         "params (M)",
         "source sha256",
         "max abs diff",
@@ -290,7 +330,7 @@ def format_markdown(rows: Sequence[dict[str, Any]], title: str = "CaiT release")
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [
-            f"`{r['variant']}`",
+            f"`{r['variant']}.{r['tag']}`" if r.get("tag") else f"`{r['variant']}`",
             _fmt(r["params"], "params"),
             f"`{r['source_sha256']}`" if r["source_sha256"] else "-",
             _fmt(r["max_abs_diff"], "diff"),
@@ -320,7 +360,7 @@ def write_summary(out: Path, rows: Sequence[dict[str, Any]], argv: Sequence[str]
         "command": shlex.join(["python", "-m", "convert", *argv]),
         "versions": versions(),
         "results": list(rows),
-        "failed": [r["variant"] for r in rows if r["status"] != "ok"],
+        "failed": [f"{r['variant']}.{r['tag']}" for r in rows if r["status"] != "ok"],
     }
     md, js = out / "summary.md", out / "summary.json"
     for path, text in ((md, format_markdown(rows)), (js, json.dumps(data, indent=2) + "\n")):
@@ -330,10 +370,12 @@ def write_summary(out: Path, rows: Sequence[dict[str, Any]], argv: Sequence[str]
     return md, js
 
 
-def format_table() -> str:
-    """The release table as plain text (``--list``)."""
-    rows = [("model", "official file", "timm Hub id", "sha256")]
-    rows += [(r.model, r.url, r.timm_hub_id, r.sha256 or "not published") for r in RELEASES]
+def format_table(table: Sequence[Release]) -> str:
+    """The plan as plain text (``--list``): one line per release."""
+    rows = [("release", "official source", "timm Hub id", "sha256")]
+    rows += [
+        (r.name + (" (EMA)" if r.ema else ""), r.source, r.timm_hub_id or "-", r.sha256 or "not pinned") for r in table
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
@@ -341,20 +383,40 @@ def format_table() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m convert",
-        description="Convert, verify, export (and upload) every official CaiT checkpoint.",
+        description="Convert, verify, export (and upload) every official CaiT, DeiT-III and ViT-5 checkpoint.",
         epilog="examples (from the repository root):\n"
         + __doc__.split("Run from the repository root::", 1)[1].strip("\n"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default="release", metavar="DIR", help="output folder (default: release)")
+    p.add_argument(
+        "--family", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to release (default: all)"
+    )
     p.add_argument("--sources", metavar="DIR", help="take the official .pth files from DIR instead of downloading them")
-    p.add_argument("--org", metavar="ORG", help="upload each folder to ORG/<model>.fb_dist_in1k")
+    p.add_argument("--org", metavar="ORG", help="upload each folder to ORG/<model>.<tag>")
     p.add_argument("--private", action="store_true", help="with --org, create the repositories as private")
-    p.add_argument("--only", nargs="+", metavar="NAME", help="process only these variants (cait_s24_224, S24_224, ...)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="process only these releases (cait_s24_224, S24_224, deit3_small_patch16_224.fb_in1k, ...)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace existing output folders")
-    p.add_argument("--list", action="store_true", help="print the release table and exit")
+    p.add_argument("--list", action="store_true", help="print the plan (the selected releases) and exit")
     add_verify_args(p)
     return p
+
+
+def _cached(rel: Release) -> bool:
+    """Whether the official file is in the download cache already."""
+    if rel.source.startswith("hf-hub:"):
+        from huggingface_hub import try_to_load_from_cache
+
+        repo, _, filename = rel.source[len("hf-hub:") :].rpartition("/")
+        return isinstance(try_to_load_from_cache(repo, filename), str)
+    from timm_layerscale.hub.download import cached_url_path
+
+    return cached_url_path(rel.source).is_file()
 
 
 def _preflight(releases: Sequence[Release], sources: Path | None, org: str | None) -> None:
@@ -365,12 +427,13 @@ def _preflight(releases: Sequence[Release], sources: Path | None, org: str | Non
             and the network is off (``HF_HUB_OFFLINE``, or names do not resolve),
             or ``org`` is given and no Hub token is set.
     """
-    from timm_layerscale.hub.download import cached_url_path, check_online, hub_endpoint
+    from timm_layerscale.hub.download import check_online, hub_endpoint
     from timm_layerscale.hub.upload import require_token
 
-    missing = [r for r in releases if sources is None and not cached_url_path(r.url).is_file()]
-    if missing:
-        check_online(BASE_URL, f"downloading {len(missing)} official file(s) such as {missing[0].file}")
+    missing = [r for r in releases if sources is None and not _cached(r)]
+    for rel in missing[:1]:
+        where = hub_endpoint() if rel.source.startswith("hf-hub:") else rel.source
+        check_online(where, f"downloading {len(missing)} official file(s) such as {rel.file}")
     if org:
         check_online(hub_endpoint(), f"uploading to {org}")
         require_token()
@@ -384,18 +447,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(args_list)
-    if args.list:
-        print(format_table())
-        return 0
 
     def error(message: str) -> int:
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 2
 
     try:
-        releases = select(args.only)
+        releases = select(args.only, args.family)
     except PipelineError as e:
         return error(str(e))
+    if args.list:
+        print(format_table(releases))
+        return 0
     try:
         options = verify_options(args)
     except LayerScaleError as e:
@@ -413,24 +476,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     rows = []
-    bar = tqdm(releases, desc="CaiT release", unit="model", file=sys.stderr)
+    bar = tqdm(releases, desc="release", unit="model", file=sys.stderr)
     for rel in bar:
-        bar.set_postfix_str(rel.reference)
+        bar.set_postfix_str(rel.name)
         row = run_release(
             rel, out, sources=sources, org=args.org, private=args.private, overwrite=args.overwrite, options=options
         )
         rows.append(row)
         done = "ok" if row["status"] == "ok" else f"FAILED: {row['error']}"
-        bar.write(f"{rel.reference}: {done} ({row['seconds']:.1f} s)", file=sys.stderr)
+        bar.write(f"{rel.name}: {done} ({row['seconds']:.1f} s)", file=sys.stderr)
     bar.close()
     md, js = write_summary(out, rows, args_list)
     print(format_markdown(rows), end="")
     print(f"summary written to {md} and {js}")
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
-        print(f"{parser.prog}: error: {len(failed)} of {len(rows)} variant(s) failed:", file=sys.stderr)
+        print(f"{parser.prog}: error: {len(failed)} of {len(rows)} release(s) failed:", file=sys.stderr)
         for r in failed:
-            print(f"  {r['reference']}: {r['error']}", file=sys.stderr)
+            print(f"  {r['variant']}.{r['tag']}: {r['error']}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,228 @@
+"""Exported folders where people load models: transformers' TimmWrapper, plain timm, the Hub card.
+
+One module-scoped set of exports from seeded official-layout files: CaiT (``ls`` and
+``--to gamma``), DeiT-III, ViT-5 and a fine-tuned CaiT with 10 named classes. Each is
+loaded with ``AutoModelForImageClassification``, ``AutoModel`` and
+``pipeline("image-classification")`` and compared with ``timm.create_model("local-dir:...")``
+on the same folder; the folders in timm's own architectures load in a fresh interpreter
+with the package's start-up hook off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is a test extra (pip install -e '.[test]'); CI installs it"
+)
+
+from huggingface_hub import ModelCard  # noqa: E402
+
+from timm_layerscale.errors import CheckpointError  # noqa: E402
+from timm_layerscale.hub.export import export_folder  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LABELS = [f"class {i}" for i in range(10)]
+
+
+def _fine_tuned(official: Path, path: Path) -> Path:
+    """The official checkpoint with a new 10-class head, as a fine-tuning run would save it."""
+    obj = torch.load(official, map_location="cpu", weights_only=True)
+    sd = obj["model"]
+    g = torch.Generator().manual_seed(5)
+    sd["module.head.weight"] = torch.randn(10, sd["module.head.weight"].shape[1], generator=g) * 0.02
+    sd["module.head.bias"] = torch.randn(10, generator=g) * 0.02
+    torch.save(obj, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, official) -> dict[str, Path]:
+    from timm_layerscale.demo import write_official_checkpoint
+
+    root = tmp_path_factory.mktemp("tf")
+    deit3 = root / "deit_3_small_224_1k.pth"
+    vit5 = root / "vit5_small_patch16_224.pth"
+    write_official_checkpoint(deit3, "deit3_small_patch16_224", seed=1)
+    write_official_checkpoint(vit5, "vit5_small_patch16_224", seed=2)
+    labels = root / "labels.txt"
+    labels.write_text("\n".join(f"{n}\tdescription of {n}" for n in LABELS) + "\n")
+    tuned = _fine_tuned(official, root / "tuned.pth")
+    jobs = {
+        "cait": (official, {}),
+        "cait_gamma": (official, {"to": "gamma"}),
+        "deit3": (deit3, {}),
+        "vit5": (vit5, {}),
+        "tuned": (tuned, {"label_names": labels}),
+        "tuned_unnamed": (tuned, {"to": "gamma"}),
+    }
+    return {
+        key: export_folder(src, root / key, plot=False, repo_id=f"org/{key}", **kw).folder
+        for key, (src, kw) in jobs.items()
+    }
+
+
+def _pixels(seed: int = 0) -> torch.Tensor:
+    return torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("key", ["cait", "cait_gamma", "deit3", "vit5", "tuned"])
+def test_transformers_loads_the_folder_with_timms_logits_and_features(folders, key) -> None:
+    import timm
+    from transformers import AutoModel, AutoModelForImageClassification
+
+    folder = folders[key]
+    config = json.loads((folder / "config.json").read_text())
+    assert "model_args" not in config  # nothing the architecture's defaults do not give
+    reference: Any = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    classifier = AutoModelForImageClassification.from_pretrained(folder).eval()
+    backbone = AutoModel.from_pretrained(folder).eval()
+    x = _pixels()
+    with torch.inference_mode():
+        expected = reference(x)
+        assert torch.equal(classifier(pixel_values=x).logits, expected)
+        pooled = backbone(pixel_values=x).pooler_output
+        assert torch.equal(pooled, reference.forward_head(reference.forward_features(x), pre_logits=True))
+    assert classifier.config.num_labels == expected.shape[-1] == config["num_classes"]
+
+
+def test_pipeline_names_imagenet_classes_and_fine_tuned_ones(folders) -> None:
+    from PIL import Image
+    from transformers import pipeline
+
+    image = Image.fromarray((torch.rand(224, 224, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
+    imagenet = pipeline("image-classification", model=str(folders["cait"]))
+    top = imagenet(image, top_k=1000)
+    assert len(top) == 1000 and "tench, Tinca tinca" in {r["label"] for r in top}
+    tuned = pipeline("image-classification", model=str(folders["tuned"]))
+    assert {r["label"] for r in tuned(image, top_k=10)} == set(LABELS)
+
+
+def test_label_names_reach_timm_and_transformers(folders) -> None:
+    import timm
+    from transformers import AutoConfig
+
+    folder = folders["tuned"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_classes"] == 10 and config["label_names"] == LABELS
+    assert config["label_descriptions"]["class 3"] == "description of class 3"
+    model: Any = timm.create_model(f"local-dir:{folder}", pretrained=True)
+    assert model.pretrained_cfg["label_names"] == LABELS
+    assert AutoConfig.from_pretrained(folder).id2label == dict(enumerate(LABELS))
+    # Another head size without names gets none (transformers' defaults), not ImageNet's.
+    unnamed = json.loads((folders["tuned_unnamed"] / "config.json").read_text())
+    assert unnamed["num_classes"] == 10 and "label_names" not in unnamed
+    assert AutoConfig.from_pretrained(folders["tuned_unnamed"]).id2label[0] == "LABEL_0"
+
+
+def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path: Path, capsys) -> None:
+    from timm_layerscale.cli import main
+
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps(["a", "b", "c"]))
+    with pytest.raises(CheckpointError, match="3 label names for a model with 1000 classes; give one name per class"):
+        export_folder(official, tmp_path / "out", label_names=labels, plot=False)
+    assert main(["export", str(official), str(tmp_path / "out"), "--label-names", str(labels)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3 label names for a model with 1000 classes" in err[0]
+    (tmp_path / "dup.txt").write_text("a\nb\na\n")
+    assert main(["export", str(official), str(tmp_path / "out"), "--label-names", str(tmp_path / "dup.txt")]) == 2
+    assert "names a class twice ('a')" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.txt", "labels.json"]
+
+
+def test_gamma_is_for_cait_only(tmp_path: Path) -> None:
+    from timm_layerscale.demo import write_official_checkpoint
+
+    vit5 = tmp_path / "v.pth"
+    write_official_checkpoint(vit5, "vit5_small_patch16_224")
+    with pytest.raises(CheckpointError, match="timm has no architecture for vit5_small_patch16_224"):
+        export_folder(vit5, tmp_path / "out", to="gamma", plot=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.pth"]
+
+
+def test_timms_own_architectures_load_without_the_package(folders) -> None:
+    """The gamma CaiT and the DeiT-III folders need neither this package nor its start-up hook."""
+    code = (
+        "import sys, torch, timm\n"
+        "from transformers import AutoModelForImageClassification\n"
+        "for folder in sys.argv[1:]:\n"
+        "    t = timm.create_model('local-dir:' + folder, pretrained=True).eval()\n"
+        "    m = AutoModelForImageClassification.from_pretrained(folder).eval()\n"
+        "    x = torch.randn(1, 3, 224, 224)\n"
+        "    with torch.inference_mode():\n"
+        "        assert torch.equal(m(pixel_values=x).logits, t(x)), folder\n"
+        "    print(type(t).__name__)\n"
+        "assert not any(n.startswith('timm_layerscale') for n in sys.modules), 'timm_layerscale was imported'\n"
+    )
+    env = {**os.environ, "TIMM_LAYERSCALE_AUTOLOAD": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(folders["cait_gamma"]), str(folders["deit3"])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["Cait", "VisionTransformer"]
+
+
+def test_cards_say_which_package_loads_the_folder_and_where_weights_come_from(folders) -> None:
+    cards = {key: ModelCard.load(folders[key] / "README.md", ignore_metadata_errors=False) for key in folders}
+    assert cards["cait"].data.base_model == "timm/cait_xxs24_224.fb_dist_in1k"
+    assert cards["cait_gamma"].data.base_model == "timm/cait_xxs24_224.fb_dist_in1k"
+    assert cards["deit3"].data.base_model == "timm/deit3_small_patch16_224.fb_in1k"
+    assert cards["vit5"].data.base_model is None  # timm has no copy of ViT-5
+    assert "timm with `timm-layerscale` installed, which registers `cait_xxs24_224_ls`" in cards["cait"].text
+    assert "import timm_layerscale" in cards["cait"].text and "pip install timm-layerscale" in cards["cait"].text
+    for key in ("cait_gamma", "deit3"):
+        text = cards[key].text
+        assert "timm-layerscale is not needed" in text and "import timm_layerscale" not in text
+        assert "pip install timm\n" in text
+    assert "timm has no ViT-5" in cards["vit5"].text
+    assert "stored in timm's own layout for `deit3_small_patch16_224` (LayerScale modules" in cards["deit3"].text
+    assert "stored in timm's own layout for `cait_xxs24_224` (the original raw" in cards["cait_gamma"].text
+    assert "**LayerScale-module layout** of [timm-layerscale]" in cards["cait"].text
+    # Seeded files match no pinned release: the card names the file and its SHA-256, and no "official".
+    for card in cards.values():
+        assert "official weights" not in card.text
+        assert "The weights come from `" in card.text and "(SHA-256 `" in card.text
+    assert "(class names in `config.json`)" in cards["tuned"].text
+
+
+def test_a_pinned_sha256_makes_the_card_say_official(official, tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    from timm_layerscale.conversion import families
+    from timm_layerscale.conversion.io import sha256_file
+
+    source = tmp_path / "XXS24_224.pth"
+    shutil.copyfile(official, source)
+    monkeypatch.setitem(families.OFFICIAL_SHA256, "XXS24_224.pth", sha256_file(source))
+    result = export_folder(source, tmp_path / "out", plot=False)
+    text = (result.folder / "README.md").read_text()
+    assert "These are the official weights released with the paper (`XXS24_224.pth`, SHA-256 as pinned)" in text
+    monkeypatch.setitem(families.OFFICIAL_SHA256, "XXS24_224.pth", "0" * 64)
+    again = export_folder(source, tmp_path / "out", plot=False, overwrite=True)
+    assert "official weights" not in (again.folder / "README.md").read_text()
+
+
+def test_a_tag_is_written_and_an_unknown_one_refused(tmp_path: Path) -> None:
+    from timm_layerscale.hub.config import write_config
+
+    config = write_config("deit3_small_patch16_224.fb_in22k_ft_in1k", tmp_path / "config.json")
+    assert config["pretrained_cfg"]["tag"] == "fb_in22k_ft_in1k" and "model_args" not in config
+    with pytest.raises(
+        CheckpointError, match="'pets' is not a pretrained tag of cait_xxs24_224_ls; choose from: fb_dist_in1k"
+    ):
+        write_config("cait_xxs24_224_ls.pets", tmp_path / "other.json")
+    assert not (tmp_path / "other.json").exists()

@@ -1,0 +1,138 @@
+"""An exported folder's ``config.json`` and the class names it may carry.
+
+:func:`write_config` writes timm's ``config.json`` with timm's own helper, then keeps
+under ``model_args`` only what the architecture's defaults do not give. Both loaders
+read that file: ``timm.create_model("local-dir:DIR")`` builds the architecture with
+``num_classes`` and ``model_args``, and transformers' ``TimmWrapper`` calls
+``timm.create_model(architecture, num_classes=num_labels, **model_args)``, which fails
+when ``model_args`` repeats ``num_classes``. :func:`read_label_names` reads a class-name
+file for a fine-tuned model's ``label_names``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+
+__all__ = ["write_config", "read_label_names"]
+
+
+def _timm_config(model: Any, model_config: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``timm.models.save_config_for_hf`` writes for ``model``, as a dict."""
+    from timm.models._hub import save_config_for_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        save_config_for_hf(model, str(path), model_config=dict(model_config))
+        return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_config(
+    model_name: str,
+    path: str | os.PathLike[str],
+    *,
+    num_classes: int | None = None,
+    label_names: Sequence[str] | None = None,
+    label_descriptions: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Write timm's ``config.json`` for a registered model.
+
+    The model is built on the ``meta`` device (no memory, no weights) and passed to
+    ``timm.models.save_config_for_hf``, which records ``architecture``,
+    ``num_classes``, ``num_features`` and the ``pretrained_cfg`` (input size, crop,
+    mean/std, interpolation). ``model_args`` keeps only the arguments whose value
+    differs from the architecture's default, and never ``num_classes`` (the top-level
+    field says it), as timm writes it when a caller passes none.
+
+    Args:
+        model_name: Registered model name (``cait_s24_224_ls``), optionally with a
+            pretrained tag timm registers for it (``deit3_small_patch16_224.fb_in22k_ft_in1k``).
+        path: The ``config.json`` to write.
+        num_classes: Classifier size when it differs from the model's default.
+        label_names: One name per class (timm's ``label_names``; transformers' ``id2label``).
+        label_descriptions: Name to description (timm's ``label_descriptions``).
+
+    Returns:
+        The written configuration.
+
+    Raises:
+        CheckpointError: ``label_names`` has another length than the classifier, or the tag is unknown.
+    """
+    import timm
+    import torch
+
+    arch, _, tag = model_name.partition(".")
+    tags = [n.partition(".")[2] for n in timm.list_pretrained(f"{arch}.*")]
+    if tag and tag not in tags:
+        raise CheckpointError(f"{tag!r} is not a pretrained tag of {arch}; choose from: {', '.join(tags) or 'none'}")
+    with torch.device("meta"):
+        kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
+        model = timm.create_model(model_name, **kwargs)
+        default = timm.create_model(model_name)
+    if label_names is not None and len(label_names) != model.num_classes:
+        raise CheckpointError(
+            f"{len(label_names)} label names for a model with {model.num_classes} classes; give one name per class"
+        )
+    extra: dict[str, Any] = {}
+    if label_names is not None:
+        extra["label_names"] = list(label_names)
+    if label_descriptions:
+        extra["label_descriptions"] = dict(label_descriptions)
+    config = _timm_config(model, extra)
+    defaults = _timm_config(default, {}).get("model_args", {})
+    args = {k: v for k, v in config.pop("model_args", {}).items() if k != "num_classes" and defaults.get(k) != v}
+    if args:
+        config["model_args"] = args
+    Path(path).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return config
+
+
+def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str, str] | None]:
+    """Read class names: a JSON list of strings, or one name per line.
+
+    A line may hold ``name<TAB>description``; the descriptions then become timm's
+    ``label_descriptions``. Blank lines at the end are ignored; names must be unique.
+
+    Returns:
+        The names in class order, and the descriptions by name (``None`` when the file gives none).
+
+    Raises:
+        CheckpointError: The file cannot be read, or its names are empty, not strings or repeated.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read the label file {p} ({getattr(e, 'strerror', None) or e})") from None
+    descriptions: dict[str, str] | None = None
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(
+                f"{p} is not a JSON list ({e.msg} at line {e.lineno}); write one name per line instead"
+            ) from None
+        if not all(isinstance(n, str) for n in names):
+            raise CheckpointError(f"{p}: a JSON label file is a list of strings")
+    else:
+        names, descriptions = [], {}
+        for line in text.rstrip("\r\n").splitlines():
+            name, _, description = line.partition("\t")
+            names.append(name.strip())
+            if description.strip():
+                descriptions[name.strip()] = description.strip()
+    empty = [i for i, n in enumerate(names) if not n]
+    if empty or not names:
+        where = f" (class {empty[0]} is empty)" if empty else ""
+        raise CheckpointError(f"{p} holds no name for every class{where}; write one name per class")
+    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+    if repeated:
+        raise CheckpointError(f"{p} names a class twice ({repeated[0]!r}); class names must be unique")
+    return names, descriptions or None
