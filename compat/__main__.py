@@ -5,7 +5,7 @@ supported torch (each with the torchvision release made for it). Every cell gets
 virtual environment under ``.compat/NAME``, created with this interpreter and filled from
 the package index: exactly the pinned torch, torchvision and timm, then this project in
 editable mode with its ``test`` extra. In it, ``pytest -m "compat and not slow"`` runs the
-subset listed in ``tests/conftest.py`` (``COMPAT``). The pins are passed to pip as its
+tests marked ``@pytest.mark.compat``. The pins are passed to pip as its
 constraints file (``PIP_CONSTRAINT``), which replaces any constraints file of the machine's
 pip configuration for these installs only.
 

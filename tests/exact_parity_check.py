@@ -21,25 +21,18 @@ from timm.layers import set_fused_attn
 from timm.models.cait import TalkingHeadAttn as RefAttn
 
 import timm_layerscale  # noqa: F401
+from helpers import randomize
 from timm_layerscale import to_layerscale
 from timm_layerscale.layers import BufferedTalkingHeadAttn
 
 SHAPES = [(2, 17, 32, 4), (3, 50, 96, 6), (1, 65, 256, 16), (4, 196, 192, 4)]
 
 
-def _randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "gamma" in name else 0.05))
-    return model
-
-
 def attention_checks() -> dict[str, bool]:
     out = {}
     for B, N, C, H in SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
-            ref = _randomize(RefAttn(C, num_heads=H, qkv_bias=True)).eval().to(dtype)
+            ref = randomize(RefAttn(C, num_heads=H, qkv_bias=True)).eval().to(dtype)
             ours = BufferedTalkingHeadAttn(C, num_heads=H, qkv_bias=True).eval().to(dtype)
             ours.load_state_dict(ref.state_dict())
             x = torch.randn(B, N, C, generator=torch.Generator().manual_seed(N)).to(dtype)
@@ -53,7 +46,7 @@ def model_checks() -> dict[str, bool]:
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     for fused in (True, False):
         set_fused_attn(fused)
-        ref = _randomize(timm.create_model("cait_xxs24_224")).eval()
+        ref = randomize(timm.create_model("cait_xxs24_224")).eval()
         ours = timm.create_model("cait_xxs24_224_ls", attn_impl="buffered").eval()
         ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
         with torch.inference_mode():

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.compat
+
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = "_timm_layerscale_autoload"
 MODEL = "cait_xxs24_224_ls"

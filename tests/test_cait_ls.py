@@ -44,6 +44,7 @@ def images():
 # --- registry --------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_ten_names_registered_in_their_own_module():
     ours = timm.list_models(module="cait_ls")
     assert sorted(ours) == NAMES and len(NAMES) == 10
@@ -52,6 +53,7 @@ def test_ten_names_registered_in_their_own_module():
     assert sorted(timm.list_models("*_ls")) == NAMES or set(NAMES) <= set(timm.list_models("*_ls"))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", [n for n in timm.list_models("*_ls") if n in VARIANTS])
 def test_registry_meta_build_and_pretrained_cfg(name):
     model = create_model(name, device="meta")
@@ -75,6 +77,7 @@ def test_registry_meta_build_and_pretrained_cfg(name):
 # --- parity ----------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_forward_bit_exact(xxs24, images):
     ref, ours = xxs24
     with torch.no_grad():
@@ -230,6 +233,7 @@ def weight_files(tmp_path_factory, xxs24):
     return d
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("fname", ["XXS24_224.pth", "timm_gamma.safetensors", "ls.safetensors"])
 def test_pretrained_from_any_layout(weight_files, xxs24, images, fname):
     ref, _ = xxs24
@@ -240,6 +244,7 @@ def test_pretrained_from_any_layout(weight_files, xxs24, images, fname):
         assert torch.equal(model(images), ref(images))
 
 
+@pytest.mark.compat
 def test_pretrained_at_another_img_size(weight_files, xxs24):
     ref, _ = xxs24
     model = create_model(
@@ -271,6 +276,7 @@ def test_dynamic_img_size(tiny_cait_kwargs):
 # --- timm model contract ---------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_model_contract(tiny_cait_kwargs):
     torch.manual_seed(0)
     model = CaitLS(**tiny_cait_kwargs).eval()
@@ -301,6 +307,7 @@ def test_grad_checkpointing_same_result(tiny_cait_kwargs):
     b.sum().backward()
 
 
+@pytest.mark.compat
 def test_features_only_and_prune():
     model = create_model("cait_xxs24_224_ls", features_only=True, out_indices=(5, 23), device="meta")
     assert model.feature_info.channels() == [192, 192]

@@ -8,7 +8,6 @@ status 2 (130 for an interruption), exactly one line on stderr starting with
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -25,6 +24,7 @@ import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from conftest import parity_report
+from helpers import assert_one_line_error, cli
 from timm_layerscale.cli import main
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion import save as ckpt_save
@@ -32,12 +32,10 @@ from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
 from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import CheckpointError
-from timm_layerscale.parity.tolerance import VerifyOptions
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
 ROOT = Path(__file__).resolve().parents[1]
-ERROR = "timm-layerscale: error: "
 
 
 @pytest.fixture(scope="module")
@@ -57,33 +55,6 @@ def light_sd() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     shapes = to_gamma(state_dict_shapes(get_variant(MODEL)), "cait")
     return {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}
-
-
-@pytest.fixture
-def few_inputs(monkeypatch):
-    """Verification inside ``convert`` on 1 input instead of 8."""
-    real = conversion.verify_state_dicts
-
-    def one_input(*args, options=None, **kwargs):
-        return real(*args, options=dataclasses.replace(options or VerifyOptions(), num_inputs=1), **kwargs)
-
-    monkeypatch.setattr(conversion, "verify_state_dicts", one_input)
-
-
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, out: str, err: str, expect: str, status: int = 2) -> None:
-    assert code == status, (code, out, err)
-    assert "Traceback" not in err and "Traceback" not in out
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(ERROR), err
-    assert expect in lines[0], err
-    assert out == ""
 
 
 def folder_names(folder: Path) -> list[str]:

@@ -22,29 +22,13 @@ import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from conftest import parity_report
+from helpers import ERROR, assert_one_line_error, cli
 from timm_layerscale import commands, progress
-from timm_layerscale.cli import main
 from timm_layerscale.conversion.pipeline import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
 
 ROOT = Path(__file__).resolve().parents[1]
-ERROR = "timm-layerscale: error: "
 MODEL = "cait_xxs24_224_ls"
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code: int, err: str, status: int, expect: str = "") -> str:
-    assert code == status, (code, err)
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(ERROR), err
-    assert "Traceback" not in err
-    assert expect in lines[0], err
-    return lines[0]
 
 
 # ---- exit codes and the error prefix ------------------------------------------------------
@@ -55,7 +39,9 @@ def test_an_internal_error_exits_3_with_the_common_prefix(capsys, monkeypatch):
         raise TypeError("unsupported operand")
 
     monkeypatch.setitem(commands.COMMANDS, "list", broken)
-    line = one_line_error(*run(capsys, "list")[::2], 3, "internal error: TypeError: unsupported operand")
+    line = assert_one_line_error(
+        *cli(capsys, "list"), status=3, expect="internal error: TypeError: unsupported operand"
+    )
     assert "--debug" in line
 
 
@@ -64,7 +50,7 @@ def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
         raise ParityError("converted model does not match cait_xxs24_224", parity_report(False))
 
     monkeypatch.setitem(commands.COMMANDS, "list", failing)
-    one_line_error(*run(capsys, "list")[::2], 1, "does not match")
+    assert_one_line_error(*cli(capsys, "list"), status=1, expect="does not match")
 
 
 def test_demo_parity_failure_prints_the_report_and_exits_1(tmp_path, capsys, monkeypatch):
@@ -76,8 +62,8 @@ def test_demo_parity_failure_prints_the_report_and_exits_1(tmp_path, capsys, mon
 
     monkeypatch.setattr(export, "export_folder", export_folder)
     monkeypatch.setattr(demo, "write_official_checkpoint", lambda path, *a, **k: Path(path).touch())
-    code, out, err = run(capsys, "demo", "--out", tmp_path / "demo")
-    one_line_error(code, err, 1, "parity check failed")
+    code, out, err = cli(capsys, "demo", "--out", tmp_path / "demo")
+    assert_one_line_error(code, out, err, "parity check failed", status=1)
     assert any(line.split() == ["result", "FAIL"] for line in out.splitlines()), out
     assert "demo FAILED" in out.splitlines()[-1]
 
@@ -91,8 +77,8 @@ def test_demo_into_a_folder_that_cannot_be_created_is_a_user_error(where, tmp_pa
     else:
         (tmp_path / "a-file").write_text("x")
         out = tmp_path / "a-file" / "demo"
-    code, stdout, err = run(capsys, "demo", "--out", out)
-    one_line_error(code, err, 2, f"cannot create {out}")
+    code, stdout, err = cli(capsys, "demo", "--out", out)
+    assert_one_line_error(code, stdout, err, f"cannot create {out}")
     assert stdout == ""
 
 
@@ -136,7 +122,7 @@ def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys,
     out.write_bytes(b"keep me")
     with pytest.raises(Exception, match="pass overwrite=True to replace it"):
         convert_checkpoint(official, out, verify=False)
-    one_line_error(*run(capsys, "convert", official, out)[::2], 2, "pass --overwrite to replace it")
+    assert_one_line_error(*cli(capsys, "convert", official, out), status=2, expect="pass --overwrite to replace it")
     assert out.read_bytes() == b"keep me"
     assert (
         commands.cli_message("closest is x; pass model='cait_s24_224_ls' to see")
@@ -177,8 +163,8 @@ def test_a_vit_tiny_like_deit3_file_is_told_the_nearest_width(tmp_path):
 
 def test_inspect_plot_without_matplotlib_fails_before_printing(official, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    code, out, err = run(capsys, "inspect", official, "--plot", "gates.png")
-    one_line_error(code, err, 2, "pip install 'timm-layerscale[plot]'")
+    code, out, err = cli(capsys, "inspect", official, "--plot", "gates.png")
+    assert_one_line_error(code, out, err, "pip install 'timm-layerscale[plot]'")
     assert out == ""
 
 
@@ -197,20 +183,20 @@ def test_a_failed_export_leaves_no_folder_it_created(tmp_path):
 
 def test_convert_to_gamma_on_the_command_line(official, tmp_path, capsys):
     ls = tmp_path / "ls.safetensors"
-    assert run(capsys, "convert", official, ls, "--no-verify")[0] == 0
-    code, out, err = run(capsys, "convert", ls, tmp_path / "official.pth", "--to", "gamma", "--no-verify")
+    assert cli(capsys, "convert", official, ls, "--no-verify")[0] == 0
+    code, out, err = cli(capsys, "convert", ls, tmp_path / "official.pth", "--to", "gamma", "--no-verify")
     assert code == 0, err
     assert "(gamma layout, official file {'model': {'module.' + key: tensor}})" in out
     obj = torch.load(tmp_path / "official.pth", weights_only=True)
     assert list(obj) == ["model"] and all(k.startswith("module.") for k in obj["model"])
 
-    code, out, err = run(
+    code, out, err = cli(
         capsys, "convert", ls, tmp_path / "plain.pth", "--to", "gamma", "--plain", "--no-verify", "--json"
     )
     assert code == 0 and json.loads(out)["container"] == "plain"
     assert "blocks.0.gamma_1" in torch.load(tmp_path / "plain.pth", weights_only=True)
 
-    code, out, err = run(capsys, "convert", official, tmp_path / "again.pth", "--to", "gamma", "--no-verify")
+    code, out, err = cli(capsys, "convert", official, tmp_path / "again.pth", "--to", "gamma", "--no-verify")
     assert code == 0, err
     assert torch.load(tmp_path / "again.pth", weights_only=True)["model"].keys() == obj["model"].keys()
 
@@ -225,21 +211,21 @@ def test_progress_bars_show_on_a_terminal_and_not_with_quiet(official, tmp_path,
     from timm_layerscale.parity import verify
 
     monkeypatch.setattr(verify, "seeded_inputs", lambda n, img, seed: torch.randn(2, 3, 224, 224))
-    code, _, err = run(capsys, "convert", official, tmp_path / "a.safetensors")
+    code, _, err = cli(capsys, "convert", official, tmp_path / "a.safetensors")
     assert code == 0, err
     assert "writing a.safetensors" in err and "verifying" in err and "batch" in err
 
-    code, _, err = run(capsys, "convert", official, tmp_path / "b.pth", "--no-verify")
+    code, _, err = cli(capsys, "convert", official, tmp_path / "b.pth", "--no-verify")
     assert code == 0 and "writing b.pth" in err
 
-    code, _, err = run(capsys, "convert", official, tmp_path / "c.safetensors", "--quiet")
+    code, _, err = cli(capsys, "convert", official, tmp_path / "c.safetensors", "--quiet")
     assert code == 0 and err == ""
     progress.enable_progress_bars()
 
 
 def test_no_progress_bars_when_stderr_is_not_a_terminal(official, tmp_path, capsys):
     assert not sys.stderr.isatty()
-    code, _, err = run(capsys, "convert", official, tmp_path / "x.safetensors", "--no-verify")
+    code, _, err = cli(capsys, "convert", official, tmp_path / "x.safetensors", "--no-verify")
     assert code == 0 and err == ""
 
 
@@ -276,9 +262,9 @@ def test_no_name_resolution_fails_at_once(source, tmp_path, capsys, monkeypatch)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     _unresolvable(monkeypatch)
     t0 = time.perf_counter()
-    code, out, err = run(capsys, "convert", source, tmp_path / "x.safetensors")
+    code, out, err = cli(capsys, "convert", source, tmp_path / "x.safetensors")
     assert time.perf_counter() - t0 < 10
-    one_line_error(code, err, 2, "cannot resolve")
+    assert_one_line_error(code, out, err, "cannot resolve")
     assert "check the network" in err and out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -296,7 +282,7 @@ def test_hf_hub_offline_fails_at_once_in_a_fresh_process(tmp_path):
             timeout=120,
         )
         assert time.perf_counter() - t0 < 10 + 5  # generous: a cold interpreter imports torch first
-        one_line_error(proc.returncode, proc.stderr, 2, "HF_HUB_OFFLINE is set")
+        assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, "HF_HUB_OFFLINE is set")
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -309,7 +295,9 @@ def test_push_offline_fails_before_reading_a_token(tmp_path, capsys, monkeypatch
     (folder / "model.safetensors").write_bytes(b"x")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: pytest.fail("read the token"), raising=False)
-    one_line_error(*run(capsys, "push", folder, "org/name")[::2], 2, "HF_HUB_OFFLINE is set, so uploading to org/name")
+    assert_one_line_error(
+        *cli(capsys, "push", folder, "org/name"), status=2, expect="HF_HUB_OFFLINE is set, so uploading to org/name"
+    )
 
 
 def test_release_checks_network_and_token_before_converting(tmp_path, capsys, monkeypatch):

@@ -117,6 +117,7 @@ def test_vit5_ema_and_gamma_round_trip(vit5_training_dict, tmp_path):
     ref.load_state_dict(restored, strict=True)
 
 
+@pytest.mark.compat
 def test_deit3_official_file_converts_bit_exact(tmp_path, capsys):
     ref = timm.create_model("deit3_small_patch16_224")
     seed_parameters_(ref, seed=3)

@@ -91,6 +91,7 @@ def test_official_keys(deit3_small) -> None:
     assert official["pos_embed"].shape == (1, 196, 384)  # no class-token slot
 
 
+@pytest.mark.compat
 def test_converted_file_matches_timm_loader_bit_for_bit(tmp_path, deit3_small) -> None:
     path = official_file(tmp_path, deit3_small)
     # timm's own loader on the official file
@@ -114,6 +115,7 @@ def test_converted_file_matches_timm_loader_bit_for_bit(tmp_path, deit3_small) -
     print(f"deit3_small_patch16_224: max abs diff 0 (bit-exact), top-1 agreement 100%, over {x.shape[0]} inputs")
 
 
+@pytest.mark.compat
 def test_round_trip_keeps_tensors(deit3_small) -> None:
     ls = deit3_small.state_dict()
     official = remap.to_gamma(ls, "deit3")
@@ -157,6 +159,7 @@ def test_detect_variant_finds_deit3() -> None:
     assert info["grid"] == 24
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", timm.list_models("deit3_*"))
 def test_every_deit3_layout_round_trips_on_meta(name: str) -> None:
     with torch.device("meta"):

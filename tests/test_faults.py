@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from timm_layerscale.cli import main
+from helpers import ERROR, assert_one_line_error, cli
 from timm_layerscale.conversion import atomic, stream
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
@@ -35,7 +35,6 @@ from timm_layerscale.errors import CheckpointError, OutputExistsError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
-ERROR = "timm-layerscale: error: "
 
 
 def light_checkpoint(path: Path, seed: int, dense: bool = False) -> Path:
@@ -62,19 +61,6 @@ def source(request, tmp_path) -> Path:
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, out: str, err: str, expect: str) -> None:
-    assert code == 2, (code, out, err)
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(ERROR) and expect in lines[0], err
-    assert "Traceback" not in err and out == ""
 
 
 def names(folder: Path) -> list[str]:
@@ -165,7 +151,7 @@ def test_disk_full_simulated(source, tmp_path, capsys, monkeypatch, suffix):
     monkeypatch.setattr(os, "pwrite", filling_pwrite)
     monkeypatch.setattr(os, "copy_file_range", filling_copy)
     code, out, err = cli(capsys, "convert", source, out_dir / f"x{suffix}", "--no-verify")
-    assert_one_line_error(code, out, err, "No space left on device")
+    assert_one_line_error(code, out, err, "No space left on device", stdout="")
     one_pass = suffix == ".safetensors" and source.stat().st_size > 1 << 20
     assert (room[0] < 1 << 20) == one_pass  # the dense source's safetensors output is written by the pass
     assert names(out_dir) == [] and sha256(source) == before
@@ -176,7 +162,7 @@ def test_disk_full_on_a_small_tmpfs(source, tmp_path, capsys, suffix):
     before = sha256(source)
     with mounted("-t", "tmpfs", "-o", "size=8m", "tmpfs", target=tmp_path / "small") as small:
         code, out, err = cli(capsys, "convert", source, small / f"x{suffix}", "--no-verify")
-        assert_one_line_error(code, out, err, "No space left on device")
+        assert_one_line_error(code, out, err, "No space left on device", stdout="")
         assert names(small) == []
         assert os.statvfs(small).f_bfree == os.statvfs(small).f_blocks  # the space is free again
     assert sha256(source) == before
@@ -312,7 +298,7 @@ def test_read_only_output_folder_mounted(source, tmp_path, capsys):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     with mounted("--bind", str(out_dir), target=tmp_path / "ro-out", then_ro=True) as ro:
-        assert_one_line_error(*cli(capsys, "convert", source, ro / "x.safetensors"), "not writable")
+        assert_one_line_error(*cli(capsys, "convert", source, ro / "x.safetensors"), "not writable", stdout="")
         assert names(ro) == []
 
 
@@ -361,7 +347,7 @@ def test_read_only_output_folder_simulated(source, tmp_path, capsys, monkeypatch
 
     monkeypatch.setattr(os, "open", read_only)
     assert_one_line_error(
-        *cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify"), "Read-only file system"
+        *cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify"), "Read-only file system", stdout=""
     )
     assert names(out_dir) == []
 
@@ -418,7 +404,7 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, out, err = cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify")
-    assert_one_line_error(code, out, err, "changed while it was being read")
+    assert_one_line_error(code, out, err, "changed while it was being read", stdout="")
     assert names(out_dir) == []
     assert sha256(source) == sha256(other)  # the rewrite did happen
 

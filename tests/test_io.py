@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tensor_helpers import assert_same_tensors, header_bytes, make_tensor, mixed_state_dict
+from helpers import assert_same_tensors, header_bytes, make_tensor, mixed_state_dict
 from timm_layerscale.conversion.io import (
     LazySafetensors,
     check_finite,
@@ -23,6 +23,7 @@ from timm_layerscale.conversion.io import (
 from timm_layerscale.errors import CheckpointError
 
 
+@pytest.mark.compat
 def test_load_pth_zip_and_legacy(tmp_path):
     sd = mixed_state_dict()
     torch.save({"model": sd}, tmp_path / "new.pth")
@@ -190,6 +191,7 @@ def test_parse_dtype():
         parse_dtype("int8")
 
 
+@pytest.mark.compat
 def test_training_checkpoint_with_argparse_namespace_loads(tmp_path):
     import argparse
 

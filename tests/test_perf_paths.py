@@ -21,22 +21,13 @@ from timm.models.cait import Cait
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from helpers import randomize
 from timm_layerscale import LayerScale, fuse_layerscale, to_gamma, to_layerscale
 from timm_layerscale.models.cait_ls import CaitLS
 
 TINY: dict[str, Any] = dict(
     img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5
 )
-
-
-def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Every parameter random; gammas with std 0.1 so that every branch matters."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = 0.1 if "gamma" in name else 0.05
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model
 
 
 def _images(n: int, size: int, seed: int = 1) -> torch.Tensor:
@@ -46,7 +37,7 @@ def _images(n: int, size: int, seed: int = 1) -> torch.Tensor:
 def _pair(name: str, **kwargs) -> tuple[nn.Module, nn.Module]:
     """timm's model and ours with the same random weights (built on meta: no init cost)."""
     ref = timm.create_model(name, device="meta", **kwargs).to_empty(device="cpu")
-    _randomize(ref).eval()
+    randomize(ref).eval()
     ours = timm.create_model(name + "_ls", device="meta", **kwargs).eval()
     state = {k: v.clone() for k, v in to_layerscale(ref.state_dict(), "cait").items()}
     ours.load_state_dict(state, strict=True, assign=True)
@@ -73,7 +64,7 @@ def pairs():
 
 def _tiny_pair(**kwargs) -> tuple[nn.Module, nn.Module]:
     args = dict(TINY, **kwargs)
-    ref = _randomize(Cait(**args)).eval()
+    ref = randomize(Cait(**args)).eval()
     ours = CaitLS(**args).eval()
     ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
     return ref, ours
@@ -95,6 +86,7 @@ def fused_attn():
 # --- training: the reference formulation, so gradients are timm's ----------------------
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
 @pytest.mark.parametrize("drop", [0.0, 0.1], ids=["no_dropout", "dropout"])
 def test_train_mode_gradients_bit_exact(fused, drop, fused_attn):
@@ -175,7 +167,7 @@ def test_fuse_keeps_train_mode_function():
 
 def test_fuse_timm_layerscale_blocks():
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2, init_values=0.1, num_classes=10)
-    _randomize(model).eval()
+    randomize(model).eval()
     x = _images(2, 32)
     with torch.inference_mode():
         expected = model(x)
@@ -221,7 +213,7 @@ def _vit5_module():
 def test_fuse_vit5_close_and_loads():
     vit5 = _vit5_module()
     args = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
-    model = _randomize(vit5.Vit5(**args)).eval()
+    model = randomize(vit5.Vit5(**args)).eval()
     x = _images(2, 32)
     with torch.inference_mode():
         expected = model(x)
@@ -303,6 +295,7 @@ def test_fold_state_dict_equals_module_fold(tmp_path):
         fold_state_dict(bad)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("layout", ["official", "ls"])
 def test_fused_model_loads_pretrained_weights(tmp_path, layout):
     from safetensors.torch import save_file
@@ -310,7 +303,7 @@ def test_fused_model_loads_pretrained_weights(tmp_path, layout):
     from timm_layerscale import fold_state_dict
     from timm_layerscale.parity.tolerance import FUSED_TOLERANCE
 
-    ref = _randomize(timm.create_model("cait_xxs24_224")).eval()
+    ref = randomize(timm.create_model("cait_xxs24_224")).eval()
     if layout == "official":
         path = tmp_path / "XXS24_224.pth"
         torch.save({"model": {"module." + k: v for k, v in ref.state_dict().items()}}, path)
@@ -335,7 +328,7 @@ def test_vit5_filter_folds_with_the_same_rule():
     from timm_layerscale import fold_state_dict
 
     args = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
-    model = _randomize(vit5.Vit5(**args)).eval()
+    model = randomize(vit5.Vit5(**args)).eval()
     target = vit5.Vit5(**args, fused_layerscale=True)
     filtered = vit5.checkpoint_filter_fn(model.state_dict(), target)
     expected = fold_state_dict(model.state_dict())

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from tensor_helpers import ALL_DTYPES, assert_same_tensors, header_bytes, leftovers, make_tensor, mixed_state_dict
+from helpers import ALL_DTYPES, assert_same_tensors, header_bytes, leftovers, make_tensor, mixed_state_dict
 from timm_layerscale.conversion.atomic import atomic_output
 from timm_layerscale.conversion.io import LazySafetensors, check_finite, load_checkpoint, parse_dtype
 from timm_layerscale.conversion.save import save_pth, save_safetensors, save_state_dict

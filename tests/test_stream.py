@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensor_helpers import ALL_DTYPES, header_bytes, make_tensor
+from helpers import ALL_DTYPES, header_bytes, make_tensor
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline, save, stream
 from timm_layerscale.conversion.io import check_finite, load_checkpoint

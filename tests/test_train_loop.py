@@ -59,6 +59,7 @@ def grads(model: torch.nn.Module, forward, x: torch.Tensor, y: torch.Tensor) -> 
 # --- optimizer and EMA -------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("layer_decay", [None, 0.75], ids=["plain", "layer_decay"])
 def test_optimizer_factory_exempts_every_gamma_from_weight_decay(layer_decay):
     model = tiny_model()
@@ -83,6 +84,7 @@ def test_optimizer_factory_exempts_every_gamma_from_weight_decay(layer_decay):
         assert torch.equal(p, before[n]) == (id(p) in no_decay), n
 
 
+@pytest.mark.compat
 def test_model_ema_keeps_the_tag_and_tracks_the_model():
     model = tiny_model().train()
     ema = ModelEmaV3(model, decay=0.9)
@@ -113,6 +115,7 @@ def test_model_ema_keeps_the_tag_and_tracks_the_model():
 # --- gradients: checkpointing and compilation ---------------------------------------------------
 
 
+@pytest.mark.compat
 def test_grad_checkpointing_gives_the_eager_gradients_exactly():
     """Equal by construction: recomputation runs the same ATen calls on the same tensors.
 
@@ -133,6 +136,7 @@ def test_grad_checkpointing_gives_the_eager_gradients_exactly():
     assert eager["blocks.1.ls2.gamma"].abs().max() > 0
 
 
+@pytest.mark.compat
 def test_compiled_train_step_gives_the_eager_gradients():
     """``torch.compile`` (inductor) against eager, within a tolerance.
 
@@ -159,6 +163,7 @@ def test_compiled_train_step_gives_the_eager_gradients():
 # --- the loop ---------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_a_few_bf16_autocast_steps_lower_the_loss():
     model = tiny_model().train()
     init = {n: p.detach().clone() for n, p in gammas(model).items()}
@@ -224,6 +229,7 @@ def trained(tmp_path_factory):
     return model.eval(), ema.module.eval(), folder / "last.pth.tar"
 
 
+@pytest.mark.compat
 def test_train_py_checkpoint_holds_what_train_py_writes(trained):
     _, _, path = trained
     ckpt = load_checkpoint(path)
@@ -232,7 +238,9 @@ def test_train_py_checkpoint_holds_what_train_py_writes(trained):
     assert "blocks.0.ls1.gamma" in ckpt["state_dict"]
 
 
-@pytest.mark.parametrize("ema", [False, True], ids=["model", "ema"])
+@pytest.mark.parametrize(
+    "ema", [pytest.param(False, id="model"), pytest.param(True, id="ema", marks=pytest.mark.compat)]
+)
 def test_train_py_checkpoint_converts_to_gamma_and_loads_into_timm_cait(trained, ema, tmp_path, capsys, monkeypatch):
     model, ema_model, path = trained
     expected = ema_model if ema else model

@@ -229,6 +229,7 @@ def test_reference_module_matches_independent_forward(img: int) -> None:
     assert diff <= PARITY_ATOL and top1 == 1.0
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("img", [32, 48, 384])
 def test_package_matches_reference_module_within_tolerance(img: int) -> None:
     # Two implementations of the same equations, reductions ordered differently: a tolerance, not equality.
@@ -379,6 +380,7 @@ def test_training_dict_file_loads_through_timm(tmp_path) -> None:
             assert torch.equal(model.state_dict()[k], v), (tag, k)
 
 
+@pytest.mark.compat
 def test_converted_file_loads_with_file_overlay(tmp_path) -> None:
     from safetensors.torch import save_file
 
@@ -577,6 +579,7 @@ def test_flop_count_matches_torch_counter(name: str, fused_layerscale: bool) -> 
     assert model.flop_count(2) == 2 * model.flop_count(1)
 
 
+@pytest.mark.compat
 def test_registered_with_timm() -> None:
     assert set(NAMES) <= set(timm.list_models("vit5_*"))
     assert timm.list_models(module="vit5") == sorted(NAMES)

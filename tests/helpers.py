@@ -1,4 +1,5 @@
-"""Tensors and state dicts shared by the reading and writing tests."""
+"""What several test modules share: tensors and state dicts for the reading and writing tests,
+the in-process command line and its one-line-error assertion."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+from timm_layerscale.cli import main
+
+#: The prefix of every error line of the command line.
+ERROR = "timm-layerscale: error: "
 
 ALL_DTYPES = [
     torch.float32,
@@ -65,3 +71,39 @@ def header_bytes(path: Path) -> bytes:
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     return data[8 : 8 + n]
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    """Run ``timm-layerscale ARGV`` in this process: exit status, stdout, stderr."""
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(
+    code: int, out: str, err: str, expect: str = "", status: int = 2, stdout: str | None = None
+) -> str:
+    """A user-facing failure: exit ``status``, one ``error:`` line naming ``expect``, no traceback.
+
+    ``stdout``, when given, is what standard output must hold (``""``: nothing).
+
+    Returns:
+        The error line.
+    """
+    assert code == status, (code, out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR), err
+    assert expect in lines[0], err
+    if stdout is not None:
+        assert out == stdout, out
+    return lines[0]
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random, in place; gammas with std 0.1 so that every branch matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "gamma" in name else 0.05))
+    return model
