@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 
 from timm_layerscale.conversion.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.errors import LayerScaleError
+from timm_layerscale.hub.card import timm_hub_copy
 from timm_layerscale.options import add_verify_args, verify_options
 
 __all__ = ["Release", "FAMILIES", "releases", "select", "run_release", "write_summary", "main"]
@@ -56,7 +57,6 @@ class Release:
         source: The official address: an ``https://`` URL or ``hf-hub:ORG/REPO/FILE``.
         reference: timm's model for the same weights, or ``None`` (ViT-5).
         ema: Take the file's ``'model_ema'`` weights.
-        sha256: Pinned SHA-256 of the official file, or ``None`` when unknown.
     """
 
     model: str
@@ -65,7 +65,6 @@ class Release:
     source: str
     reference: str | None
     ema: bool = False
-    sha256: str | None = None
 
     @property
     def file(self) -> str:
@@ -77,9 +76,14 @@ class Release:
         )
 
     @property
+    def sha256(self) -> str | None:
+        """Pinned SHA-256 of the official file (:data:`OFFICIAL_SHA256`), or ``None`` when unknown."""
+        return OFFICIAL_SHA256.get(self.file)
+
+    @property
     def timm_hub_id(self) -> str | None:
         """timm's own Hub copy of these weights, where timm has one."""
-        return f"timm/{self.reference}.{self.tag}" if self.reference else None
+        return timm_hub_copy(self.reference, self.tag)
 
     @property
     def name(self) -> str:
@@ -114,9 +118,7 @@ def releases() -> tuple[Release, ...]:
             elif v.family == "vit5" and cfg.hf_hub_id and cfg.hf_hub_filename:
                 src = f"hf-hub:{cfg.hf_hub_id}/{cfg.hf_hub_filename}"
                 rows.append(Release(v.name, "vit5", tag, src, None, ema=tag.endswith("_ema")))
-    return tuple(
-        Release(r.model, r.family, r.tag, r.source, r.reference, r.ema, OFFICIAL_SHA256.get(r.file)) for r in rows
-    )
+    return tuple(rows)
 
 
 class PipelineError(Exception):

@@ -26,6 +26,7 @@ transformers = pytest.importorskip(
 
 from huggingface_hub import ModelCard  # noqa: E402
 
+from helpers import assert_one_line_error, cli  # noqa: E402
 from timm_layerscale.errors import CheckpointError  # noqa: E402
 from timm_layerscale.hub.export import export_folder  # noqa: E402
 
@@ -124,18 +125,19 @@ def test_label_names_reach_timm_and_transformers(folders) -> None:
 
 
 def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path: Path, capsys) -> None:
-    from timm_layerscale.cli import main
-
     labels = tmp_path / "labels.json"
     labels.write_text(json.dumps(["a", "b", "c"]))
     with pytest.raises(CheckpointError, match="3 label names for a model with 1000 classes; give one name per class"):
         export_folder(official, tmp_path / "out", label_names=labels, plot=False)
-    assert main(["export", str(official), str(tmp_path / "out"), "--label-names", str(labels)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "3 label names for a model with 1000 classes" in err[0]
+    assert_one_line_error(
+        *cli(capsys, "export", official, tmp_path / "out", "--label-names", labels),
+        "3 label names for a model with 1000 classes",
+    )
     (tmp_path / "dup.txt").write_text("a\nb\na\n")
-    assert main(["export", str(official), str(tmp_path / "out"), "--label-names", str(tmp_path / "dup.txt")]) == 2
-    assert "names a class twice ('a')" in capsys.readouterr().err
+    assert_one_line_error(
+        *cli(capsys, "export", official, tmp_path / "out", "--label-names", tmp_path / "dup.txt"),
+        "names a class twice ('a')",
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.txt", "labels.json"]
 
 

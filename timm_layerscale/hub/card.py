@@ -87,9 +87,10 @@ _GENERIC_LAYOUT_ROWS = [
     ("blocks.N.gamma_1", "blocks.N.ls1.gamma", "attention branch gate"),
     ("blocks.N.gamma_2", "blocks.N.ls2.gamma", "MLP branch gate"),
 ]
+_PREFIX_ROW = ("module.<key>", "<key>", "DistributedDataParallel prefix removed")
 _LAYOUT_ROWS = {
     "cait": [
-        ("module.<key>", "<key>", "DistributedDataParallel prefix removed"),
+        _PREFIX_ROW,
         *_GENERIC_LAYOUT_ROWS,
         ("blocks_token_only.N.gamma_1", "blocks_token_only.N.ls1.gamma", "class-attention branch gate"),
         ("blocks_token_only.N.gamma_2", "blocks_token_only.N.ls2.gamma", "class-attention MLP gate"),
@@ -99,21 +100,13 @@ _LAYOUT_ROWS = {
 _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-21k"}
 
 
-_PREFIX_ROW = ("module.<key>", "<key>", "DistributedDataParallel prefix removed")
-
-
-def _pretrained_cfg(name: str) -> Any:
-    """timm's registered ``pretrained_cfg`` for ``name`` (``arch.tag``), or ``None``."""
-    import timm
-
-    return timm.models.get_pretrained_cfg(name)
-
-
 def timm_hub_copy(reference: str | None, tag: str | None) -> str | None:
     """timm's own Hub repository for the reference's weights under ``tag`` (``timm/cait_xxs24_224.fb_dist_in1k``), if any."""
+    import timm
+
     if not reference or not tag:
         return None
-    cfg = _pretrained_cfg(f"{reference}.{tag}")
+    cfg = timm.models.get_pretrained_cfg(f"{reference}.{tag}")
     hub_id = getattr(cfg, "hf_hub_id", None)
     return hub_id if hub_id and hub_id.startswith("timm/") else None
 

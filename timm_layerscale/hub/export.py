@@ -277,8 +277,6 @@ def export_folder(
     from ..options import command_line
 
     out = Path(out_dir)
-    if to not in ("ls", "gamma"):
-        raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
     label_file = None
     descriptions = None
     if isinstance(label_names, (str, os.PathLike)):
