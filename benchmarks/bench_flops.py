@@ -73,4 +73,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import record
+
+    sys.exit(record(__file__, main))

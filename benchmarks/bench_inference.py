@@ -38,9 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from timm_layerscale.machine import cpu_model
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import cpu_model, record  # noqa: E402
+
 THREADS = 2
 #: (timm model, batch)
 CASES = (("cait_xxs24_224", 8), ("cait_s24_224", 4))
@@ -230,4 +231,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]) if "--worker" in sys.argv else record(__file__, main))

@@ -13,7 +13,9 @@ difference between the best runs:
 * ``python -c pass`` CPU and wall time, the whole interpreter start and exit;
 * ``python -X importtime -c "import timm"``, without the plugin and with the hook, and the
   ``timm_layerscale`` import that the hook adds inside timm's (the same work as an explicit
-  ``import timm_layerscale``), plus the CPU time of the whole process.
+  ``import timm_layerscale``), plus the CPU time of the whole process;
+* ``timm-layerscale --help`` in the environment with the plugin: its wall time, failing
+  if it imported torch or timm.
 
 Usage: ``python benchmarks/bench_startup.py [--runs 20] [--timm-runs 5]``
 """
@@ -33,6 +35,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = "_timm_layerscale_autoload"
+#: ``timm-layerscale --help``, failing if it imported torch or timm.
+HELP = (
+    "import runpy, sys\n"
+    "sys.argv = ['timm-layerscale', '--help']\n"
+    "try:\n"
+    "    runpy.run_module('timm_layerscale', run_name='__main__')\n"
+    "except SystemExit:\n"
+    "    pass\n"
+    "assert not {'torch', 'timm'} & set(sys.modules), 'timm-layerscale --help imported torch or timm'\n"
+)
 
 
 def _environ(**extra: str) -> dict:
@@ -116,6 +128,7 @@ def measure(runs: int, timm_runs: int, work: Path) -> list:
             wall, cpu, _ = _run(python, "pass", work, env)
             add(f"pass-wall-{tag}", wall)
             add(f"pass-cpu-{tag}", cpu)
+        add("help", _run(hooked, HELP, work, env)[0])
     for _ in range(timm_runs):
         for tag, python in (("plain", plain), ("hooked", hooked)):
             _, cpu, modules = _run(python, "import timm", work, env, importtime=True)
@@ -138,6 +151,7 @@ def measure(runs: int, timm_runs: int, work: Path) -> list:
         (f"`-X importtime -c pass`: `{HOOK}` itself", None, med["hook"], f"{med['hook']:+.2f} ms", f"{low['hook']:+.2f} ms"),
         row("`python -c pass`: CPU time", "pass-cpu"),
         row("`python -c pass`: wall time", "pass-wall"),
+        ("`timm-layerscale --help`: wall time (no torch, no timm)", None, med["help"], "", ""),
     ]
     if timm_runs:
         plugin = f"{med['plugin']:+.2f} ms ({med['plugin-share']:+.1%})"
@@ -167,4 +181,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import record
+
+    sys.exit(record(__file__, main))

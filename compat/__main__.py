@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from timm_layerscale.machine import cpu_model
+from benchmarks.common import cpu_model
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

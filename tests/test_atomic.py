@@ -227,24 +227,22 @@ def test_temporary_folders_of_killed_exports_are_removed(tmp_path):
     mine.rmdir()
 
 
-# A real conversion on the command line, stopped for good in the middle of its copy.
+# A real conversion on the command line, stopped for good in the middle of its write.
 _STALLED_CONVERSION = """
-import os, sys, time
+import sys, time
 from timm_layerscale.cli import main
+from timm_layerscale.conversion import save
 
 calls = []
+real = save.release_pages
 
-def stall(real):
-    def wrapper(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > 1:  # the first tensor is copied, then the conversion never ends
-            time.sleep(3600)
-        return real(*args, **kwargs)
-    return wrapper
+def stall(tensor):  # called once a tensor is written: the first is, then the conversion never ends
+    calls.append(1)
+    if len(calls) > 1:
+        time.sleep(3600)
+    real(tensor)
 
-if hasattr(os, "copy_file_range"):
-    os.copy_file_range = stall(os.copy_file_range)
-os.pwrite = stall(os.pwrite)
+save.release_pages = stall
 sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--no-verify", "--quiet"]))
 """
 
@@ -261,7 +259,7 @@ def test_a_killed_conversion_leaves_nothing_after_the_next_one(official, tmp_pat
             assert proc.poll() is None, "the conversion ended before it was killed"
             assert time.monotonic() < deadline, "no temporary appeared"
             time.sleep(0.01)
-        time.sleep(0.2)  # well inside the copy: the header is not written yet
+        time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from helpers import ERROR, assert_one_line_error, cli
-from timm_layerscale.conversion import atomic, stream
+from timm_layerscale.conversion import atomic
 from timm_layerscale.conversion import io as ckpt
 from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion import save as ckpt_save
@@ -37,26 +37,23 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
 
 
-def light_checkpoint(path: Path, seed: int, dense: bool = False) -> Path:
+def light_checkpoint(path: Path, seed: int) -> Path:
     """An official-layout cait_xxs24_224 file whose tensors are broadcast rows (about 300 kB).
 
-    Its conversion is the full 48 MB, which is what fills a small disk. Broadcast rows are
-    no runs of the file, so their conversion reads them through torch; ``dense`` stores
-    every tensor whole (48 MB) instead, which converts in one pass over the file
-    (:mod:`timm_layerscale.conversion.stream`).
+    Its conversion is the full 48 MB, which is what fills a small disk.
     """
     gen = torch.Generator().manual_seed(seed)
     shapes = to_gamma(state_dict_shapes(get_variant(MODEL)), "cait")
     sd = {"module." + k: torch.randn(s[-1], generator=gen).expand(s) for k, s in shapes.items()}
-    torch.save({"model": {k: v.contiguous() for k, v in sd.items()} if dense else sd}, path)
+    torch.save({"model": sd}, path)
     return path
 
 
-@pytest.fixture(params=["light", "dense"])
-def source(request, tmp_path) -> Path:
+@pytest.fixture
+def source(tmp_path) -> Path:
     folder = tmp_path / "src"
     folder.mkdir()
-    return light_checkpoint(folder / "XXS24_224.pth", seed=0, dense=request.param == "dense")
+    return light_checkpoint(folder / "XXS24_224.pth", seed=0)
 
 
 def sha256(path: Path) -> str:
@@ -132,28 +129,8 @@ def test_disk_full_simulated(source, tmp_path, capsys, monkeypatch, suffix):
         return f
 
     monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
-    room = [1 << 20]
-    real_pwrite, real_copy = os.pwrite, os.copy_file_range
-
-    def take(n: int) -> None:
-        if n > room[0]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        room[0] -= n
-
-    def filling_pwrite(fd, data, offset):  # the one-pass copy's writes
-        take(len(memoryview(data).cast("B")))
-        return real_pwrite(fd, data, offset)
-
-    def filling_copy(src, dst, count, offset_src, offset_dst):
-        take(count)
-        return real_copy(src, dst, count, offset_src, offset_dst)
-
-    monkeypatch.setattr(os, "pwrite", filling_pwrite)
-    monkeypatch.setattr(os, "copy_file_range", filling_copy)
     code, out, err = cli(capsys, "convert", source, out_dir / f"x{suffix}", "--no-verify")
     assert_one_line_error(code, out, err, "No space left on device", stdout="")
-    one_pass = suffix == ".safetensors" and source.stat().st_size > 1 << 20
-    assert (room[0] < 1 << 20) == one_pass  # the dense source's safetensors output is written by the pass
     assert names(out_dir) == [] and sha256(source) == before
 
 
@@ -365,8 +342,7 @@ _REWRITE = {
 @pytest.mark.parametrize("how,when", [("in-place", "before-hashing"), ("replaced", "after-writing")])
 def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypatch, how, when):
     (tmp_path / "other").mkdir()
-    dense = source.stat().st_size > 1 << 20
-    other = light_checkpoint(tmp_path / "other" / source.name, seed=5, dense=dense)  # same name: the same size
+    other = light_checkpoint(tmp_path / "other" / source.name, seed=5)  # same name: the same size
     assert other.stat().st_size == source.stat().st_size and sha256(other) != sha256(source)
 
     def rewrite() -> None:
@@ -374,33 +350,20 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
 
     if when == "before-hashing":
         real_hash = ckpt.sha256_file
-        real_copy = stream.SourcePass.copy_to_safetensors
 
         def rewrite_then_hash(path):
             rewrite()
             return real_hash(path)
 
-        def rewrite_then_copy(self, *args, **kwargs):
-            rewrite()
-            return real_copy(self, *args, **kwargs)
-
         monkeypatch.setattr(ckpt, "sha256_file", rewrite_then_hash)
-        monkeypatch.setattr(stream.SourcePass, "copy_to_safetensors", rewrite_then_copy)
     else:
         real_save = ckpt_save.save_state_dict
-        real_copy = stream.SourcePass.copy_to_safetensors
 
         def save_then_rewrite(*args, **kwargs):
             real_save(*args, **kwargs)
             rewrite()
 
-        def copy_then_rewrite(*args, **kwargs):
-            digest = real_copy(*args, **kwargs)
-            rewrite()
-            return digest
-
         monkeypatch.setattr(ckpt_save, "save_state_dict", save_then_rewrite)
-        monkeypatch.setattr(stream.SourcePass, "copy_to_safetensors", copy_then_rewrite)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, out, err = cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify")

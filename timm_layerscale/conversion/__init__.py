@@ -9,8 +9,6 @@ One concern per module, pure rules in the middle and I/O at the edges:
 - :mod:`.io`: reading checkpoints and resolving sources;
 - :mod:`.save`: atomic, streaming writes;
 - :mod:`.atomic`: writers' temporary files, publishing them, and cleaning up after killed ones;
-- :mod:`.stream`: one pass over the source for hash, NaN/Inf check and a plain copy;
-- :mod:`.source_map`: where each tensor lies in its source file, for that copy;
 - :mod:`.pipeline`: convert and verify, end to end.
 
 The names below are imported on first use, so importing this package loads no torch.

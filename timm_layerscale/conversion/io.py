@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import hashlib
+import mmap
 import os
 import re
 import struct
@@ -35,6 +37,7 @@ __all__ = [
     "file_identity",
     "load_checkpoint",
     "parse_dtype",
+    "release_pages",
     "resolve_source",
     "sha256_file",
 ]
@@ -295,100 +298,62 @@ def check_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
         CheckpointError: Naming the first non-finite tensor and how many there are.
     """
     bad: list[str] = []
-    pages = _MappedPages()
     for name, tensor in state_dict.items():
         if not (isinstance(tensor, torch.Tensor) and (tensor.is_floating_point() or tensor.is_complex())):
             continue
-        pages.fetch(tensor)
         flat = tensor.detach().reshape(-1)
-        if not all(all_finite(flat[i : i + (1 << 24)]) for i in range(0, flat.numel(), 1 << 24)):
-            bad.append(name)
-        pages.release(tensor)
+        for i in range(0, flat.numel(), 1 << 24):
+            chunk = flat[i : i + (1 << 24)]
+            if chunk.dtype.itemsize == 1:  # torch has no isfinite for 8-bit floats; they widen exactly
+                chunk = chunk.to(torch.float32)
+            if not torch.isfinite(chunk).all():
+                bad.append(name)
+                break
+        release_pages(tensor)
     if bad:
-        raise nonfinite_error(bad)
+        raise CheckpointError(
+            f"{len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; "
+            "check the source checkpoint, or pass allow_nonfinite=True to convert anyway"
+        )
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether a floating-point or complex tensor holds neither NaN nor Inf (any such dtype, 8-bit floats too)."""
-    if t.dtype.itemsize == 1:  # torch has no isfinite for 8-bit floats; they widen exactly
-        t = t.to(torch.float32)
-    return bool(torch.isfinite(t).all())
+@functools.cache
+def _madvise() -> Any:
+    if not (sys.platform.startswith("linux") and os.access("/proc/self/pagemap", os.R_OK)):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
-def nonfinite_error(bad: list[str]) -> CheckpointError:
-    """The error for tensors holding NaN or Inf, named in state-dict order."""
-    return CheckpointError(
-        f"{len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; "
-        "check the source checkpoint, or pass allow_nonfinite=True to convert anyway"
-    )
+def release_pages(tensor: torch.Tensor) -> None:
+    """Take a memory-mapped tensor's pages out of this process's resident set (Linux; elsewhere nothing).
 
-
-#: ``madvise`` advice that maps a range's pages in one call (Linux 5.14+; not in :mod:`mmap` before Python 3.13).
-MADV_POPULATE_READ = 22
-
-
-def private_pages(first: int, count: int) -> np.ndarray | None:
-    """Which of ``count`` pages of this process's memory, from page number ``first``, were written to.
-
-    A page written to in a private file mapping is a private copy: present, and no
-    longer a page of the file (``/proc/self/pagemap``, Linux).
-
-    Returns:
-        One bool per page, or ``None`` when the page map cannot be read.
+    Every page of a mapped checkpoint that was read counts in the resident set until
+    it is unmapped, so a pass over a large file would hold all of it. The pages are
+    dropped (``MADV_DONTNEED``; they stay in the page cache) only when none of them
+    was written to: ``/proc/self/pagemap`` shows a written page of a private file
+    mapping as a private copy, and dropping that would lose the change.
     """
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() - tensor.data_ptr() % page
+    length = tensor.data_ptr() + tensor.nbytes - start
+    count = -(-length // page)
     try:
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
-            pagemap.seek(first * 8)
+            pagemap.seek(start // page * 8)
             flags = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
     except OSError:
-        return None
-    if len(flags) != count:
-        return None
-    return ((flags >> 63) & 1).astype(bool) & ~((flags >> 61) & 1).astype(bool)
-
-
-class _MappedPages:
-    """Prefetch and release the pages of tensors memory-mapped from a file (Linux only).
-
-    Every page of a memory-mapped source that has been read counts in the process's
-    resident set until it is unmapped. :meth:`release` unmaps a tensor's pages
-    (``MADV_DONTNEED``; they stay in the page cache) only when all of them still
-    hold file data, so in-place changes to a tensor are never lost. :meth:`fetch`
-    (``MADV_POPULATE_READ``, Linux 5.14+) maps a tensor's pages in one call rather
-    than one fault at a time. Elsewhere both do nothing.
-    """
-
-    _DONTNEED = 4
-
-    def __init__(self) -> None:
-        self._madvise: Any = None
-        if not (sys.platform.startswith("linux") and os.access("/proc/self/pagemap", os.R_OK)):
-            return
-        try:
-            self._madvise = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError):
-            return
-        self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def _span(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        if self._madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
-            return None
-        begin = tensor.data_ptr()
-        lo = begin - begin % self._page
-        return lo, begin + tensor.nbytes - lo
-
-    def fetch(self, tensor: torch.Tensor) -> None:
-        if span := self._span(tensor):
-            self._madvise(*span, MADV_POPULATE_READ)
-
-    def release(self, tensor: torch.Tensor) -> None:
-        if not (span := self._span(tensor)):
-            return
-        lo, length = span
-        written = private_pages(lo // self._page, -(-length // self._page))
-        if written is not None and not written.any():
-            self._madvise(lo, length, self._DONTNEED)
+        return
+    present_private = ((flags >> 63) & 1).astype(bool) & ~((flags >> 61) & 1).astype(bool)
+    if len(flags) == count and not present_private.any():
+        madvise(start, length, 4)  # MADV_DONTNEED
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -15,6 +15,7 @@ import functools
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from ..errors import CheckpointError, LayerScaleError, ParityError, RemapError
 from ..parity.compare import ParityReport, compare_weights
 from ..parity.tolerance import VerifyOptions
 from ..parity.verify import verify_state_dicts
-from . import atomic, save, stream
+from . import atomic, save
 from . import io as ckpt
 from .detect import Detection, Variant, detect
 from .families import FAMILIES, check_rope_buffers, official_rope_buffers
@@ -235,18 +236,16 @@ def convert_checkpoint(
     path, sd, found = _load(resolved, model=model, ema=ema)
     variant, num_classes = found.variant, found.info.get("num_classes")
     layout = detect_layout(sd, FAMILIES[variant.family])
-    # Without verification, hashing, the NaN/Inf check and (for a plain copy) writing share one read of the file.
-    one_pass = None if verify else stream.SourcePass.prepare(path, sd, check=not allow_nonfinite)
-    if not allow_nonfinite and one_pass is None:
-        ckpt.check_finite(sd)
+    with ThreadPoolExecutor(1) as pool:  # hashing overlaps the NaN/Inf check: hashlib releases the GIL
+        digest = pool.submit(ckpt.sha256_file, path)
+        if not allow_nonfinite:
+            ckpt.check_finite(sd)
+        sha = digest.result()
     target = _to_target(sd, found, to)
     if fuse:  # to == "ls": target is in the ls layout
         from .fold import fold_state_dict
 
         target = fold_state_dict(target)
-
-    copy = one_pass is not None and fmt == "safetensors" and not fuse and one_pass.can_copy(target, torch_dtype)
-    sha = "" if copy else one_pass.run() if one_pass is not None else ckpt.sha256_file(path)  # "": the copy's pass
     metadata = {
         "format": "pt",
         "source_file": path.name,
@@ -285,18 +284,15 @@ def convert_checkpoint(
         metadata.update(report.metadata())
     else:
         metadata["parity"] = "not verified"
-    if one_pass is not None and copy:
-        sha = one_pass.copy_to_safetensors(output, target, metadata, digest_key="source_sha256", overwrite=overwrite)
-    else:
-        save.save_state_dict(
-            output,
-            target,
-            metadata if fmt == "safetensors" else None,
-            fmt=fmt,
-            overwrite=overwrite,
-            dtype=torch_dtype,
-            wrap=wrap,
-        )
+    save.save_state_dict(
+        output,
+        target,
+        metadata if fmt == "safetensors" else None,
+        fmt=fmt,
+        overwrite=overwrite,
+        dtype=torch_dtype,
+        wrap=wrap,
+    )
     if verify:
         try:
             written = state_dict_of(ckpt.load_checkpoint(output))

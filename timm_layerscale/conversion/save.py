@@ -25,7 +25,7 @@ import torch
 from .. import progress
 from ..errors import CheckpointError
 from .atomic import atomic_output, check_output
-from .io import TORCH_SUFFIXES, _MappedPages
+from .io import TORCH_SUFFIXES, release_pages
 
 __all__ = ["output_format", "save_pth", "save_safetensors", "save_state_dict"]
 
@@ -155,7 +155,6 @@ def save_safetensors(
     plan = safetensors_plan(tensors, dtype)
     encoded, offsets = safetensors_header(plan, metadata)
     offset = offsets[-1] if offsets else 0
-    pages = _MappedPages()
     with (
         atomic_output(target, overwrite) as tmp,
         open(tmp, "r+b") as f,  # not "wb": truncating makes ext4 flush on close
@@ -167,14 +166,13 @@ def save_safetensors(
             source = tensors[name].detach()
             if list(source.shape) != shape:
                 raise CheckpointError(f"tensor {name!r} changed shape while saving; save a stable state dict")
-            pages.fetch(source)
             t = source.to(device="cpu", dtype=out).contiguous()
             if t.numel():
                 data = t.reshape(-1).view(torch.uint8).numpy().data
                 for i in range(0, len(data), _WRITE_CHUNK):
                     bar.update(f.write(data[i : i + _WRITE_CHUNK]))
             del t
-            pages.release(source)
+            release_pages(source)
 
 
 class _RecordingWriter:

@@ -1,0 +1,127 @@
+"""Conversion without verification: the same tensors as a verified one, the file's hash, the NaN/Inf check, no timm."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from timm_layerscale.conversion import pipeline
+from timm_layerscale.conversion.io import load_checkpoint
+from timm_layerscale.conversion.keys import official_checkpoint, strip_prefixes, unwrap_state_dict
+from timm_layerscale.errors import CheckpointError
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())  # noqa: SIM118
+
+
+@pytest.fixture(scope="module")
+def official_sd(official) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in strip_prefixes(unwrap_state_dict(load_checkpoint(official))).items()}
+
+
+def _official_file(path: Path, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> Path:
+    torch.save(official_checkpoint({k: v.to(dtype) for k, v in sd.items()}, "cait"), path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_same_tensors_as_the_verified_conversion(official_sd, tmp_path, dtype):
+    src = _official_file(tmp_path / "XXS24_224.pth", official_sd, dtype)
+    fast = pipeline.convert_checkpoint(src, tmp_path / "fast.safetensors", verify=False)
+    checked = pipeline.convert_checkpoint(src, tmp_path / "checked.safetensors")
+    fast_sd, fast_meta = read(fast.output)
+    checked_sd, checked_meta = read(checked.output)
+    assert list(fast_sd) == list(checked_sd)
+    assert all(torch.equal(fast_sd[k], checked_sd[k]) and fast_sd[k].dtype == dtype for k in fast_sd)
+    assert fast_meta["parity"] == "not verified" and checked_meta["parity"] == "bit-exact"
+    same = {k for k in fast_meta if k in checked_meta and fast_meta[k] == checked_meta[k]}
+    assert {"source_sha256", "source_file", "architecture", "source_layout", "target_layout"} <= same
+    assert fast.source_sha256 == fast_meta["source_sha256"] == sha256(src)
+
+
+def test_safetensors_source(official, tmp_path):
+    ls = pipeline.convert_checkpoint(official, tmp_path / "ls.safetensors", verify=False).output
+    gamma = pipeline.convert_checkpoint(ls, tmp_path / "gamma.safetensors", to="gamma", verify=False)
+    back = pipeline.convert_checkpoint(gamma.output, tmp_path / "back.safetensors", verify=False)
+    assert gamma.source_sha256 == sha256(ls) and back.source_sha256 == sha256(gamma.output)
+    before, after = read(ls)[0], read(back.output)[0]
+    assert list(before) == list(after) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nonfinite_named_in_state_dict_order_and_allowed_on_request(tmp_path):
+    sd = {"a": torch.randn(3000), "b.half": torch.randn(5000).half(), "c": torch.randn(40), "d": torch.randn(9000)}
+    sd["d"] = sd["d"].bfloat16()
+    sd["b.half"][4321] = float("inf")
+    sd["d"][-1] = float("nan")
+    sd["c"][0] = float("-inf")
+    torch.save(sd, tmp_path / "bad.pth")
+    from timm_layerscale.conversion.io import check_finite
+
+    with pytest.raises(CheckpointError) as error:
+        check_finite(load_checkpoint(tmp_path / "bad.pth"))
+    assert str(error.value) == (
+        "3 tensor(s) contain NaN or Inf, first 'b.half'; "
+        "check the source checkpoint, or pass allow_nonfinite=True to convert anyway"
+    )
+
+
+def test_large_finite_values_are_no_false_alarm(tmp_path):
+    from timm_layerscale.conversion.io import check_finite
+
+    big = {"f32": torch.full((1000,), 3e38), "f16": torch.full((1000,), 60000.0).half()}
+    big["bf16"] = torch.full((1000,), 3e38).bfloat16()
+    torch.save(big, tmp_path / "big.pth")
+    check_finite(load_checkpoint(tmp_path / "big.pth"))
+
+
+def test_nonfinite_source_refused_then_converted_with_allow_nonfinite(official_sd, tmp_path):
+    sd = dict(official_sd)
+    sd["blocks.5.attn.proj.weight"] = sd["blocks.5.attn.proj.weight"].clone()
+    sd["blocks.5.attn.proj.weight"][3, 7] = float("nan")
+    sd["blocks.9.gamma_1"] = torch.full_like(sd["blocks.9.gamma_1"], float("inf"))
+    src = _official_file(tmp_path / "XXS24_224.pth", sd)
+    with pytest.raises(
+        CheckpointError, match=r"^2 tensor\(s\) contain NaN or Inf, first 'blocks\.5\.attn\.proj\.weight';"
+    ):
+        pipeline.convert_checkpoint(src, tmp_path / "x.safetensors", verify=False)
+    assert not (tmp_path / "x.safetensors").exists()
+    allowed = pipeline.convert_checkpoint(src, tmp_path / "y.safetensors", verify=False, allow_nonfinite=True)
+    written = read(allowed.output)[0]
+    assert torch.isnan(written["blocks.5.attn.proj.weight"][3, 7]) and torch.isinf(written["blocks.9.ls1.gamma"]).all()
+    assert allowed.source_sha256 == sha256(src)
+
+
+def test_conversion_without_verification_never_imports_timm(official, tmp_path):
+    """The command line's no-verify conversion needs torch only: detection and key rules are timm-free."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "x.safetensors"
+    argv = [
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        "timm_layerscale",
+        "convert",
+        str(official),
+        str(out),
+        "--no-verify",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and out.is_file(), proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert {"torch", "timm_layerscale.conversion.save"} <= imported  # the list shows what was imported
+    assert sorted(m for m in imported if m == "timm" or m.startswith("timm.")) == []
