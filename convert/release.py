@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from timm_layerscale.conversion.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.errors import LayerScaleError
+from timm_layerscale.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.hub.card import timm_hub_copy
 from timm_layerscale.options import add_verify_args, verify_options
 
@@ -195,7 +195,7 @@ def _one_line(e: BaseException) -> str:
 
 def _fetch(rel: Release, sources: Path | None) -> tuple[str, Path]:
     """The source to convert (as given to the converter) and its local file."""
-    from timm_layerscale.conversion.io import resolve_source
+    from timm_layerscale.files.sources import resolve_source
 
     if sources is not None:
         path = sources / rel.file
@@ -206,7 +206,7 @@ def _fetch(rel: Release, sources: Path | None) -> tuple[str, Path]:
 
 
 def _check_sha256(rel: Release, path: Path) -> str:
-    from timm_layerscale.conversion.io import sha256_file
+    from timm_layerscale.files.read import sha256_file
 
     digest = sha256_file(path)
     if rel.sha256 is not None and digest != rel.sha256:
@@ -416,7 +416,7 @@ def _cached(rel: Release) -> bool:
 
         repo, _, filename = rel.source[len("hf-hub:") :].rpartition("/")
         return isinstance(try_to_load_from_cache(repo, filename), str)
-    from timm_layerscale.hub.download import cached_url_path
+    from timm_layerscale.files.sources import cached_url_path
 
     return cached_url_path(rel.source).is_file()
 
@@ -429,7 +429,7 @@ def _preflight(releases: Sequence[Release], sources: Path | None, org: str | Non
             and the network is off (``HF_HUB_OFFLINE``, or names do not resolve),
             or ``org`` is given and no Hub token is set.
     """
-    from timm_layerscale.hub.download import check_online, hub_endpoint
+    from timm_layerscale.files.sources import check_online, hub_endpoint
     from timm_layerscale.hub.upload import require_token
 
     missing = [r for r in releases if sources is None and not _cached(r)]

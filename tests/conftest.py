@@ -47,15 +47,15 @@ def few_inputs(monkeypatch):
     """Verification inside ``convert_checkpoint`` (and the commands) on 1 input instead of 8."""
     import dataclasses
 
-    from timm_layerscale.conversion import pipeline
+    from timm_layerscale import converter
     from timm_layerscale.parity.tolerance import VerifyOptions
 
-    real = pipeline.verify_state_dicts
+    real = converter.verify_state_dicts
 
     def one_input(*args, options=None, **kwargs):
         return real(*args, options=dataclasses.replace(options or VerifyOptions(), num_inputs=1), **kwargs)
 
-    monkeypatch.setattr(pipeline, "verify_state_dicts", one_input)
+    monkeypatch.setattr(converter, "verify_state_dicts", one_input)
 
 
 def create_model(name: str, **kwargs: Any) -> Any:

@@ -111,7 +111,7 @@ class Net:
 
     def reference(self, family: str, name: str) -> torch.nn.Module:
         """timm's reference model (``cait_*``, ``deit3_*``) on the official file, loaded from the zip."""
-        from timm_layerscale.conversion.io import load_checkpoint
+        from timm_layerscale.files.read import load_checkpoint
 
         return build_reference(name, load_checkpoint(self.official(family)))
 
@@ -133,7 +133,7 @@ class Net:
 
     def offsets(self, family: str, name: str, offsets: Any, routes: tuple[str, ...]) -> None:
         """Each route at each offset of the converted data, at batch size 1 (a one-row GEMM in class attention)."""
-        from timm_layerscale.conversion.pipeline import verify_checkpoint
+        from timm_layerscale.converter import verify_checkpoint
 
         ref = self.reference(family, name)
         for off in offsets:
@@ -183,7 +183,7 @@ class Net:
 
     def vit5(self) -> None:
         """ViT-5 at every offset: within the stated tolerance, and one ``--exact`` verdict."""
-        from timm_layerscale.conversion.pipeline import verify_checkpoint
+        from timm_layerscale.converter import verify_checkpoint
 
         for off in OFFSETS:
             tmp = self.workdir / f"vit5-off{off}.safetensors"
@@ -200,8 +200,8 @@ class Net:
     def vit5_autocast(self) -> None:
         """ViT-5 against its reference under bf16 and fp16 autocast, within :data:`VIT5_TOLERANCE`."""
         from timm_layerscale.conversion.detect import get_variant
-        from timm_layerscale.conversion.io import load_checkpoint
         from timm_layerscale.conversion.keys import state_dict_of
+        from timm_layerscale.files.read import load_checkpoint
         from timm_layerscale.parity.verify import align_attention, build_converted
 
         variant = get_variant(VIT5)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from timm_layerscale.conversion import atomic as temporaries
-from timm_layerscale.conversion.atomic import atomic_output, remove_stale_temporaries, temporary_folder
-from timm_layerscale.conversion.save import save_safetensors
+from timm_layerscale.files import atomic as temporaries
+from timm_layerscale.files.atomic import atomic_output, remove_stale_temporaries, temporary_folder
+from timm_layerscale.files.save import save_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 POSIX = pytest.mark.skipif(sys.platform == "win32", reason="sends SIGKILL and takes flock")
@@ -55,7 +55,7 @@ def big_tensors() -> dict[str, torch.Tensor]:
 _SLOW_WRITER = """
 import sys, time, torch
 from pathlib import Path
-from timm_layerscale.conversion.save import save_safetensors
+from timm_layerscale.files.save import save_safetensors
 
 out, ready = Path(sys.argv[1]), Path(sys.argv[2])
 tensors = {f"blocks.{i}.w": torch.arange(4 << 20, dtype=torch.float32) + i for i in range(6)}
@@ -96,7 +96,7 @@ def test_temporary_of_a_killed_writer_is_removed_by_the_next_write(tmp_path):
 _LIVE_WRITER = """
 import sys, time
 from pathlib import Path
-from timm_layerscale.conversion.atomic import atomic_output
+from timm_layerscale.files.atomic import atomic_output
 
 out, ready = Path(sys.argv[1]), Path(sys.argv[2])
 with atomic_output(out) as tmp:
@@ -195,7 +195,7 @@ def test_a_writer_in_this_process_keeps_its_temporary_from_another(tmp_path):
 _FOLDER_HOLDER = """
 import sys, time
 from pathlib import Path
-from timm_layerscale.conversion.atomic import temporary_folder
+from timm_layerscale.files.atomic import temporary_folder
 
 tmp = temporary_folder(Path(sys.argv[1]))
 (tmp / "model.safetensors").write_bytes(b"half")
@@ -231,7 +231,7 @@ def test_temporary_folders_of_killed_exports_are_removed(tmp_path):
 _STALLED_CONVERSION = """
 import sys, time
 from timm_layerscale.cli import main
-from timm_layerscale.conversion import save
+from timm_layerscale.files import save
 
 calls = []
 real = save.release_pages

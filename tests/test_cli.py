@@ -25,13 +25,13 @@ import torch
 import timm_layerscale  # noqa: F401  (registers the models)
 from conftest import parity_report
 from helpers import assert_one_line_error, cli
+from timm_layerscale import converter as conversion
 from timm_layerscale.cli import main
-from timm_layerscale.conversion import pipeline as conversion
-from timm_layerscale.conversion import save as ckpt_save
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
 from timm_layerscale.conversion.keys import to_gamma
-from timm_layerscale.conversion.pipeline import convert_checkpoint
+from timm_layerscale.converter import convert_checkpoint
 from timm_layerscale.errors import CheckpointError
+from timm_layerscale.files import save as ckpt_save
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -578,7 +578,7 @@ def _online(monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("timm_layerscale.hub.download._resolves", lambda url: True)
+    monkeypatch.setattr("timm_layerscale.files.sources._resolves", lambda url: True)
 
 
 def test_https_source_goes_through_the_torch_hub_cache(official, tmp_path, torch_home, capsys, monkeypatch):

@@ -24,7 +24,7 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from conftest import parity_report
 from helpers import ERROR, assert_one_line_error, cli
 from timm_layerscale import commands, progress
-from timm_layerscale.conversion.pipeline import convert_checkpoint
+from timm_layerscale.converter import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,8 +230,8 @@ def test_no_progress_bars_when_stderr_is_not_a_terminal(official, tmp_path, caps
 
 
 def test_a_pth_written_through_the_progress_counter_loads_memory_mapped(tmp_path, monkeypatch):
-    from timm_layerscale.conversion.io import load_checkpoint
-    from timm_layerscale.conversion.save import save_pth
+    from timm_layerscale.files.read import load_checkpoint
+    from timm_layerscale.files.save import save_pth
 
     monkeypatch.setattr(progress, "enabled", lambda: True)
     monkeypatch.setattr(progress, "DELAY", 0)
@@ -315,7 +315,7 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr("timm_layerscale.hub.download._resolves", lambda url: True)
+    monkeypatch.setattr("timm_layerscale.files.sources._resolves", lambda url: True)
     sources = tmp_path / "sources"
     sources.mkdir()
     assert release(["--out", str(out), "--sources", str(sources), "--org", "my-org"]) == 2

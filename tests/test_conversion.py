@@ -24,11 +24,11 @@ import torch
 from safetensors import safe_open
 
 import timm_layerscale  # noqa: F401  (registers the models)
+from timm_layerscale import converter as conversion
 from timm_layerscale._version import __version__
-from timm_layerscale.conversion import pipeline as conversion
 from timm_layerscale.conversion.detect import detect_variant
 from timm_layerscale.conversion.keys import to_layerscale
-from timm_layerscale.conversion.pipeline import convert_checkpoint, verify_checkpoint
+from timm_layerscale.converter import convert_checkpoint, verify_checkpoint
 from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError
 from timm_layerscale.parity.inputs import seeded_inputs
 from timm_layerscale.parity.tolerance import VerifyOptions

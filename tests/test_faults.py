@@ -23,15 +23,15 @@ import pytest
 import torch
 
 from helpers import ERROR, assert_one_line_error, cli
-from timm_layerscale.conversion import atomic
-from timm_layerscale.conversion import io as ckpt
-from timm_layerscale.conversion import pipeline as conversion
-from timm_layerscale.conversion import save as ckpt_save
-from timm_layerscale.conversion.atomic import atomic_output
+from timm_layerscale import converter as conversion
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
-from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.errors import CheckpointError, OutputExistsError
+from timm_layerscale.files import atomic
+from timm_layerscale.files import read as ckpt
+from timm_layerscale.files import save as ckpt_save
+from timm_layerscale.files.atomic import atomic_output
+from timm_layerscale.files.read import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
@@ -194,7 +194,7 @@ def test_interleaved_writers_one_wins(tmp_path):
 _RACER = """
 import sys, time
 from pathlib import Path
-from timm_layerscale.conversion import atomic as checkpoint
+from timm_layerscale.files import atomic as checkpoint
 from timm_layerscale.cli import main
 
 barrier, me = Path(sys.argv[1]), sys.argv[2]

@@ -29,8 +29,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from timm_layerscale.conversion.io import resolve_source
 from timm_layerscale.errors import HubError, OutputExistsError
+from timm_layerscale.files.sources import resolve_source
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.hub.upload import plan_push, push_folder
 
@@ -256,7 +256,7 @@ def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, tmp_path: Path, token: 
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("timm_layerscale.hub.download._resolves", lambda url: True)
+    monkeypatch.setattr("timm_layerscale.files.sources._resolves", lambda url: True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-here"))
 
 
@@ -450,7 +450,7 @@ def test_cli_push_in_a_subprocess_never_shows_the_token(hub: FakeHub, folder: Pa
 
 
 def test_no_row_of_the_error_table_is_hidden_by_an_earlier_one() -> None:
-    from timm_layerscale.hub.errors import MESSAGES
+    from timm_layerscale.files.hub_errors import MESSAGES
 
     rows = [types if isinstance(types, tuple) else (types,) for types, _ in MESSAGES]
     for i, earlier in enumerate(rows):
@@ -476,7 +476,7 @@ def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
     )
     from huggingface_hub.utils import httpx
 
-    from timm_layerscale.hub.errors import HubCall, hub_message
+    from timm_layerscale.files.hub_errors import HubCall, hub_message
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     call = HubCall("uploading to my-org/model", "my-org/model", "https://hub.example")
@@ -498,7 +498,7 @@ def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
 def test_hub_errors_raises_one_line_and_lets_unknown_errors_through() -> None:
     from huggingface_hub.utils import httpx
 
-    from timm_layerscale.hub.errors import hub_errors
+    from timm_layerscale.files.hub_errors import hub_errors
 
     with (
         pytest.raises(HubError, match="could not reach the Hub at http://h while downloading x") as info,
@@ -513,14 +513,14 @@ def test_hub_errors_raises_one_line_and_lets_unknown_errors_through() -> None:
 # ---- the package ------------------------------------------------------------------------
 
 
-def test_hub_names_come_from_their_modules_without_importing_torch() -> None:
+def test_public_names_come_from_their_modules_without_importing_torch_first() -> None:
     code = (
-        "import importlib, sys, timm_layerscale.hub as hub\n"
+        "import importlib, sys, timm_layerscale as tl\n"
         "assert 'torch' not in sys.modules and 'huggingface_hub' not in sys.modules\n"
-        "for name, module in hub._LAZY.items():\n"
-        "    owner = importlib.import_module(module, 'timm_layerscale.hub')\n"
-        "    assert name in owner.__all__, (name, module)\n"
-        "    assert getattr(hub, name) is getattr(owner, name), name\n"
+        "assert set(tl._LAZY) <= set(tl.__all__) <= set(dir(tl))\n"
+        "for name, module in tl._LAZY.items():\n"
+        "    owner = importlib.import_module(module, 'timm_layerscale')\n"
+        "    assert getattr(tl, name) is (owner if module == '.' + name else getattr(owner, name)), name\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -618,7 +618,7 @@ def test_export_writes_a_folder_timm_loads_bit_exactly(exported) -> None:
 def test_export_files_config_and_metadata(exported) -> None:
     from safetensors import safe_open
 
-    from timm_layerscale.conversion.io import sha256_file
+    from timm_layerscale.files.read import sha256_file
 
     result, _, _, source = exported
     names = sorted(p.name for p in result.folder.iterdir())

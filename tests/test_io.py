@@ -1,4 +1,4 @@
-"""Reading checkpoints: formats, bad files, hashing, finite checks (timm_layerscale.conversion.io)."""
+"""Reading checkpoints: formats, bad files, hashing, finite checks (timm_layerscale.files.read)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import assert_same_tensors, header_bytes, make_tensor, mixed_state_dict
-from timm_layerscale.conversion.io import (
+from timm_layerscale.errors import CheckpointError
+from timm_layerscale.files.read import (
     LazySafetensors,
     check_finite,
     load_checkpoint,
     parse_dtype,
     sha256_file,
 )
-from timm_layerscale.errors import CheckpointError
 
 
 @pytest.mark.compat

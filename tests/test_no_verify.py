@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from timm_layerscale.conversion import pipeline
-from timm_layerscale.conversion.io import load_checkpoint
+from timm_layerscale import converter
 from timm_layerscale.conversion.keys import official_checkpoint, strip_prefixes, unwrap_state_dict
 from timm_layerscale.errors import CheckpointError
+from timm_layerscale.files.read import load_checkpoint
 
 
 def sha256(path: Path) -> str:
@@ -40,8 +40,8 @@ def _official_file(path: Path, sd: dict[str, torch.Tensor], dtype: torch.dtype =
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_same_tensors_as_the_verified_conversion(official_sd, tmp_path, dtype):
     src = _official_file(tmp_path / "XXS24_224.pth", official_sd, dtype)
-    fast = pipeline.convert_checkpoint(src, tmp_path / "fast.safetensors", verify=False)
-    checked = pipeline.convert_checkpoint(src, tmp_path / "checked.safetensors")
+    fast = converter.convert_checkpoint(src, tmp_path / "fast.safetensors", verify=False)
+    checked = converter.convert_checkpoint(src, tmp_path / "checked.safetensors")
     fast_sd, fast_meta = read(fast.output)
     checked_sd, checked_meta = read(checked.output)
     assert list(fast_sd) == list(checked_sd)
@@ -53,9 +53,9 @@ def test_same_tensors_as_the_verified_conversion(official_sd, tmp_path, dtype):
 
 
 def test_safetensors_source(official, tmp_path):
-    ls = pipeline.convert_checkpoint(official, tmp_path / "ls.safetensors", verify=False).output
-    gamma = pipeline.convert_checkpoint(ls, tmp_path / "gamma.safetensors", to="gamma", verify=False)
-    back = pipeline.convert_checkpoint(gamma.output, tmp_path / "back.safetensors", verify=False)
+    ls = converter.convert_checkpoint(official, tmp_path / "ls.safetensors", verify=False).output
+    gamma = converter.convert_checkpoint(ls, tmp_path / "gamma.safetensors", to="gamma", verify=False)
+    back = converter.convert_checkpoint(gamma.output, tmp_path / "back.safetensors", verify=False)
     assert gamma.source_sha256 == sha256(ls) and back.source_sha256 == sha256(gamma.output)
     before, after = read(ls)[0], read(back.output)[0]
     assert list(before) == list(after) and all(torch.equal(before[k], after[k]) for k in before)
@@ -68,7 +68,7 @@ def test_nonfinite_named_in_state_dict_order_and_allowed_on_request(tmp_path):
     sd["d"][-1] = float("nan")
     sd["c"][0] = float("-inf")
     torch.save(sd, tmp_path / "bad.pth")
-    from timm_layerscale.conversion.io import check_finite
+    from timm_layerscale.files.read import check_finite
 
     with pytest.raises(CheckpointError) as error:
         check_finite(load_checkpoint(tmp_path / "bad.pth"))
@@ -79,7 +79,7 @@ def test_nonfinite_named_in_state_dict_order_and_allowed_on_request(tmp_path):
 
 
 def test_large_finite_values_are_no_false_alarm(tmp_path):
-    from timm_layerscale.conversion.io import check_finite
+    from timm_layerscale.files.read import check_finite
 
     big = {"f32": torch.full((1000,), 3e38), "f16": torch.full((1000,), 60000.0).half()}
     big["bf16"] = torch.full((1000,), 3e38).bfloat16()
@@ -96,9 +96,9 @@ def test_nonfinite_source_refused_then_converted_with_allow_nonfinite(official_s
     with pytest.raises(
         CheckpointError, match=r"^2 tensor\(s\) contain NaN or Inf, first 'blocks\.5\.attn\.proj\.weight';"
     ):
-        pipeline.convert_checkpoint(src, tmp_path / "x.safetensors", verify=False)
+        converter.convert_checkpoint(src, tmp_path / "x.safetensors", verify=False)
     assert not (tmp_path / "x.safetensors").exists()
-    allowed = pipeline.convert_checkpoint(src, tmp_path / "y.safetensors", verify=False, allow_nonfinite=True)
+    allowed = converter.convert_checkpoint(src, tmp_path / "y.safetensors", verify=False, allow_nonfinite=True)
     written = read(allowed.output)[0]
     assert torch.isnan(written["blocks.5.attn.proj.weight"][3, 7]) and torch.isinf(written["blocks.9.ls1.gamma"]).all()
     assert allowed.source_sha256 == sha256(src)
@@ -123,5 +123,5 @@ def test_conversion_without_verification_never_imports_timm(official, tmp_path):
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0 and out.is_file(), proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert {"torch", "timm_layerscale.conversion.save"} <= imported  # the list shows what was imported
+    assert {"torch", "timm_layerscale.files.save"} <= imported  # the list shows what was imported
     assert sorted(m for m in imported if m == "timm" or m.startswith("timm.")) == []

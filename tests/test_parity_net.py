@@ -27,9 +27,9 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """Official-layout files of the three families, their conversions, and exported CaiT and DeiT-III folders."""
-    from timm_layerscale.conversion.pipeline import convert_checkpoint
+    from timm_layerscale.converter import convert_checkpoint
     from timm_layerscale.demo import write_official_checkpoint
-    from timm_layerscale.hub import export_folder
+    from timm_layerscale.hub.export import export_folder
     from timm_layerscale.parity import VerifyOptions
 
     work = tmp_path_factory.mktemp("parity-net")

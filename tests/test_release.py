@@ -171,7 +171,7 @@ def test_pipeline_runs_on_after_a_failure_and_exits_1(pipeline) -> None:
 
 
 def test_pipeline_summary_rows(pipeline) -> None:
-    from timm_layerscale.conversion.io import sha256_file
+    from timm_layerscale.files.read import sha256_file
 
     _, out, sources, _, _, _ = pipeline
     rows = {f"{r['variant']}.{r['tag']}": r for r in json.loads((out / "summary.json").read_text())["results"]}

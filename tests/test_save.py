@@ -1,4 +1,4 @@
-"""Writing checkpoints: bytes, round trips, atomicity, memory (timm_layerscale.conversion.save)."""
+"""Writing checkpoints: bytes, round trips, atomicity, memory (timm_layerscale.files.save)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from helpers import ALL_DTYPES, assert_same_tensors, header_bytes, leftovers, make_tensor, mixed_state_dict
-from timm_layerscale.conversion.atomic import atomic_output
-from timm_layerscale.conversion.io import LazySafetensors, check_finite, load_checkpoint, parse_dtype
-from timm_layerscale.conversion.save import save_pth, save_safetensors, save_state_dict
 from timm_layerscale.errors import CheckpointError, OutputExistsError
+from timm_layerscale.files.atomic import atomic_output
+from timm_layerscale.files.read import LazySafetensors, check_finite, load_checkpoint, parse_dtype
+from timm_layerscale.files.save import save_pth, save_safetensors, save_state_dict
 
 
 def assert_matches_save_file(tmp: Path, tensors, metadata=None, **kwargs) -> None:

@@ -11,7 +11,7 @@ import timm
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale.conversion.detect import state_dict_shapes
-from timm_layerscale.conversion.families import VARIANTS, Variant
+from timm_layerscale.families import VARIANTS, Variant
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -20,8 +20,8 @@ from timm.utils import CheckpointSaver, ModelEmaV3
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from timm_layerscale.cli import main
-from timm_layerscale.conversion.io import load_checkpoint
 from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.files.read import load_checkpoint
 from timm_layerscale.models.cait_ls import CaitLS
 
 NAME = "cait_xxs24_224_ls"

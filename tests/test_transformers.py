@@ -204,8 +204,8 @@ def test_cards_say_which_package_loads_the_folder_and_where_weights_come_from(fo
 def test_a_pinned_sha256_makes_the_card_say_official(official, tmp_path: Path, monkeypatch) -> None:
     import shutil
 
-    from timm_layerscale.conversion import families
-    from timm_layerscale.conversion.io import sha256_file
+    from timm_layerscale import families
+    from timm_layerscale.files.read import sha256_file
 
     source = tmp_path / "XXS24_224.pth"
     shutil.copyfile(official, source)

@@ -21,8 +21,8 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from conftest import create_model
 from timm_layerscale.conversion import keys as remap
 from timm_layerscale.conversion.detect import detect_variant, get_variant
-from timm_layerscale.conversion.families import official_rope_buffers, rope_buffers
 from timm_layerscale.errors import RemapError
+from timm_layerscale.families import official_rope_buffers, rope_buffers
 from timm_layerscale.models import vit5
 from timm_layerscale.parity import vit5_official
 from timm_layerscale.parity.references import build_reference, reference_name, reference_state_dict

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
-from ._lazy import lazy_attributes
 from ._version import __version__
 from .conversion.keys import to_gamma, to_layerscale
 from .errors import LayerScaleError
 
 __all__ = [
     "__version__",
+    "ConversionResult",
+    "convert_checkpoint",
+    "verify_checkpoint",
+    "load_source",
     "LayerScale",
     "LayerScaleError",
     "cait_init_value",
@@ -39,9 +43,24 @@ _LAZY = {
     "fold_state_dict": ".conversion.fold",
     "VerifyOptions": ".parity.tolerance",
     "models": ".models",
+    "ConversionResult": ".converter",
+    "convert_checkpoint": ".converter",
+    "verify_checkpoint": ".converter",
+    "load_source": ".converter",
 }
 
-__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name], __name__)
+    value = module if _LAZY[name] == f".{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def _register_when_timm_is_imported() -> None:

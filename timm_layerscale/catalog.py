@@ -15,7 +15,7 @@ def registered_models() -> list[str]:
     import timm
 
     from . import models  # noqa: F401  (registers the models)
-    from .conversion.families import VARIANTS
+    from .families import VARIANTS
 
     ours = {name for module in MODEL_MODULES for name in timm.list_models(module=module)}
     return [v.name for v in VARIANTS if v.name in ours]

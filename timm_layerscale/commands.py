@@ -72,7 +72,7 @@ def print_json(obj: Any) -> None:
 
 
 def cmd_convert(a: argparse.Namespace) -> int:
-    from .conversion.pipeline import convert_checkpoint
+    from .converter import convert_checkpoint
     from .errors import ParityError
 
     try:
@@ -125,7 +125,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from .conversion.pipeline import verify_checkpoint
+    from .converter import verify_checkpoint
 
     rep = verify_checkpoint(a.source, a.converted, model=a.model, ema=a.ema, options=verify_options(a))
     if a.json:

@@ -160,9 +160,9 @@ def write_official_checkpoint(
     """
     import torch
 
-    from .conversion.atomic import atomic_output
     from .conversion.detect import get_variant
-    from .conversion.families import VARIANTS
+    from .families import VARIANTS
+    from .files.atomic import atomic_output
     from .parity.inputs import seed_parameters_
     from .parity.references import build_reference
 

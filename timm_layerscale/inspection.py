@@ -55,8 +55,9 @@ def gate_stats(gamma: Any) -> dict[str, float]:
 
 
 def _load_state_dict(source: str | os.PathLike[str], ema: bool) -> Mapping[str, Any]:
-    from .conversion.io import load_checkpoint, resolve_source
     from .conversion.keys import unwrap_state_dict
+    from .files.read import load_checkpoint
+    from .files.sources import resolve_source
 
     path = resolve_source(source)
     checkpoint = load_checkpoint(path)

@@ -1,7 +1,7 @@
 """Which variant a checkpoint is, from its keys and shapes alone.
 
-Reads the variant table (:data:`~timm_layerscale.conversion.families.VARIANTS`) and
-the shapes it implies (:func:`~timm_layerscale.conversion.families.state_dict_shapes`);
+Reads the variant table (:data:`~timm_layerscale.families.VARIANTS`) and
+the shapes it implies (:func:`~timm_layerscale.families.state_dict_shapes`);
 no model is built and neither torch nor timm is imported.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ArchitectureError, RemapError
-from .families import DEFAULT_NUM_CLASSES, FAMILIES, VARIANTS, Variant
+from ..families import DEFAULT_NUM_CLASSES, FAMILIES, VARIANTS, Variant
 from .keys import check_floating, check_state_dict, strip_prefixes, to_layerscale, unwrap_state_dict
 
 __all__ = ["Detection", "get_variant", "state_dict_shapes", "describe_state_dict", "detect", "detect_variant"]

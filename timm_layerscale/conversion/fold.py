@@ -15,8 +15,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..families import FOLD_TARGETS
 from ..layer_scale import LayerScale
-from .families import FOLD_TARGETS
 
 __all__ = ["fuse_layerscale", "fold_state_dict", "fold_weights"]
 

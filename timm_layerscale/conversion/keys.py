@@ -7,7 +7,7 @@ state dicts between the two layouts. It does no I/O and never touches tensor val
 tensors are passed through unchanged (same objects), so a lazily loaded checkpoint
 stays lazy.
 
-Each family (:mod:`.families`) is an ordered table of rules. A source key is matched against the
+Each family (:mod:`timm_layerscale.families`) is an ordered table of rules. A source key is matched against the
 rules in order; the first rule that matches decides: rename the key, keep it, or drop
 it. A key no rule matches is an error that names it.
 """
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import RemapError
-from .families import Family, Rule, get_family
+from ..families import Family, Rule, get_family
 
 __all__ = [
     "unwrap_state_dict",

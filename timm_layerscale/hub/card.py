@@ -6,7 +6,7 @@ model details, which package loads the folder, the layout, provenance, the parit
 table, a summary of the LayerScale gates, usage code for timm and transformers, and
 the citation. This module computes the values. The card calls the weights the
 official ones only when the source's SHA-256 matches a pinned official release
-(:data:`~timm_layerscale.conversion.families.OFFICIAL_SHA256`). Everything here is
+(:data:`~timm_layerscale.families.OFFICIAL_SHA256`). Everything here is
 local: nothing is downloaded or sent.
 """
 
@@ -19,12 +19,12 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import LayerScaleError
+from ..files.sources import WEIGHTS_NAME
 
 __all__ = [
     "build_model_card",
     "timm_hub_copy",
     "is_official",
-    "WEIGHTS_NAME",
     "CONFIG_NAME",
     "CARD_NAME",
     "PLOT_NAME",
@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 #: The files of an exported folder.
-WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
@@ -113,7 +112,7 @@ def timm_hub_copy(reference: str | None, tag: str | None) -> str | None:
 
 def is_official(source_name: str, sha256: str) -> bool:
     """Whether the source is an official release: its file name has a pinned SHA-256 and the source matches it."""
-    from ..conversion.families import OFFICIAL_SHA256
+    from ..families import OFFICIAL_SHA256
 
     return OFFICIAL_SHA256.get(source_name) == sha256
 
@@ -138,7 +137,7 @@ def build_model_card(
     The metadata is read back with ``ModelCard(..., ignore_metadata_errors=False)``.
 
     Args:
-        conversion: The :class:`~timm_layerscale.conversion.pipeline.ConversionResult`.
+        conversion: The :class:`~timm_layerscale.converter.ConversionResult`.
         repo_id: Hub id used in the usage code.
         config: The written ``config.json``.
         num_params: Number of parameters in the weights.

@@ -9,7 +9,7 @@ same folder loads in transformers (``AutoModelForImageClassification``, ``AutoMo
 ``pipeline("image-classification")``) through its ``TimmWrapper``.
 
 This module sends no request itself: a remote source is fetched through
-:func:`~timm_layerscale.conversion.io.resolve_source` (by the converter) and ``push_to_hub``
+:func:`~timm_layerscale.files.sources.resolve_source` (by the converter) and ``push_to_hub``
 uploads through :func:`~timm_layerscale.hub.upload.push_folder`.
 """
 
@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
-from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, WEIGHTS_NAME, build_model_card
+from ..files.hub_errors import one_line
+from ..files.sources import WEIGHTS_NAME
+from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
 from .config import read_label_names, write_config
-from .errors import one_line
 from .upload import PushResult, check_repo_id, push_folder
 
 __all__ = ["export_folder", "ExportResult"]
@@ -51,7 +52,7 @@ class ExportResult:
     Attributes:
         folder: The export folder.
         files: Files in it, sorted.
-        conversion: The :class:`~timm_layerscale.conversion.pipeline.ConversionResult`.
+        conversion: The :class:`~timm_layerscale.converter.ConversionResult`.
         repo_id: Hub id written into the card's usage code.
         num_params: Parameters in the weights.
         plot: The gate plot, or ``None``.
@@ -153,12 +154,12 @@ def _prepare_target(out: Path, tmp: Path, overwrite: bool) -> list[Path]:
     Only what is particular to a folder is checked here: a file in the way, a folder
     that is not empty, parents to create. Whether the temporary folder ``tmp`` can be
     created next to ``out`` is the check of any output path,
-    :func:`~timm_layerscale.conversion.atomic.check_output`.
+    :func:`~timm_layerscale.files.atomic.check_output`.
 
     Returns:
         The parent folders created, deepest first (removed again if the export fails).
     """
-    from ..conversion.atomic import check_output
+    from ..files.atomic import check_output
 
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; export needs a folder path")
@@ -271,8 +272,8 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
-    from ..conversion.atomic import temporary_folder
-    from ..conversion.pipeline import convert_checkpoint
+    from ..converter import convert_checkpoint
+    from ..files.atomic import temporary_folder
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line
 

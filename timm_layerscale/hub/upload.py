@@ -6,7 +6,7 @@ itself sends its requests from :func:`_upload` only. The Hub token is read by
 huggingface_hub from ``hf auth login`` or ``HF_TOKEN``; this module never prints,
 logs or stores it. Failures become one-line
 :class:`~timm_layerscale.errors.HubError` messages
-(:func:`~timm_layerscale.hub.errors.hub_errors`).
+(:func:`~timm_layerscale.files.hub_errors.hub_errors`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import HubError
-from .card import CONFIG_NAME, WEIGHTS_NAME
-from .download import check_online, hub_endpoint
-from .errors import hub_errors, one_line
+from ..files.hub_errors import hub_errors, one_line
+from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, check_online, hub_endpoint
+from .card import CONFIG_NAME
 
 __all__ = ["push_folder", "plan_push", "PushResult", "require_token", "check_repo_id"]
 
@@ -240,7 +240,7 @@ def push_folder(
         raise HubError(f"{path} is not a folder; export one first with: timm-layerscale export SOURCE {path}")
     files = _folder_files(path)
     names = {name for name, _ in files}
-    if CONFIG_NAME not in names or not names & {WEIGHTS_NAME, "pytorch_model.bin"}:
+    if CONFIG_NAME not in names or not names & set(FOLDER_WEIGHTS):
         raise HubError(
             f"{path} is not an exported model folder (it needs {CONFIG_NAME} and {WEIGHTS_NAME}); "
             f"create it with: timm-layerscale export SOURCE {path}"

@@ -20,8 +20,8 @@ from timm.models import build_model_with_cfg
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint as grad_checkpoint
 
-from ..conversion.families import Variant
 from ..conversion.fold import fold_state_dict
+from ..families import Variant
 from ..layer_scale import LayerScale
 
 __all__ = [

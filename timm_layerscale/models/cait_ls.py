@@ -26,8 +26,8 @@ from timm.layers import Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint_seq
 
-from ..conversion.families import CAIT_RELEASE_URL, Variant, variants_of
 from ..conversion.keys import to_layerscale, unwrap_state_dict
+from ..families import CAIT_RELEASE_URL, Variant, variants_of
 from ..layer_scale import cait_init_value
 from ..layers.block import PreNormBlock
 from ..layers.class_attn import ClassAttn, LayerScaleBlockClassAttn
@@ -350,7 +350,7 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> 
     return fit_state_dict(to_layerscale(unwrap_state_dict(state_dict), "cait"), model, fold=model.fused_layerscale)
 
 
-#: The registered variants (:data:`timm_layerscale.conversion.families.VARIANTS`).
+#: The registered variants (:data:`timm_layerscale.families.VARIANTS`).
 VARIANTS = variants_of("cait")
 
 

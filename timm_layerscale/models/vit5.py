@@ -43,8 +43,8 @@ import torch.nn as nn
 from timm.layers import Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
 
-from ..conversion.families import VIT5_HUB_REPO, VIT5_ROPE_THETA, Variant, check_rope_buffers, rope_buffers, variants_of
 from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
+from ..families import VIT5_HUB_REPO, VIT5_ROPE_THETA, Variant, check_rope_buffers, rope_buffers, variants_of
 from ..layer_scale import LayerScale
 from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
 from ..layers.rope_attention import Vit5Attention, Vit5Block, rms_norm
@@ -360,7 +360,7 @@ def _tags(v: Variant) -> dict[str, dict[str, Any]]:
     return {f"{v.name}.in1k": _cfg(v), f"{v.name}.in1k_ema": _cfg(v, notes=_EMA_NOTE)}
 
 
-#: The registered variants (:data:`timm_layerscale.conversion.families.VARIANTS`).
+#: The registered variants (:data:`timm_layerscale.families.VARIANTS`).
 VARIANTS = variants_of("vit5")
 
 default_cfgs = generate_default_cfgs({tag: cfg for v in VARIANTS.values() for tag, cfg in _tags(v).items()})

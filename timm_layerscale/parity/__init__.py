@@ -10,23 +10,22 @@
 
 from __future__ import annotations
 
-from .._lazy import lazy_attributes
+from .compare import ParityReport, attention_path, compare_models, compare_weights
+from .inputs import image_inputs, seed_parameters_, seeded_inputs
+from .tolerance import EXACT_FAMILIES, FUSED_TOLERANCE, VIT5_TOLERANCE, Tolerance, VerifyOptions, resolve_tolerance
 
-_LAZY = {
-    "ParityReport": ".compare",
-    "VerifyOptions": ".tolerance",
-    "Tolerance": ".tolerance",
-    "VIT5_TOLERANCE": ".tolerance",
-    "FUSED_TOLERANCE": ".tolerance",
-    "EXACT_FAMILIES": ".tolerance",
-    "resolve_tolerance": ".tolerance",
-    "compare_weights": ".compare",
-    "seed_parameters_": ".inputs",
-    "seeded_inputs": ".inputs",
-    "image_inputs": ".inputs",
-    "compare_models": ".compare",
-    "attention_path": ".compare",
-}
-
-__all__ = sorted(_LAZY)
-__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
+__all__ = [
+    "EXACT_FAMILIES",
+    "FUSED_TOLERANCE",
+    "ParityReport",
+    "Tolerance",
+    "VIT5_TOLERANCE",
+    "VerifyOptions",
+    "attention_path",
+    "compare_models",
+    "compare_weights",
+    "image_inputs",
+    "resolve_tolerance",
+    "seed_parameters_",
+    "seeded_inputs",
+]

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ..conversion.detect import get_variant
-from ..conversion.families import Variant, official_rope_buffers
 from ..conversion.keys import check_state_dict, state_dict_of, to_gamma, to_layerscale
+from ..families import Variant, official_rope_buffers
 from .vit5_official import build_official_vit5
 
 __all__ = ["build_reference", "build_loaded", "reference_state_dict", "reference_name"]

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..conversion.families import FAMILIES, Family, Variant
 from ..conversion.keys import to_layerscale
 from ..errors import CheckpointError
+from ..families import FAMILIES, Family, Variant
 from ..progress import verification_passes
 from .compare import ParityReport, compare_models, compare_weights
 from .inputs import image_inputs, seeded_inputs

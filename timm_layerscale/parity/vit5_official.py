@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..conversion.families import Variant
+from ..families import Variant
 from ..layers.rope import rope_bands, rotate_pairs
 
 __all__ = ["Vit5Official", "build_official_vit5"]
@@ -212,7 +212,7 @@ def build_official_vit5(variant: Variant, **kwargs: Any) -> Vit5Official:
     """The official-layout model of a ViT-5 variant, random weights.
 
     Args:
-        variant: A ``vit5`` row of :data:`~timm_layerscale.conversion.families.VARIANTS`.
+        variant: A ``vit5`` row of :data:`~timm_layerscale.families.VARIANTS`.
         **kwargs: Overrides of :class:`Vit5Official` arguments (``num_classes``, ...).
     """
     args: dict[str, Any] = dict(

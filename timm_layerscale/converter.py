@@ -1,12 +1,12 @@
 """Convert and verify, end to end: the orchestration the command line and library users call.
 
-Source to output: :func:`~timm_layerscale.conversion.io.resolve_source` and
-:func:`~timm_layerscale.conversion.io.load_checkpoint` read it,
+Source to output: :func:`~timm_layerscale.files.sources.resolve_source` and
+:func:`~timm_layerscale.files.read.load_checkpoint` read it,
 :func:`~timm_layerscale.conversion.keys.state_dict_of` unwraps it,
 :func:`~timm_layerscale.conversion.detect.detect` finds the variant and maps the keys
 to the ``ls`` layout once, the target layout is derived from that, verification
 (:mod:`timm_layerscale.parity.verify`) runs in memory, and the writers of
-:mod:`~timm_layerscale.conversion.save` put the file in place atomically (:mod:`~timm_layerscale.conversion.atomic`).
+:mod:`~timm_layerscale.files.save` put the file in place atomically (:mod:`~timm_layerscale.files.atomic`).
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ from typing import Any
 
 import torch
 
-from .._version import __version__
-from ..errors import CheckpointError, LayerScaleError, ParityError, RemapError
-from ..parity.compare import ParityReport, compare_weights
-from ..parity.tolerance import VerifyOptions
-from ..parity.verify import verify_state_dicts
-from . import atomic, save
-from . import io as ckpt
-from .detect import Detection, Variant, detect
+from ._version import __version__
+from .conversion.detect import Detection, Variant, detect
+from .conversion.keys import detect_layout, official_checkpoint, state_dict_of, to_gamma
+from .errors import CheckpointError, LayerScaleError, ParityError, RemapError
 from .families import FAMILIES, check_rope_buffers, official_rope_buffers
-from .keys import detect_layout, official_checkpoint, state_dict_of, to_gamma
+from .files import atomic, save
+from .files import read as ckpt
+from .files.sources import resolve_source
+from .parity.compare import ParityReport, compare_weights
+from .parity.tolerance import VerifyOptions
+from .parity.verify import verify_state_dicts
 
 __all__ = [
     "ConversionResult",
@@ -99,7 +100,7 @@ def load_source(
 def _load(
     source: str | os.PathLike[str], *, model: str | None, ema: bool
 ) -> tuple[Path, dict[str, torch.Tensor], Detection]:
-    path = ckpt.resolve_source(source)
+    path = resolve_source(source)
     try:
         sd = state_dict_of(ckpt.load_checkpoint(path), ema=ema)
     except RemapError as e:
@@ -154,7 +155,7 @@ def verify_checkpoint(
         found = detect(src_sd, model)
     else:
         _, src_sd, found = _load(source, model=model, ema=ema)
-    conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(ckpt.resolve_source(converted))
+    conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(resolve_source(converted))
     conv_sd = state_dict_of(conv)
     return verify_state_dicts(
         src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options
@@ -231,7 +232,7 @@ def convert_checkpoint(
     atomic.check_output(output, overwrite)
     torch_dtype = ckpt.parse_dtype(dtype) if dtype else None
 
-    resolved = ckpt.resolve_source(source)
+    resolved = resolve_source(source)
     identity = ckpt.file_identity(resolved)  # checked once the source is no longer read
     path, sd, found = _load(resolved, model=model, ema=ema)
     variant, num_classes = found.variant, found.info.get("num_classes")
@@ -243,7 +244,7 @@ def convert_checkpoint(
         sha = digest.result()
     target = _to_target(sd, found, to)
     if fuse:  # to == "ls": target is in the ls layout
-        from .fold import fold_state_dict
+        from .conversion.fold import fold_state_dict
 
         target = fold_state_dict(target)
     metadata = {
@@ -308,7 +309,7 @@ def convert_checkpoint(
     except CheckpointError:
         output.unlink(missing_ok=True)
         raise
-    from ..options import command_line
+    from .options import command_line
 
     command = command_line(
         ("timm-layerscale", "convert", source, output),

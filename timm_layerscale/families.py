@@ -6,7 +6,7 @@ here imports torch or timm at module level, so reading the tables is instant.
 
 - Key rules: per family, an ordered table of :class:`Rule` s from any accepted layout
   to the ``ls`` layout (``blocks.N.ls1.gamma``) and back to the official ``gamma``
-  layout (``blocks.N.gamma_1``); :mod:`.keys` applies them.
+  layout (``blocks.N.gamma_1``); :mod:`timm_layerscale.conversion.keys` applies them.
 - :data:`FOLD_TARGETS`: the linear layer each LayerScale folds into.
 - :data:`VARIANTS`: every convertible architecture, one row each; the model files
   register their models from it, and detection computes the keys and shapes of each
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RemapError
+from .errors import RemapError
 
 if TYPE_CHECKING:
     import torch
@@ -340,7 +340,7 @@ def rope_buffers(depth: int, head_dim: int, thetas: tuple[float, float] = VIT5_R
     Returns:
         Key to fp32 tensor ``(head_dim // 4,)``, a separate tensor per key.
     """
-    from ..layers.rope import rope_bands
+    from .layers.rope import rope_bands
 
     patch, reg = (rope_bands(head_dim, theta) for theta in thetas)
     out: dict[str, torch.Tensor] = {}

@@ -1,6 +1,6 @@
-"""Downloads: the Hub address, the offline checks, and remote checkpoint sources.
+"""Checkpoint sources: a file, a folder, an ``https://`` URL or an ``hf-hub:`` id, made a local file.
 
-:func:`download_source` turns an ``https://`` URL or ``hf-hub:ORG/REPO[@REVISION][/FILE]``
+:func:`resolve_source` turns any of them into a local file; :func:`download_source` turns an ``https://`` URL or ``hf-hub:ORG/REPO[@REVISION][/FILE]``
 into a local file in a cache (:func:`cached_url_path` says where a URL goes).
 :func:`check_online` fails at once, with one line, when the network is off, before
 any retry loop starts; :func:`hub_endpoint` is the Hub address every request uses.
@@ -8,7 +8,7 @@ any retry loop starts; :func:`hub_endpoint` is the Hub address every request use
 The only requests sent from here are in :func:`_download_url` and
 :func:`_download_from_hub`. Failures become one-line
 :class:`~timm_layerscale.errors.HubError` messages; those of huggingface_hub through
-:func:`~timm_layerscale.hub.errors.hub_errors`.
+:func:`~timm_layerscale.files.hub_errors.hub_errors`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,42 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..errors import HubError
-from .card import WEIGHTS_NAME
-from .errors import hub_errors, one_line
+from ..errors import CheckpointError, HubError
+from .hub_errors import hub_errors, one_line
 
-__all__ = ["download_source", "cached_url_path", "check_online", "hub_endpoint"]
+__all__ = ["download_source", "cached_url_path", "check_online", "hub_endpoint", "resolve_source"]
+
+#: The weights file of an exported folder.
+WEIGHTS_NAME = "model.safetensors"
+#: Where a checkpoint folder keeps its weights, in order of preference.
+FOLDER_WEIGHTS = (WEIGHTS_NAME, "pytorch_model.bin")
+#: Prefixes of the sources :func:`resolve_source` downloads.
+REMOTE_PREFIXES = ("https://", "http://", "hf-hub:")
+
+
+def resolve_source(source: str | os.PathLike[str]) -> Path:
+    """Turn a checkpoint source into a local file.
+
+    Args:
+        source: A local file; a folder holding ``model.safetensors`` or
+            ``pytorch_model.bin`` (an exported or downloaded Hub folder); an
+            ``https://`` URL or ``hf-hub:ORG/REPO[@REVISION][/FILE]``, downloaded once
+            into the cache (:func:`download_source`).
+
+    Raises:
+        CheckpointError: A folder holds none of the weight files.
+        HubError: A download failed.
+    """
+    s = os.fspath(source)
+    path = Path(s)
+    if s.startswith(REMOTE_PREFIXES) and not path.exists():
+        return download_source(s)
+    if path.is_dir():
+        for name in FOLDER_WEIGHTS:
+            if (path / name).is_file():
+                return path / name
+        raise CheckpointError(f"{path} holds neither {' nor '.join(FOLDER_WEIGHTS)}; pass the checkpoint file")
+    return path
 
 
 def hub_endpoint() -> str:
@@ -147,7 +178,7 @@ def _download_from_hub(repo_id: str, revision: str | None, filename: str | None)
     from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
     what = f"hf-hub:{repo_id}" + (f"@{revision}" if revision else "")
-    candidates = [filename] if filename else [WEIGHTS_NAME, "pytorch_model.bin"]
+    candidates = [filename] if filename else list(FOLDER_WEIGHTS)
     endpoint = hub_endpoint()
     with hub_errors(f"downloading {what}", repo_id, endpoint=endpoint, revision=revision, download=True):
         if _offline() or not _resolves(endpoint):

@@ -1,6 +1,6 @@
 """Writing checkpoint files: atomic and streaming.
 
-Every write goes through :func:`~timm_layerscale.conversion.atomic.atomic_output`: a
+Every write goes through :func:`~timm_layerscale.files.atomic.atomic_output`: a
 temporary file in the target folder, moved onto the target only when complete.
 :func:`save_safetensors` streams
 tensors to disk one at a time, so peak memory is about one tensor whatever the file
@@ -25,7 +25,7 @@ import torch
 from .. import progress
 from ..errors import CheckpointError
 from .atomic import atomic_output, check_output
-from .io import TORCH_SUFFIXES, release_pages
+from .read import TORCH_SUFFIXES, release_pages
 
 __all__ = ["output_format", "save_pth", "save_safetensors", "save_state_dict"]
 

@@ -2,11 +2,10 @@
 
 :func:`load_checkpoint` opens PyTorch files with ``weights_only=True`` and memory-maps
 them, and opens safetensors files lazily (:class:`LazySafetensors`);
-:func:`resolve_source` turns a path, folder, URL or ``hf-hub:`` id into a local file.
 The checks made on what was read live here too: the file's hash and identity, and
 finite values. Bad input raises :class:`~timm_layerscale.errors.CheckpointError` with a
 one-line message saying what is wrong and what to do. Writing is in
-:mod:`~timm_layerscale.conversion.save`.
+:mod:`~timm_layerscale.files.save`.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ __all__ = [
     "load_checkpoint",
     "parse_dtype",
     "release_pages",
-    "resolve_source",
     "sha256_file",
 ]
 
@@ -98,39 +96,6 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         return f"LazySafetensors({str(self.path)!r}, {len(self)} tensors)"
-
-
-#: Where a checkpoint folder keeps its weights, in order of preference.
-FOLDER_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-#: Prefixes of the sources :func:`resolve_source` downloads.
-REMOTE_PREFIXES = ("https://", "http://", "hf-hub:")
-
-
-def resolve_source(source: str | os.PathLike[str]) -> Path:
-    """Turn a checkpoint source into a local file.
-
-    Args:
-        source: A local file; a folder holding ``model.safetensors`` or
-            ``pytorch_model.bin`` (an exported or downloaded Hub folder); an
-            ``https://`` URL or ``hf-hub:ORG/REPO[@REVISION][/FILE]``, downloaded once
-            into the cache (:func:`~timm_layerscale.hub.download.download_source`).
-
-    Raises:
-        CheckpointError: A folder holds none of the weight files.
-        HubError: A download failed.
-    """
-    s = os.fspath(source)
-    path = Path(s)
-    if s.startswith(REMOTE_PREFIXES) and not path.exists():
-        from ..hub.download import download_source
-
-        return download_source(s)
-    if path.is_dir():
-        for name in FOLDER_WEIGHTS:
-            if (path / name).is_file():
-                return path / name
-        raise CheckpointError(f"{path} holds neither {' nor '.join(FOLDER_WEIGHTS)}; pass the checkpoint file")
-    return path
 
 
 def _readable_file(path: str | os.PathLike[str]) -> Path:

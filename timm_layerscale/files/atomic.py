@@ -227,7 +227,7 @@ def temporary_folder(target: str | os.PathLike[str]) -> Path:
     """Create a temporary folder next to ``target``, to be filled and then moved onto it.
 
     Stale temporaries of ``target`` are removed first
-    (:func:`~timm_layerscale.conversion.atomic.remove_stale_temporaries`). The
+    (:func:`~timm_layerscale.files.atomic.remove_stale_temporaries`). The
     folder is locked while this process lives and the folder keeps its name, so that
     no other writer takes it for stale; the caller moves or deletes it.
 
@@ -261,7 +261,7 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
     with ``overwrite`` it is a rename. Either way ``path`` holds one whole file,
     never a mix. Protects against failure of this process, not against power loss
     (no ``fsync``). A process killed mid-write cannot delete its temporary; the
-    next write of ``path`` does (:func:`~timm_layerscale.conversion.atomic.remove_stale_temporaries`), while the
+    next write of ``path`` does (:func:`~timm_layerscale.files.atomic.remove_stale_temporaries`), while the
     temporaries of writers still running are left alone: each holds an exclusive
     ``flock`` on its own until it ends.
 
