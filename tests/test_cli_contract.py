@@ -220,7 +220,7 @@ def test_progress_bars_show_on_a_terminal_and_not_with_quiet(official, tmp_path,
 
     code, _, err = cli(capsys, "convert", official, tmp_path / "c.safetensors", "--quiet")
     assert code == 0 and err == ""
-    progress.enable_progress_bars()
+    progress.disable_progress_bars(False)
 
 
 def test_no_progress_bars_when_stderr_is_not_a_terminal(official, tmp_path, capsys):

@@ -449,16 +449,6 @@ def test_cli_push_in_a_subprocess_never_shows_the_token(hub: FakeHub, folder: Pa
 # ---- error messages ------------------------------------------------------------------
 
 
-def test_no_row_of_the_error_table_is_hidden_by_an_earlier_one() -> None:
-    from timm_layerscale.files.hub_errors import MESSAGES
-
-    rows = [types if isinstance(types, tuple) else (types,) for types, _ in MESSAGES]
-    for i, earlier in enumerate(rows):
-        for later in rows[i + 1 :]:
-            hidden = [t.__name__ for t in later if issubclass(t, earlier)]
-            assert not hidden, f"{hidden} come after their base {[t.__name__ for t in earlier]}"
-
-
 def _http_error(cls: type, status: int) -> Exception:
     from huggingface_hub.utils import httpx
 
@@ -476,10 +466,11 @@ def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
     )
     from huggingface_hub.utils import httpx
 
-    from timm_layerscale.files.hub_errors import HubCall, hub_message
+    from timm_layerscale.errors import HubError
+    from timm_layerscale.files.hub_errors import hub_errors
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    call = HubCall("uploading to my-org/model", "my-org/model", "https://hub.example")
+    endpoint = "https://hub.example"
     cases = [
         (OfflineModeIsEnabled("offline"), "HF_HUB_OFFLINE is set, so uploading to my-org/model"),  # a ConnectionError
         (_http_error(GatedRepoError, 403), "my-org/model is gated"),  # a RepositoryNotFoundError
@@ -490,9 +481,14 @@ def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
         (ValueError("bad folder"), "uploading to my-org/model failed: bad folder"),
     ]
     for error, expect in cases:
-        message = hub_message(error, call)
-        assert message is not None and message.startswith(expect), (type(error).__name__, message)
-    assert hub_message(RuntimeError("a bug"), call) is None
+        with (
+            pytest.raises(HubError) as info,
+            hub_errors("uploading to my-org/model", "my-org/model", endpoint=endpoint),
+        ):
+            raise error
+        assert str(info.value).startswith(expect), (type(error).__name__, str(info.value))
+    with pytest.raises(RuntimeError), hub_errors("uploading to my-org/model", "my-org/model", endpoint=endpoint):
+        raise RuntimeError("a bug")
 
 
 def test_hub_errors_raises_one_line_and_lets_unknown_errors_through() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
+from tqdm.utils import CallbackIOWrapper
 
 from .. import progress
 from ..errors import CheckpointError
@@ -158,7 +159,7 @@ def save_safetensors(
     with (
         atomic_output(target, overwrite) as tmp,
         open(tmp, "r+b") as f,  # not "wb": truncating makes ext4 flush on close
-        progress.bar(total=len(encoded) + offset, desc=f"writing {target.name}", unit="B", unit_scale=True) as bar,
+        progress.bar(total=len(encoded) + offset, desc=f"writing {target.name}", unit="B") as bar,
     ):
         f.write(encoded)
         bar.update(len(encoded))
@@ -244,12 +245,9 @@ def save_pth(
     with atomic_output(path, overwrite) as tmp, open(tmp, "r+b") as f:
         sink = _RecordingWriter(f)
         try:
-            if not progress.enabled():
-                torch.save(obj, cast(IO[bytes], sink))
-            else:
-                total = sum(t.numel() * t.element_size() for t in plain.values())
-                with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B", unit_scale=True) as bar:
-                    torch.save(obj, cast(IO[bytes], progress.ByteCounter(sink, bar)))
+            total = sum(t.numel() * t.element_size() for t in plain.values())
+            with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar:
+                torch.save(obj, cast(IO[bytes], CallbackIOWrapper(bar.update, sink, "write")))
         except RuntimeError:
             if sink.error is not None:  # disk full and the like: report the OS error, not torch's wrapper
                 raise sink.error from None

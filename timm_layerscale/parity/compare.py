@@ -218,7 +218,7 @@ def compare_models(
         weights: :func:`compare_weights` of the converted weights against the source, if made.
         forward: ``forward(model, x) -> output``; defaults to ``model(x)``.
         progress: Wraps the iterable of input batches, for a progress bar
-            (:func:`timm_layerscale.progress.verification_passes`); default none.
+            (:func:`timm_layerscale.progress.bar`); default none.
 
     Returns:
         The :class:`ParityReport`.

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import progress
 from ..conversion.keys import to_layerscale
 from ..errors import CheckpointError
 from ..families import FAMILIES, Family, Variant
-from ..progress import verification_passes
 from .compare import ParityReport, compare_models, compare_weights
 from .inputs import image_inputs, seeded_inputs
 from .references import build_loaded, build_reference, reference_name
@@ -150,5 +150,5 @@ def verify_state_dicts(
         batch_size=options.batch_size,
         tolerance=tolerance,
         weights=weights,
-        progress=verification_passes,
+        progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
     )
