@@ -1,12 +1,11 @@
 """Convert and verify, end to end: the orchestration the command line and library users call.
 
-Source to output: :func:`~timm_layerscale.files.sources.resolve_source` and
-:func:`~timm_layerscale.files.read.load_checkpoint` read it,
-:func:`~timm_layerscale.conversion.keys.state_dict_of` unwraps it,
-:func:`~timm_layerscale.conversion.detect.detect` finds the variant and maps the keys
-to the ``ls`` layout once, the target layout is derived from that, verification
-(:mod:`timm_layerscale.parity.verify`) runs in memory, and the writers of
-:mod:`~timm_layerscale.files.save` put the file in place atomically (:mod:`~timm_layerscale.files.atomic`).
+A conversion is a sequence of named steps: (1) resolve the source to a local file
+(:func:`~timm_layerscale.files.sources.resolve_source`), (2-3) read its state dict and
+detect the variant (:func:`_read`), (4) remap the keys to the target layout
+(:func:`_to_target`), (5) hash the file and check for NaN/Inf (:func:`_hash_and_check`),
+(6) verify in memory (:func:`_verified`), (7) write atomically
+(:mod:`~timm_layerscale.files.save`) and read back what was written.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch
 
 from ._version import __version__
 from .conversion.detect import Detection, Variant, detect
+from .conversion.fold import fold_state_dict
 from .conversion.keys import detect_layout, official_checkpoint, state_dict_of, to_gamma
 from .errors import CheckpointError, LayerScaleError, ParityError, RemapError
 from .families import FAMILIES, check_rope_buffers, official_rope_buffers
@@ -93,14 +93,13 @@ def load_source(
         (unwrapped, prefixes stripped, tensors lazy where the format allows), the
         detected variant and :func:`~timm_layerscale.conversion.detect.describe_state_dict` info.
     """
-    path, sd, found = _load(source, model=model, ema=ema)
+    path = resolve_source(source)
+    sd, found = _read(path, model=model, ema=ema)
     return path, sd, found.variant, found.info
 
 
-def _load(
-    source: str | os.PathLike[str], *, model: str | None, ema: bool
-) -> tuple[Path, dict[str, torch.Tensor], Detection]:
-    path = resolve_source(source)
+def _read(path: Path, *, model: str | None, ema: bool) -> tuple[dict[str, torch.Tensor], Detection]:
+    """Step 2-3: load the file's state dict and detect its variant."""
     try:
         sd = state_dict_of(ckpt.load_checkpoint(path), ema=ema)
     except RemapError as e:
@@ -108,11 +107,11 @@ def _load(
     bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointError(f"{path}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
-    return path, sd, detect(sd, model)
+    return sd, detect(sd, model)
 
 
 def _to_target(sd: Mapping[str, torch.Tensor], found: Detection, to: str) -> dict[str, torch.Tensor]:
-    """The converted state dict in layout ``to``, from the source and its detection."""
+    """Step 4: the converted state dict in layout ``to``, from the source and its detection."""
     variant = found.variant
     rope = official_rope_buffers(variant) if variant.family == "vit5" else None
     if rope is not None:  # a file's rotary buffers must be the ones the model computes
@@ -154,7 +153,7 @@ def verify_checkpoint(
         src_sd = state_dict_of(source, ema=ema)
         found = detect(src_sd, model)
     else:
-        _, src_sd, found = _load(source, model=model, ema=ema)
+        src_sd, found = _read(resolve_source(source), model=model, ema=ema)
     conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(resolve_source(converted))
     conv_sd = state_dict_of(conv)
     return verify_state_dicts(
@@ -232,20 +231,14 @@ def convert_checkpoint(
     atomic.check_output(output, overwrite)
     torch_dtype = ckpt.parse_dtype(dtype) if dtype else None
 
-    resolved = resolve_source(source)
-    identity = ckpt.file_identity(resolved)  # checked once the source is no longer read
-    path, sd, found = _load(resolved, model=model, ema=ema)
+    path = resolve_source(source)
+    identity = ckpt.file_identity(path)  # checked once the source is no longer read
+    sd, found = _read(path, model=model, ema=ema)
     variant, num_classes = found.variant, found.info.get("num_classes")
     layout = detect_layout(sd, FAMILIES[variant.family])
-    with ThreadPoolExecutor(1) as pool:  # hashing overlaps the NaN/Inf check: hashlib releases the GIL
-        digest = pool.submit(ckpt.sha256_file, path)
-        if not allow_nonfinite:
-            ckpt.check_finite(sd)
-        sha = digest.result()
+    sha = _hash_and_check(path, sd, allow_nonfinite)
     target = _to_target(sd, found, to)
     if fuse:  # to == "ls": target is in the ls layout
-        from .conversion.fold import fold_state_dict
-
         target = fold_state_dict(target)
     metadata = {
         "format": "pt",
@@ -256,35 +249,18 @@ def convert_checkpoint(
         "architecture": variant.name,
         "family": variant.family,
         "converter": f"timm-layerscale {__version__}",
+        **({"num_classes": str(num_classes)} if num_classes is not None else {}),
+        **({"fused_layerscale": "true"} if fuse else {}),
     }
-    if num_classes is not None:
-        metadata["num_classes"] = str(num_classes)
-    if fuse:
-        metadata["fused_layerscale"] = "true"
-    wrap = None
-    container = "plain"
-    if to == "gamma" and fmt == "pth" and not plain:
-        family = FAMILIES[variant.family]
-        wrap = functools.partial(official_checkpoint, family=family)
-        prefix = family.official_prefix
-        container = f"{{'model': {{{prefix!r} + key: tensor}}}}" if prefix else "{'model': state_dict}"
-
     report = None
     if verify:
         if torch_dtype is not None:
             target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
-        report = verify_state_dicts(sd, target, variant, num_classes=num_classes, options=options, fused=fuse)
-        if not report.passed:
-            what = (
-                "converted weights differ from the source"
-                if report.weights_equal is False
-                else f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}, "
-                f"{'bit-exact required' if report.atol == 0 and report.rtol == 0 else f'atol={report.atol:g}, rtol={report.rtol:g}'})"
-            )
-            raise ParityError(f"{what}; nothing written", report)
-        metadata.update(report.metadata())
-    else:
-        metadata["parity"] = "not verified"
+        report = _verified(sd, target, variant, num_classes, options, fuse)
+    metadata.update(report.metadata() if report is not None else {"parity": "not verified"})
+    family = FAMILIES[variant.family]
+    official = to == "gamma" and fmt == "pth" and not plain
+    wrap = functools.partial(official_checkpoint, family=family) if official else None
     save.save_state_dict(
         output,
         target,
@@ -294,19 +270,13 @@ def convert_checkpoint(
         dtype=torch_dtype,
         wrap=wrap,
     )
-    if verify:
-        try:
-            written = state_dict_of(ckpt.load_checkpoint(output))
-            same, _, detail = compare_weights(target, written)
-        except BaseException:
-            output.unlink(missing_ok=True)
-            raise
-        if not same:
-            output.unlink(missing_ok=True)
-            raise LayerScaleError(f"{output} does not read back as written ({detail}); output removed")
-    try:  # the tensors written and verified and the recorded sha256 all come from one version of the file
-        ckpt.check_unchanged(path, identity)
-    except CheckpointError:
+    try:
+        if verify:  # the file holds what was verified
+            same, _, detail = compare_weights(target, state_dict_of(ckpt.load_checkpoint(output)))
+            if not same:
+                raise LayerScaleError(f"{output} does not read back as written ({detail}); output removed")
+        ckpt.check_unchanged(path, identity)  # tensors, verification and sha256 came from one version of the file
+    except BaseException:
         output.unlink(missing_ok=True)
         raise
     from .options import command_line
@@ -338,5 +308,43 @@ def convert_checkpoint(
         report=report,
         seconds=time.perf_counter() - t0,
         command=command,
-        container=container,
+        container=_container(family.official_prefix) if official else "plain",
     )
+
+
+def _hash_and_check(path: Path, sd: Mapping[str, torch.Tensor], allow_nonfinite: bool) -> str:
+    """Step 5: the source file's SHA-256 and, unless allowed, the NaN/Inf check, side by side (hashlib releases the GIL)."""
+    with ThreadPoolExecutor(1) as pool:
+        digest = pool.submit(ckpt.sha256_file, path)
+        if not allow_nonfinite:
+            ckpt.check_finite(sd)
+        return digest.result()
+
+
+def _verified(
+    sd: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    variant: Variant,
+    num_classes: int | None,
+    options: VerifyOptions | None,
+    fused: bool,
+) -> ParityReport:
+    """Step 6: the parity report of the converted weights; a failed check raises and nothing is written."""
+    report = verify_state_dicts(sd, target, variant, num_classes=num_classes, options=options, fused=fused)
+    if report.passed:
+        return report
+    if report.weights_equal is False:
+        what = "converted weights differ from the source"
+    else:
+        needed = (
+            "bit-exact required"
+            if report.atol == 0 and report.rtol == 0
+            else f"atol={report.atol:g}, rtol={report.rtol:g}"
+        )
+        what = f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}, {needed})"
+    raise ParityError(f"{what}; nothing written", report)
+
+
+def _container(prefix: str) -> str:
+    """How the official training code's wrapper holds the state dict, in words."""
+    return f"{{'model': {{{prefix!r} + key: tensor}}}}" if prefix else "{'model': state_dict}"
