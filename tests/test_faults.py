@@ -157,7 +157,7 @@ def test_final_step_never_replaces_a_file_that_appeared(tmp_path, monkeypatch):
     monkeypatch.setattr(atomic, "check_output", lambda target, overwrite: None)
     out = tmp_path / "x.bin"
     out.write_bytes(b"first writer")
-    with pytest.raises(OutputExistsError, match="exists; pass --overwrite"), atomic_output(out) as tmp:
+    with pytest.raises(OutputExistsError, match="exists; pass overwrite=True"), atomic_output(out) as tmp:
         tmp.write_bytes(b"second writer")
     assert out.read_bytes() == b"first writer" and _leftovers(tmp_path) == []
     with atomic_output(out, overwrite=True) as tmp:

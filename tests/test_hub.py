@@ -687,7 +687,7 @@ def test_export_into_a_folder_it_cannot_write_fails_before_converting(tmp_path: 
 
     source = tmp_path / "never-read.pth"
     (tmp_path / "a-file").write_text("x")
-    with pytest.raises(CheckpointError, match="is a file; export needs a folder path"):
+    with pytest.raises(CheckpointError, match="is a file; pass a folder path"):
         export_folder(source, tmp_path / "a-file")
     with pytest.raises(CheckpointError, match="cannot create"):
         export_folder(source, tmp_path / "a-file" / "under" / "out")

@@ -42,14 +42,12 @@ def run_demo(
         OutputExistsError: ``out`` exists and is not empty, without ``overwrite``.
         CheckpointError: ``out`` is a file, or cannot be created.
     """
-    from .errors import CheckpointError, OutputExistsError
+    from .errors import CheckpointError
+    from .files.atomic import check_output_folder
 
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} is a file; the demo needs a folder path")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    check_output_folder(out, overwrite)
+    if out.is_dir():
         shutil.rmtree(out)
     try:
         out.mkdir(parents=True, exist_ok=True)

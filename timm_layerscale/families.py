@@ -212,6 +212,9 @@ _family(
 
 #: The linear layer each LayerScale folds into, per block: ``ls1`` scales the
 #: attention's output projection, ``ls2`` the MLP's second layer (all families).
+#: A LayerScale key in either layout, by full match: the block, and which gate (``g`` in the
+#: official ``gamma_1``/``gamma_2``, ``l`` in the module layout's ``ls1.gamma``/``ls2.gamma``).
+GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
 FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import LayerScaleError
+from .families import GATE_KEY
 
 __all__ = [
     "gate_profile",
@@ -33,7 +34,6 @@ __all__ = [
 ]
 
 #: ``<block>.gamma_1`` (official layout) or ``<block>.ls1.gamma`` (module layout).
-_GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
 #: A block path ending in its index: ``blocks.3``, ``blocks_token_only.0``, ``stages.1.blocks.2``.
 _BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")
 #: Stages whose blocks are class-attention blocks (CaiT's ``blocks_token_only``).
@@ -112,7 +112,7 @@ def gate_profile(
     blocks: dict[str, dict[str, Any]] = {}
     layouts: set[str] = set()
     for name, original in names.items():
-        m = _GATE_KEY.fullmatch(name)
+        m = GATE_KEY.fullmatch(name)
         if m is None:
             continue
         block = m.group("block")
@@ -178,7 +178,7 @@ def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
     have = {(r["block"], w) for r in rows for w in ("ls1", "ls2") if r[w] is not None}
     want = set()
     for key in m.state_dict():
-        g = _GATE_KEY.fullmatch(key)
+        g = GATE_KEY.fullmatch(key)
         if g:
             want.add((g.group("block"), f"ls{g.group('g') or g.group('l')}"))
     missing = sorted(want - have)
@@ -241,12 +241,19 @@ def _footer(rows: Sequence[Mapping[str, Any]]) -> str:
     if ca:
         parts.append(f"{len(ca)} class-attention (CA) block(s), depth {ca[0]['depth']}-{ca[-1]['depth']}")
     text = "; ".join(parts) + f"; layout {rows[0]['layout']}; |gamma| over channels"
-    for which, label in (("ls1", "attention"), ("ls2", "MLP")):
-        means = [(r[which]["mean"], r["block"]) for r in rows if r[which] and not math.isnan(r[which]["mean"])]
-        if means:
-            lo, hi = min(means), max(means)
-            text += f"\n{which} ({label}): mean |gamma| from {lo[0]:.3e} ({lo[1]}) to {hi[0]:.3e} ({hi[1]})"
+    for which, label, (lo, hi) in gate_extremes(rows):
+        text += f"\n{which} ({label}): mean |gamma| from {lo[0]:.3e} ({lo[1]}) to {hi[0]:.3e} ({hi[1]})"
     return text
+
+
+def gate_extremes(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, tuple[tuple[float, str], ...]]]:
+    """For each gate (``ls1`` attention, ``ls2`` MLP) that has values: the smallest and largest mean ``|gamma|``, with their blocks."""
+    found: list[tuple[str, str, tuple[tuple[float, str], ...]]] = []
+    for which, label in (("ls1", "attention"), ("ls2", "MLP")):
+        means = [(r[which]["mean"], r["block"]) for r in rows if r.get(which) and not math.isnan(r[which]["mean"])]
+        if means:
+            found.append((which, label, (min(means), max(means))))
+    return found
 
 
 def require_matplotlib() -> Any:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..families import FOLD_TARGETS
+from ..families import FOLD_TARGETS, GATE_KEY
 from ..layer_scale import LayerScale
 
 __all__ = ["fuse_layerscale", "fold_state_dict", "fold_weights"]
@@ -78,7 +78,7 @@ def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
         ValueError: A gamma without its linear layer, or of another width.
     """
     out = dict(state_dict)
-    for key in [k for k in state_dict if k.endswith((".ls1.gamma", ".ls2.gamma"))]:
+    for key in [k for k in state_dict if (m := GATE_KEY.fullmatch(k)) and m["l"]]:
         prefix, ls_name, _ = key.rsplit(".", 2)
         target = ".".join((prefix, *FOLD_TARGETS[ls_name]))
         weight = out.get(f"{target}.weight")

@@ -34,7 +34,14 @@ else:
 
 from ..errors import CheckpointError, OutputExistsError
 
-__all__ = ["atomic_output", "check_output", "create_temporary", "remove_stale_temporaries", "temporary_folder"]
+__all__ = [
+    "atomic_output",
+    "check_output",
+    "check_output_folder",
+    "create_temporary",
+    "remove_stale_temporaries",
+    "temporary_folder",
+]
 
 
 # Hidden, and matched by the Hub upload's ignore pattern ``.*.tmp-*``.
@@ -184,6 +191,19 @@ def check_output(target: Path, overwrite: bool) -> None:
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
 
 
+def check_output_folder(out: Path, overwrite: bool) -> None:
+    """Raise unless ``out`` can be written as a folder: not a file, and empty unless ``overwrite``.
+
+    Raises:
+        CheckpointError: ``out`` is a file.
+        OutputExistsError: ``out`` holds files and ``overwrite`` is false.
+    """
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; pass a folder path")
+    if out.is_dir() and not overwrite and any(out.iterdir()):
+        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+
+
 def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
     """Move the finished ``tmp`` onto ``target``; without ``overwrite``, never replace a file.
 
@@ -199,7 +219,7 @@ def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
     try:
         os.link(tmp, target)
     except FileExistsError:
-        raise OutputExistsError(f"output {target} exists; pass --overwrite to replace it") from None
+        raise OutputExistsError(f"output {target} exists; pass overwrite=True to replace it") from None
     except OSError as e:
         if e.errno not in _NO_HARD_LINKS:
             raise

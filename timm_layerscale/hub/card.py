@@ -12,7 +12,6 @@ local: nothing is downloaded or sent.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -298,14 +297,12 @@ def _generic_citation(pcfg: Mapping[str, Any]) -> str:
 
 
 def _gate_summary(gates: Sequence[Mapping[str, Any]]) -> str:
-    parts = []
-    for which, label in (("ls1", "attention"), ("ls2", "MLP")):
-        means = [(r[which]["mean"], r["block"]) for r in gates if r.get(which) and not math.isnan(r[which]["mean"])]
-        if means:
-            lo, hi = min(means), max(means)
-            parts.append(
-                f"{label} gates (`{which}`) have mean |gamma| from {lo[0]:.3g} (`{lo[1]}`) to {hi[0]:.3g} (`{hi[1]}`)"
-            )
+    from ..inspection import gate_extremes
+
+    parts = [
+        f"{label} gates (`{which}`) have mean |gamma| from {lo[0]:.3g} (`{lo[1]}`) to {hi[0]:.3g} (`{hi[1]}`)"
+        for which, label, (lo, hi) in gate_extremes(gates)
+    ]
     ca = sum(1 for r in gates if r.get("class_attn"))
     where = (
         f" over {len(gates) - ca} self-attention and {ca} class-attention blocks"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
+from ..errors import CheckpointError, HubError, LayerScaleError
 from ..files.hub_errors import one_line
 from ..files.sources import WEIGHTS_NAME
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
@@ -159,12 +159,9 @@ def _prepare_target(out: Path, tmp: Path, overwrite: bool) -> list[Path]:
     Returns:
         The parent folders created, deepest first (removed again if the export fails).
     """
-    from ..files.atomic import check_output
+    from ..files.atomic import check_output, check_output_folder
 
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} is a file; export needs a folder path")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    check_output_folder(out, overwrite)
     created = []
     parent = out.absolute().parent
     while not parent.exists():

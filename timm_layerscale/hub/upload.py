@@ -232,9 +232,9 @@ def push_folder(
     """
     check_repo_id(repo_id)
     if create_pr and revision not in (None, "main"):
-        raise HubError("--create-pr opens a pull request against main; drop --revision or --create-pr")
+        raise HubError(f"create_pr opens a pull request against main, not revision {revision!r}; leave out one of them")
     if revision is not None and not revision.strip():
-        raise HubError("--revision is empty; name a branch or leave it out")
+        raise HubError("revision is empty; name a branch or leave it out")
     path = Path(folder)
     if not path.is_dir():
         raise HubError(f"{path} is not a folder; export one first with: timm-layerscale export SOURCE {path}")

@@ -21,7 +21,7 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint as grad_checkpoint
 
 from ..conversion.fold import fold_state_dict
-from ..families import Variant
+from ..families import DEFAULT_NUM_CLASSES, Variant
 from ..layer_scale import LayerScale
 
 __all__ = [
@@ -296,7 +296,7 @@ def build_variant(
 def pretrained_cfg(v: Variant, **kwargs: Any) -> dict[str, Any]:
     """The pretrained config of a variant: ImageNet-1k classifier at ``v.img_size``, plus ``kwargs``."""
     return {
-        "num_classes": 1000,
+        "num_classes": DEFAULT_NUM_CLASSES,
         "input_size": (3, v.img_size, v.img_size),
         "pool_size": None,
         "crop_pct": 1.0,

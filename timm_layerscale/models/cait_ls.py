@@ -27,7 +27,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint_seq
 
 from ..conversion.keys import to_layerscale, unwrap_state_dict
-from ..families import CAIT_RELEASE_URL, Variant, variants_of
+from ..families import CAIT_RELEASE_URL, DEFAULT_NUM_CLASSES, Variant, variants_of
 from ..layer_scale import cait_init_value
 from ..layers.block import PreNormBlock
 from ..layers.class_attn import ClassAttn, LayerScaleBlockClassAttn
@@ -120,7 +120,7 @@ class CaitLS(TimmContract):
         img_size: int | tuple[int, int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
-        num_classes: int = 1000,
+        num_classes: int = DEFAULT_NUM_CLASSES,
         global_pool: str = "token",
         embed_dim: int = 768,
         depth: int = 12,

@@ -44,7 +44,15 @@ from timm.layers import Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
 
 from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
-from ..families import VIT5_HUB_REPO, VIT5_ROPE_THETA, Variant, check_rope_buffers, rope_buffers, variants_of
+from ..families import (
+    DEFAULT_NUM_CLASSES,
+    VIT5_HUB_REPO,
+    VIT5_ROPE_THETA,
+    Variant,
+    check_rope_buffers,
+    rope_buffers,
+    variants_of,
+)
 from ..layer_scale import LayerScale
 from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
 from ..layers.rope_attention import Vit5Attention, Vit5Block, rms_norm
@@ -111,7 +119,7 @@ class Vit5(TimmContract):
         img_size: int | tuple[int, int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
-        num_classes: int = 1000,
+        num_classes: int = DEFAULT_NUM_CLASSES,
         global_pool: str = "token",
         embed_dim: int = 768,
         depth: int = 12,

@@ -16,7 +16,7 @@ from torch import nn
 from .. import progress
 from ..conversion.keys import to_layerscale
 from ..errors import CheckpointError
-from ..families import FAMILIES, Family, Variant
+from ..families import FAMILIES, GATE_KEY, Family, Variant
 from .compare import ParityReport, compare_models, compare_weights
 from .inputs import image_inputs, seeded_inputs
 from .references import build_loaded, build_reference, reference_name
@@ -64,7 +64,7 @@ def _dtype_of(sd: Mapping[str, torch.Tensor]) -> torch.dtype:
 
 
 def _has_layerscale(sd: Mapping[str, torch.Tensor]) -> bool:
-    return any(k.endswith(("ls1.gamma", "ls2.gamma", "gamma_1", "gamma_2")) for k in sd)
+    return any(GATE_KEY.fullmatch(k) for k in sd)
 
 
 def _expected_weights(
@@ -85,7 +85,7 @@ def _expected_weights(
 
 def _device(options: VerifyOptions) -> torch.device:
     if options.device.startswith("cuda") and not torch.cuda.is_available():
-        raise CheckpointError(f"--device {options.device}: no CUDA device is available here; use --device cpu")
+        raise CheckpointError(f"device {options.device!r}: no CUDA device is available here; pass device='cpu'")
     return torch.device(options.device)
 
 
