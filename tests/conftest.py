@@ -13,19 +13,52 @@ os.environ["TORCH_HOME"] = os.path.join(_HOME, "torch")
 os.environ.setdefault("TIMM_LAYERSCALE_AUTOLOAD", "1")
 
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-
-#: A CaiT small enough to run in milliseconds, with every feature of the real ones.
-TINY_CAIT: dict[str, Any] = dict(
-    img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5
-)
 
 
 @pytest.fixture
 def tiny_cait_kwargs() -> dict:
+    from helpers import TINY_CAIT
+
     return dict(TINY_CAIT)
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """Cached ``(timm's, ours)`` model pairs by ``(name, fused_attn)``; copy before changing one."""
+    from timm.layers import set_fused_attn, use_fused_attn
+
+    from helpers import model_pair
+
+    cache: dict = {}
+
+    def get(name: str, fused: bool = True):
+        if (name, fused) not in cache:
+            initial = use_fused_attn()
+            set_fused_attn(fused)
+            try:
+                cache[name, fused] = model_pair(name)
+            finally:
+                set_fused_attn(initial)
+        return cache[name, fused]
+
+    return get
+
+
+@pytest.fixture
+def fused_attn():
+    """Run a test with timm's fused attention on, then off; restore the default."""
+    from timm.layers import set_fused_attn, use_fused_attn
+
+    initial = use_fused_attn()
+
+    def _set(enable: bool) -> None:
+        set_fused_attn(enable)
+        assert use_fused_attn() == enable
+
+    yield _set
+    set_fused_attn(initial)
 
 
 @pytest.fixture(scope="session")
@@ -56,39 +89,3 @@ def few_inputs(monkeypatch):
         return real(*args, options=dataclasses.replace(options or VerifyOptions(), num_inputs=1), **kwargs)
 
     monkeypatch.setattr(converter, "verify_state_dicts", one_input)
-
-
-def create_model(name: str, **kwargs: Any) -> Any:
-    """``timm.create_model`` typed as ``Any``, for tests that reach into a model's submodules."""
-    import timm
-
-    return timm.create_model(name, **kwargs)
-
-
-def parity_report(
-    passed: bool, reference: str = "cait_xxs24_224", model: str = "cait_xxs24_224_ls", **fields: Any
-) -> Any:
-    """A :class:`~timm_layerscale.parity.compare.ParityReport` of one image: bit-exact, or off by 0.5."""
-    from timm_layerscale.parity.compare import ParityReport
-
-    values: dict[str, Any] = dict(
-        reference=reference,
-        model=model,
-        family="cait",
-        inputs="1 image",
-        num_inputs=1,
-        dtype="float32",
-        device="cpu",
-        attention="manual",
-        max_abs_diff=0.0 if passed else 0.5,
-        max_rel_diff=0.0 if passed else 0.1,
-        cosine_min=1.0 if passed else 0.99,
-        top1_agreement=1.0,
-        top5_agreement=1.0,
-        bit_exact=passed,
-        atol=0.0,
-        rtol=0.0,
-        passed=passed,
-    )
-    values.update(fields)
-    return ParityReport(**values)

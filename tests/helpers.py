@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,3 +108,78 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "gamma" in name else 0.05))
     return model
+
+
+#: A CaiT small enough to run in milliseconds, with every feature of the real ones.
+TINY_CAIT: dict[str, Any] = dict(
+    img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5
+)
+
+
+def images(n: int, size: int, seed: int = 1) -> torch.Tensor:
+    """``n`` seeded random images of ``size`` x ``size``."""
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def model_pair(name: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """timm's model and ours with the same random weights (built on meta: no init cost)."""
+    import timm
+
+    from timm_layerscale import to_layerscale
+
+    ref = timm.create_model(name, device="meta", **kwargs).to_empty(device="cpu")
+    randomize(ref).eval()
+    ours = timm.create_model(name + "_ls", device="meta", **kwargs).eval()
+    state = {k: v.clone() for k, v in to_layerscale(ref.state_dict(), "cait").items()}
+    ours.load_state_dict(state, strict=True, assign=True)
+    return ref, ours
+
+
+def tiny_pair(**kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """timm's Cait and CaitLS of :data:`TINY_CAIT` (with ``kwargs``), the same random weights."""
+    from timm.models.cait import Cait
+
+    from timm_layerscale import to_layerscale
+    from timm_layerscale.models.cait_ls import CaitLS
+
+    args = dict(TINY_CAIT, **kwargs)
+    ref = randomize(Cait(**args)).eval()
+    ours = CaitLS(**args).eval()
+    ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
+    return ref, ours
+
+
+def create_model(name: str, **kwargs: Any) -> Any:
+    """``timm.create_model`` typed as ``Any``, for tests that reach into a model's submodules."""
+    import timm
+
+    return timm.create_model(name, **kwargs)
+
+
+def parity_report(
+    passed: bool, reference: str = "cait_xxs24_224", model: str = "cait_xxs24_224_ls", **fields: Any
+) -> Any:
+    """A :class:`~timm_layerscale.parity.compare.ParityReport` of one image: bit-exact, or off by 0.5."""
+    from timm_layerscale.parity.compare import ParityReport
+
+    values: dict[str, Any] = dict(
+        reference=reference,
+        model=model,
+        family="cait",
+        inputs="1 image",
+        num_inputs=1,
+        dtype="float32",
+        device="cpu",
+        attention="manual",
+        max_abs_diff=0.0 if passed else 0.5,
+        max_rel_diff=0.0 if passed else 0.1,
+        cosine_min=1.0 if passed else 0.99,
+        top1_agreement=1.0,
+        top5_agreement=1.0,
+        bit_exact=passed,
+        atol=0.0,
+        rtol=0.0,
+        passed=passed,
+    )
+    values.update(fields)
+    return ParityReport(**values)

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from timm.layers import set_fused_attn
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from conftest import create_model
+from helpers import create_model
 from kernel_trace import reduction_trace
 from timm_layerscale import to_gamma, to_layerscale
 from timm_layerscale.models.cait_ls import VARIANTS, CaitLS

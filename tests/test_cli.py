@@ -23,8 +23,7 @@ import safetensors.torch
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from conftest import parity_report
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, parity_report
 from timm_layerscale import converter as conversion
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from conftest import parity_report
-from helpers import ERROR, assert_one_line_error, cli
+from helpers import ERROR, assert_one_line_error, cli, parity_report
 from timm_layerscale import commands, progress
 from timm_layerscale.converter import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError

@@ -30,7 +30,7 @@ from timm.models.cait import Cait
 from timm.models.cait import TalkingHeadAttn as RefAttn
 from torch import nn
 
-from helpers import randomize
+from helpers import TINY_CAIT, randomize
 from kernel_trace import reduction_trace
 from timm_layerscale import to_layerscale
 from timm_layerscale.layers.talking_heads import (
@@ -42,9 +42,7 @@ from timm_layerscale.layers.talking_heads import (
 from timm_layerscale.models.cait_ls import CaitLS
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY: dict[str, Any] = dict(
-    img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=1e-5
-)
+TINY = TINY_CAIT
 #: (B, N, C, H): real sizes, a single image, a single token, a single head.
 SHAPES = [
     (2, 17, 32, 4),

@@ -21,7 +21,7 @@ from timm_layerscale.parity.inputs import seed_parameters_
 @pytest.fixture(scope="module")
 def official() -> dict:
     """A tiny timm CaiT (3 blocks + 2 class-attention blocks) with random gammas, official layout."""
-    from conftest import TINY_CAIT
+    from helpers import TINY_CAIT
 
     model = timm.create_model("cait_xxs24_224", **TINY_CAIT)
     seed_parameters_(model, seed=0)

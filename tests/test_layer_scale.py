@@ -58,7 +58,7 @@ def test_promote_multiplies_as_timm_and_the_official_blocks(dtype):
 
 
 def test_model_blocks_promote(tiny_cait_kwargs):
-    from conftest import create_model
+    from helpers import create_model
 
     model = create_model("cait_xxs24_224_ls", **tiny_cait_kwargs)
     gates = [m for m in model.modules() if isinstance(m, LayerScale)]

@@ -19,6 +19,7 @@ from timm.optim import create_optimizer_v2
 from timm.utils import CheckpointSaver, ModelEmaV3
 
 import timm_layerscale  # noqa: F401  (registers the models)
+from helpers import TINY_CAIT, images, tiny_pair
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.files.read import load_checkpoint
@@ -27,7 +28,7 @@ from timm_layerscale.models.cait_ls import CaitLS
 NAME = "cait_xxs24_224_ls"
 #: The same architecture at toy size; init 0.1 (the paper's value for this depth) so that
 #: every branch carries gradient.
-TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10, init_values=0.1)
+TINY = dict(TINY_CAIT, init_values=0.1)
 
 
 def tiny_model(seed: int = 0, **kwargs) -> CaitLS:
@@ -263,3 +264,30 @@ def test_train_py_checkpoint_converts_to_gamma_and_loads_into_timm_cait(trained,
     x, _ = batch(1, 224)
     with torch.no_grad():
         assert torch.equal(reference.eval()(x), expected(x))
+
+
+# --- train mode runs the reference formulation, so outputs and gradients are timm's ---------------
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
+@pytest.mark.parametrize("drop", [0.0, 0.1], ids=["no_dropout", "dropout"])
+def test_train_mode_gradients_bit_exact(fused, drop, fused_attn):
+    fused_attn(fused)
+    rates = dict(proj_drop_rate=drop, attn_drop_rate=drop, drop_path_rate=drop)
+    ref, ours = tiny_pair(**rates)
+    ref.train()
+    ours.train()
+    x = images(3, 32)
+    torch.manual_seed(7)
+    a = ref(x)
+    torch.manual_seed(7)
+    b = ours(x)
+    assert torch.equal(a, b)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
+    our_grads = to_gamma({k: p.grad for k, p in ours.named_parameters() if p.grad is not None}, "cait")
+    assert ref_grads.keys() == our_grads.keys() == dict(ref.named_parameters()).keys()
+    for key, grad in ref_grads.items():
+        assert torch.equal(grad, our_grads[key]), key
