@@ -22,7 +22,7 @@ def _counted_multiplies(model: nn.Module, size: int) -> float:
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
 def test_flop_count_matches_flop_counter_tiny(fused, fused_attn):
     fused_attn(fused)
-    for kwargs in ({}, dict(fused_layerscale=True), dict(global_pool="avg", depth_token_only=1)):
+    for kwargs in ({}, dict(folded_layerscale=True), dict(global_pool="avg", depth_token_only=1)):
         model = CaitLS(**TINY_CAIT, **kwargs).eval()
         ours, counted = model.flop_count(), _counted_multiplies(model, 32)
         assert abs(ours - counted) / counted < 0.01, (kwargs, ours, counted)
@@ -38,5 +38,5 @@ def test_flop_count_matches_flop_counter_xxs24(pairs):
 def test_flop_count_of_fused_model_drops_layerscale():
     patches, dim = (32 // 8) ** 2, TINY_CAIT["embed_dim"]
     layerscale = 2 * dim * (TINY_CAIT["depth"] * patches + 2 * 1)  # two per block; class blocks see 1 token
-    unfused = CaitLS(**TINY_CAIT).flop_count()
-    assert CaitLS(**TINY_CAIT, fused_layerscale=True).flop_count() == unfused - layerscale
+    unfolded = CaitLS(**TINY_CAIT).flop_count()
+    assert CaitLS(**TINY_CAIT, folded_layerscale=True).flop_count() == unfolded - layerscale

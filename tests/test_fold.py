@@ -14,82 +14,82 @@ import torch
 from torch import nn
 
 from helpers import TINY_CAIT, images, randomize, tiny_pair
-from timm_layerscale import LayerScale, fuse_layerscale, to_layerscale
+from timm_layerscale import LayerScale, fold_layerscale, to_layerscale
 from timm_layerscale.models.cait_ls import CaitLS
 
 # --- LayerScale folding --------------------------------------------------------------
 
 
 def test_fused_layerscale_constructor():
-    model = CaitLS(**TINY_CAIT, fused_layerscale=True)
-    assert model.fused_layerscale
+    model = CaitLS(**TINY_CAIT, folded_layerscale=True)
+    assert model.folded_layerscale
     blocks = [*model.blocks, *(model.blocks_token_only or ())]
     assert all(isinstance(b.ls1, nn.Identity) and isinstance(b.ls2, nn.Identity) for b in blocks)
     assert not any(k.endswith("gamma") for k in model.state_dict())
-    assert not CaitLS(**TINY_CAIT).fused_layerscale
+    assert not CaitLS(**TINY_CAIT).folded_layerscale
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def test_fuse_tiny_cait_close_and_loads():
+def test_fold_tiny_cait_close_and_loads():
     _, ours = tiny_pair()
-    fused = fuse_layerscale(copy.deepcopy(ours))
-    assert fused.fused_layerscale
-    assert not any(isinstance(m, LayerScale) for m in fused.modules())
+    folded = fold_layerscale(copy.deepcopy(ours))
+    assert folded.folded_layerscale
+    assert not any(isinstance(m, LayerScale) for m in folded.modules())
     x = images(4, 32)
     with torch.inference_mode():
-        assert _max_diff(fused(x), ours(x)) <= 1e-5
-    target = CaitLS(**TINY_CAIT, fused_layerscale=True)
-    target.load_state_dict(fused.state_dict(), strict=True)
+        assert _max_diff(folded(x), ours(x)) <= 1e-5
+    target = CaitLS(**TINY_CAIT, folded_layerscale=True)
+    target.load_state_dict(folded.state_dict(), strict=True)
     with torch.inference_mode():
-        assert torch.equal(target.eval()(x), fused(x))
+        assert torch.equal(target.eval()(x), folded(x))
 
 
-def test_fuse_cait_xxs24_close_and_loads_into_registered_model(pairs):
+def test_fold_cait_xxs24_close_and_loads_into_registered_model(pairs):
     ours = copy.deepcopy(pairs("cait_xxs24_224")[1])
     x = images(1, 224)
     with torch.inference_mode():
         expected = ours(x)
-    assert fuse_layerscale(ours) is ours
+    assert fold_layerscale(ours) is ours
     with torch.inference_mode():
         assert _max_diff(ours(x), expected) <= 1e-5
-    target = timm.create_model("cait_xxs24_224_ls", fused_layerscale=True, device="meta")
+    target = timm.create_model("cait_xxs24_224_ls", folded_layerscale=True, device="meta")
     target.load_state_dict(ours.state_dict(), strict=True, assign=True)
 
 
-def test_fuse_keeps_train_mode_function():
+def test_fold_keeps_train_mode_function():
     _, ours = tiny_pair(proj_drop_rate=0.1, drop_path_rate=0.1)
-    fused = fuse_layerscale(copy.deepcopy(ours))
+    folded = fold_layerscale(copy.deepcopy(ours))
     ours.train()
-    fused.train()
+    folded.train()
     x = images(2, 32)
     torch.manual_seed(3)
     a = ours(x)
     torch.manual_seed(3)
-    b = fused(x)
+    b = folded(x)
     assert _max_diff(a, b) <= 1e-5
 
 
-def test_fuse_timm_layerscale_blocks():
+def test_fold_timm_layerscale_blocks():
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2, init_values=0.1, num_classes=10)
     randomize(model).eval()
     x = images(2, 32)
     with torch.inference_mode():
         expected = model(x)
-    fuse_layerscale(model)
+    fold_layerscale(model)
     assert isinstance(model.get_submodule("blocks.0.ls1"), nn.Identity)
     with torch.inference_mode():
         assert _max_diff(model(x), expected) <= 1e-5
 
 
-def test_fuse_without_foldable_linear_fails_and_leaves_model_alone():
+def test_fold_without_foldable_linear_fails_and_leaves_model_alone():
     _, ours = tiny_pair()
     ours.get_submodule("blocks.1.mlp").fc2 = nn.Identity()
     before = {k: v.clone() for k, v in ours.state_dict().items()}
     with pytest.raises(ValueError, match=r"blocks\.1\.ls2.*blocks\.1\.mlp\.fc2.*Identity"):
-        fuse_layerscale(ours)
+        fold_layerscale(ours)
     assert isinstance(ours.get_submodule("blocks.0.ls1"), LayerScale)
     after = ours.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -97,13 +97,13 @@ def test_fuse_without_foldable_linear_fails_and_leaves_model_alone():
     _, ours = tiny_pair()
     ours.get_submodule("blocks.0.attn").proj = nn.Linear(32, 16)
     with pytest.raises(ValueError, match="16 outputs"):
-        fuse_layerscale(ours)
+        fold_layerscale(ours)
 
 
-def test_fuse_without_layerscale_is_a_no_op():
+def test_fold_without_layerscale_is_a_no_op():
     model = CaitLS(**dict(TINY_CAIT, init_values=None))
     before = copy.deepcopy(model.state_dict())
-    fuse_layerscale(model)
+    fold_layerscale(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -112,34 +112,34 @@ def _vit5_module():
         mod = importlib.import_module("timm_layerscale.models.vit5")
     except ImportError:
         pytest.skip("no ViT-5 model file")
-    if "fused_layerscale" not in mod.Vit5.__init__.__code__.co_varnames:
-        pytest.skip("ViT-5 has no fused_layerscale")
+    if "folded_layerscale" not in mod.Vit5.__init__.__code__.co_varnames:
+        pytest.skip("ViT-5 has no folded_layerscale")
     return mod
 
 
-def test_fuse_vit5_close_and_loads():
+def test_fold_vit5_close_and_loads():
     vit5 = _vit5_module()
     args = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
     model = randomize(vit5.Vit5(**args)).eval()
     x = images(2, 32)
     with torch.inference_mode():
         expected = model(x)
-    fuse_layerscale(model)
-    assert model.fused_layerscale
+    fold_layerscale(model)
+    assert model.folded_layerscale
     with torch.inference_mode():
         assert _max_diff(model(x), expected) <= 1e-5
-    vit5.Vit5(**args, fused_layerscale=True).load_state_dict(model.state_dict(), strict=True)
+    vit5.Vit5(**args, folded_layerscale=True).load_state_dict(model.state_dict(), strict=True)
 
 
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo_exporter", "torchscript_exporter"])
-def test_onnx_export_of_fused_model(tmp_path, dynamo):
+def test_onnx_export_of_folded_model(tmp_path, dynamo):
     onnx = pytest.importorskip("onnx")
     if dynamo:
         pytest.importorskip("onnxscript")
     _, ours = tiny_pair()
-    fuse_layerscale(ours)
+    fold_layerscale(ours)
     x = images(1, 32)
-    path = tmp_path / "cait_tiny_fused.onnx"
+    path = tmp_path / "cait_tiny_folded.onnx"
     torch.onnx.export(ours, (x,), str(path), dynamo=dynamo, input_names=["images"], output_names=["logits"])
     onnx.checker.check_model(onnx.load(str(path)))
     try:
@@ -160,7 +160,7 @@ def test_fold_state_dict_equals_module_fold(tmp_path):
 
     _, ours = tiny_pair()
     folded_sd = fold_state_dict(ours.state_dict())
-    module_sd = fuse_layerscale(copy.deepcopy(ours)).state_dict()
+    module_sd = fold_layerscale(copy.deepcopy(ours)).state_dict()
     assert folded_sd.keys() == module_sd.keys()
     assert all(torch.equal(folded_sd[k], module_sd[k]) for k in module_sd), "the same rule, the same floats"
     assert fold_state_dict(folded_sd).keys() == folded_sd.keys(), "nothing left to fold"
@@ -172,11 +172,11 @@ def test_fold_state_dict_equals_module_fold(tmp_path):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("layout", ["official", "ls"])
-def test_fused_model_loads_pretrained_weights(tmp_path, layout):
+def test_folded_model_loads_pretrained_weights(tmp_path, layout):
     from safetensors.torch import save_file
 
     from timm_layerscale import fold_state_dict
-    from timm_layerscale.parity.tolerance import FUSED_TOLERANCE
+    from timm_layerscale.parity.tolerance import FOLDED_TOLERANCE
 
     ref = randomize(timm.create_model("cait_xxs24_224")).eval()
     if layout == "official":
@@ -185,16 +185,16 @@ def test_fused_model_loads_pretrained_weights(tmp_path, layout):
     else:
         path = tmp_path / "ls.safetensors"
         save_file(to_layerscale(ref.state_dict(), "cait"), path)
-    fused = timm.create_model(
-        "cait_xxs24_224_ls", pretrained=True, fused_layerscale=True, pretrained_cfg_overlay=dict(file=str(path))
+    folded = timm.create_model(
+        "cait_xxs24_224_ls", pretrained=True, folded_layerscale=True, pretrained_cfg_overlay=dict(file=str(path))
     ).eval()
     expected = fold_state_dict(to_layerscale(ref.state_dict(), "cait"))
-    assert fused.state_dict().keys() == expected.keys()
-    assert all(torch.equal(fused.state_dict()[k], v) for k, v in expected.items())
+    assert folded.state_dict().keys() == expected.keys()
+    assert all(torch.equal(folded.state_dict()[k], v) for k, v in expected.items())
     x = images(2, 224)
-    atol, rtol = FUSED_TOLERANCE[torch.float32]
+    atol, rtol = FOLDED_TOLERANCE[torch.float32]
     with torch.inference_mode():
-        a, b = ref(x), fused(x)
+        a, b = ref(x), folded(x)
     assert ((a - b).abs() <= atol + rtol * a.abs()).all()
 
 
@@ -204,7 +204,7 @@ def test_vit5_filter_folds_with_the_same_rule():
 
     args = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
     model = randomize(vit5.Vit5(**args)).eval()
-    target = vit5.Vit5(**args, fused_layerscale=True)
+    target = vit5.Vit5(**args, folded_layerscale=True)
     filtered = vit5.checkpoint_filter_fn(model.state_dict(), target)
     expected = fold_state_dict(model.state_dict())
     assert filtered.keys() == expected.keys()

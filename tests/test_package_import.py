@@ -34,7 +34,7 @@ def test_explicit_import_registers_whatever_the_switch(order, switch):
 def test_public_names_load_on_first_use():
     code = (
         "import sys, timm_layerscale as t; print('torch' in sys.modules); "
-        "ls = t.LayerScale(4); print(type(ls).__name__, callable(t.param_groups), callable(t.fuse_layerscale)); "
+        "ls = t.LayerScale(4); print(type(ls).__name__, callable(t.param_groups), callable(t.fold_layerscale)); "
         "print(sorted(set(t.__all__) - set(dir(t))))"
     )
     assert _run(code).splitlines() == ["False", "LayerScale True True", "[]"]

@@ -418,7 +418,7 @@ def test_filter_resamples_pos_embed_for_another_img_size() -> None:
 
 def test_fused_layerscale_loads_folded_weights() -> None:
     sd = official_state_dict(**TINY, grid=2, seed=41)
-    model = tiny(32, fused_layerscale=True)
+    model = tiny(32, folded_layerscale=True)
     assert isinstance(model.blocks[0].ls1, torch.nn.Identity) and isinstance(model.blocks[1].ls2, torch.nn.Identity)
     assert not any("gamma" in k for k in model.state_dict())
     load_official(model, sd)
@@ -568,9 +568,9 @@ def test_grad_checkpointing_matches() -> None:
 
 
 @pytest.mark.parametrize("name", ["vit5_small_patch16_224", "vit5_base_patch16_384"])
-@pytest.mark.parametrize("fused_layerscale", [False, True])
-def test_flop_count_matches_torch_counter(name: str, fused_layerscale: bool) -> None:
-    model = create_model(name, device="meta", fused_layerscale=fused_layerscale)
+@pytest.mark.parametrize("folded_layerscale", [False, True])
+def test_flop_count_matches_torch_counter(name: str, folded_layerscale: bool) -> None:
+    model = create_model(name, device="meta", folded_layerscale=folded_layerscale)
     size = int(name[-3:])
     with FlopCounterMode(display=False) as counter:
         model(torch.empty(2, 3, size, size, device="meta"))

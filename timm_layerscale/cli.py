@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="output format (default: from OUTPUT's suffix: .safetensors, or .pth .pt .bin .ckpt)",
     )
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
-    p.add_argument("--fuse", action="store_true", help="fold LayerScale into the preceding Linear layers")
+    p.add_argument("--fold", action="store_true", help="fold LayerScale into the preceding Linear layers")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check")
     p.add_argument("--allow-nonfinite", action="store_true", help="convert even if tensors hold NaN/Inf")

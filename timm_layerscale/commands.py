@@ -87,7 +87,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
             verify=a.verify,
             allow_nonfinite=a.allow_nonfinite,
             ema=a.ema,
-            fuse=a.fuse,
+            fold=a.fold,
             plain=a.plain,
             options=verify_options(a),
         )

@@ -173,7 +173,7 @@ def convert_checkpoint(
     verify: bool = True,
     allow_nonfinite: bool = False,
     ema: bool = False,
-    fuse: bool = False,
+    fold: bool = False,
     options: VerifyOptions | None = None,
     plain: bool = False,
 ) -> ConversionResult:
@@ -193,7 +193,7 @@ def convert_checkpoint(
     the official code loads it as it is; ``plain=True`` writes the bare state dict
     instead. A safetensors file always holds the bare state dict (timm's own
     layout for its ``cait_*`` Hub copies). A source already in the target
-    layout is re-saved: another container or format, ``dtype`` and (for ``ls``) ``fuse`` apply.
+    layout is re-saved: another container or format, ``dtype`` and (for ``ls``) ``fold`` apply.
 
     Args:
         source: Local file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
@@ -207,8 +207,8 @@ def convert_checkpoint(
         verify: Check parity of the written file against the reference.
         allow_nonfinite: Convert even if some tensors hold NaN or Inf.
         ema: Take the source's ``'model_ema'`` weights.
-        fuse: Fold every LayerScale gamma into the preceding Linear (``ls`` only);
-            the output loads into the model built with ``fused_layerscale=True``.
+        fold: Fold every LayerScale gamma into the preceding Linear (``ls`` only);
+            the output loads into the model built with ``folded_layerscale=True``.
         options: Verification tolerances, inputs and device.
         plain: With ``to="gamma"``, write a ``.pth`` file without the official wrapper.
 
@@ -224,8 +224,8 @@ def convert_checkpoint(
     fmt = save.output_format(output, fmt)
     if to not in ("ls", "gamma"):
         raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
-    if fuse and to != "ls":
-        raise LayerScaleError("fusing applies to the ls layout only; convert to 'ls', or do not fuse")
+    if fold and to != "ls":
+        raise LayerScaleError("folding applies to the ls layout only; convert to 'ls', or do not fold")
     if plain and to != "gamma":
         raise LayerScaleError("plain applies to the gamma layout only (an ls file is always plain); leave it out")
     atomic.check_output(output, overwrite)
@@ -238,7 +238,7 @@ def convert_checkpoint(
     layout = detect_layout(sd, FAMILIES[variant.family])
     sha = _hash_and_check(path, sd, allow_nonfinite)
     target = _to_target(sd, found, to)
-    if fuse:  # to == "ls": target is in the ls layout
+    if fold:  # to == "ls": target is in the ls layout
         target = fold_state_dict(target)
     metadata = {
         "format": "pt",
@@ -250,13 +250,13 @@ def convert_checkpoint(
         "family": variant.family,
         "converter": f"timm-layerscale {__version__}",
         **({"num_classes": str(num_classes)} if num_classes is not None else {}),
-        **({"fused_layerscale": "true"} if fuse else {}),
+        **({"folded_layerscale": "true"} if fold else {}),
     }
     report = None
     if verify:
         if torch_dtype is not None:
             target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
-        report = _verified(sd, target, variant, num_classes, options, fuse)
+        report = _verified(sd, target, variant, num_classes, options, fold)
     metadata.update(report.metadata() if report is not None else {"parity": "not verified"})
     family = FAMILIES[variant.family]
     official = to == "gamma" and fmt == "pth" and not plain
@@ -292,7 +292,7 @@ def convert_checkpoint(
         no_verify=not verify,
         allow_nonfinite=allow_nonfinite,
         ema=ema,
-        fuse=fuse,
+        fold=fold,
         plain=plain,
     )
     return ConversionResult(
@@ -327,10 +327,10 @@ def _verified(
     variant: Variant,
     num_classes: int | None,
     options: VerifyOptions | None,
-    fused: bool,
+    folded: bool,
 ) -> ParityReport:
     """Step 6: the parity report of the converted weights; a failed check raises and nothing is written."""
-    report = verify_state_dicts(sd, target, variant, num_classes=num_classes, options=options, fused=fused)
+    report = verify_state_dicts(sd, target, variant, num_classes=num_classes, options=options, folded=folded)
     if report.passed:
         return report
     if report.weights_equal is False:

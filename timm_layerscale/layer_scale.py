@@ -76,7 +76,7 @@ class LayerScale(nn.Module):
     ``torch.autocast`` they compute exactly what their references compute.
 
     **Cost.** :meth:`flop_count`: one multiplication per element, ``N * C`` for ``N``
-    tokens. For deployment, :func:`~timm_layerscale.conversion.fold.fuse_layerscale` folds ``gamma``
+    tokens. For deployment, :func:`~timm_layerscale.conversion.fold.fold_layerscale` folds ``gamma``
     into the linear layer before it and removes the module.
 
     Args:

@@ -18,7 +18,7 @@ from torch import nn
 from ..families import FOLD_TARGETS, GATE_KEY
 from ..layer_scale import LayerScale
 
-__all__ = ["fuse_layerscale", "fold_state_dict", "fold_weights"]
+__all__ = ["fold_layerscale", "fold_state_dict", "fold_weights"]
 
 
 def _is_layerscale(module: nn.Module) -> bool:
@@ -69,7 +69,7 @@ def _fold(linear: nn.Linear, gamma: torch.Tensor) -> None:
 def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fold every ``*.ls1.gamma`` / ``*.ls2.gamma`` of an ``ls``-layout state dict into its linear layer.
 
-    The state-dict twin of :func:`fuse_layerscale` (same :func:`fold_weights`, so the
+    The state-dict twin of :func:`fold_layerscale` (same :func:`fold_weights`, so the
     two give identical tensors): ``ls1.gamma`` goes into ``attn.proj``, ``ls2.gamma``
     into ``mlp.fc2``, and the gammas are dropped. A state dict without gammas comes
     back unchanged.
@@ -95,7 +95,7 @@ def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-def fuse_layerscale(model: nn.Module) -> nn.Module:
+def fold_layerscale(model: nn.Module) -> nn.Module:
     """Fold every ``ls1`` / ``ls2`` LayerScale into the linear layer before it, in place.
 
     For each module with LayerScale children ``ls1`` / ``ls2`` (CaiT's self- and
@@ -104,12 +104,12 @@ def fuse_layerscale(model: nn.Module) -> nn.Module:
     (``W' = diag(gamma) W``, ``b' = gamma * b``, computed in at least fp32 and cast
     back to the layer's dtype), and the LayerScale is replaced by ``nn.Identity``. The
     result computes the same function up to rounding (fp32: within 1e-5) and its state
-    dict loads into the model built with ``fused_layerscale=True``. Every block is
+    dict loads into the model built with ``folded_layerscale=True``. Every block is
     checked before anything changes, so a failure leaves the model untouched. A model
     without LayerScale is returned as it is.
 
     Args:
-        model: The model; modified in place. ``model.fused_layerscale`` is set to
+        model: The model; modified in place. ``model.folded_layerscale`` is set to
             ``True`` when the model has that attribute.
 
     Returns:
@@ -144,6 +144,6 @@ def fuse_layerscale(model: nn.Module) -> nn.Module:
         _fold(linear, gamma)
         setattr(parent, ls_name, nn.Identity())
     inner = getattr(model, "_orig_mod", model)
-    if hasattr(inner, "fused_layerscale"):
-        inner.fused_layerscale = True
+    if hasattr(inner, "folded_layerscale"):
+        inner.folded_layerscale = True
     return model

@@ -63,7 +63,7 @@ class TimmContract(nn.Module):
     num_prefix_tokens: int
     dynamic_img_size: bool
     init_values: float | None
-    fused_layerscale: bool
+    folded_layerscale: bool
     grad_checkpointing: bool
     patch_embed: PatchEmbed
     pos_embed: nn.Parameter
@@ -83,7 +83,7 @@ class TimmContract(nn.Module):
         global_pool: str,
         embed_dim: int,
         init_values: float | None,
-        fused_layerscale: bool,
+        folded_layerscale: bool,
         dynamic_img_size: bool,
         dynamic_img_pad: bool,
         embed_layer: Callable[..., PatchEmbed],
@@ -97,7 +97,7 @@ class TimmContract(nn.Module):
         self.num_prefix_tokens = 1
         self.dynamic_img_size = dynamic_img_size
         self.init_values = init_values
-        self.fused_layerscale = fused_layerscale
+        self.folded_layerscale = folded_layerscale
         self.grad_checkpointing = False
         embed_args: dict[str, Any] = {}
         if dynamic_img_size:

@@ -103,9 +103,9 @@ class CaitLS(TimmContract):
             allocator) or ``"fast"`` (fewer copies, within
             :data:`~timm_layerscale.layers.talking_heads.FAST_ATTN_RTOL` of the
             reference, not bit-exact). All three train identically.
-        fused_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
+        folded_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
             ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
-            folded into ``attn.proj`` and ``mlp.fc2`` (:func:`timm_layerscale.fuse_layerscale`).
+            folded into ``attn.proj`` and ``mlp.fc2`` (:func:`timm_layerscale.fold_layerscale`).
         norm_layer, act_layer, block_layer, block_layer_token, attn_layer,
         attn_layer_token_only, mlp_layer, embed_layer: Layer types (``norm_layer=None``:
             LayerNorm, eps 1e-6).
@@ -137,7 +137,7 @@ class CaitLS(TimmContract):
         mlp_ratio_token_only: float = 4.0,
         dynamic_img_size: bool = False,
         dynamic_img_pad: bool = False,
-        fused_layerscale: bool = False,
+        folded_layerscale: bool = False,
         norm_layer: Callable[..., nn.Module] | None = None,
         act_layer: type[nn.Module] = nn.GELU,
         block_layer: type[nn.Module] = LayerScaleBlock,
@@ -156,7 +156,7 @@ class CaitLS(TimmContract):
             init_values = cait_init_value(depth)
         elif isinstance(init_values, str):
             raise ValueError(f"init_values must be a number, 'auto' or None, got {init_values!r}")
-        if fused_layerscale:
+        if folded_layerscale:
             init_values = None
         norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
         if attn_layer is None:
@@ -172,7 +172,7 @@ class CaitLS(TimmContract):
             global_pool,
             embed_dim,
             init_values,
-            fused_layerscale,
+            folded_layerscale,
             dynamic_img_size,
             dynamic_img_pad,
             embed_layer,
@@ -306,7 +306,7 @@ class CaitLS(TimmContract):
         and ``attn @ v`` (``N^2 C`` each in a self-attention block, ``(1 + N) C`` in a
         class-attention block); the talking-heads mixes ``proj_l`` and ``proj_w``
         (``H^2`` per entry of the ``N x N`` logits); LayerScale (``tokens * C`` per
-        module; none when ``fused_layerscale``). Not counted: norms, softmax, GELU,
+        module; none when ``folded_layerscale``). Not counted: norms, softmax, GELU,
         the attention scale, bias, residual and position-embedding additions. Inputs
         of another size (``dynamic_img_size``) are not accounted for.
 
@@ -344,10 +344,10 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> 
     ``cait_*`` state dict (``gamma_1``/``gamma_2``) and the ``ls`` layout. The
     position embedding is resampled when the checkpoint's grid differs from the
     model's (pretrained loading at another ``img_size``). For a model built with
-    ``fused_layerscale=True`` the gammas are folded into ``attn.proj`` and ``mlp.fc2``
+    ``folded_layerscale=True`` the gammas are folded into ``attn.proj`` and ``mlp.fc2``
     (:func:`timm_layerscale.conversion.fold.fold_state_dict`).
     """
-    return fit_state_dict(to_layerscale(unwrap_state_dict(state_dict), "cait"), model, fold=model.fused_layerscale)
+    return fit_state_dict(to_layerscale(unwrap_state_dict(state_dict), "cait"), model, fold=model.folded_layerscale)
 
 
 #: The registered variants (:data:`timm_layerscale.families.VARIANTS`).

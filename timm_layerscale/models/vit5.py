@@ -95,7 +95,7 @@ class Vit5(TimmContract):
         rope_theta: Rotary base of the patch tokens.
         reg_rope_theta: Rotary base of the register tokens.
         init_values: LayerScale initial value; ``None`` disables LayerScale (``nn.Identity``).
-        fused_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
+        folded_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
             ``nn.Identity``), for weights whose gammas were folded into ``attn.proj`` and
             ``mlp.fc2``; pretrained weights are folded on loading.
         drop_rate: Dropout before the classifier.
@@ -131,7 +131,7 @@ class Vit5(TimmContract):
         rope_theta: float = 10000.0,
         reg_rope_theta: float = 100.0,
         init_values: float | None = 1e-4,
-        fused_layerscale: bool = False,
+        folded_layerscale: bool = False,
         drop_rate: float = 0.0,
         proj_drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
@@ -161,8 +161,8 @@ class Vit5(TimmContract):
             num_classes,
             global_pool,
             embed_dim,
-            None if fused_layerscale else init_values,
-            fused_layerscale,
+            None if folded_layerscale else init_values,
+            folded_layerscale,
             dynamic_img_size,
             dynamic_img_pad,
             embed_layer,
@@ -335,7 +335,7 @@ def checkpoint_filter_fn(
     (:class:`~timm_layerscale.errors.RemapError` if they differ) and dropped; the position
     embedding is resampled when the checkpoint's grid differs from the model's;
     LayerScale is folded into ``attn.proj`` / ``mlp.fc2`` when the model has none
-    (``fused_layerscale``).
+    (``folded_layerscale``).
     """
     if use_ema is None:
         use_ema = _wants_ema(model)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from .compare import ParityReport, attention_path, compare_models, compare_weights
 from .inputs import image_inputs, seed_parameters_, seeded_inputs
-from .tolerance import EXACT_FAMILIES, FUSED_TOLERANCE, VIT5_TOLERANCE, Tolerance, VerifyOptions, resolve_tolerance
+from .tolerance import EXACT_FAMILIES, FOLDED_TOLERANCE, VIT5_TOLERANCE, Tolerance, VerifyOptions, resolve_tolerance
 
 __all__ = [
     "EXACT_FAMILIES",
-    "FUSED_TOLERANCE",
+    "FOLDED_TOLERANCE",
     "ParityReport",
     "Tolerance",
     "VIT5_TOLERANCE",

@@ -8,8 +8,8 @@ What is asserted follows from how the two sides compute:
 * ViT-5: the reference is an independent implementation of the same equations, whose
   reductions are ordered differently; outputs must agree within
   :data:`VIT5_TOLERANCE` unless ``exact`` is asked for.
-* Folded LayerScale (``fuse``): ``diag(gamma) W`` rounds differently from ``gamma *
-  (W x)``, so outputs must agree within :data:`FUSED_TOLERANCE`.
+* Folded LayerScale (``fold``): ``diag(gamma) W`` rounds differently from ``gamma *
+  (W x)``, so outputs must agree within :data:`FOLDED_TOLERANCE`.
 * Weights, always: every converted tensor ``torch.equal`` to its source tensor after
   the requested dtype cast (folded tensors: to the fold of the source), which holds
   on any machine because a cast and a copy round the same way everywhere.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Tolerance", "VIT5_TOLERANCE", "FUSED_TOLERANCE", "EXACT_FAMILIES", "VerifyOptions", "resolve_tolerance"]
+__all__ = ["Tolerance", "VIT5_TOLERANCE", "FOLDED_TOLERANCE", "EXACT_FAMILIES", "VerifyOptions", "resolve_tolerance"]
 
 
 #: Families whose converted model makes the reference's kernel calls: outputs must be equal.
@@ -69,7 +69,7 @@ VIT5_TOLERANCE = {
 #: Folding rounds each folded weight once more (one ``u``), which moves outputs by a few
 #: ``u`` per block as above. Measured on cait_xxs24_224 (random weights, gammas of std
 #: 0.1, 8 images): ``t`` = 1.2e-6 fp32, 0.034 bf16; the bounds are 8x and 4x above.
-FUSED_TOLERANCE = {
+FOLDED_TOLERANCE = {
     torch.float32: (1e-5, 1e-5),
     torch.float16: (2e-2, 2e-2),
     torch.bfloat16: (0.15, 0.15),
@@ -116,14 +116,14 @@ class VerifyOptions:
         object.__setattr__(self, "images", tuple(self.images))
 
 
-def resolve_tolerance(family: str, dtype: torch.dtype, options: VerifyOptions, fused: bool = False) -> Tolerance:
+def resolve_tolerance(family: str, dtype: torch.dtype, options: VerifyOptions, folded: bool = False) -> Tolerance:
     """The tolerance a check applies: ``exact``, else the options', else the family's rule."""
     if options.exact:
         return Tolerance(0.0, 0.0, "exact parity requested")
     if options.atol is not None or options.rtol is not None:
         return Tolerance(options.atol or 0.0, options.rtol or 0.0, "tolerance given by the user")
-    if fused:
-        atol, rtol = FUSED_TOLERANCE.get(dtype, FUSED_TOLERANCE[torch.float32])
+    if folded:
+        atol, rtol = FOLDED_TOLERANCE.get(dtype, FOLDED_TOLERANCE[torch.float32])
         return Tolerance(atol, rtol, "LayerScale folded into the weights: rounding differs from the reference")
     if family in EXACT_FAMILIES:
         return Tolerance(0.0, 0.0, "bit-exact required: the converted model makes the reference's kernel calls")

@@ -68,13 +68,13 @@ def _has_layerscale(sd: Mapping[str, torch.Tensor]) -> bool:
 
 
 def _expected_weights(
-    src_sd: Mapping[str, torch.Tensor], conv_ls: Mapping[str, torch.Tensor], family: str | Family, fused: bool
+    src_sd: Mapping[str, torch.Tensor], conv_ls: Mapping[str, torch.Tensor], family: str | Family, folded: bool
 ) -> dict[str, torch.Tensor]:
-    """The source's tensors as the converted ones must be: remapped, folded if ``fused``, cast to their dtypes."""
+    """The source's tensors as the converted ones must be: remapped, folded if ``folded``, cast to their dtypes."""
     from ..conversion.fold import fold_state_dict
 
     expected = to_layerscale(src_sd, family)
-    if fused:
+    if folded:
         expected = fold_state_dict(expected)
     out = {}
     for k, v in expected.items():
@@ -96,7 +96,7 @@ def verify_state_dicts(
     *,
     num_classes: int | None = None,
     options: VerifyOptions | None = None,
-    fused: bool | None = None,
+    folded: bool | None = None,
 ) -> ParityReport:
     """Compare the reference on the original weights with the converted model, and the weights themselves.
 
@@ -106,7 +106,7 @@ def verify_state_dicts(
         variant: The architecture.
         num_classes: Classifier size when it differs from the variant's default.
         options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`).
-        fused: The converted weights have LayerScale folded in; default: detected
+        folded: The converted weights have LayerScale folded in; default: detected
             (the source has gammas, the converted weights none).
 
     Returns:
@@ -115,14 +115,14 @@ def verify_state_dicts(
     options = options or VerifyOptions()
     device = _device(options)
     family = FAMILIES[variant.family]
-    if fused is None:
-        fused = _has_layerscale(src_sd) and not _has_layerscale(conv_sd)
+    if folded is None:
+        folded = _has_layerscale(src_sd) and not _has_layerscale(conv_sd)
     conv_ls = to_layerscale(conv_sd, family)
-    weights = compare_weights(_expected_weights(src_sd, conv_ls, family, fused), conv_ls)
+    weights = compare_weights(_expected_weights(src_sd, conv_ls, family, folded), conv_ls)
     dtype = _dtype_of(conv_sd)
-    tolerance = resolve_tolerance(variant.family, dtype, options, fused=fused)
+    tolerance = resolve_tolerance(variant.family, dtype, options, folded=folded)
     ref, ref_name = build_reference(variant, src_sd, num_classes), reference_name(variant)
-    out = build_converted(variant, conv_sd, num_classes, **({"fused_layerscale": True} if fused else {}))
+    out = build_converted(variant, conv_sd, num_classes, **({"folded_layerscale": True} if folded else {}))
     align_attention(ref, out)
     ref.to(device, dtype)
     out.to(device, dtype)
@@ -144,7 +144,7 @@ def verify_state_dicts(
         out,
         inputs,
         reference_name=ref_name,
-        model_name=f"{variant.name} (fused_layerscale)" if fused else variant.name,
+        model_name=f"{variant.name} (folded_layerscale)" if folded else variant.name,
         family=variant.family,
         inputs_desc=desc,
         batch_size=options.batch_size,
