@@ -125,7 +125,7 @@ def test_round_trip_keeps_tensors(deit3_small) -> None:
     assert all(back[k] is ls[k] for k in ls)
     again = remap.to_gamma(back, "deit3")
     assert list(again) == list(official) and all(again[k] is official[k] for k in official)
-    assert remap.detect_layout(official, "deit3") == "gamma"
+    assert remap.detect_layout(official) == "gamma"
 
 
 def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:

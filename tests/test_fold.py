@@ -20,7 +20,7 @@ from timm_layerscale.models.cait_ls import CaitLS
 # --- LayerScale folding --------------------------------------------------------------
 
 
-def test_fused_layerscale_constructor():
+def test_folded_layerscale_constructor():
     model = CaitLS(**TINY_CAIT, folded_layerscale=True)
     assert model.folded_layerscale
     blocks = [*model.blocks, *(model.blocks_token_only or ())]

@@ -25,7 +25,7 @@ from timm_layerscale.models.cait_ls import VARIANTS
 def test_round_trip_every_variant_on_meta(name):
     ref = timm.create_model(str(VARIANTS[name].reference), device="meta").state_dict()
     ls = to_layerscale(ref)
-    assert detect_layout(ref, "cait") == "gamma" and detect_layout(ls, "cait") == "ls"
+    assert detect_layout(ref) == "gamma" and detect_layout(ls) == "ls"
     assert not any("gamma_" in k for k in ls)
     back = to_gamma(ls)
     assert list(back) == list(ref)

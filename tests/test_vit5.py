@@ -317,7 +317,7 @@ def test_round_trip_and_rules() -> None:
     assert back.keys() == sd.keys()
     assert all(back[k] is sd[k] for k in sd if not k.endswith(".freqs"))
     assert all(torch.equal(back[k], sd[k]) for k in sd)
-    assert remap.detect_layout(sd, "vit5") == "gamma" and remap.detect_layout(ls, "vit5") == "ls"
+    assert remap.detect_layout(sd) == "gamma" and remap.detect_layout(ls) == "ls"
 
 
 def test_unknown_key_is_named() -> None:
@@ -416,7 +416,7 @@ def test_filter_resamples_pos_embed_for_another_img_size() -> None:
     model.load_state_dict(out, strict=True)
 
 
-def test_fused_layerscale_loads_folded_weights() -> None:
+def test_folded_layerscale_loads_folded_weights() -> None:
     sd = official_state_dict(**TINY, grid=2, seed=41)
     model = tiny(32, folded_layerscale=True)
     assert isinstance(model.blocks[0].ls1, torch.nn.Identity) and isinstance(model.blocks[1].ls2, torch.nn.Identity)

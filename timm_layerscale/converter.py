@@ -235,7 +235,7 @@ def convert_checkpoint(
     identity = ckpt.file_identity(path)  # checked once the source is no longer read
     sd, found = _read(path, model=model, ema=ema)
     variant, num_classes = found.variant, found.info.get("num_classes")
-    layout = detect_layout(sd, FAMILIES[variant.family])
+    layout = detect_layout(sd)
     sha = _hash_and_check(path, sd, allow_nonfinite)
     target = _to_target(sd, found, to)
     if fold:  # to == "ls": target is in the ls layout

@@ -88,8 +88,6 @@ class Family:
         name: Family name (``"cait"``, ``"vit5"``, ``"deit3"``).
         to_layerscale: Rules from any accepted source layout to the ``ls`` layout.
         to_gamma: Rules from the ``ls`` layout back to the official ``gamma`` layout.
-        gamma_pattern: Matches keys of the official layout's LayerScale parameters.
-        ls_pattern: Matches keys of the module layout's LayerScale parameters.
         official_prefix: Prefix of every key in the official training code's files
             (``"module."`` for CaiT, saved from DistributedDataParallel).
     """
@@ -97,8 +95,6 @@ class Family:
     name: str
     to_layerscale: tuple[Rule, ...]
     to_gamma: tuple[Rule, ...]
-    gamma_pattern: str = r".*\.gamma_[12]"
-    ls_pattern: str = r".*\.ls[12]\.gamma"
     official_prefix: str = ""
 
 
@@ -210,11 +206,11 @@ _family(
 
 # ---- Folding ------------------------------------------------------------------------
 
-#: The linear layer each LayerScale folds into, per block: ``ls1`` scales the
-#: attention's output projection, ``ls2`` the MLP's second layer (all families).
 #: A LayerScale key in either layout, by full match: the block, and which gate (``g`` in the
 #: official ``gamma_1``/``gamma_2``, ``l`` in the module layout's ``ls1.gamma``/``ls2.gamma``).
 GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
+#: The linear layer each LayerScale folds into, per block: ``ls1`` scales the
+#: attention's output projection, ``ls2`` the MLP's second layer (all families).
 FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
 
 

@@ -14,12 +14,11 @@ it. A key no rule matches is an error that names it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import RemapError
-from ..families import Family, Rule, get_family
+from ..families import GATE_KEY, Family, Rule, get_family
 
 __all__ = [
     "unwrap_state_dict",
@@ -128,8 +127,8 @@ def state_dict_of(checkpoint: Mapping[str, Any], ema: bool = False) -> dict[str,
     return strip_prefixes(unwrap_state_dict(checkpoint, "model_ema" if ema else None))
 
 
-def detect_layout(state_dict: Mapping[str, Any], family: str | Family) -> str:
-    """Say which LayerScale layout a (prefix-free) state dict uses.
+def detect_layout(state_dict: Mapping[str, Any]) -> str:
+    """Say which LayerScale layout a (prefix-free) state dict uses (any family).
 
     Returns:
         ``"gamma"`` (official ``gamma_1``/``gamma_2``), ``"ls"`` (``ls1.gamma``), or
@@ -138,9 +137,8 @@ def detect_layout(state_dict: Mapping[str, Any], family: str | Family) -> str:
     Raises:
         RemapError: Both layouts are present.
     """
-    fam = get_family(family) if isinstance(family, str) else family
-    has_gamma = any(re.fullmatch(fam.gamma_pattern, k) for k in state_dict)
-    has_ls = any(re.fullmatch(fam.ls_pattern, k) for k in state_dict)
+    gates = [m for k in state_dict if (m := GATE_KEY.fullmatch(k))]
+    has_gamma, has_ls = any(m["g"] for m in gates), any(m["l"] for m in gates)
     if has_gamma and has_ls:
         raise RemapError(
             "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"
@@ -209,7 +207,7 @@ def to_gamma(state_dict: Mapping[str, V], family: str | Family = "cait") -> dict
 def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[str, V]:
     fam = get_family(family) if isinstance(family, str) else family
     sd = strip_prefixes(state_dict)
-    detect_layout(sd, fam)
+    detect_layout(sd)
     if to == "ls":
         return _apply_rules(sd, fam.to_layerscale, fam.name, "LayerScale-module")
     return _apply_rules(sd, fam.to_gamma, fam.name, "gamma")

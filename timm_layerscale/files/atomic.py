@@ -1,17 +1,11 @@
-"""Atomic writes: output checks, temporaries, putting the finished file in place, and removing what killed writers left.
+"""Atomic writes: a temporary next to the target, moved onto it only when complete.
 
-Every write goes to a temporary file in the target folder and is moved onto the
-target only when complete, without replacing a file that another process put there
-meanwhile unless asked to (:func:`atomic_output`).
-
-A writer builds its output under a hidden name next to the target,
-``.{name}.tmp-{pid}-{hex}``, and moves it onto the target when complete. While it
-lives it holds an exclusive ``flock`` on its temporary; the kernel drops that lock
-when the process ends, however it ends (``SIGKILL`` included). So a temporary that
-can be locked, of a process that no longer runs, was left by a writer that died,
-and :func:`remove_stale_temporaries` removes it; one whose lock is held belongs to a
-live writer and is never touched. Where ``fcntl`` is missing (Windows) no temporary
-is taken for stale: what a killed writer left stays for the user to remove.
+A writer builds its output under a hidden name, ``.{name}.tmp-{pid}-{hex}``, and
+holds an exclusive ``flock`` on it while it lives; the kernel drops that lock when
+the process ends, however it ends (``SIGKILL`` included). So a temporary that can be
+locked, of a process that no longer runs, was left by a writer that died, and
+:func:`remove_stale_temporaries` removes it; a live writer's is never touched. Where
+``fcntl`` is missing (Windows) no temporary is taken for stale.
 """
 
 from __future__ import annotations
@@ -76,13 +70,9 @@ def _try_lock(fd: int) -> bool | None:
 
 
 def _remove_if_stale(path: Path, pid: int) -> bool:
-    """Remove the temporary ``path`` made by process ``pid`` if its writer is gone.
+    """Remove the temporary ``path`` of process ``pid`` if its lock can be taken and ``pid`` is gone (or is us).
 
-    A writer holds an exclusive lock on its temporary while it lives, which the
-    kernel drops when the process ends, however it ends. The temporary is stale when
-    that lock can be taken and ``pid`` no longer runs (or is this process, whose
-    own writers hold their locks too). Without locks (Windows, or a filesystem that
-    refuses them) only a dead ``pid`` makes it stale.
+    Without locks (a filesystem that refuses them) only a dead ``pid`` makes it stale.
     """
     own = pid == os.getpid()
     try:
@@ -107,15 +97,10 @@ def _remove_if_stale(path: Path, pid: int) -> bool:
 
 
 def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporaries that writers of ``target`` left when they were killed.
+    """Remove the temporaries that killed writers of ``target`` left; return them.
 
-    A writer that is killed (``SIGKILL``, power loss of the process, an out-of-memory
-    kill) cannot delete its ``.{name}.tmp-{pid}-{hex}`` file or folder; the next
-    write of the same ``target`` calls this. A temporary whose writer still runs, in
-    this process or another, is never touched.
-
-    Returns:
-        The temporaries removed.
+    The next write of the same ``target`` calls this. A temporary whose writer still
+    runs, in this process or another, is never touched.
     """
     target = Path(target)
     pattern = re.compile(re.escape(f".{target.name}.tmp-") + r"([0-9]+)-[0-9a-f]+")
@@ -163,16 +148,9 @@ def create_temporary(target: Path, folder: bool = False) -> tuple[Path, int | No
 def check_output(target: Path, overwrite: bool) -> None:
     """Raise unless ``target`` can be written as a new file (or replaced, with ``overwrite``).
 
-    Checked before any work and again just before the finished file is put in place.
-
-    Args:
-        target: The output file.
-        overwrite: An existing file at ``target`` may be replaced.
-
     Raises:
         OutputExistsError: ``target`` exists and ``overwrite`` is false.
-        CheckpointError: ``target`` is a directory, or its folder is missing or not
-            writable.
+        CheckpointError: ``target`` is a directory, or its folder is missing or not writable.
     """
     if target.is_dir():
         raise CheckpointError(
@@ -207,11 +185,9 @@ def check_output_folder(out: Path, overwrite: bool) -> None:
 def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
     """Move the finished ``tmp`` onto ``target``; without ``overwrite``, never replace a file.
 
-    ``os.link`` fails with ``EEXIST`` when ``target`` exists, atomically, so of two
-    writers racing for one name exactly one wins and the other gets
-    :class:`OutputExistsError`; the file is always one writer's whole output. Where
-    the filesystem has no hard links, the existence check and ``os.replace`` are two
-    steps, which leaves a short window for a writer in another process.
+    ``os.link`` fails atomically when ``target`` exists, so of two racing writers one
+    wins and the other gets :class:`OutputExistsError`. Without hard links, the check
+    and ``os.replace`` are two steps: a short window for another process.
     """
     if overwrite:
         os.replace(tmp, target)
@@ -235,12 +211,10 @@ _FOLDER_LOCKS: dict[Path, int] = {}
 
 
 def temporary_folder(target: str | os.PathLike[str]) -> Path:
-    """Create a temporary folder next to ``target``, to be filled and then moved onto it.
+    """Create a temporary folder next to ``target`` (stale ones removed first); the caller moves or deletes it.
 
-    Stale temporaries of ``target`` are removed first
-    (:func:`~timm_layerscale.files.atomic.remove_stale_temporaries`). The
-    folder is locked while this process lives and the folder keeps its name, so that
-    no other writer takes it for stale; the caller moves or deletes it.
+    It stays locked while this process lives and it keeps its name, so no other
+    writer takes it for stale.
 
     Raises:
         CheckpointError: The folder cannot be created.
@@ -264,17 +238,11 @@ def temporary_folder(target: str | os.PathLike[str]) -> Path:
 def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; move it onto ``path`` on success.
 
-    The temporary file (``.{name}.tmp-{pid}-{hex}`` in the target folder) is created
-    empty; the caller writes it by name. On any exception, including
-    ``KeyboardInterrupt``, it is deleted and ``path`` is left as it was. Without
-    ``overwrite`` the last step is a hard link, which fails if ``path`` exists by
-    then (another process wrote it first), so an existing file is never replaced;
-    with ``overwrite`` it is a rename. Either way ``path`` holds one whole file,
-    never a mix. Protects against failure of this process, not against power loss
-    (no ``fsync``). A process killed mid-write cannot delete its temporary; the
-    next write of ``path`` does (:func:`~timm_layerscale.files.atomic.remove_stale_temporaries`), while the
-    temporaries of writers still running are left alone: each holds an exclusive
-    ``flock`` on its own until it ends.
+    The temporary is created empty; the caller writes it by name. On any exception,
+    ``KeyboardInterrupt`` included, it is deleted and ``path`` is left as it was.
+    Without ``overwrite`` an existing file is never replaced, even one another process
+    wrote meanwhile; either way ``path`` holds one whole file, never a mix. Protects
+    against failure of this process, not against power loss (no ``fsync``).
 
     Args:
         path: The final file.
