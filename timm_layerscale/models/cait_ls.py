@@ -65,7 +65,7 @@ class LayerScaleBlock(PreNormBlock):
     """Self-attention block: :class:`~timm_layerscale.layers.block.PreNormBlock` with talking-heads attention by default."""
 
     def __init__(
-        self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module] = BufferedTalkingHeadAttn, **kwargs: Any
+        self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module] = TalkingHeadAttn, **kwargs: Any
     ) -> None:
         super().__init__(dim, num_heads, attn_layer, **kwargs)
 
