@@ -33,7 +33,6 @@ __all__ = [
     "MissingPlotDependency",
 ]
 
-#: ``<block>.gamma_1`` (official layout) or ``<block>.ls1.gamma`` (module layout).
 #: A block path ending in its index: ``blocks.3``, ``blocks_token_only.0``, ``stages.1.blocks.2``.
 _BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")
 #: Stages whose blocks are class-attention blocks (CaiT's ``blocks_token_only``).

@@ -100,10 +100,10 @@ _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-
 
 def timm_hub_copy(reference: str | None, tag: str | None) -> str | None:
     """timm's own Hub repository for the reference's weights under ``tag`` (``timm/cait_xxs24_224.fb_dist_in1k``), if any."""
-    import timm
-
     if not reference or not tag:
         return None
+    import timm
+
     cfg = timm.models.get_pretrained_cfg(f"{reference}.{tag}")
     hub_id = getattr(cfg, "hf_hub_id", None)
     return hub_id if hub_id and hub_id.startswith("timm/") else None
