@@ -141,14 +141,28 @@ def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.txt", "labels.json"]
 
 
-def test_gamma_is_for_cait_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("vit5_small_patch16_224", "timm has no architecture for vit5_small_patch16_224"),
+        ("deit3_small_patch16_224", "already uses timm's own deit3_small_patch16_224"),
+    ],
+)
+def test_gamma_is_for_cait_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, message: str) -> None:
+    """The refusal comes before the conversion and its verification, and leaves nothing behind."""
+    import timm_layerscale.converter
     from timm_layerscale.demo import write_official_checkpoint
 
-    vit5 = tmp_path / "v.pth"
-    write_official_checkpoint(vit5, "vit5_small_patch16_224")
-    with pytest.raises(CheckpointError, match="timm has no architecture for vit5_small_patch16_224"):
-        export_folder(vit5, tmp_path / "out", to="gamma", plot=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.pth"]
+    source = tmp_path / "src.pth"
+    write_official_checkpoint(source, model)
+
+    def no_conversion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("converted before refusing")
+
+    monkeypatch.setattr(timm_layerscale.converter, "convert_checkpoint", no_conversion)
+    with pytest.raises(CheckpointError, match=message):
+        export_folder(source, tmp_path / "out", to="gamma", plot=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pth"]
 
 
 def test_timms_own_architectures_load_without_the_package(folders) -> None:

@@ -269,7 +269,7 @@ def export_folder(
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
-    from ..converter import convert_checkpoint
+    from ..converter import convert_checkpoint, load_source
     from ..files.atomic import temporary_folder
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line
@@ -282,6 +282,8 @@ def export_folder(
         label_names, descriptions = read_label_names(label_file)
     if push_to_hub:
         check_repo_id(push_to_hub)
+    if to == "gamma":  # a family without timm's gamma architecture is refused before converting
+        _architecture(load_source(source, model=model, ema=ema)[2], to)
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     created = _prepare_target(out, tmp, overwrite)
