@@ -110,6 +110,17 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def fine_tuned(official: Path, path: Path, num_classes: int = 10) -> Path:
+    """An official CaiT file with a new seeded ``num_classes`` head, as a fine-tuning run saves it."""
+    obj = torch.load(official, map_location="cpu", weights_only=True)
+    sd = obj["model"]
+    g = torch.Generator().manual_seed(5)
+    sd["module.head.weight"] = torch.randn(num_classes, sd["module.head.weight"].shape[1], generator=g) * 0.02
+    sd["module.head.bias"] = torch.randn(num_classes, generator=g) * 0.02
+    torch.save(obj, path)
+    return path
+
+
 #: A CaiT small enough to run in milliseconds, with every feature of the real ones.
 TINY_CAIT: dict[str, Any] = dict(
     img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5

@@ -105,6 +105,7 @@ def workdir(tmp_path_factory) -> Path:
     from PIL import Image
 
     import timm_layerscale  # noqa: F401
+    from helpers import fine_tuned
     from timm_layerscale.conversion.detect import get_variant
     from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
     from timm_layerscale.demo import write_official_checkpoint
@@ -121,11 +122,7 @@ def workdir(tmp_path_factory) -> Path:
     torch.save(
         {"model": model_sd, "model_ema": ema_sd, "optimizer": {}, "epoch": 799}, work / "vit5_small_patch16_224.pth"
     )
-    tuned = torch.load(work / "XXS24_224.pth", weights_only=True)
-    head = tuned["model"]["module.head.weight"]
-    tuned["model"]["module.head.weight"] = head[:10].clone()
-    tuned["model"]["module.head.bias"] = tuned["model"]["module.head.bias"][:10].clone()
-    torch.save(tuned, work / "finetuned.pth")
+    fine_tuned(work / "XXS24_224.pth", work / "finetuned.pth")
     (work / "labels.txt").write_text("".join(f"pet {i}\n" for i in range(10)))
     gen = torch.Generator().manual_seed(0)
     for name in ("cat.jpg", "dog.jpg"):

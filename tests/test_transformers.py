@@ -26,23 +26,12 @@ transformers = pytest.importorskip(
 
 from huggingface_hub import ModelCard  # noqa: E402
 
-from helpers import assert_one_line_error, cli  # noqa: E402
+from helpers import assert_one_line_error, cli, fine_tuned  # noqa: E402
 from timm_layerscale.errors import CheckpointError  # noqa: E402
 from timm_layerscale.hub.export import export_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = [f"class {i}" for i in range(10)]
-
-
-def _fine_tuned(official: Path, path: Path) -> Path:
-    """The official checkpoint with a new 10-class head, as a fine-tuning run would save it."""
-    obj = torch.load(official, map_location="cpu", weights_only=True)
-    sd = obj["model"]
-    g = torch.Generator().manual_seed(5)
-    sd["module.head.weight"] = torch.randn(10, sd["module.head.weight"].shape[1], generator=g) * 0.02
-    sd["module.head.bias"] = torch.randn(10, generator=g) * 0.02
-    torch.save(obj, path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +45,7 @@ def folders(tmp_path_factory, official) -> dict[str, Path]:
     write_official_checkpoint(vit5, "vit5_small_patch16_224", seed=2)
     labels = root / "labels.txt"
     labels.write_text("\n".join(f"{n}\tdescription of {n}" for n in LABELS) + "\n")
-    tuned = _fine_tuned(official, root / "tuned.pth")
+    tuned = fine_tuned(official, root / "tuned.pth")
     jobs = {
         "cait": (official, {}),
         "cait_gamma": (official, {"to": "gamma"}),
