@@ -75,7 +75,7 @@ def write_config(
     with torch.device("meta"):
         kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
         model = timm.create_model(model_name, **kwargs)
-        default = timm.create_model(model_name)
+        default = timm.create_model(model_name) if kwargs else model
     if label_names is not None and len(label_names) != model.num_classes:
         raise CheckpointError(
             f"{len(label_names)} label names for a model with {model.num_classes} classes; give one name per class"
