@@ -1,7 +1,7 @@
 """Reading checkpoint files.
 
 :func:`load_checkpoint` opens PyTorch files with ``weights_only=True`` and memory-maps
-them, and opens safetensors files lazily (:class:`LazySafetensors`);
+them, and opens safetensors files lazily (:class:`LazySafetensors`).
 The checks made on what was read live here too: the file's hash and identity, and
 finite values. Bad input raises :class:`~timm_layerscale.errors.CheckpointError` with a
 one-line message saying what is wrong and what to do. Writing is in
