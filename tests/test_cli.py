@@ -203,17 +203,21 @@ def test_convert_integer_weight_is_a_user_error(light_sd, tmp_path, capsys):
     assert folder_names(tmp_path) == ["int.pth"]
 
 
-def test_convert_failed_parity_exits_1_and_removes_the_output(official, tmp_path, capsys, monkeypatch):
-
+@pytest.mark.parametrize(("command", "out"), [("convert", "x.safetensors"), ("export", "folder")])
+def test_failed_parity_exits_1_and_writes_nothing(command, out, official, tmp_path, capsys, monkeypatch):
+    """The report as a table, or with --json as JSON on stdout, and one error line either way."""
     failing = parity_report(False, REFERENCE, MODEL)
     monkeypatch.setattr(conversion, "verify_state_dicts", lambda *a, **k: failing)
-    out = tmp_path / "x.safetensors"
-    code, stdout, err = cli(capsys, "convert", official, out)
-    assert code == 1
-    assert "FAIL" in stdout and len(err.splitlines()) == 1 and "does not match" in err
-    code, stdout, err = cli(capsys, "convert", official, out, "--json")
-    assert code == 1 and json.loads(stdout)["ok"] is False
-    assert folder_names(tmp_path) == []
+    work = tmp_path / "work"
+    work.mkdir()
+    code, stdout, err = cli(capsys, command, official, work / out)
+    assert_one_line_error(code, stdout, err, "does not match", status=1)
+    assert "FAIL" in stdout
+    code, stdout, err = cli(capsys, command, official, work / out, "--json")
+    assert_one_line_error(code, stdout, err, "does not match", status=1)
+    res = json.loads(stdout)
+    assert res["ok"] is False and "does not match" in res["error"] and res["report"]["passed"] is False
+    assert folder_names(work) == []
 
 
 # ---- verify: exit 0 / 1 / 2 -------------------------------------------------------------

@@ -71,6 +71,17 @@ def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
+def _parity_failed(e: Any, as_json: bool) -> int:
+    """A failed verification (a :class:`~timm_layerscale.errors.ParityError`): its report as a
+    table, or as JSON with the error, on stdout; the one error line on stderr."""
+    if as_json:
+        print_json({"ok": False, "error": cli_message(str(e)), "report": e.report.to_dict()})
+    else:
+        print(e.report.format_table())
+    error(cli_message(str(e)))
+    return EXIT_VERIFICATION_FAILED
+
+
 def cmd_convert(a: argparse.Namespace) -> int:
     from .converter import convert_checkpoint
     from .errors import ParityError
@@ -92,12 +103,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
             options=verify_options(a),
         )
     except ParityError as e:
-        if a.json:
-            print_json({"ok": False, "error": cli_message(str(e)), "report": e.report.to_dict()})
-        else:
-            print(e.report.format_table())
-        error(cli_message(str(e)))
-        return EXIT_VERIFICATION_FAILED
+        return _parity_failed(e, a.json)
     if a.json:
         print_json(
             {
@@ -176,9 +182,7 @@ def cmd_export(a: argparse.Namespace) -> int:
             tag=a.tag,
         )
     except ParityError as e:
-        print(e.report.format_table())
-        error(cli_message(str(e)))
-        return EXIT_VERIFICATION_FAILED
+        return _parity_failed(e, a.json)
     if a.json:
         print_json(res.to_dict())
     else:
