@@ -203,6 +203,17 @@ def test_convert_integer_weight_is_a_user_error(light_sd, tmp_path, capsys):
     assert folder_names(tmp_path) == ["int.pth"]
 
 
+def test_export_json(official, tmp_path, capsys):
+    folder = tmp_path / "folder"
+    code, stdout, err = cli(capsys, "export", official, folder, "--json")
+    assert code == 0 and err == "", err
+    res = json.loads(stdout)
+    assert res["ok"] is True and res["model"] == MODEL and res["folder"] == str(folder)
+    assert res["files"] == folder_names(folder)
+    assert {"README.md", "config.json", "model.safetensors"} <= set(res["files"])
+    assert res["report"]["passed"] is True and res["push"] is None
+
+
 @pytest.mark.parametrize(("command", "out"), [("convert", "x.safetensors"), ("export", "folder")])
 def test_failed_parity_exits_1_and_writes_nothing(command, out, official, tmp_path, capsys, monkeypatch):
     """The report as a table, or with --json as JSON on stdout, and one error line either way."""

@@ -184,7 +184,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     except ParityError as e:
         return _parity_failed(e, a.json)
     if a.json:
-        print_json(res.to_dict())
+        print_json({"ok": True, **res.to_dict()})
     else:
         print(res.summary())
     return 0
