@@ -282,8 +282,6 @@ def export_folder(
         label_names, descriptions = read_label_names(label_file)
     if push_to_hub:
         check_repo_id(push_to_hub)
-    if to == "gamma":  # a family without timm's gamma architecture is refused before converting
-        _architecture(load_source(source, model=model, ema=ema)[2], to)
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     created = _prepare_target(out, tmp, overwrite)
@@ -294,6 +292,8 @@ def export_folder(
         raise
     try:
         weights = tmp / WEIGHTS_NAME
+        if to == "gamma":  # a family without timm's gamma architecture is refused before converting
+            _architecture(load_source(source, model=model, ema=ema)[2], to)
         conv = convert_checkpoint(source, weights, model=model, to=to, fmt="safetensors", ema=ema, options=options)
         architecture = _architecture(conv.variant, to)
         config = write_config(
