@@ -11,9 +11,12 @@ import json
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .options import verify_options
+
+if TYPE_CHECKING:
+    from .errors import ParityError
 
 __all__ = [
     "COMMANDS",
@@ -71,9 +74,9 @@ def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
-def _parity_failed(e: Any, as_json: bool) -> int:
-    """A failed verification (a :class:`~timm_layerscale.errors.ParityError`): its report as a
-    table, or as JSON with the error, on stdout; the one error line on stderr."""
+def _parity_failed(e: ParityError, as_json: bool) -> int:
+    """A failed verification: its report as a table, or as JSON with the error, on stdout;
+    the one error line on stderr."""
     if as_json:
         print_json({"ok": False, "error": cli_message(str(e)), "report": e.report.to_dict()})
     else:
