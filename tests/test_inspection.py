@@ -93,6 +93,15 @@ def test_model_name_checks_the_gates(official: dict) -> None:
         gate_profile(official, model="cait_xxs24_224_ls")
 
 
+def test_model_name_checks_the_gate_width() -> None:
+    # cait_s24_224 has the blocks of cait_xxs24_224, each 384 channels wide, not 192.
+    xxs = timm.create_model("cait_xxs24_224", pretrained=False).state_dict()
+    with pytest.raises(
+        LayerScaleError, match=r"52 of another width \(first blocks\.0\.ls1: 192 channels, the model's 384\)"
+    ):
+        gate_profile(xxs, model="cait_s24_224_ls")
+
+
 def test_errors_are_one_line(official: dict) -> None:
     with pytest.raises(LayerScaleError, match="no LayerScale gates"):
         gate_profile({"head.weight": torch.zeros(2, 2)})

@@ -85,7 +85,7 @@ def gate_profile(
             holding ``model.safetensors``, an ``https://`` URL, ``hf-hub:ORG/REPO[/FILE]``,
             or an in-memory state dict (wrapped or not, with or without ``module.``).
         model: Name of a registered model; when given, the checkpoint must hold a
-            gate for every LayerScale layer that model has.
+            gate of the model's width for every LayerScale layer that model has, and no other.
         ema: Read the ``'model_ema'`` weights of a training checkpoint.
 
     Returns:
@@ -99,7 +99,7 @@ def gate_profile(
 
     Raises:
         LayerScaleError: The checkpoint cannot be read, holds no LayerScale
-            gates, or lacks gates that ``model`` has.
+            gates, or its gates do not fit ``model`` (missing, extra or of another width).
     """
     from .conversion.keys import strip_prefixes, unwrap_state_dict
 
@@ -174,21 +174,25 @@ def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
         name = model.split(".", 1)[0]
     with torch.device("meta"):
         m = timm.create_model(name)
-    have = {(r["block"], w) for r in rows for w in ("ls1", "ls2") if r[w] is not None}
-    want = set()
-    for key in m.state_dict():
+    have = {(r["block"], w): r["dim"] for r in rows for w in ("ls1", "ls2") if r[w] is not None}
+    want = {}
+    for key, tensor in m.state_dict().items():
         g = GATE_KEY.fullmatch(key)
         if g:
-            want.add((g.group("block"), f"ls{g.group('g') or g.group('l')}"))
-    missing = sorted(want - have)
-    extra = sorted(have - want)
-    if missing or extra:
-        what = (
-            f"{len(missing)} missing (first {'.'.join(missing[0])})"
-            if missing
-            else f"{len(extra)} unexpected (first {'.'.join(extra[0])})"
-        )
-        raise LayerScaleError(f"checkpoint gates do not fit {model}: {what}; check the model name")
+            want[(g.group("block"), f"ls{g.group('g') or g.group('l')}")] = tensor.numel()
+    missing = sorted(want.keys() - have.keys())
+    extra = sorted(have.keys() - want.keys())
+    wrong = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
+    if missing:
+        what = f"{len(missing)} missing (first {'.'.join(missing[0])})"
+    elif extra:
+        what = f"{len(extra)} unexpected (first {'.'.join(extra[0])})"
+    elif wrong:
+        k = wrong[0]
+        what = f"{len(wrong)} of another width (first {'.'.join(k)}: {have[k]} channels, the model's {want[k]})"
+    else:
+        return
+    raise LayerScaleError(f"checkpoint gates do not fit {model}: {what}; check the model name")
 
 
 def _fmt(x: float | None) -> str:
