@@ -167,6 +167,29 @@ def test_inspect_plot_without_matplotlib_fails_before_printing(official, capsys,
     assert out == ""
 
 
+def test_inspect_never_replaces_a_plot_without_overwrite(official, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from timm_layerscale import inspection
+
+    plot = tmp_path / "gates.png"
+    plot.write_bytes(b"kept")
+    read: list[tuple] = []
+
+    def load(*args) -> dict:
+        read.append(args)
+        return {}
+
+    monkeypatch.setattr(inspection, "_load_state_dict", load)
+    code, out, err = cli(capsys, "inspect", official, "--plot", plot)
+    assert_one_line_error(code, out, err, f"output {plot} exists; pass --overwrite to replace it", stdout="")
+    assert plot.read_bytes() == b"kept" and read == []  # refused before the checkpoint is read
+    code, out, err = cli(capsys, "inspect", official, "--plot", tmp_path / "missing" / "gates.png")
+    assert_one_line_error(code, out, err, "does not exist; create it or choose another output path", stdout="")
+    monkeypatch.undo()
+    assert cli(capsys, "inspect", official, "--plot", plot, "--overwrite")[0] == 0
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
 def test_a_failed_export_leaves_no_folder_it_created(tmp_path):
     from timm_layerscale.hub.export import export_folder
 

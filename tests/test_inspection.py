@@ -152,6 +152,20 @@ def test_plot_writes_a_card_sized_png(official: dict, tmp_path: Path) -> None:
     assert (width, height) == (1200, 675)
 
 
+def test_a_failed_plot_leaves_no_file(official: dict, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def half_written(self, path, **kwargs) -> None:
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", half_written)
+    with pytest.raises(LayerScaleError, match="No space left on device"):
+        plot_gates(gate_profile(official), tmp_path / "gates.png")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_plot_without_matplotlib_says_what_to_install(official: dict, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingPlotDependency, match=r"pip install 'timm-layerscale\[plot\]'"):

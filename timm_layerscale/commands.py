@@ -215,17 +215,20 @@ def cmd_push(a: argparse.Namespace) -> int:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from .inspection import format_gate_table, gate_profile, plot_gates, require_matplotlib
 
-    if a.plot:
-        require_matplotlib()  # before any output or download
+    if a.plot:  # before any output or download
+        from pathlib import Path
+
+        from .files.atomic import check_output
+
+        require_matplotlib()
+        check_output(Path(a.plot), a.overwrite)
     profile = gate_profile(a.source, model=a.model, ema=a.ema)
     if a.json:
         print_json(profile)
     else:
         print(format_gate_table(profile))
     if a.plot:
-        from pathlib import Path
-
-        plot_gates(profile, a.plot, title=f"{Path(a.source).name}: LayerScale gates")
+        plot_gates(profile, a.plot, title=f"{Path(a.source).name}: LayerScale gates", overwrite=a.overwrite)
         if not a.json:
             print(f"plot written to {a.plot}")
     return 0

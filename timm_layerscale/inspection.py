@@ -287,26 +287,32 @@ def plot_gates(
     path: str | os.PathLike[str],
     *,
     title: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Draw the gate profile across depth and save it as a PNG.
 
     The mean ``|gamma|`` of the attention (``ls1``) and MLP (``ls2``) gates of each
     block is drawn as a line over depth on a log scale, with the per-block
     min-max range shaded; class-attention blocks sit on a grey band at the end.
-    The figure is 1200 x 600 pixels, legible at the width of a model card.
+    The figure is 1200 x 675 pixels, legible at the width of a model card. The file
+    is written whole or not at all, as a converted checkpoint is.
 
     Args:
         rows: Output of :func:`gate_profile`.
         path: PNG file to write (its folder must exist).
         title: Figure title; default names the number of blocks.
+        overwrite: Replace ``path`` if it exists.
 
     Returns:
         The written path.
 
     Raises:
         MissingPlotDependency: matplotlib is not installed.
+        OutputExistsError: ``path`` exists and ``overwrite`` is false.
         LayerScaleError: ``rows`` is empty or the file cannot be written.
     """
+    from .files.atomic import atomic_output
+
     require_matplotlib()
     from matplotlib.artist import Artist
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -356,8 +362,6 @@ def plot_gates(
     ax.grid(True, which="major", alpha=0.3)
     order = handles[1:] + handles[:1] if ca else handles  # one column per gate (mean, range), then CA
     fig.legend(handles=order, loc="outside lower center", ncol=3, fontsize=9, frameon=False)
-    try:
-        fig.savefig(out, format="png")
-    except OSError as e:
-        raise LayerScaleError(f"cannot write {out} ({e.strerror or e}); check the path") from None
+    with atomic_output(out, overwrite) as tmp:
+        fig.savefig(tmp, format="png")
     return out
