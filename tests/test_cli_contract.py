@@ -131,6 +131,15 @@ def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys,
     assert commands.cli_message("or pass fmt='pth'") == "or pass --format pth"
     assert commands.cli_message("pass atol=1e-5 to accept") == "pass --atol 1e-5 to accept"
     assert commands.cli_message("found embed_dim=192, depth=12") == "found embed_dim=192, depth=12"
+    assert commands.cli_message("leave out to='gamma'") == "leave out --to gamma"
+    assert (
+        commands.cli_message("leave out create_pr=True or revision='dev'") == "leave out --create-pr or --revision dev"
+    )
+
+
+def test_conflicting_push_options_are_named_as_options(tmp_path, capsys):
+    code, out, err = cli(capsys, "push", tmp_path, "my-org/model", "--create-pr", "--revision", "dev", "--dry-run")
+    assert_one_line_error(code, out, err, "leave out --create-pr or --revision dev", stdout="")
 
 
 def test_a_library_key_error_gives_no_command_line_advice():

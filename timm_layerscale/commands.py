@@ -40,9 +40,9 @@ EXIT_INTERNAL_ERROR = 3
 EXIT_INTERRUPTED = 130
 
 
-#: Advice in library messages is written for Python callers (``pass overwrite=True``);
-#: :func:`cli_message` rewrites it as options (``pass --overwrite``).
-_KEYWORD_ADVICE = re.compile(r"\bpass (\w+)=(True|'[^']*'|[0-9][0-9.eE+-]*)")
+#: Advice in library messages is written for Python callers (``pass overwrite=True``,
+#: ``leave out to='gamma'``); :func:`cli_message` rewrites it as options (``pass --overwrite``).
+_KEYWORD_ADVICE = re.compile(r"\b(pass|leave out|or) (\w+)=(True|'[^']*'|[0-9][0-9.eE+-]*)")
 #: Keyword arguments whose option has another name.
 _OPTION_NAMES = {"fmt": "format"}
 
@@ -51,15 +51,16 @@ def cli_message(message: str) -> str:
     """A library error message as the command line says it: keyword advice becomes options.
 
     ``pass overwrite=True`` becomes ``pass --overwrite``; ``pass model='cait_s24_224_ls'``
-    becomes ``pass --model cait_s24_224_ls``; ``pass atol=1e-5`` becomes ``pass --atol 1e-5``.
+    becomes ``pass --model cait_s24_224_ls``; ``pass atol=1e-5`` becomes ``pass --atol 1e-5``;
+    ``leave out to='gamma'`` becomes ``leave out --to gamma`` (after "pass", "leave out" or "or").
     """
 
     def option(m: re.Match[str]) -> str:
-        name = _OPTION_NAMES.get(m.group(1), m.group(1)).replace("_", "-")
-        value = m.group(2)
+        verb, value = m.group(1), m.group(3)
+        name = _OPTION_NAMES.get(m.group(2), m.group(2)).replace("_", "-")
         if value == "True":
-            return f"pass --{name}"
-        return f"pass --{name} {value.strip(chr(39))}"
+            return f"{verb} --{name}"
+        return f"{verb} --{name} {value.strip(chr(39))}"
 
     return _KEYWORD_ADVICE.sub(option, message)
 

@@ -232,7 +232,10 @@ def push_folder(
     """
     check_repo_id(repo_id)
     if create_pr and revision not in (None, "main"):
-        raise HubError(f"create_pr opens a pull request against main, not revision {revision!r}; leave out one of them")
+        raise HubError(
+            f"a pull request opens against main, not revision {revision!r}; "
+            f"leave out create_pr=True or revision={revision!r}"
+        )
     if revision is not None and not revision.strip():
         raise HubError("revision is empty; name a branch or leave it out")
     path = Path(folder)
