@@ -372,6 +372,24 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
     assert sha256(source) == sha256(other)  # the rewrite did happen
 
 
+@pytest.mark.parametrize("output", ["the source", "a link to it", "the folder's weights"])
+def test_output_that_is_the_source_is_refused(source, tmp_path, capsys, output):
+    if output == "the folder's weights":  # an exported folder is a source too
+        folder = tmp_path / "folder"
+        folder.mkdir()
+        conversion.convert_checkpoint(source, folder / "model.safetensors", verify=False)
+        source, target = folder, folder / "model.safetensors"
+    elif output == "a link to it":
+        target = tmp_path / "link.pth"
+        target.symlink_to(source)
+    else:
+        target = source
+    before = {p: sha256(p) for p in tmp_path.rglob("*") if p.is_file()}
+    code, out, err = cli(capsys, "convert", source, target, "--to", "gamma", "--overwrite", "--no-verify")
+    assert_one_line_error(code, out, err, "is the source file itself; choose another output path", stdout="")
+    assert {p: sha256(p) for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 def test_unchanged_source_records_the_hash_of_its_bytes(source, tmp_path):
     result = conversion.convert_checkpoint(source, tmp_path / "x.safetensors", verify=False)
     assert result.source_sha256 == result.metadata["source_sha256"] == sha256(source)

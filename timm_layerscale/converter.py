@@ -232,6 +232,8 @@ def convert_checkpoint(
     torch_dtype = ckpt.parse_dtype(dtype) if dtype else None
 
     path = resolve_source(source)
+    if output.exists() and output.samefile(path):  # replacing it would lose the source
+        raise CheckpointError(f"output {output} is the source file itself; choose another output path")
     identity = ckpt.file_identity(path)  # checked once the source is no longer read
     sd, found = _read(path, model=model, ema=ema)
     variant, num_classes = found.variant, found.info.get("num_classes")
