@@ -566,7 +566,7 @@ def test_unreadable_image_file_leaves_no_output(official, tmp_path, capsys, few_
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     result = cli(capsys, "convert", official, out_dir / "x.safetensors", "--images", tmp_path / "missing.png")
-    assert_one_line_error(*result, "cannot read image")
+    assert_one_line_error(*result, "missing.png (No such file or directory); pass image files Pillow opens")
     assert folder_names(out_dir) == []
 
 

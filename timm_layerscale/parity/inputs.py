@@ -80,5 +80,8 @@ def image_inputs(paths: Iterable[str], model: nn.Module) -> torch.Tensor:
             with Image.open(p) as im:
                 out.append(transform(im.convert("RGB")))
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read image {p}: {e}") from None
+            reason = getattr(e, "strerror", None) or e
+            raise CheckpointError(
+                f"cannot read image {p} ({reason}); pass image files Pillow opens (JPEG, PNG, ...)"
+            ) from None
     return torch.stack(out)
