@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -197,6 +198,20 @@ def test_inspect_never_replaces_a_plot_without_overwrite(official, tmp_path, cap
     monkeypatch.undo()
     assert cli(capsys, "inspect", official, "--plot", plot, "--overwrite")[0] == 0
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_export_never_replaces_the_folder_that_holds_its_source(official, tmp_path, capsys, few_inputs):
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    source = folder / official.name
+    shutil.copyfile(official, source)
+    code, out, err = cli(capsys, "export", source, folder, "--overwrite")
+    assert_one_line_error(code, out, err, "holds the source", stdout="")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["XXS24_224.pth", "downloads"]
+    # A folder's own weights are written again: re-exporting a folder onto itself is allowed.
+    assert cli(capsys, "export", source, tmp_path / "out")[0] == 0
+    assert cli(capsys, "export", tmp_path / "out", tmp_path / "out", "--overwrite")[0] == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
 def test_a_failed_export_leaves_no_folder_it_created(tmp_path):

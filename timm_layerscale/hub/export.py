@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import CheckpointError, HubError, LayerScaleError
 from ..files.hub_errors import one_line
-from ..files.sources import WEIGHTS_NAME
+from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
 from .config import read_label_names, write_config
 from .upload import PushResult, check_repo_id, push_folder
@@ -148,6 +148,16 @@ def _architecture(variant: Any, to: str) -> str:
     return str(variant.reference)
 
 
+def _deletes_source(source: Path, out: Path) -> bool:
+    """Whether replacing the folder ``out`` deletes the local ``source``: a file inside it other
+    than the weights the export writes again (re-exporting a folder onto itself is allowed)."""
+    if not (source.exists() and out.is_dir()):
+        return False
+    source, folder = source.resolve(), out.resolve()
+    rewritten = source == folder or (source.parent == folder and source.name in FOLDER_WEIGHTS)
+    return source.is_relative_to(folder) and not rewritten
+
+
 def _prepare_target(out: Path, tmp: Path, overwrite: bool) -> list[Path]:
     """Check the export folder ``out``, create its missing parents and check that ``tmp`` can be made there.
 
@@ -263,8 +273,8 @@ def export_folder(
 
     Raises:
         OutputExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
-        CheckpointError: The label names do not fit the classifier, or ``to`` does not
-            apply to the family.
+        CheckpointError: ``out_dir`` holds the source file (other than its own weights), the
+            label names do not fit the classifier, or ``to`` does not apply to the family.
         ParityError: The converted model does not match the reference.
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
@@ -282,6 +292,8 @@ def export_folder(
         label_names, descriptions = read_label_names(label_file)
     if push_to_hub:
         check_repo_id(push_to_hub)
+    if overwrite and _deletes_source(Path(source), out):
+        raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     created = _prepare_target(out, tmp, overwrite)
