@@ -214,13 +214,12 @@ def cmd_push(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .files.atomic import check_output
     from .inspection import format_gate_table, gate_profile, plot_gates, require_matplotlib
 
     if a.plot:  # before any output or download
-        from pathlib import Path
-
-        from .files.atomic import check_output
-
         require_matplotlib()
         check_output(Path(a.plot), a.overwrite)
     profile = gate_profile(a.source, model=a.model, ema=a.ema)
