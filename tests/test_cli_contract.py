@@ -205,8 +205,9 @@ def test_export_never_replaces_the_folder_that_holds_its_source(official, tmp_pa
     folder.mkdir()
     source = folder / official.name
     shutil.copyfile(official, source)
-    code, out, err = cli(capsys, "export", source, folder, "--overwrite")
-    assert_one_line_error(code, out, err, "holds the source", stdout="")
+    for overwrite in (["--overwrite"], []):  # without it too: advising --overwrite would only lead here
+        code, out, err = cli(capsys, "export", source, folder, *overwrite)
+        assert_one_line_error(code, out, err, "holds the source", stdout="")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["XXS24_224.pth", "downloads"]
     # A folder's own weights are written again: re-exporting a folder onto itself is allowed.
     assert cli(capsys, "export", source, tmp_path / "out")[0] == 0

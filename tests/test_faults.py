@@ -372,8 +372,10 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
     assert sha256(source) == sha256(other)  # the rewrite did happen
 
 
+@pytest.mark.parametrize("overwrite", [["--overwrite"], []], ids=["overwrite", "no-overwrite"])
 @pytest.mark.parametrize("output", ["the source", "a link to it", "the folder's weights"])
-def test_output_that_is_the_source_is_refused(source, tmp_path, capsys, output):
+def test_output_that_is_the_source_is_refused(source, tmp_path, capsys, output, overwrite):
+    # Without --overwrite too: advising --overwrite first would only lead to this refusal.
     if output == "the folder's weights":  # an exported folder is a source too
         folder = tmp_path / "folder"
         folder.mkdir()
@@ -385,7 +387,7 @@ def test_output_that_is_the_source_is_refused(source, tmp_path, capsys, output):
     else:
         target = source
     before = {p: sha256(p) for p in tmp_path.rglob("*") if p.is_file()}
-    code, out, err = cli(capsys, "convert", source, target, "--to", "gamma", "--overwrite", "--no-verify")
+    code, out, err = cli(capsys, "convert", source, target, "--to", "gamma", *overwrite, "--no-verify")
     assert_one_line_error(code, out, err, "is the source file itself; choose another output path", stdout="")
     assert {p: sha256(p) for p in tmp_path.rglob("*") if p.is_file()} == before
 

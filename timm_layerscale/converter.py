@@ -29,7 +29,7 @@ from .errors import CheckpointError, LayerScaleError, ParityError, RemapError
 from .families import FAMILIES, check_rope_buffers, official_rope_buffers
 from .files import atomic, save
 from .files import read as ckpt
-from .files.sources import resolve_source
+from .files.sources import REMOTE_PREFIXES, resolve_source
 from .parity.compare import ParityReport, compare_weights
 from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_state_dicts
@@ -161,6 +161,12 @@ def verify_checkpoint(
     )
 
 
+def _check_not_source(output: Path, source: Path | None) -> None:
+    """Refuse an output that is the source file itself: replacing it would lose the source."""
+    if source is not None and output.exists() and source.exists() and output.samefile(source):
+        raise CheckpointError(f"output {output} is the source file itself; choose another output path")
+
+
 def convert_checkpoint(
     source: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -228,12 +234,15 @@ def convert_checkpoint(
         raise LayerScaleError("folding applies to the ls layout only; convert to 'ls', or do not fold")
     if plain and to != "gamma":
         raise LayerScaleError("plain applies to the gamma layout only (an ls file is always plain); leave it out")
+    local = not os.fspath(source).startswith(REMOTE_PREFIXES) or Path(source).exists()
+    path = resolve_source(source) if local else None  # a download waits until the output is known to be free
+    _check_not_source(output, path)
     atomic.check_output(output, overwrite)
     torch_dtype = ckpt.parse_dtype(dtype) if dtype else None
 
-    path = resolve_source(source)
-    if output.exists() and output.samefile(path):  # replacing it would lose the source
-        raise CheckpointError(f"output {output} is the source file itself; choose another output path")
+    if path is None:
+        path = resolve_source(source)
+        _check_not_source(output, path)
     identity = ckpt.file_identity(path)  # checked once the source is no longer read
     sd, found = _read(path, model=model, ema=ema)
     variant, num_classes = found.variant, found.info.get("num_classes")

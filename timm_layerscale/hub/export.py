@@ -292,7 +292,7 @@ def export_folder(
         label_names, descriptions = read_label_names(label_file)
     if push_to_hub:
         check_repo_id(push_to_hub)
-    if overwrite and _deletes_source(Path(source), out):
+    if _deletes_source(Path(source), out):
         raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
