@@ -303,6 +303,19 @@ def test_demo_refuses_a_non_empty_folder(tmp_path, capsys):
     assert folder_names(tmp_path) == ["keep.txt"]
 
 
+@pytest.mark.parametrize("folder", [".", "..", "../inside"])
+@pytest.mark.parametrize("command", ["demo", "export"])
+def test_the_current_folder_is_never_replaced(tmp_path, capsys, monkeypatch, command, folder):
+    # The folder a shell stands in: replacing it deleted its files, then failed halfway.
+    (tmp_path / "inside").mkdir()
+    (tmp_path / "inside" / "keep.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path / "inside")
+    argv = ["demo", "--out", folder] if command == "demo" else ["export", "never-read.pth", folder]
+    code, out, err = cli(capsys, *argv, "--overwrite")
+    assert_one_line_error(code, out, err, "is or holds the current folder", stdout="")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["inside", "inside/keep.txt"]
+
+
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path, capsys):
     code, stdout, err = cli(capsys, "demo", "--out", tmp_path / "demo")

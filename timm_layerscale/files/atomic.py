@@ -173,11 +173,16 @@ def check_output_folder(out: Path, overwrite: bool) -> None:
     """Raise unless ``out`` can be written as a folder: not a file, and empty unless ``overwrite``.
 
     Raises:
-        CheckpointError: ``out`` is a file.
+        CheckpointError: ``out`` is a file, or the current folder or one holding it
+            (replacing it would delete the folder a shell stands in).
         OutputExistsError: ``out`` holds files and ``overwrite`` is false.
     """
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; pass a folder path")
+    if out.is_dir() and Path.cwd().is_relative_to(out.resolve()):
+        raise CheckpointError(
+            f"{out} is or holds the current folder, which writing it would replace; pass a new folder"
+        )
     if out.is_dir() and not overwrite and any(out.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
 
