@@ -401,6 +401,8 @@ def test_push_refuses_a_folder_that_is_not_an_export(hub: FakeHub, tmp_path: Pat
         push_folder(tmp_path / "stuff", "my-org/model")
     with pytest.raises(HubError, match="not a folder"):
         push_folder(tmp_path / "missing", "my-org/model")
+    with pytest.raises(HubError, match=r"notes.txt is a file; pass the exported folder that holds it \(.*stuff\)$"):
+        push_folder(tmp_path / "stuff" / "notes.txt", "my-org/model")
     assert hub.requests == []
 
 

@@ -239,6 +239,8 @@ def push_folder(
     if revision is not None and not revision.strip():
         raise HubError("revision is empty; name a branch or leave it out")
     path = Path(folder)
+    if path.is_file():
+        raise HubError(f"{path} is a file; pass the exported folder that holds it ({path.parent})")
     if not path.is_dir():
         raise HubError(f"{path} is not a folder; export one first with: timm-layerscale export SOURCE {path}")
     files = _folder_files(path)
