@@ -475,10 +475,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HubError as e:
         return error(str(e))
     out = Path(args.out)
-    from tqdm.auto import tqdm
+    from timm_layerscale import progress
 
     rows = []
-    bar = tqdm(releases, desc="release", unit="model", file=sys.stderr)
+    bar = progress.bar(releases, desc="release", unit="model")
     for rel in bar:
         bar.set_postfix_str(rel.name)
         row = run_release(

@@ -168,6 +168,8 @@ def test_pipeline_runs_on_after_a_failure_and_exits_1(pipeline) -> None:
     assert "2 of 6 release(s) failed" in stderr
     assert "cait_xxs24_384_ls.fb_dist_in1k" in stderr and "cait_xs24_384_ls.fb_dist_in1k" in stderr
     assert "summary written to" in stdout
+    assert "cait_xxs24_224_ls.fb_dist_in1k: ok (" in stderr
+    assert "model/s" not in stderr  # no progress bar where stderr is not a terminal
 
 
 def test_pipeline_summary_rows(pipeline) -> None:
