@@ -221,3 +221,14 @@ def test_vit5_filter_folds_with_the_same_rule():
     expected = fold_state_dict(model.state_dict())
     assert filtered.keys() == expected.keys()
     assert all(torch.equal(filtered[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("model", [None, "cait_xxs24_224_ls"])
+def test_a_folded_checkpoint_is_named_as_folded(model):
+    from timm_layerscale import fold_state_dict
+    from timm_layerscale.conversion.detect import detect
+    from timm_layerscale.errors import ArchitectureError
+
+    folded = fold_state_dict(to_layerscale(timm.create_model("cait_xxs24_224").state_dict(), "cait"))
+    with pytest.raises(ArchitectureError, match=r"weights of cait_xxs24_224_ls but no LayerScale gates: .* folded"):
+        detect(folded, model)

@@ -124,7 +124,7 @@ def gate_profile(
     if not blocks:
         raise LayerScaleError(
             "checkpoint holds no LayerScale gates (no gamma_1/gamma_2 or ls1.gamma/ls2.gamma keys); "
-            "it is not a LayerScale model"
+            "pass a LayerScale model's checkpoint (of a folded one, the file from before folding)"
         )
     if len(layouts) > 1:
         raise LayerScaleError(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ArchitectureError, RemapError
-from ..families import DEFAULT_NUM_CLASSES, FAMILIES, VARIANTS, Variant
+from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, VARIANTS, Variant
 from .keys import check_floating, check_state_dict, strip_prefixes, to_layerscale, unwrap_state_dict
 
 __all__ = ["Detection", "get_variant", "state_dict_shapes", "describe_state_dict", "detect", "detect_variant"]
@@ -262,6 +262,12 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
         num_classes = info.get("num_classes")
         shapes = state_dict_shapes(v, num_classes)
         bad = _mismatch(sd, shapes)
+        if bad and _mismatch(sd, {k: s for k, s in shapes.items() if not GATE_KEY.fullmatch(k)}) == 0:
+            raise ArchitectureError(
+                f"checkpoint has the weights of {v.name} but no LayerScale gates: a model without LayerScale, "
+                "or one with its gates folded into its weights; pass a LayerScale checkpoint (of a folded one, "
+                "the file from before folding)"
+            )
         if bad and model:  # a named model: list the missing, unexpected and mis-shaped keys
             check_state_dict(sd, shapes, v.name)
         if bad == 0:
