@@ -29,7 +29,7 @@ from .errors import CheckpointError, LayerScaleError, ParityError, RemapError
 from .families import FAMILIES, check_rope_buffers, official_rope_buffers
 from .files import atomic, save
 from .files import read as ckpt
-from .files.sources import REMOTE_PREFIXES, resolve_source
+from .files.sources import is_remote, resolve_source
 from .parity.compare import ParityReport, compare_weights
 from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_state_dicts
@@ -234,8 +234,7 @@ def convert_checkpoint(
         raise LayerScaleError("folding applies to the ls layout only; convert to 'ls', or do not fold")
     if plain and to != "gamma":
         raise LayerScaleError("plain applies to the gamma layout only (an ls file is always plain); leave it out")
-    local = not os.fspath(source).startswith(REMOTE_PREFIXES) or Path(source).exists()
-    path = resolve_source(source) if local else None  # a download waits until the output is known to be free
+    path = None if is_remote(source) else resolve_source(source)  # a download waits until the output is free
     _check_not_source(output, path)
     atomic.check_output(output, overwrite)
     torch_dtype = ckpt.parse_dtype(dtype) if dtype else None

@@ -181,7 +181,7 @@ def check_output_folder(out: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{out} is a file; pass a folder path")
     if out.is_dir() and Path.cwd().is_relative_to(out.resolve()):
         raise CheckpointError(
-            f"{out} is or holds the current folder, which writing it would replace; pass a new folder"
+            f"{out} is or holds the current folder, which replacing it would delete; pass another folder"
         )
     if out.is_dir() and not overwrite and any(out.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")

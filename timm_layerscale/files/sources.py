@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 from ..errors import CheckpointError, HubError
 from .hub_errors import hub_errors, one_line
 
-__all__ = ["download_source", "cached_url_path", "check_online", "hub_endpoint", "resolve_source"]
+__all__ = ["download_source", "cached_url_path", "check_online", "hub_endpoint", "is_remote", "resolve_source"]
 
 #: The weights file of an exported folder.
 WEIGHTS_NAME = "model.safetensors"
@@ -44,16 +44,20 @@ def resolve_source(source: str | os.PathLike[str]) -> Path:
         CheckpointError: A folder holds none of the weight files.
         HubError: A download failed.
     """
-    s = os.fspath(source)
-    path = Path(s)
-    if s.startswith(REMOTE_PREFIXES) and not path.exists():
-        return download_source(s)
+    if is_remote(source):
+        return download_source(os.fspath(source))
+    path = Path(source)
     if path.is_dir():
         for name in FOLDER_WEIGHTS:
             if (path / name).is_file():
                 return path / name
         raise CheckpointError(f"{path} holds neither {' nor '.join(FOLDER_WEIGHTS)}; pass the checkpoint file")
     return path
+
+
+def is_remote(source: str | os.PathLike[str]) -> bool:
+    """Whether :func:`resolve_source` downloads ``source``: a URL or ``hf-hub:`` id that is no local path."""
+    return os.fspath(source).startswith(REMOTE_PREFIXES) and not Path(source).exists()
 
 
 def hub_endpoint() -> str:
