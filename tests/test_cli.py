@@ -117,6 +117,10 @@ def test_argument_errors_exit_2(capsys):
         assert out == "" and len(err.splitlines()) == 1 and "error:" in err
     assert main([]) == 2
     assert "examples:" in capsys.readouterr().err
+    for argv, help in ((["list", "nope"], "list --help"), (["--bogus"], "--help")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert capsys.readouterr().err.endswith(f"unrecognized arguments: {argv[-1]} (see 'timm-layerscale {help}')\n")
 
 
 # ---- convert ----------------------------------------------------------------------------

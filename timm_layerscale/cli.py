@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser.set_defaults(subcommands=sub.choices)  # for an error that names the subcommand's --help
 
     def add(name: str, help: str, epilog: str = "", quiet: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(
@@ -214,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``timm-layerscale: error:``.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, so the advice is its --help
+        args.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:
         parser.print_help(sys.stderr)
         return EXIT_USER_ERROR
