@@ -741,3 +741,23 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
     assert "no output comparison was made" in text
     assert "gates.png" not in text and "## LayerScale gates" not in text
     assert "**Params (M):** 46.9" in text
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, r"cannot read the label file .*missing.txt \(No such file or directory\); pass a UTF-8 text file"),
+        (b"", r"labels.txt holds no class names; write one name per class$"),
+        (b"cat\n\ndog\n", r"labels.txt holds no name for class 1; write one name per class$"),
+        (b"\xff\xfe", r"cannot read the label file .*labels.txt \(.*\); pass a UTF-8 text file, one name per line$"),
+    ],
+)
+def test_label_file_errors_say_what_to_write(tmp_path: Path, text: bytes | None, message: str) -> None:
+    from timm_layerscale.errors import CheckpointError
+    from timm_layerscale.hub.config import read_label_names
+
+    path = tmp_path / ("missing.txt" if text is None else "labels.txt")
+    if text is not None:
+        path.write_bytes(text)
+    with pytest.raises(CheckpointError, match=message):
+        read_label_names(path)

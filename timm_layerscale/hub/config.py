@@ -110,7 +110,10 @@ def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str,
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"cannot read the label file {p} ({getattr(e, 'strerror', None) or e})") from None
+        reason = getattr(e, "strerror", None) or e
+        raise CheckpointError(
+            f"cannot read the label file {p} ({reason}); pass a UTF-8 text file, one name per line"
+        ) from None
     descriptions: dict[str, str] | None = None
     if text.lstrip().startswith("["):
         try:
@@ -130,8 +133,8 @@ def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str,
                 descriptions[name.strip()] = description.strip()
     empty = [i for i, n in enumerate(names) if not n]
     if empty or not names:
-        where = f" (class {empty[0]} is empty)" if empty else ""
-        raise CheckpointError(f"{p} holds no name for every class{where}; write one name per class")
+        what = f"no name for class {empty[0]}" if empty else "no class names"
+        raise CheckpointError(f"{p} holds {what}; write one name per class")
     repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     if repeated:
         raise CheckpointError(f"{p} names a class twice ({repeated[0]!r}); class names must be unique")
