@@ -113,7 +113,13 @@ def test_label_names_reach_timm_and_transformers(folders) -> None:
     assert AutoConfig.from_pretrained(folders["tuned_unnamed"]).id2label[0] == "LABEL_0"
 
 
-def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path: Path, capsys) -> None:
+def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path: Path, capsys, monkeypatch) -> None:
+    import timm_layerscale.converter
+
+    def no_conversion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("converted before refusing")
+
+    monkeypatch.setattr(timm_layerscale.converter, "convert_checkpoint", no_conversion)
     labels = tmp_path / "labels.json"
     labels.write_text(json.dumps(["a", "b", "c"]))
     with pytest.raises(CheckpointError, match="3 label names for a model with 1000 classes; give one name per class"):
@@ -122,6 +128,8 @@ def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path:
         *cli(capsys, "export", official, tmp_path / "out", "--label-names", labels),
         "3 label names for a model with 1000 classes",
     )
+    with pytest.raises(CheckpointError, match="'nope' is not a pretrained tag of cait_xxs24_224_ls"):
+        export_folder(official, tmp_path / "out", tag="nope", plot=False)
     (tmp_path / "dup.txt").write_text("a\nb\na\n")
     assert_one_line_error(
         *cli(capsys, "export", official, tmp_path / "out", "--label-names", tmp_path / "dup.txt"),

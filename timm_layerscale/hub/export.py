@@ -304,17 +304,18 @@ def export_folder(
         raise
     try:
         weights = tmp / WEIGHTS_NAME
-        if to == "gamma":  # a family without timm's gamma architecture is refused before converting
-            _architecture(load_source(source, model=model, ema=ema)[2], to)
-        conv = convert_checkpoint(source, weights, model=model, to=to, fmt="safetensors", ema=ema, options=options)
-        architecture = _architecture(conv.variant, to)
+        # The config needs only the variant: its refusals (no gamma architecture, an unknown
+        # tag, a wrong label count) come before converting.
+        _, _, variant, info = load_source(source, model=model, ema=ema)
+        architecture = _architecture(variant, to)
         config = write_config(
             f"{architecture}.{tag}" if tag else architecture,
             tmp / CONFIG_NAME,
-            num_classes=conv.num_classes,
+            num_classes=info.get("num_classes"),
             label_names=label_names,
             label_descriptions=descriptions,
         )
+        conv = convert_checkpoint(source, weights, model=model, to=to, fmt="safetensors", ema=ema, options=options)
         _check_reload(tmp, weights)
         gates = gate_profile(weights)
         plot_path, plot_note = None, None
