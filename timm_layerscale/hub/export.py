@@ -273,8 +273,9 @@ def export_folder(
 
     Raises:
         OutputExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
-        CheckpointError: ``out_dir`` holds the source file (other than its own weights), the
-            label names do not fit the classifier, or ``to`` does not apply to the family.
+        CheckpointError: ``out_dir`` holds the source file (other than its own weights) or
+            the current folder, the label names do not fit the classifier, the tag is
+            unknown, or ``to`` does not apply to the family; each before converting.
         ParityError: The converted model does not match the reference.
         HubError: Download or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
