@@ -306,8 +306,9 @@ def export_folder(
     try:
         weights = tmp / WEIGHTS_NAME
         # The config needs only the variant: its refusals (no gamma architecture, an unknown
-        # tag, a wrong label count) come before converting.
-        _, _, variant, info = load_source(source, model=model, ema=ema)
+        # tag, a wrong label count) come before converting. The state dict is not kept, so
+        # a source that cannot be mapped is not held in memory twice.
+        variant, info = load_source(source, model=model, ema=ema)[2:]
         architecture = _architecture(variant, to)
         config = write_config(
             f"{architecture}.{tag}" if tag else architecture,
