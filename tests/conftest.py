@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
-# Never reach the network, and never touch the user's caches.
+# Never reach the network, and never touch the user's caches (nor leave this one behind).
 _HOME = tempfile.mkdtemp(prefix="timm-layerscale-tests-")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = os.path.join(_HOME, "hf")
 os.environ["TORCH_HOME"] = os.path.join(_HOME, "torch")
