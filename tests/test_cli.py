@@ -320,6 +320,24 @@ def test_the_current_folder_is_never_replaced(tmp_path, capsys, monkeypatch, com
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["inside", "inside/keep.txt"]
 
 
+@pytest.mark.parametrize("command", ["demo", "export"])
+def test_a_folder_named_through_dotdot_is_the_folder_it_leads_to(official, tmp_path, capsys, command):
+    # a/b/.. is a; its temporary sibling and its name were taken from b: export failed at the last
+    # rename (Device or resource busy), demo emptied a and then failed (No such file or directory).
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    folder = tmp_path / "a" / "b" / ".."
+    argv = ["demo", "--out", folder] if command == "demo" else ["export", official, folder]
+    code, _, err = cli(capsys, *argv, "--overwrite", "--num-inputs", "1")
+    assert code == 0, err
+    assert folder_names(tmp_path) == ["a"]
+    if command == "demo":
+        assert folder_names(tmp_path / "a") == ["XXS24_224.pth", f"{MODEL}.fb_dist_in1k"]
+    else:
+        names = folder_names(tmp_path / "a")
+        assert {"README.md", "config.json", "model.safetensors"} <= set(names) and "b" not in names
+        assert 'create_model("hf-hub:ORG/a"' in (tmp_path / "a" / "README.md").read_text()
+
+
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path, capsys):
     code, stdout, err = cli(capsys, "demo", "--out", tmp_path / "demo")

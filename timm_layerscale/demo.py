@@ -45,8 +45,7 @@ def run_demo(
     from .errors import CheckpointError
     from .files.atomic import check_output_folder
 
-    out = Path(out)
-    check_output_folder(out, overwrite)
+    out = check_output_folder(Path(out), overwrite)
     if out.is_dir():
         shutil.rmtree(out)
     try:

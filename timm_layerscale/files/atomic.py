@@ -169,14 +169,20 @@ def check_output(target: Path, overwrite: bool) -> None:
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
 
 
-def check_output_folder(out: Path, overwrite: bool) -> None:
+def check_output_folder(out: Path, overwrite: bool) -> Path:
     """Raise unless ``out`` can be written as a folder: not a file, and empty unless ``overwrite``.
+
+    Returns:
+        The folder to write: ``out``, or the folder it leads to when its last part is
+        ``..`` (whose temporary sibling and name would be those of the folder below).
 
     Raises:
         CheckpointError: ``out`` is a file, or the current folder or one holding it
             (replacing it would delete the folder a shell stands in).
         OutputExistsError: ``out`` holds files and ``overwrite`` is false.
     """
+    if out.name == "..":
+        out = out.resolve()
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; pass a folder path")
     if out.is_dir() and Path.cwd().is_relative_to(out.resolve()):
@@ -185,6 +191,7 @@ def check_output_folder(out: Path, overwrite: bool) -> None:
         )
     if out.is_dir() and not overwrite and any(out.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    return out
 
 
 def _publish(tmp: Path, target: Path, overwrite: bool) -> None:

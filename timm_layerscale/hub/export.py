@@ -158,20 +158,17 @@ def _deletes_source(source: Path, out: Path) -> bool:
     return source.is_relative_to(folder) and not rewritten
 
 
-def _prepare_target(out: Path, tmp: Path, overwrite: bool) -> list[Path]:
-    """Check the export folder ``out``, create its missing parents and check that ``tmp`` can be made there.
+def _prepare_target(out: Path, tmp: Path) -> list[Path]:
+    """Create the missing parents of the export folder ``out`` and check that ``tmp`` can be made there.
 
-    Only what is particular to a folder is checked here: a file in the way, a folder
-    that is not empty, parents to create. Whether the temporary folder ``tmp`` can be
-    created next to ``out`` is the check of any output path,
-    :func:`~timm_layerscale.files.atomic.check_output`.
+    Whether the temporary folder ``tmp`` can be created next to ``out`` is the check of any
+    output path, :func:`~timm_layerscale.files.atomic.check_output`.
 
     Returns:
         The parent folders created, deepest first (removed again if the export fails).
     """
-    from ..files.atomic import check_output, check_output_folder
+    from ..files.atomic import check_output
 
-    check_output_folder(out, overwrite)
     created = []
     parent = out.absolute().parent
     while not parent.exists():
@@ -281,7 +278,7 @@ def export_folder(
         LayerScaleError: Any other problem with the source or the folder.
     """
     from ..converter import convert_checkpoint, load_source
-    from ..files.atomic import temporary_folder
+    from ..files.atomic import check_output_folder, temporary_folder
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line
 
@@ -295,9 +292,10 @@ def export_folder(
         check_repo_id(push_to_hub)
     if _deletes_source(Path(source), out):
         raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
+    out = check_output_folder(out, overwrite)
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    created = _prepare_target(out, tmp, overwrite)
+    created = _prepare_target(out, tmp)
     try:
         tmp = temporary_folder(out)
     except BaseException:
