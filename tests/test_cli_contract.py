@@ -248,6 +248,33 @@ def test_convert_to_gamma_on_the_command_line(official, tmp_path, capsys):
     assert torch.load(tmp_path / "again.pth", weights_only=True)["model"].keys() == obj["model"].keys()
 
 
+# ---- the command line that reproduces a run ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(atol=0.0),
+        dict(atol=0.0, rtol=0.0),
+        dict(rtol=1e-3, seed=7, batch_size=1),
+        dict(exact=True, num_inputs=2, images=("a.png", "b b.png")),
+    ],
+    ids=["atol-0", "atol-rtol-0", "rtol-seed-batch", "exact-images"],
+)
+@pytest.mark.parametrize("command", ["convert", "verify", "export"])
+def test_the_reproducing_command_line_parses_back_to_the_same_options(command, options):
+    """The model card's "Made with" line and convert's ``command``: a zero is a value, not an absence."""
+    import shlex
+
+    from timm_layerscale.cli import build_parser
+    from timm_layerscale.options import command_line, verify_options
+    from timm_layerscale.parity.tolerance import VerifyOptions
+
+    given = VerifyOptions(**options)
+    argv = shlex.split(command_line(("timm-layerscale", command, "a.pth", "out"), given))
+    assert verify_options(build_parser().parse_args(argv[1:])) == given
+
+
 # ---- progress bars ----------------------------------------------------------------------
 
 

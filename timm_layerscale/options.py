@@ -75,7 +75,8 @@ def verify_options(a: argparse.Namespace) -> Any:
 def command_line(words: Sequence[Any], options: Any = None, **opts: Any) -> str:
     """A command line: ``words`` as given, then ``opts`` and the non-default ``options`` as flags.
 
-    A flag's value ``True`` gives a bare flag; ``None``, ``False`` and empty values leave it out.
+    A flag's value ``True`` gives a bare flag; ``None``, ``False`` and empty sequences leave
+    it out (a zero is a value: ``--atol 0``).
     """
     parts = [str(w) for w in words]
     if options is not None:
@@ -84,7 +85,7 @@ def command_line(words: Sequence[Any], options: Any = None, **opts: Any) -> str:
         flag = "--" + key.replace("_", "-")
         if value is True:
             parts.append(flag)
-        elif value not in (None, False, (), []):
+        elif value is not None and value is not False and value not in ((), []):
             parts += [flag] + ([str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)])
     return shlex.join(parts)
 
