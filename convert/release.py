@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.hub.card import timm_hub_copy
-from timm_layerscale.options import add_verify_args, verify_options
+from timm_layerscale.options import add_verify_args, check_inputs, verify_options
 
 __all__ = ["Release", "FAMILIES", "releases", "select", "run_release", "write_summary", "main"]
 
@@ -449,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(args_list)
+    check_inputs(parser, args)
 
     def error(message: str) -> int:
         print(f"{parser.prog}: error: {message}", file=sys.stderr)

@@ -85,8 +85,9 @@ def test_demo_into_a_folder_that_cannot_be_created_is_a_user_error(where, tmp_pa
 _ARGUMENTS = """
 import contextlib, io, json, runpy, sys
 results = {}
-for argv in (["verify", "a.pth", "b.safetensors", "--num-inputs", "0"], ["verify", "a", "b", "--atol", "-1"],
-             ["convert", "a", "b", "--rtol", "nan"], ["verify", "a", "b", "--num-inputs", "many"]):
+for argv in (["verify", "a.pth", "b.safetensors", "--num-inputs", "-1"], ["verify", "a", "b", "--atol", "-1"],
+             ["convert", "a", "b", "--rtol", "nan"], ["verify", "a", "b", "--num-inputs", "many"],
+             ["export", "a", "b", "--num-inputs", "0"], ["verify", "a", "b", "--batch-size", "0"]):
     sys.argv = ["timm-layerscale", *argv]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -107,10 +108,12 @@ def test_bad_counts_and_tolerances_are_argument_errors_without_importing_torch()
     res = json.loads(proc.stdout)
     assert res.pop("torch imported") is False
     expected = {
-        "--num-inputs 0": "argument --num-inputs: must be at least 1, got 0",
+        "--num-inputs -1": "argument --num-inputs: must be at least 0, got -1",
         "--atol -1": "argument --atol: must be a finite number >= 0, got '-1'",
         "--rtol nan": "argument --rtol: must be a finite number >= 0, got 'nan'",
-        "--num-inputs many": "argument --num-inputs: expected a whole number >= 1, got 'many'",
+        "--num-inputs many": "argument --num-inputs: expected a whole number >= 0, got 'many'",
+        "--num-inputs 0": "argument --num-inputs: 0 leaves no inputs; pass --images FILE ... too",
+        "--batch-size 0": "argument --batch-size: must be at least 1, got 0",
     }
     for key, text in expected.items():
         code, err = res[key]
@@ -258,8 +261,9 @@ def test_convert_to_gamma_on_the_command_line(official, tmp_path, capsys):
         dict(atol=0.0, rtol=0.0),
         dict(rtol=1e-3, seed=7, batch_size=1),
         dict(exact=True, num_inputs=2, images=("a.png", "b b.png")),
+        dict(num_inputs=0, images=("a.png",)),
     ],
-    ids=["atol-0", "atol-rtol-0", "rtol-seed-batch", "exact-images"],
+    ids=["atol-0", "atol-rtol-0", "rtol-seed-batch", "exact-images", "images-only"],
 )
 @pytest.mark.parametrize("command", ["convert", "verify", "export"])
 def test_the_reproducing_command_line_parses_back_to_the_same_options(command, options):
@@ -396,6 +400,17 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert "no Hugging Face token found" in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_release_without_inputs_is_an_argument_error(tmp_path, capsys):
+    from convert.release import main as release
+
+    with pytest.raises(SystemExit) as e:
+        release(["--out", str(tmp_path / "release"), "--num-inputs", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == "python -m convert: error: argument --num-inputs: 0 leaves no inputs; pass --images FILE ... too"
+    assert not (tmp_path / "release").exists()
 
 
 # ---- the model card ---------------------------------------------------------------------

@@ -302,7 +302,12 @@ def test_verify_takes_state_dicts_and_image_files(gamma_sd, ls_sd, converted, of
     img = tmp_path / "cat.png"
     Image.fromarray((torch.arange(300 * 200 * 3) % 251).to(torch.uint8).reshape(200, 300, 3).numpy()).save(img)
     rep = verify_checkpoint(official, converted.output, options=VerifyOptions(images=(str(img),), num_inputs=1))
-    assert rep.passed and rep.bit_exact and rep.num_inputs == 2 and "1 image file" in rep.inputs
+    assert rep.passed and rep.bit_exact and rep.num_inputs == 2
+    assert rep.inputs == "1 seeded N(0,1) images (seed 0) + 1 image file(s) at 224x224"
+    only = verify_checkpoint(official, converted.output, options=VerifyOptions(images=(str(img),) * 2, num_inputs=0))
+    assert only.passed and only.bit_exact and only.num_inputs == 2 and only.inputs == "2 image file(s) at 224x224"
+    with pytest.raises(LayerScaleError, match="num_inputs=0 leaves no inputs; pass images="):
+        VerifyOptions(num_inputs=0)
 
     bad = tmp_path / "not-an-image.png"
     bad.write_text("hello")

@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from ._version import __version__
 from .commands import COMMANDS, EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED, EXIT_USER_ERROR, PROG, cli_message, error
-from .options import add_verify_args
+from .options import add_verify_args, check_inputs
 
 __all__ = ["main", "build_parser"]
 
@@ -221,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help(sys.stderr)
         return EXIT_USER_ERROR
+    if hasattr(args, "num_inputs"):
+        check_inputs(args.subcommands[args.command], args)
     if getattr(args, "quiet", False):
         from .progress import disable_progress_bars
 

@@ -8,21 +8,25 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["positive_int", "tolerance", "add_verify_args", "verify_options", "command_line", "verify_flags"]
+__all__ = ["whole_number", "tolerance", "add_verify_args", "check_inputs", "verify_options", "command_line"]
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a count of inputs or a batch size)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """argparse type: a whole number >= ``minimum`` (a batch size, a number of inputs)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def tolerance(text: str) -> float:
@@ -47,13 +51,25 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
         help="absolute tolerance (default: the family's rule; 0 = bit-exact for CaiT and DeiT-III)",
     )
     g.add_argument("--rtol", type=tolerance, metavar="X", help="relative tolerance (default: the family's rule)")
-    g.add_argument("--num-inputs", type=positive_int, default=8, metavar="K", help="seeded random images (default 8)")
+    g.add_argument(
+        "--num-inputs",
+        type=whole_number(0),
+        default=8,
+        metavar="K",
+        help="seeded random images (default 8; 0 with --images)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the random images (default 0)")
     g.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
     g.add_argument("--device", default="cpu", help="run both models on cpu (default) or cuda")
     g.add_argument(
-        "--batch-size", type=positive_int, default=4, metavar="N", help="images per forward pass (default 4)"
+        "--batch-size", type=whole_number(1), default=4, metavar="N", help="images per forward pass (default 4)"
     )
+
+
+def check_inputs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Exit with ``p``'s argument error when :func:`add_verify_args` options leave no inputs."""
+    if a.num_inputs == 0 and not a.images:
+        p.error("argument --num-inputs: 0 leaves no inputs; pass --images FILE ... too")
 
 
 def verify_options(a: argparse.Namespace) -> Any:

@@ -84,7 +84,7 @@ class VerifyOptions:
         atol: Absolute tolerance; ``None`` takes the family's default.
         rtol: Relative tolerance; ``None`` takes the family's default.
         exact: Demand bit-exact outputs (``torch.equal``) whatever the family.
-        num_inputs: Seeded N(0, 1) images (at least 1).
+        num_inputs: Seeded N(0, 1) images (0 only with ``images``).
         seed: Seed of those images.
         images: Image files added to the inputs (timm's eval transforms).
         device: ``"cpu"``, or ``"cuda"`` to run both models on the GPU.
@@ -109,8 +109,10 @@ class VerifyOptions:
                 raise LayerScaleError(f"{name} must be a finite number >= 0, got {value}")
         if self.exact and (self.atol or self.rtol):
             raise LayerScaleError("exact parity takes no tolerance; drop exact or atol/rtol")
-        if self.num_inputs < 1 or self.batch_size < 1:
-            raise LayerScaleError("num_inputs and batch_size must be at least 1")
+        if self.num_inputs < 0 or self.batch_size < 1:
+            raise LayerScaleError("num_inputs must be at least 0 and batch_size at least 1")
+        if self.num_inputs == 0 and not self.images:
+            raise LayerScaleError("num_inputs=0 leaves no inputs; pass images=[...] too, or num_inputs of at least 1")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise LayerScaleError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         object.__setattr__(self, "images", tuple(self.images))

@@ -132,13 +132,14 @@ def verify_state_dicts(
         img = tuple(cfg_size[-2:])
     inputs = seeded_inputs(options.num_inputs, img, options.seed)
     size = img if isinstance(img, int) else "x".join(map(str, img))
-    desc = f"{options.num_inputs} seeded N(0,1) images (seed {options.seed}) at {size}"
+    parts = [f"{options.num_inputs} seeded N(0,1) images (seed {options.seed})"] if options.num_inputs else []
     if options.images:
         files = image_inputs(options.images, out)
         if files.shape[-2:] != inputs.shape[-2:]:
             raise CheckpointError("image files resolve to another input size than the model's; check the image files")
         inputs = torch.cat([inputs, files])
-        desc += f" + {len(options.images)} image file(s)"
+        parts.append(f"{len(options.images)} image file(s)")
+    desc = " + ".join(parts) + f" at {size}"
     return compare_models(
         ref,
         out,
