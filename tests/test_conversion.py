@@ -136,6 +136,16 @@ def test_done_when_loads_with_timm_create_model(converted, reference):
         assert torch.equal(model.eval()(x), reference(x))
 
 
+def test_checkpoint_path_takes_the_models_own_layout(converted, official, reference):
+    """``checkpoint_path=`` (timm's ``--initial-checkpoint``) loads without the pretrained filter, as for timm's models."""
+    model = timm.create_model(MODEL, checkpoint_path=str(converted.output)).eval()
+    x = seeded_inputs(1, 224, seed=5)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: .blocks\.0\.gamma_1"):
+        timm.create_model(MODEL, checkpoint_path=str(official))
+
+
 def test_command_reproduces_the_options(official, converted, tmp_path, monkeypatch):
     import shlex
 
