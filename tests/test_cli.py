@@ -419,7 +419,7 @@ BAD_INPUTS = [
         "NaN or Inf, first 'blocks.5.attn.proj.weight'; check the source checkpoint, or pass --allow-nonfinite",
     ),
     ("inf", "XXS24_224.pth", [], "--allow-nonfinite"),
-    ("no-ema", "XXS24_224.pth", ["--ema"], "no 'model_ema' state dict"),
+    ("no-ema", "XXS24_224.pth", ["--ema"], "no 'model_ema' state dict (wrappers found: model); leave out --ema"),
     (
         "missing-key",
         "XXS24_224.pth",

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -323,6 +324,17 @@ def test_verify_takes_state_dicts_and_image_files(gamma_sd, ls_sd, converted, of
     bad.write_text("hello")
     with pytest.raises(CheckpointError, match="cannot read image"):
         verify_checkpoint(official, converted.output, options=VerifyOptions(images=(str(bad),), num_inputs=1))
+
+
+def test_verify_names_converted_weights_of_another_model(official, ls_sd, tmp_path):
+    other = tmp_path / "other.safetensors"
+    safetensors.torch.save_file({k: v for k, v in ls_sd.items() if k != "blocks.23.ls1.gamma"}, other)
+    expect = f"{other} is not a conversion of {official}: checkpoint does not fit {MODEL}: 1 missing (blocks.23"
+    with pytest.raises(RemapError, match=re.escape(expect)) as e:
+        verify_checkpoint(official, other, options=VerifyOptions(num_inputs=1))
+    assert str(e.value).endswith("; pass the weights converted from it")
+    with pytest.raises(RemapError, match=r"^the converted state dict is not a conversion of the source: "):
+        verify_checkpoint(torch.load(official, weights_only=True), {**ls_sd, "reg_token": ls_sd["cls_token"]})
 
 
 def test_verify_detects_a_perturbed_weight_whatever_the_tolerance(ls_sd, gamma_sd):

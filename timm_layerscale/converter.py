@@ -156,9 +156,16 @@ def verify_checkpoint(
         src_sd, found = _read(resolve_source(source), model=model, ema=ema)
     conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(resolve_source(converted))
     conv_sd = state_dict_of(conv)
-    return verify_state_dicts(
-        src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options
-    )
+    try:
+        return verify_state_dicts(
+            src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options
+        )
+    except RemapError as e:  # the source fits its model (detection checked it), so the converted weights do not
+        conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
+        src_name = "the source" if isinstance(source, Mapping) else str(source)
+        raise RemapError(
+            f"{conv_name} is not a conversion of {src_name}: {e}; pass the weights converted from it"
+        ) from None
 
 
 def _check_not_source(output: Path, source: Path | None) -> None:

@@ -85,7 +85,8 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
             if _is_state_dict(checkpoint.get(key)):
                 return checkpoint[key]
         found = ", ".join(k for k in WRAPPER_KEYS if k in checkpoint) or "none"
-        raise RemapError(f"checkpoint has no {wrapper!r} state dict (wrappers found: {found})")
+        advice = "leave out ema=True" if wrapper in EMA_KEYS else "name a wrapper it has"
+        raise RemapError(f"checkpoint has no {wrapper!r} state dict (wrappers found: {found}); {advice}")
     for key in WRAPPER_KEYS[:2]:
         if _is_state_dict(checkpoint.get(key)):
             return checkpoint[key]
