@@ -177,6 +177,35 @@ def test_convert_dtype_and_format_options(official, tmp_path, capsys):
     assert {v.dtype for v in sd.values()} == {torch.float16}
 
 
+def test_convert_fold_then_verify_and_load_the_folded_file(official, tmp_path, capsys):
+    import timm
+
+    folded = tmp_path / "folded.safetensors"
+    code, out, err = cli(capsys, "convert", official, folded, "--fold", "--num-inputs", "2")
+    assert code == 0, err
+    assert f"-> {folded} (ls layout, LayerScale folded into the weights)" in out
+    assert any(line.split() == ["result", "PASS", "(within", "tolerance)"] for line in out.splitlines()), out
+    with safetensors.safe_open(str(folded), "pt") as f:
+        meta, keys = f.metadata(), set(f.keys())
+    assert meta["folded_layerscale"] == "true" and meta["parity"] == "within tolerance"
+    assert not any(k.endswith(".gamma") for k in keys)
+
+    code, out, err = cli(capsys, "verify", official, folded, "--num-inputs", "2")
+    assert code == 0, err
+    assert f"{MODEL} (folded_layerscale)" in out and "LayerScale folded into the weights" in out
+    model = timm.create_model(
+        MODEL, pretrained=True, folded_layerscale=True, pretrained_cfg_overlay=dict(file=str(folded))
+    )
+    assert all(torch.equal(v, safetensors.torch.load_file(str(folded))[k]) for k, v in model.state_dict().items())
+
+    assert_one_line_error(*cli(capsys, "convert", folded, tmp_path / "again.safetensors"), "folded")
+    assert_one_line_error(
+        *cli(capsys, "convert", official, tmp_path / "g.pth", "--fold", "--to", "gamma"),
+        "ls layout only; leave out --to gamma or --fold",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folded.safetensors"]
+
+
 @pytest.mark.parametrize("name", ["out.txt", "out", "model.npz"])
 def test_convert_refuses_an_output_suffix_that_names_no_format(light_sd, tmp_path, capsys, name):
     source = tmp_path / "src.pth"

@@ -126,6 +126,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
         )
         return 0
     target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
+    target += ", LayerScale folded into the weights" if res.metadata.get("folded_layerscale") == "true" else ""
     print(
         f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s"
     )

@@ -238,7 +238,7 @@ def convert_checkpoint(
     if to not in ("ls", "gamma"):
         raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
     if fold and to != "ls":
-        raise LayerScaleError("folding applies to the ls layout only; convert to 'ls', or do not fold")
+        raise LayerScaleError("folding applies to the ls layout only; leave out to='gamma' or fold=True")
     if plain and to != "gamma":
         raise LayerScaleError("plain applies to the gamma layout only (an ls file is always plain); leave it out")
     path = None if is_remote(source) else resolve_source(source)  # a download waits until the output is free
