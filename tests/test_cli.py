@@ -22,7 +22,7 @@ import pytest
 import safetensors.torch
 import torch
 
-import timm_layerscale  # noqa: F401  (registers the models)
+import timm_layerscale  # registers the models
 from helpers import assert_one_line_error, cli, parity_report
 from timm_layerscale import converter as conversion
 from timm_layerscale.cli import main
@@ -81,7 +81,7 @@ def test_console_script_help_lists_examples():
 _NO_TORCH = """
 import contextlib, io, json, runpy, sys
 results = {}
-for argv in (["--help"], ["convert", "--help"], ["convert", "only-one-arg"]):
+for argv in (["--help"], ["convert", "--help"], ["convert", "only-one-arg"], ["--version"]):
     sys.argv = ["timm-layerscale", *argv]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -105,6 +105,7 @@ def test_help_and_argument_errors_do_not_import_torch():
     assert code == 0 and "SOURCE" in out and "--overwrite" in out and "--no-verify" in out
     code, out, err = res["convert only-one-arg"]
     assert code == 2 and out == "" and len(err.splitlines()) == 1 and "error:" in err and "OUTPUT" in err
+    assert res["--version"] == [0, f"timm-layerscale {timm_layerscale.__version__}\n", ""]
     assert res["torch imported"] is False, "--help and argument errors must not import torch"
 
 

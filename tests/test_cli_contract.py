@@ -279,6 +279,44 @@ def test_the_reproducing_command_line_parses_back_to_the_same_options(command, o
     assert verify_options(build_parser().parse_args(argv[1:])) == given
 
 
+def test_every_export_and_push_option_reaches_the_library(tmp_path, capsys, monkeypatch):
+    from timm_layerscale.hub import export, upload
+    from timm_layerscale.parity.tolerance import VerifyOptions
+
+    calls = {}
+
+    def record(name):
+        def call(*args, **kwargs):
+            calls[name] = (args, kwargs)
+            return SimpleNamespace(summary=lambda: "done")
+
+        return call
+
+    monkeypatch.setattr(export, "export_folder", record("export"))
+    monkeypatch.setattr(upload, "push_folder", record("push"))
+    labels = tmp_path / "labels.txt"
+    code, out, err = cli(
+        capsys, "export", "src.pth", "hub/x", "--model", MODEL, "--overwrite", "--ema", "--push-to-hub", "org/x",
+        "--private", "--commit-message", "first", "--repo-id", "org/y", "--to", "gamma", "--label-names", labels,
+        "--tag", "fb_dist_in1k", "--seed", "3", "--device", "cpu", "--num-inputs", "2",
+    )  # fmt: skip
+    assert (code, out, err) == (0, "done\n", "")
+    assert calls["export"] == (
+        ("src.pth", "hub/x"),
+        dict(
+            model=MODEL, overwrite=True, ema=True, options=VerifyOptions(seed=3, num_inputs=2), push_to_hub="org/x",
+            private=True, commit_message="first", repo_id="org/y", to="gamma", label_names=str(labels),
+            tag="fb_dist_in1k",
+        ),
+    )  # fmt: skip
+    argv = ["push", "hub/x", "org/x", "--private", "--revision", "dev", "--create-pr", "--commit-message", "m"]
+    assert cli(capsys, *argv, "--dry-run") == (0, "done\n", "")
+    assert calls["push"] == (
+        ("hub/x", "org/x"),
+        dict(private=True, revision="dev", create_pr=True, commit_message="m", dry_run=True),
+    )
+
+
 # ---- progress bars ----------------------------------------------------------------------
 
 
