@@ -326,6 +326,16 @@ def test_verify_takes_state_dicts_and_image_files(gamma_sd, ls_sd, converted, of
         verify_checkpoint(official, converted.output, options=VerifyOptions(images=(str(bad),), num_inputs=1))
 
 
+def test_verify_on_cuda_without_a_gpu_is_a_user_error(gamma_sd, ls_sd, official, converted, monkeypatch, capsys):
+    from helpers import assert_one_line_error, cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CheckpointError, match=r"no CUDA device is available here; pass device='cpu'$"):
+        verify_checkpoint(gamma_sd, ls_sd, options=VerifyOptions(device="cuda"))
+    code, out, err = cli(capsys, "verify", official, converted.output, "--device", "cuda:1")
+    assert_one_line_error(code, out, err, "device 'cuda:1': no CUDA device is available here; pass --device cpu")
+
+
 def test_verify_names_converted_weights_of_another_model(official, ls_sd, tmp_path):
     other = tmp_path / "other.safetensors"
     safetensors.torch.save_file({k: v for k, v in ls_sd.items() if k != "blocks.23.ls1.gamma"}, other)
