@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.hub.card import timm_hub_copy
-from timm_layerscale.options import add_verify_args, check_inputs, verify_options
+from timm_layerscale.options import OneLineParser, add_verify_args, check_inputs, verify_options
 
 __all__ = ["Release", "FAMILIES", "releases", "select", "run_release", "write_summary", "main"]
 
@@ -382,9 +382,13 @@ def format_table(table: Sequence[Release]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
+class _Parser(OneLineParser):
+    name = "python -m convert"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m convert",
+    p = _Parser(
+        prog=_Parser.name,
         description="Convert, verify, export (and upload) every official CaiT, DeiT-III and ViT-5 checkpoint.",
         epilog="examples (from the repository root):\n"
         + __doc__.split("Run from the repository root::", 1)[1].strip("\n"),

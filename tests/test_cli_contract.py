@@ -440,14 +440,22 @@ def test_release_checks_network_and_token_before_converting(tmp_path, capsys, mo
     assert not out.exists()
 
 
-def test_release_without_inputs_is_an_argument_error(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--num-inputs", "0"], "argument --num-inputs: 0 leaves no inputs; pass --images FILE ... too"),
+        (["--atol", "-1"], "argument --atol: must be a finite number >= 0, got '-1'"),
+        (["--family", "vit"], "argument --family: invalid choice: 'vit' (choose from 'cait', 'deit3', 'vit5')"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_release_argument_errors_are_one_line(tmp_path, capsys, argv, message):
     from convert.release import main as release
 
     with pytest.raises(SystemExit) as e:
-        release(["--out", str(tmp_path / "release"), "--num-inputs", "0"])
+        release(["--out", str(tmp_path / "release"), *argv])
     assert e.value.code == 2
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert err == "python -m convert: error: argument --num-inputs: 0 leaves no inputs; pass --images FILE ... too"
+    assert capsys.readouterr().err == f"python -m convert: error: {message} (see 'python -m convert --help')\n"
     assert not (tmp_path / "release").exists()
 
 

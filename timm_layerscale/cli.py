@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from ._version import __version__
 from .commands import COMMANDS, EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED, EXIT_USER_ERROR, PROG, cli_message, error
-from .options import add_verify_args, check_inputs
+from .options import OneLineParser, add_verify_args, check_inputs
 
 __all__ = ["main", "build_parser"]
 
@@ -45,9 +44,8 @@ examples:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2, the prefix of every error
-        self.exit(EXIT_USER_ERROR, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+class _Parser(OneLineParser):
+    name = PROG
 
 
 def _add_common(p: argparse.ArgumentParser, top: bool = False, quiet: bool = True) -> None:

@@ -9,9 +9,29 @@ import argparse
 import math
 import shlex
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["whole_number", "tolerance", "add_verify_args", "check_inputs", "verify_options", "command_line"]
+__all__ = [
+    "OneLineParser",
+    "whole_number",
+    "tolerance",
+    "add_verify_args",
+    "check_inputs",
+    "verify_options",
+    "command_line",
+]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``NAME: error: MESSAGE (see 'PROG --help')``, exit status 2.
+
+    Subclasses set ``name``, the program every error line starts with (a subcommand's too).
+    """
+
+    name: str
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.name}: error: {message} (see '{self.prog} --help')\n")
 
 
 def whole_number(minimum: int) -> Callable[[str], int]:
