@@ -60,12 +60,10 @@ class Rule:
         pattern: Regular expression matched against the whole key (``re.fullmatch``).
         replace: Replacement template (``re`` syntax, ``\\1`` for groups); ``None``
             drops the key; ``"\\g<0>"`` keeps it unchanged.
-        why: For dropped keys, a short reason shown in reports.
     """
 
     pattern: str
     replace: str | None
-    why: str = ""
 
     def apply(self, key: str) -> tuple[bool, str | None]:
         m = re.fullmatch(self.pattern, key)
@@ -165,8 +163,8 @@ _family(
 
 # ViT-5 (official ``models_vit5.py``): RMSNorm (weight only), QK-norm, no qkv bias,
 # registers, and per-block rotary frequency buffers that the model computes: the
-# ``ls`` layout drops them, and a file mapped back to the ``gamma`` layout gets them
-# from :func:`official_rope_buffers`.
+# ``ls`` layout drops them once they are checked against the computed ones, and a file
+# mapped back to the ``gamma`` layout gets them from :func:`official_rope_buffers`.
 _ROPE_BUFFER = r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs"
 _family(
     "vit5",
@@ -180,13 +178,7 @@ _family(
             KEEP,
         ),
     ),
-    ls_only=(
-        Rule(
-            _ROPE_BUFFER,
-            None,
-            why="rotary frequencies: constants the model recomputes (checked against them on loading)",
-        ),
-    ),
+    ls_only=(Rule(_ROPE_BUFFER, None),),
     gamma_only=(Rule(_ROPE_BUFFER, KEEP),),
 )
 
