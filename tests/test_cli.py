@@ -247,6 +247,13 @@ def test_export_json(official, tmp_path, capsys):
     assert {"README.md", "config.json", "model.safetensors"} <= set(res["files"])
     assert res["report"]["passed"] is True and res["push"] is None
 
+    code, stdout, err = cli(capsys, "push", folder, "my-org/model", "--dry-run", "--json")
+    assert code == 0 and err == "", err
+    plan = json.loads(stdout)
+    assert plan["repo_id"] == "my-org/model" and plan["folder"] == str(folder) and plan["dry_run"] is True
+    assert plan["files"] == [[name, (folder / name).stat().st_size] for name in folder_names(folder)]
+    assert plan["revision"] is None and plan["commit_url"] is None and "Upload" in plan["commit_message"]
+
 
 @pytest.mark.parametrize(("command", "out"), [("convert", "x.safetensors"), ("export", "folder")])
 def test_failed_parity_exits_1_and_writes_nothing(command, out, official, tmp_path, capsys, monkeypatch):

@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,20 +141,8 @@ class PushResult:
         return head + "\n" + usage
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "repo_id": self.repo_id,
-            "folder": str(self.folder),
-            "files": [list(f) for f in self.files],
-            "commit_message": self.commit_message,
-            "private": self.private,
-            "revision": self.revision,
-            "create_pr": self.create_pr,
-            "endpoint": self.endpoint,
-            "dry_run": self.dry_run,
-            "repo_url": self.repo_url,
-            "commit_url": self.commit_url,
-            "pr_url": self.pr_url,
-        }
+        """A JSON-ready dict of every field."""
+        return {**asdict(self), "folder": str(self.folder), "files": [list(f) for f in self.files]}
 
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w][\w.-]*")
