@@ -39,6 +39,18 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_default_options = {"members": True, "show-inheritance": True}
 autodoc_preserve_defaults = True
+# A method without a docstring of its own is left out rather than shown with the one of
+# torch's nn.Module or argparse's it overrides, which describe another behaviour.
+autodoc_inherit_docstrings = False
+
+# Every reference into this package must resolve (a renamed or undocumented name fails the
+# build); the standard library's and torch's are not linked, the build reads no inventories.
+nitpicky = True
+nitpick_ignore_regex = [
+    ("py:class", r"(torch|timm|pathlib|os|collections\.abc|argparse|contextlib|typing)\..+"),
+    ("py:class", r"timm_layerscale\..+\.[VM]"),  # TypeVars of signatures
+    ("py:class", r"dict\[str"),  # a dataclass field's default_factory, split by the signature parser
+]
 
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3

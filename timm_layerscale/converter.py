@@ -2,9 +2,9 @@
 
 A conversion is a sequence of named steps: (1) resolve the source to a local file
 (:func:`~timm_layerscale.files.sources.resolve_source`), (2-3) read its state dict and
-detect the variant (:func:`_read`), (4) remap the keys to the target layout
-(:func:`_to_target`), (5) hash the file and check for NaN/Inf (:func:`_hash_and_check`),
-(6) verify in memory (:func:`_verified`), (7) write atomically
+detect the variant (``_read``), (4) remap the keys to the target layout
+(``_to_target``), (5) hash the file and check for NaN/Inf (``_hash_and_check``),
+(6) verify in memory (``_verified``), (7) write atomically
 (:mod:`~timm_layerscale.files.save`) and read back what was written.
 """
 
@@ -194,8 +194,8 @@ def convert_checkpoint(
 
     With ``verify``, the converted weights (cast to ``dtype``) are compared with the
     source tensor by tensor and the converted model with the reference
-    (:func:`verify_state_dicts`) before anything is written; a failed check raises
-    :class:`ParityError` and writes nothing. The result goes into the safetensors
+    (:func:`~timm_layerscale.parity.verify.verify_state_dicts`) before anything is written; a failed check raises
+    :class:`~timm_layerscale.errors.ParityError` and writes nothing. The result goes into the safetensors
     metadata (``parity``: ``bit-exact``, ``within tolerance`` or ``not verified``, with
     the tolerance). The output is written atomically, then read back and compared
     with the verified tensors.

@@ -96,6 +96,7 @@ class Family:
     official_prefix: str = ""
 
 
+#: The rule tables of every family, by name.
 FAMILIES: dict[str, Family] = {}
 
 
@@ -106,7 +107,7 @@ def register_family(family: Family) -> Family:
 
 
 def get_family(name: str) -> Family:
-    """Return the family called ``name``; :class:`RemapError` if there is none."""
+    """Return the family called ``name``; :class:`~timm_layerscale.errors.RemapError` if there is none."""
     try:
         return FAMILIES[name]
     except KeyError:
@@ -201,8 +202,8 @@ _family(
 #: A LayerScale key in either layout, by full match: the block, and which gate (``g`` in the
 #: official ``gamma_1``/``gamma_2``, ``l`` in the module layout's ``ls1.gamma``/``ls2.gamma``).
 GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
-#: The linear layer each LayerScale folds into, per block: ``ls1`` scales the
-#: attention's output projection, ``ls2`` the MLP's second layer (all families).
+#: The linear layer each LayerScale folds into, per block, in every family. ``ls1`` scales
+#: the attention's output projection, ``ls2`` the MLP's second layer.
 FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
 
 
@@ -279,8 +280,8 @@ def _deit3(size: str, img: int, dim: int, depth: int, heads: int, patch: int = 1
     return Variant(name, "deit3", name, img, dim, depth, heads, None, patch_size=patch)
 
 
-#: Every convertible architecture: the LayerScale CaiT models (the released values of
-#: the official checkpoints), ViT-5, then timm's DeiT-III models.
+#: Every convertible architecture, in this order. The LayerScale CaiT models (the released
+#: values of the official checkpoints), ViT-5, then timm's DeiT-III models.
 VARIANTS: tuple[Variant, ...] = (
     _cait("xxs", 224, 192, 24, 4, 1e-5),
     _cait("xxs", 384, 192, 24, 4, 1e-5),
@@ -316,7 +317,7 @@ def variants_of(family: str) -> dict[str, Variant]:
 
 # ---- ViT-5 rotary tables ------------------------------------------------------------
 
-#: Rotary bases of ViT-5: patch tokens, register tokens.
+#: Rotary bases of ViT-5, for the patch tokens and for the register tokens.
 VIT5_ROPE_THETA = (10000.0, 100.0)
 _ROPE_KEY = re.compile(r"blocks\.(\d+)\.attn\.(rope|rope_reg)\.freqs")
 

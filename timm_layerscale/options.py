@@ -31,6 +31,7 @@ class OneLineParser(argparse.ArgumentParser):
     name: str
 
     def error(self, message: str) -> NoReturn:
+        """Exit with status 2 after one line on stderr: ``NAME: error: MESSAGE (see 'PROG --help')``."""
         self.exit(2, f"{self.name}: error: {message} (see '{self.prog} --help')\n")
 
 

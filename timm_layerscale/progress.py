@@ -1,7 +1,7 @@
 """Progress bars for long work (writing a checkpoint, verification's forward passes): tqdm's on stderr.
 
 A bar is drawn only when stderr is a terminal and the work lasts longer than
-:data:`DELAY` seconds, so short runs, pipes, logs and CI stay clean.
+half a second (``DELAY``), so short runs, pipes, logs and CI stay clean.
 :func:`disable_progress_bars` (the command line's ``--quiet``) turns them off, together with
 huggingface_hub's download bars and torch.hub's.
 """

@@ -1,7 +1,7 @@
 """Which variant a checkpoint is, from its keys and shapes alone.
 
 Reads the variant table (:data:`~timm_layerscale.families.VARIANTS`) and
-the shapes it implies (:func:`~timm_layerscale.families.state_dict_shapes`);
+the shapes it implies (:func:`state_dict_shapes`);
 no model is built and neither torch nor timm is imported.
 """
 

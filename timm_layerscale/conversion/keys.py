@@ -39,7 +39,7 @@ V = TypeVar("V")
 
 #: Keys that wrap a state dict inside a training checkpoint, in order of preference.
 WRAPPER_KEYS = ("model", "state_dict", "model_ema", "state_dict_ema")
-#: Names of the EMA weights: the official DeiT / ViT-5 training code's, then timm's train.py's.
+#: Names of the EMA weights, the official DeiT / ViT-5 training code's first, then timm's train.py's.
 EMA_KEYS = ("model_ema", "state_dict_ema")
 #: Prefixes added by DistributedDataParallel and torch.compile.
 PREFIXES = ("module.", "_orig_mod.")
@@ -49,7 +49,7 @@ def official_checkpoint(state_dict: Mapping[str, V], family: str | Family) -> di
     """Wrap a ``gamma``-layout state dict the way the official training code saves it.
 
     ``{'model': {prefix + key: tensor}}``, where the prefix is the family's
-    :attr:`Family.official_prefix`: ``'module.'`` for CaiT (the official loader
+    :attr:`~timm_layerscale.families.Family.official_prefix`: ``'module.'`` for CaiT (the official loader
     expects it), none for DeiT-III and ViT-5. Tensors are passed through.
     """
     fam = family if isinstance(family, Family) else get_family(family)
@@ -181,7 +181,7 @@ def to_layerscale(state_dict: Mapping[str, V], family: str | Family = "cait") ->
 
     Args:
         state_dict: Mapping of parameter names to tensors (values are not touched).
-        family: Family name or :class:`Family`.
+        family: Family name or :class:`~timm_layerscale.families.Family`.
 
     Returns:
         A new dict in the ``ls`` layout, same tensor objects, source key order.

@@ -5,8 +5,8 @@ into a local file in a cache (:func:`cached_url_path` says where a URL goes).
 :func:`check_online` fails at once, with one line, when the network is off, before
 any retry loop starts; :func:`hub_endpoint` is the Hub address every request uses.
 
-The only requests sent from here are in :func:`_download_url` and
-:func:`_download_from_hub`. Failures become one-line
+The only requests sent from here are in ``_download_url`` and
+``_download_from_hub``. Failures become one-line
 :class:`~timm_layerscale.errors.HubError` messages; those of huggingface_hub through
 :func:`~timm_layerscale.files.hub_errors.hub_errors`.
 """

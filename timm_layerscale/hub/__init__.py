@@ -6,7 +6,8 @@
 - :mod:`~timm_layerscale.hub.export`: :func:`~timm_layerscale.hub.export.export_folder`, the folder
   ``timm.create_model("hf-hub:...")`` loads.
 
-Downloads and Hub errors are in :mod:`timm_layerscale.files`.
+Downloads and Hub errors are in :mod:`timm_layerscale.files.sources` and
+:mod:`timm_layerscale.files.hub_errors`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`plan_push` (``push_folder(..., dry_run=True)``) checks the folder and options
 and describes the upload, a :class:`PushResult`, without any request; the upload
-itself sends its requests from :func:`_upload` only. The Hub token is read by
+itself sends its requests from ``_upload`` only. The Hub token is read by
 huggingface_hub from ``hf auth login`` or ``HF_TOKEN``; this module never prints,
 logs or stores it. Failures become one-line
 :class:`~timm_layerscale.errors.HubError` messages

@@ -210,7 +210,7 @@ class BufferedTalkingHeadAttn(TalkingHeadAttn):
     """:class:`TalkingHeadAttn` whose CPU inference keeps the ``(B, H, N, N)`` tensors in three buffers.
 
     Bit-identical to the reference on any CPU (module docstring: the same ATen
-    reductions on the same operands). It runs when :meth:`TalkingHeadAttn._eager_inference`
+    reductions on the same operands). It runs when ``TalkingHeadAttn._eager_inference``
     holds; otherwise, and on other devices (whose caching allocators already reuse
     memory), the reference formulation runs, so gradients, dropout masks and compiled
     or exported graphs are the reference's.

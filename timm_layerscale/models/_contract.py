@@ -1,7 +1,8 @@
-"""What timm expects of a model, for the package's ViT-shaped models (:class:`CaitLS`, :class:`Vit5`).
+"""What timm expects of a model, for the package's ViT-shaped models.
 
-Both have a ``patch_embed``, a learned ``pos_embed`` on the patch tokens, a class
-token, ``blocks``, a final ``norm``, ``head_drop`` and a linear ``head``.
+:class:`~timm_layerscale.models.cait_ls.CaitLS` and :class:`~timm_layerscale.models.vit5.Vit5`
+have a ``patch_embed``, a learned ``pos_embed`` on the patch tokens, a class token,
+``blocks``, a final ``norm``, ``head_drop`` and a linear ``head``.
 :class:`TimmContract` holds the methods timm's training, feature-extraction and
 fine-tuning code calls on them; the functions below build the parts, checkpoints,
 registered variants and operation counts the model files share.
@@ -43,9 +44,9 @@ def check_global_pool(global_pool: str) -> None:
 class TimmContract(nn.Module):
     """Base of the ViT-shaped models: the methods timm calls on a model.
 
-    A model calls :meth:`_build_stem` first in its constructor (attributes and
+    A model calls ``_build_stem`` first in its constructor (attributes and
     ``patch_embed``), makes its tokens, position embedding and blocks, and ends with
-    :meth:`_build_head` (``feature_info``, ``norm``, ``head_drop``, ``head``, weights);
+    ``_build_head`` (``feature_info``, ``norm``, ``head_drop``, ``head``, weights);
     it defines ``forward_features`` and ``forward_intermediates``.
     """
 

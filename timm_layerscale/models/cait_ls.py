@@ -6,7 +6,7 @@ https://arxiv.org/abs/2103.17239
 The architecture and numbers are those of the official CaiT models (and of timm's
 ``cait_*``, which reproduces them): talking-heads self-attention blocks followed by
 two class-attention blocks, each residual branch gated by LayerScale. The difference
-is the parameter layout: LayerScale is a :class:`timm_layerscale.LayerScale` module,
+is the parameter layout: LayerScale is a :class:`~timm_layerscale.layer_scale.LayerScale` module,
 as in timm's ViT/DeiT-III, instead of raw ``gamma_1`` / ``gamma_2`` parameters.
 Pretrained weights are the official ones (``fb_dist_in1k``), remapped at load time.
 
@@ -89,7 +89,7 @@ class CaitLS(TimmContract):
         proj_drop_rate: Dropout after attention projections and MLPs.
         attn_drop_rate: Dropout on attention weights.
         drop_path_rate: Stochastic depth rate (the same for every block, as in CaiT).
-        init_values: LayerScale initial value; ``"auto"`` uses :func:`cait_init_value`
+        init_values: LayerScale initial value; ``"auto"`` uses :func:`~timm_layerscale.layer_scale.cait_init_value`
             of ``depth``; ``None`` disables LayerScale (``nn.Identity``).
         depth_token_only: Number of class-attention blocks.
         mlp_ratio_token_only: MLP ratio of the class-attention blocks.
@@ -105,10 +105,12 @@ class CaitLS(TimmContract):
             reference, not bit-exact). All three train identically.
         folded_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
             ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
-            folded into ``attn.proj`` and ``mlp.fc2`` (:func:`timm_layerscale.fold_layerscale`).
-        norm_layer, act_layer, block_layer, block_layer_token, attn_layer,
-        attn_layer_token_only, mlp_layer, embed_layer: Layer types (``norm_layer=None``:
-            LayerNorm, eps 1e-6).
+            folded into ``attn.proj`` and ``mlp.fc2``
+            (:func:`~timm_layerscale.conversion.fold.fold_layerscale`).
+        norm_layer: Norm layer type; ``None`` for LayerNorm with eps 1e-6.
+        act_layer, mlp_layer, embed_layer: Activation, MLP and patch-embedding types.
+        block_layer, block_layer_token: Self-attention and class-attention block types.
+        attn_layer, attn_layer_token_only: Self-attention and class-attention types.
         device: Device to build on (``"meta"`` allowed).
         dtype: Parameter dtype.
     """
@@ -299,7 +301,7 @@ class CaitLS(TimmContract):
     def flop_count(self, batch_size: int = 1) -> int:
         """Multiplications of one forward pass at the model's ``img_size``.
 
-        Multiply-only convention, as :meth:`LayerScale.flop_count`: a multiply-add
+        Multiply-only convention, as :meth:`~timm_layerscale.layer_scale.LayerScale.flop_count`: a multiply-add
         counts 1 (``torch.utils.flop_counter.FlopCounterMode`` counts it 2). Counted:
         the patch-embedding conv; every linear layer (``qkv``, ``proj``, the MLPs, the
         class-attention ``q`` / ``k`` / ``v`` / ``proj`` and the classifier); ``q @ k^T``

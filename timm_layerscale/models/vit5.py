@@ -26,7 +26,7 @@ rotated. The tables are computed, not stored: the official ``*.freqs`` buffers a
 checked against them and dropped on loading.
 
 Differences from the official code are layout only: LayerScale is a
-:class:`timm_layerscale.LayerScale` module (``ls1.gamma`` / ``ls2.gamma``) instead of
+:class:`~timm_layerscale.layer_scale.LayerScale` module (``ls1.gamma`` / ``ls2.gamma``) instead of
 raw ``gamma_1`` / ``gamma_2`` parameters, and one rotary module per model replaces the
 per-block ``rope`` / ``rope_reg`` buffers. Beyond the official model: ``dynamic_img_size``,
 non-square grids, pretrained loading at another ``img_size`` (the position embedding is

@@ -24,7 +24,7 @@ def seed_parameters_(model: nn.Module, seed: int = 0, gamma_std: float = 0.1) ->
     weights ~ 1 + N(0, 0.1), biases and embeddings ~ N(0, 0.1). Values depend only
     on ``seed``, each parameter's name and its shape, so two models whose names map
     onto each other (``gamma_1`` / ``ls1.gamma``) can be filled alike through
-    :func:`timm_layerscale.to_layerscale` instead.
+    :func:`~timm_layerscale.conversion.keys.to_layerscale` instead.
 
     Args:
         model: Any module; parameters on any device and floating dtype.

@@ -25,7 +25,7 @@ import torch
 __all__ = ["Tolerance", "VIT5_TOLERANCE", "FOLDED_TOLERANCE", "EXACT_FAMILIES", "VerifyOptions", "resolve_tolerance"]
 
 
-#: Families whose converted model makes the reference's kernel calls: outputs must be equal.
+#: Families whose converted model makes the reference's kernel calls, so outputs must be equal.
 EXACT_FAMILIES = ("cait", "deit3")
 
 
@@ -48,7 +48,7 @@ class Tolerance:
         return self.atol == 0 and self.rtol == 0
 
 
-#: ViT-5 against its independent reference: ``(atol, rtol)`` per dtype.
+#: ViT-5 against its independent reference, ``(atol, rtol)`` per dtype.
 #: The two implementations order some reductions differently (RMSNorm, the rotary
 #: rotation, fused vs. manual attention), so each can differ by a few units of
 #: roundoff ``u`` of its result (fp32 ``2**-24``, fp16 ``2**-11``, bf16 ``2**-8``), and the
@@ -65,7 +65,7 @@ VIT5_TOLERANCE = {
     torch.bfloat16: (0.15, 0.15),
 }
 
-#: A folded model (``diag(gamma) W``) against the unfolded reference: ``(atol, rtol)`` per dtype.
+#: A folded model (``diag(gamma) W``) against the unfolded reference, ``(atol, rtol)`` per dtype.
 #: Folding rounds each folded weight once more (one ``u``), which moves outputs by a few
 #: ``u`` per block as above. Measured on cait_xxs24_224 (random weights, gammas of std
 #: 0.1, 8 images): ``t`` = 1.2e-6 fp32, 0.034 bf16; the bounds are 8x and 4x above.
