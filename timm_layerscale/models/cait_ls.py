@@ -107,10 +107,14 @@ class CaitLS(TimmContract):
             ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
             folded into ``attn.proj`` and ``mlp.fc2``
             (:func:`~timm_layerscale.conversion.fold.fold_layerscale`).
-        norm_layer: Norm layer type; ``None`` for LayerNorm with eps 1e-6.
-        act_layer, mlp_layer, embed_layer: Activation, MLP and patch-embedding types.
-        block_layer, block_layer_token: Self-attention and class-attention block types.
-        attn_layer, attn_layer_token_only: Self-attention and class-attention types.
+        norm_layer: Norm layer; ``None`` for LayerNorm with eps 1e-6.
+        act_layer: MLP activation.
+        block_layer: Self-attention block type.
+        block_layer_token: Class-attention block type.
+        attn_layer: Self-attention type.
+        attn_layer_token_only: Class-attention type.
+        mlp_layer: MLP type.
+        embed_layer: Patch embedding type.
         device: Device to build on (``"meta"`` allowed).
         dtype: Parameter dtype.
     """

@@ -105,8 +105,12 @@ class Vit5(TimmContract):
         dynamic_img_size: Accept any input size divisible by the patch size; the position
             embedding is resampled and the rotary positions rescaled on the fly.
         dynamic_img_pad: Pad inputs to a multiple of the patch size.
-        norm_layer, act_layer, block_layer, attn_layer, mlp_layer, embed_layer: Layer types
-            (``norm_layer=None``: RMSNorm, eps 1e-6).
+        norm_layer: Norm layer; ``None`` for RMSNorm with eps 1e-6.
+        act_layer: MLP activation.
+        block_layer: Block type.
+        attn_layer: Attention type.
+        mlp_layer: MLP type.
+        embed_layer: Patch embedding type.
         device: Device to build on (``"meta"`` allowed).
         dtype: Parameter dtype.
     """

@@ -163,7 +163,9 @@ class Vit5Official(nn.Module):
         patch_size: Patch size.
         in_chans: Input channels.
         num_classes: Classifier outputs (0: no classifier, the class token is returned).
-        embed_dim, depth, num_heads: Width, blocks, heads.
+        embed_dim: Token width.
+        depth: Number of blocks.
+        num_heads: Attention heads.
         num_registers: Register tokens (a square number), appended after the patches.
         reg_theta: Rotary base of the registers.
         init_values: Initial LayerScale value.
