@@ -11,6 +11,7 @@ records every request.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
@@ -693,10 +694,16 @@ def test_export_into_a_folder_it_cannot_write_fails_before_converting(tmp_path: 
         export_folder(source, tmp_path / "a-file")
     with pytest.raises(CheckpointError, match="cannot create"):
         export_folder(source, tmp_path / "a-file" / "under" / "out")
-    readonly = tmp_path / "new" / "deeper"
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != readonly and real_access(path, mode))
-    with pytest.raises(CheckpointError, match=f"output folder {readonly} is not writable"):
+    readonly = tmp_path / "new" / "deeper"  # created by the export, then not writable
+    real_mkdir = os.mkdir
+
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path).parent == readonly:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(CheckpointError, match=rf"cannot create a folder in {readonly} \(Permission denied\)"):
         export_folder(source, readonly / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 

@@ -158,16 +158,14 @@ def _deletes_source(source: Path, out: Path) -> bool:
     return source.is_relative_to(folder) and not rewritten
 
 
-def _prepare_target(out: Path, tmp: Path) -> list[Path]:
-    """Create the missing parents of the export folder ``out`` and check that ``tmp`` can be made there.
-
-    Whether the temporary folder ``tmp`` can be created next to ``out`` is the check of any
-    output path, :func:`~timm_layerscale.files.atomic.check_output`.
+def _make_temporary(out: Path) -> tuple[Path, list[Path]]:
+    """Create the missing parents of the export folder ``out``, then the temporary folder next to it.
 
     Returns:
-        The parent folders created, deepest first (removed again if the export fails).
+        The temporary folder, and the parent folders created, deepest first (removed again
+        if the export fails).
     """
-    from ..files.atomic import check_output
+    from ..files.atomic import temporary_folder
 
     created = []
     parent = out.absolute().parent
@@ -175,15 +173,14 @@ def _prepare_target(out: Path, tmp: Path) -> list[Path]:
         created.append(parent)
         parent = parent.parent
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        check_output(tmp, overwrite=False)
-    except OSError as e:
-        _remove_empty(created)
-        raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
+        return temporary_folder(out), created
     except BaseException:
         _remove_empty(created)
         raise
-    return created
 
 
 def _remove_empty(folders: Sequence[Path]) -> None:
@@ -278,7 +275,7 @@ def export_folder(
         LayerScaleError: Any other problem with the source or the folder.
     """
     from ..converter import convert_checkpoint, load_source
-    from ..files.atomic import check_output_folder, temporary_folder
+    from ..files.atomic import check_output_folder
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line
 
@@ -294,13 +291,7 @@ def export_folder(
         raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
     out = check_output_folder(out, overwrite)
     repo = repo_id or push_to_hub or f"ORG/{out.name}"
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    created = _prepare_target(out, tmp)
-    try:
-        tmp = temporary_folder(out)
-    except BaseException:
-        _remove_empty(created)
-        raise
+    tmp, created = _make_temporary(out)
     try:
         weights = tmp / WEIGHTS_NAME
         # The config needs only the variant: its refusals (no gamma architecture, an unknown
