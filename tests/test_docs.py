@@ -18,7 +18,7 @@ def _documented(pages: list[Path]) -> set[str]:
 
 
 def _modules(package: Path) -> set[str]:
-    """Dotted names of the package's modules, without package ``__init__`` files and ``__main__``."""
+    """Dotted names of the package's modules, without package ``__init__`` files, ``__main__`` and ``_version``."""
     return {
         ".".join(path.relative_to(package.parent).with_suffix("").parts)
         for path in package.rglob("*.py")
