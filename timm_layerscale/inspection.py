@@ -66,6 +66,12 @@ def _load_state_dict(source: str | os.PathLike[str], ema: bool) -> Mapping[str, 
         raise LayerScaleError(f"{path}: {e}") from None
 
 
+def _position(block: str) -> tuple[str, int]:
+    """The stage and index of a block path (``blocks.3`` -> ``("blocks", 3)``)."""
+    b = _BLOCK.fullmatch(block)
+    return (b.group("stage"), int(b.group("index"))) if b else (block, 0)
+
+
 def _stage_order(stage: str) -> tuple[Any, ...]:
     """Class-attention stages last; otherwise natural order (``stages.2`` before ``stages.10``)."""
     parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", stage) if p)
@@ -108,20 +114,14 @@ def gate_profile(
     else:
         tensors = _load_state_dict(source, ema)
     names = strip_prefixes({k: k for k in tensors})  # prefix-free name -> key in ``tensors``
-    blocks: dict[str, dict[str, Any]] = {}
+    gates: dict[str, dict[str, str]] = {}  # block -> {"ls1": key in ``tensors``, "ls2": ...}
     layouts: set[str] = set()
     for name, original in names.items():
         m = GATE_KEY.fullmatch(name)
-        if m is None:
-            continue
-        block = m.group("block")
-        which = f"ls{m.group('g') or m.group('l')}"
-        layouts.add("gamma" if m.group("g") else "ls")
-        b = _BLOCK.fullmatch(block)
-        stage, index = (b.group("stage"), int(b.group("index"))) if b else (block, 0)
-        row = blocks.setdefault(block, {"block": block, "stage": stage, "index": index, "ls1": None, "ls2": None})
-        row[f"_{which}_key"] = original
-    if not blocks:
+        if m is not None:
+            gates.setdefault(m.group("block"), {})[f"ls{m.group('g') or m.group('l')}"] = original
+            layouts.add("gamma" if m.group("g") else "ls")
+    if not gates:
         raise LayerScaleError(
             "checkpoint holds no LayerScale gates (no gamma_1/gamma_2 or ls1.gamma/ls2.gamma keys); "
             "pass a LayerScale model's checkpoint (of a folded one, the file from before folding)"
@@ -130,27 +130,22 @@ def gate_profile(
         raise LayerScaleError(
             "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"
         )
-    rows = sorted(blocks.values(), key=lambda r: (_stage_order(r["stage"]), r["index"]))
+    blocks = sorted(gates, key=lambda block: (_stage_order(_position(block)[0]), _position(block)[1]))
     layout = layouts.pop()
     out = []
-    for depth, row in enumerate(rows):
-        dim = None
-        for which in ("ls1", "ls2"):
-            key = row.pop(f"_{which}_key", None)
-            if key is not None:
-                gamma = tensors[key]
-                row[which] = gate_stats(gamma)
-                dim = int(gamma.numel())
+    for depth, block in enumerate(blocks):
+        stage, index = _position(block)
+        keys = gates[block]
         out.append(
             {
                 "depth": depth,
-                "block": row["block"],
-                "stage": row["stage"],
-                "index": row["index"],
-                "class_attn": row["stage"] in _CLASS_ATTN_STAGES,
-                "dim": dim,
-                "ls1": row["ls1"],
-                "ls2": row["ls2"],
+                "block": block,
+                "stage": stage,
+                "index": index,
+                "class_attn": stage in _CLASS_ATTN_STAGES,
+                "dim": int(tensors[keys.get("ls1") or keys["ls2"]].numel()),
+                "ls1": gate_stats(tensors[keys["ls1"]]) if "ls1" in keys else None,
+                "ls2": gate_stats(tensors[keys["ls2"]]) if "ls2" in keys else None,
                 "layout": layout,
             }
         )
