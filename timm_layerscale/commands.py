@@ -124,7 +124,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
                 "report": res.report.to_dict() if res.report else None,
             }
         )
-        return 0
+        return EXIT_OK
     target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
     target += ", LayerScale folded into the weights" if res.metadata.get("folded_layerscale") == "true" else ""
     print(
@@ -132,7 +132,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
     )
     if res.report is not None:
         print(res.report.format_table())
-    return 0
+    return EXIT_OK
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -154,7 +154,7 @@ def cmd_list(a: argparse.Namespace) -> int:
         print_json(rows)
     else:
         print(format_catalog(rows, flops=a.flops))
-    return 0
+    return EXIT_OK
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -192,7 +192,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         print_json({"ok": True, **res.to_dict()})
     else:
         print(res.summary())
-    return 0
+    return EXIT_OK
 
 
 def cmd_push(a: argparse.Namespace) -> int:
@@ -211,7 +211,7 @@ def cmd_push(a: argparse.Namespace) -> int:
         print_json(res.to_dict())
     else:
         print(res.summary())
-    return 0
+    return EXIT_OK
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -232,7 +232,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         plot_gates(profile, a.plot, title=f"{Path(a.source).name}: LayerScale gates", overwrite=a.overwrite)
         if not a.json:
             print(f"plot written to {a.plot}")
-    return 0
+    return EXIT_OK
 
 
 #: Subcommand name to the function that runs it.
