@@ -108,16 +108,18 @@ def _copy_project(dst: Path) -> Path:
 def _build_args() -> list:
     """Build offline with this interpreter's setuptools when it meets [build-system] (as it
     does after ``make``); otherwise let pip set up an isolated build from the package index."""
-    try:
-        from importlib.metadata import version
+    usable = False
+    if sys.version_info >= (3, 11):  # tomllib reads [build-system]
+        try:
+            from importlib.metadata import version
 
-        import tomllib
-        from packaging.requirements import Requirement
+            import tomllib
+            from packaging.requirements import Requirement
 
-        requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
-        usable = all(Requirement(r).specifier.contains(version(Requirement(r).name)) for r in requires)
-    except Exception:
-        usable = False
+            requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+            usable = all(Requirement(r).specifier.contains(version(Requirement(r).name)) for r in requires)
+        except Exception:
+            usable = False
     return ["--no-build-isolation", "--no-index"] if usable else []
 
 
