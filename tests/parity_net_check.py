@@ -16,9 +16,11 @@ reference is an independent implementation: its verification passes within the s
 tolerance at every offset, ``--exact`` gives one verdict for all of them, and under
 autocast it stays within the tolerance of the autocast dtype.
 
-Usage: ``python tests/parity_net_check.py WORKDIR {full,core} {default,THREADS}``; prints one
-JSON object: the ATen capability, the thread count, per exact case the largest absolute
-difference (0.0 where the outputs are ``torch.equal``, else at least 1e-45), and ViT-5's verdicts.
+Usage: ``python tests/parity_net_check.py WORKDIR {full,core} {default,THREADS} [DEVICE]``
+(``DEVICE`` ``cpu`` by default, or ``cuda``; a missing WORKDIR is made with :func:`prepare`);
+prints one JSON object: the ATen capability (the GPU's name on CUDA), the thread count, per
+exact case the largest absolute difference (0.0 where the outputs are ``torch.equal``, else at
+least 1e-45), and ViT-5's verdicts.
 """
 
 from __future__ import annotations
@@ -64,8 +66,28 @@ def write_at_offset(src: Path, dst: Path, offset: int) -> Path:
     return dst
 
 
+#: Where both models run: ``sys.argv[4]`` when given.
+DEVICE = "cpu"
+
+
+def prepare(workdir: Path) -> Path:
+    """Official-layout files of the three families, their conversions, and exported CaiT and DeiT-III folders."""
+    from timm_layerscale.converter import convert_checkpoint
+    from timm_layerscale.demo import write_official_checkpoint
+    from timm_layerscale.hub.export import export_folder
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    for family, name in [("cait", "cait_xxs24_224"), ("deit3", "deit3_small_patch16_224"), ("vit5", VIT5)]:
+        write_official_checkpoint(workdir / f"{family}.pth", name, seed=3)
+        convert_checkpoint(workdir / f"{family}.pth", workdir / f"{family}.safetensors", verify=False)
+        if family != "vit5":
+            options = VerifyOptions(num_inputs=1)
+            export_folder(workdir / f"{family}.pth", workdir / f"{family}-export", plot=False, options=options)
+    return workdir
+
+
 def images(batch: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(seed + batch))
+    return torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(seed + batch)).to(DEVICE)
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,7 +103,9 @@ def grad_mode(name: str) -> contextlib.AbstractContextManager[Any]:
 def autocast(dtype: str) -> contextlib.AbstractContextManager[Any]:
     if dtype == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype]))
+    return torch.autocast(
+        torch.device(DEVICE).type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+    )
 
 
 @contextlib.contextmanager
@@ -113,7 +137,7 @@ class Net:
         """timm's reference model (``cait_*``, ``deit3_*``) on the official file, loaded from the zip."""
         from timm_layerscale.files.read import load_checkpoint
 
-        return build_reference(name, load_checkpoint(self.official(family)))
+        return build_reference(name, load_checkpoint(self.official(family))).to(DEVICE)
 
     def official(self, family: str) -> Path:
         return self.workdir / f"{family}.pth"
@@ -126,10 +150,10 @@ class Net:
 
     def from_file(self, name: str, file: Path, **kwargs: Any) -> torch.nn.Module:
         overlay = dict(file=str(file))
-        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs).eval()
+        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs).to(DEVICE).eval()
 
     def from_folder(self, folder: Path) -> torch.nn.Module:
-        return timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+        return timm.create_model(f"local-dir:{folder}", pretrained=True).to(DEVICE).eval()
 
     def offsets(self, family: str, name: str, offsets: Any, routes: tuple[str, ...]) -> None:
         """Each route at each offset of the converted data, at batch size 1 (a one-row GEMM in class attention)."""
@@ -142,7 +166,7 @@ class Net:
             try:
                 file = write_at_offset(self.converted(family), tmp / "model.safetensors", off)
                 if "verify" in routes:
-                    options = VerifyOptions(num_inputs=1, batch_size=1)
+                    options = VerifyOptions(num_inputs=1, batch_size=1, device=DEVICE)
                     report = verify_checkpoint(self.official(family), file, options=options)
                     self.record(f"{family} verify offset {off}", 0.0 if report.bit_exact else report.max_abs_diff)
                 if "file" in routes:
@@ -190,7 +214,7 @@ class Net:
             write_at_offset(self.workdir / "vit5.safetensors", tmp, off)
             try:
                 for exact in (False, True):
-                    options = VerifyOptions(num_inputs=1, batch_size=1, exact=exact)
+                    options = VerifyOptions(num_inputs=1, batch_size=1, exact=exact, device=DEVICE)
                     report = verify_checkpoint(self.workdir / "vit5.pth", tmp, options=options)
                     self.verdicts[f"vit5 verify offset {off} exact={exact}"] = report.passed
             finally:
@@ -206,7 +230,7 @@ class Net:
 
         variant = get_variant(VIT5)
         sd = state_dict_of(load_checkpoint(self.workdir / "vit5.pth"))
-        ref, model = build_reference(variant, sd), build_converted(variant, sd)
+        ref, model = build_reference(variant, sd).to(DEVICE), build_converted(variant, sd).to(DEVICE)
         align_attention(ref, model)
         x = images(3)
         for dtype in ("bf16", "fp16"):
@@ -228,7 +252,7 @@ def main(workdir: Path, scope: str) -> dict[str, Any]:
     if full:
         net.vit5()
     return {
-        "capability": torch.backends.cpu.get_cpu_capability(),
+        "capability": torch.cuda.get_device_name() if DEVICE == "cuda" else torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "results": net.results,
         "vit5_verdicts": net.verdicts,
@@ -238,4 +262,6 @@ def main(workdir: Path, scope: str) -> dict[str, Any]:
 if __name__ == "__main__":
     if sys.argv[3] != "default":
         torch.set_num_threads(int(sys.argv[3]))
-    print(json.dumps(main(Path(sys.argv[1]), sys.argv[2])))
+    DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    work = Path(sys.argv[1])
+    print(json.dumps(main(work if work.exists() else prepare(work), sys.argv[2])))

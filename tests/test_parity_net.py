@@ -4,7 +4,8 @@ Each process-wide setting (thread count, CPU kernel dispatch) runs in a fresh in
 on the same files: seeded official-layout CaiT (``cait_xxs24_224``), DeiT-III
 (``deit3_small_patch16_224``) and ViT-5 (``vit5_small_patch16_224``) checkpoints, their
 conversions and exported folders. The default setting samples everything; the others
-sample batch sizes, fused attention, bf16 autocast and two offsets.
+sample batch sizes, fused attention, bf16 autocast and two offsets. Where a CUDA device
+is present, the whole net runs on it too (both models there); elsewhere that case skips.
 """
 
 from __future__ import annotations
@@ -12,45 +13,35 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_exact_attention import run_under_dispatch
 from timm_layerscale.cli import main as cli_main
 
+#: Setting -> (CPU kernel dispatch, threads, scope, device).
 SETTINGS = {
-    "default-threads": ("best", "default", "full"),
-    "one-thread": ("best", "1", "core"),
-    "aten-default": ("aten-default", "default", "core"),
-    "aten-avx2-mkl-avx2": ("aten-avx2-mkl-avx2", "default", "core"),
+    "default-threads": ("best", "default", "full", "cpu"),
+    "one-thread": ("best", "1", "core", "cpu"),
+    "aten-default": ("aten-default", "default", "core", "cpu"),
+    "aten-avx2-mkl-avx2": ("aten-avx2-mkl-avx2", "default", "core", "cpu"),
+    "cuda": ("best", "default", "full", "cuda"),
 }
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """Official-layout files of the three families, their conversions, and exported CaiT and DeiT-III folders."""
-    from timm_layerscale.converter import convert_checkpoint
-    from timm_layerscale.demo import write_official_checkpoint
-    from timm_layerscale.hub.export import export_folder
-    from timm_layerscale.parity import VerifyOptions
+    from parity_net_check import prepare
 
-    work = tmp_path_factory.mktemp("parity-net")
-    for family, name in [
-        ("cait", "cait_xxs24_224"),
-        ("deit3", "deit3_small_patch16_224"),
-        ("vit5", "vit5_small_patch16_224"),
-    ]:
-        write_official_checkpoint(work / f"{family}.pth", name, seed=3)
-        convert_checkpoint(work / f"{family}.pth", work / f"{family}.safetensors", verify=False)
-        if family != "vit5":
-            export_folder(
-                work / f"{family}.pth", work / f"{family}-export", plot=False, options=VerifyOptions(num_inputs=1)
-            )
-    return work
+    return prepare(tmp_path_factory.mktemp("parity-net"))
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_parity_net(setting: str, workdir: Path) -> None:
-    dispatch, threads, scope = SETTINGS[setting]
-    result = run_under_dispatch(dispatch, "parity_net_check.py", str(workdir), scope, threads, timeout=900)
+    dispatch, threads, scope, device = SETTINGS[setting]
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    result = run_under_dispatch(dispatch, "parity_net_check.py", str(workdir), scope, threads, device, timeout=900)
     if threads != "default":
         assert result["threads"] == int(threads)
     results = result["results"]
