@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 DOCS_STAMP := $(VENV)/.docs-installed
 LINT_STAMP := $(VENV)/.lint-installed
-LINT_PATHS := timm_layerscale convert tests
+LINT_PATHS := timm_layerscale convert tests benchmarks compat
 
 .PHONY: demo test test-all test-compat bench docs lint clean
 

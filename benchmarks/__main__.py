@@ -32,7 +32,9 @@ def scripts(only: list[str] | None = None) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="pass --quick to the scripts that take it")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these scripts (inference, bench_flops.py, ...)")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="run only these scripts (inference, bench_flops.py, ...)"
+    )
     args = parser.parse_args(argv)
     todo = scripts(args.only)
     if not todo:

@@ -11,12 +11,12 @@ Usage::
 
     python benchmarks/bench_flops.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -32,7 +32,7 @@ import timm_layerscale  # noqa: E402,F401  (registers the models)
 TOLERANCE = 0.01
 
 
-def registered_models() -> List[str]:
+def registered_models() -> list[str]:
     """Every model name this package registers with timm."""
     return sorted(n for n in timm.list_models() if model_entrypoint(n).__module__.startswith("timm_layerscale."))
 
@@ -43,7 +43,7 @@ def counted_multiplies(model: torch.nn.Module, input_size: tuple) -> float:
     return counter.get_total_flops() / 2
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="accepted for the runner; the run is quick anyway")
     parser.parse_args(argv)

@@ -26,6 +26,7 @@ Usage::
 
     python benchmarks/bench_inference.py [--quick] [--runs N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,10 @@ PRELOADS = {
 
 def allocators() -> dict[str, dict[str, str] | None]:
     """Allocator name -> environment additions (``None``: not installed here)."""
-    out: dict[str, dict[str, str] | None] = {"glibc (default)": {}, "glibc, large blocks kept": {"GLIBC_TUNABLES": GLIBC_TUNED}}
+    out: dict[str, dict[str, str] | None] = {
+        "glibc (default)": {},
+        "glibc, large blocks kept": {"GLIBC_TUNABLES": GLIBC_TUNED},
+    }
     for name, lib in PRELOADS.items():
         out[name] = {"LD_PRELOAD": lib} if Path(lib).exists() else None
     return out
@@ -124,7 +128,9 @@ def worker(runs: int, warmup: int) -> dict:
                     times[k].append(time.perf_counter() - t0)
         result["cases"][f"{name} b{batch}"] = {
             "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
-            "ratio": {k: statistics.median(a / b for a, b in zip(times[k], times["timm"])) for k in models},
+            "ratio": {
+                k: statistics.median(a / b for a, b in zip(times[k], times["timm"], strict=True)) for k in models
+            },
             "gemm_gflops": gemm_flops / statistics.median(times["gemm"]) / 1e9,
             "equal": {k: torch.equal(outs[k], outs["timm"]) for k in EXACT},
             "fast_max_abs_diff": (outs["fast"] - outs["timm"]).abs().max().item(),
@@ -175,8 +181,11 @@ def tables(results: dict[str, dict | None], runs: int) -> list[str]:
         ]
         rows += [
             ("fast / timm, glibc large blocks kept", tuned["cases"][case]["ratio"]["fast"], TUNED_FAST),
-            ("default and buffered outputs `torch.equal` timm (every allocator)",
-             float(all(all(r["cases"][case]["equal"].values()) for r in results.values() if r)), 1.0),
+            (
+                "default and buffered outputs `torch.equal` timm (every allocator)",
+                float(all(all(r["cases"][case]["equal"].values()) for r in results.values() if r)),
+                1.0,
+            ),
         ]
         for label, value, goal in rows:
             equality = "outputs" in label

@@ -65,9 +65,21 @@ def _build_wheel(work: Path) -> Path:
         (src / "README.md").write_text("timm-layerscale\n")
     dist = work / "dist"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "-w", str(dist), str(src)],
-        check=True, env=_environ(),
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        check=True,
+        env=_environ(),
     )
     return next(dist.glob("*.whl"))
 
@@ -77,13 +89,17 @@ def _scratch_env(root: Path, wheel: Path | None) -> Path:
     python = root / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     deps = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
     Path(site, "_deps.pth").write_text("".join(f"{p}\n" for p in deps))
     if wheel is not None:
         subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True, env=_environ()
+            [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+            check=True,
+            env=_environ(),
         )
     return python
 
@@ -111,7 +127,7 @@ def measure(runs: int, timm_runs: int, work: Path) -> list:
     wheel = _build_wheel(work)
     plain = _scratch_env(work / "plain", None)
     hooked = _scratch_env(work / "hooked", wheel)
-    env, off = _environ(), _environ(TIMM_LAYERSCALE_AUTOLOAD="0")
+    env = _environ()
     samples = {}
 
     def add(key: str, value: float) -> None:
@@ -148,7 +164,13 @@ def measure(runs: int, timm_runs: int, work: Path) -> list:
 
     rows = [
         row("`-X importtime -c pass`: `site` cumulative", "site"),
-        (f"`-X importtime -c pass`: `{HOOK}` itself", None, med["hook"], f"{med['hook']:+.2f} ms", f"{low['hook']:+.2f} ms"),
+        (
+            f"`-X importtime -c pass`: `{HOOK}` itself",
+            None,
+            med["hook"],
+            f"{med['hook']:+.2f} ms",
+            f"{low['hook']:+.2f} ms",
+        ),
         row("`python -c pass`: CPU time", "pass-cpu"),
         row("`python -c pass`: wall time", "pass-wall"),
         ("`timm-layerscale --help`: wall time (no torch, no timm)", None, med["help"], "", ""),
@@ -157,8 +179,13 @@ def measure(runs: int, timm_runs: int, work: Path) -> list:
         plugin = f"{med['plugin']:+.2f} ms ({med['plugin-share']:+.1%})"
         rows += [
             row('`-X importtime -c "import timm"`: `timm` cumulative', "timm-imports"),
-            ('`-X importtime -c "import timm"`: `timm_layerscale` within it', None, med["plugin"], plugin,
-             f"{low['plugin']:+.2f} ms"),
+            (
+                '`-X importtime -c "import timm"`: `timm_layerscale` within it',
+                None,
+                med["plugin"],
+                plugin,
+                f"{low['plugin']:+.2f} ms",
+            ),
             row('`python -c "import timm"`: CPU time', "timm-cpu"),
         ]
     return rows
@@ -167,11 +194,15 @@ def measure(runs: int, timm_runs: int, work: Path) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="start-up runs per environment (default 20)")
-    parser.add_argument("--timm-runs", type=int, default=5, help="`import timm` runs per variant, 0 to skip (default 5)")
+    parser.add_argument(
+        "--timm-runs", type=int, default=5, help="`import timm` runs per variant, 0 to skip (default 5)"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         rows = measure(args.runs, args.timm_runs, Path(tmp))
-    print(f"Python {sys.version.split()[0]}, {args.runs} start-up and {args.timm_runs} `import timm` runs per variant\n")
+    print(
+        f"Python {sys.version.split()[0]}, {args.runs} start-up and {args.timm_runs} `import timm` runs per variant\n"
+    )
     print("| measurement | without the plugin (median) | with the hook (median) | added (median) | added (best run) |")
     print("|---|---:|---:|---:|---:|")
     for name, before, after, delta, best in rows:

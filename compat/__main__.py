@@ -18,6 +18,7 @@ Usage::
 
     python -m compat [--only NAME ...] [--fresh] [--remove] [--list] [--output PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,11 +118,24 @@ def _install(cell: Cell, venv: Path, fresh: bool) -> tuple[bool, str]:
     constraints.write_text("".join(p + "\n" for p in cell.pins()))
     python = venv / "bin" / "python"
     log = venv / "install.log"
-    cmd = [str(python), "-m", "pip", "install", "--progress-bar", "off", *cell.pins(), "setuptools>=77", "-e", ".[test]"]
+    cmd = [
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "--progress-bar",
+        "off",
+        *cell.pins(),
+        "setuptools>=77",
+        "-e",
+        ".[test]",
+    ]
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(venv, PIP_CONSTRAINT=str(constraints)), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=_env(venv, PIP_CONSTRAINT=str(constraints)), stdout=f, stderr=subprocess.STDOUT
+        )
     if proc.returncode != 0:
         return False, f"pip install exited {proc.returncode}; see {log.relative_to(ROOT)}:\n{_tail(log)}"
     stamp.write_text(_stamp(cell))
@@ -150,7 +164,9 @@ _SUMMARY = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|des
 def _counts(log: Path) -> dict:
     for line in reversed(log.read_text(errors="replace").splitlines()):
         if re.search(r" in [\d.]+s", line) and _SUMMARY.search(line):
-            return {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in _SUMMARY.findall(line)}
+            return {
+                kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in _SUMMARY.findall(line)
+            }
     return {}
 
 
@@ -181,7 +197,17 @@ def run_cell(cell: Cell, fresh: bool, remove: bool) -> Outcome:
             print(f"[{cell.name}] {out.status}", flush=True)
             return out
         log = venv / "pytest.log"
-        cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-m", PYTEST_MARKERS, "-p", "no:cacheprovider", "--durations=10"]
+        cmd = [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            PYTEST_MARKERS,
+            "-p",
+            "no:cacheprovider",
+            "--durations=10",
+        ]
         t0 = time.perf_counter()
         with open(log, "w") as f:
             proc = subprocess.run(cmd, cwd=ROOT, env=_env(venv), stdout=f, stderr=subprocess.STDOUT)
@@ -221,7 +247,7 @@ def write_results(outcomes: list[Outcome], path: Path) -> None:
         "# Compatibility matrix\n\n"
         f"`python -m compat` (`make test-compat`) on {datetime.date.today().isoformat()}: "
         f"{cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}. Each row is a fresh "
-        f"environment running `pytest -m \"{PYTEST_MARKERS}\"`; install time includes downloads.\n\n"
+        f'environment running `pytest -m "{PYTEST_MARKERS}"`; install time includes downloads.\n\n'
         + table(outcomes)
         + "\n"
     )
@@ -232,11 +258,17 @@ def write_results(outcomes: list[Outcome], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m compat", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="+", metavar="NAME", choices=[c.name for c in CELLS], help="run these cells only")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", choices=[c.name for c in CELLS], help="run these cells only"
+    )
     parser.add_argument("--fresh", action="store_true", help="rebuild environments even when their pins are unchanged")
     parser.add_argument("--remove", action="store_true", help="delete each environment after its run")
     parser.add_argument("--list", action="store_true", help="print the matrix and exit")
-    parser.add_argument("--output", type=Path, help=f"write the result table here (default: {RESULTS.relative_to(ROOT)} when every cell runs)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help=f"write the result table here (default: {RESULTS.relative_to(ROOT)} when every cell runs)",
+    )
     args = parser.parse_args(argv)
     cells = [c for c in CELLS if not args.only or c.name in args.only]
     if args.list:
