@@ -106,9 +106,11 @@ def record(script: str, main: Callable[[list[str]], int]) -> int:
     argv = sys.argv[1:]
     start, before = time.perf_counter(), load_average()
     tables = io.StringIO()
-    with contextlib.redirect_stdout(tables):
-        code = main(argv)
-    print(tables.getvalue(), end="")
+    try:
+        with contextlib.redirect_stdout(tables):
+            code = main(argv)
+    finally:  # --help exits from inside main
+        print(tables.getvalue(), end="")
     name = Path(script).name
     if code in (0, 1) and tables.getvalue().strip():
         command = " ".join(["python", f"benchmarks/{name}", *argv])
