@@ -25,27 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_inference import seeded_models  # noqa: E402
 from benchmarks.common import record  # noqa: E402
 
 CASES = (("cait_xxs24_224", 64), ("cait_s24_224", 64))
 ITERS = 10
-
-
-def models(name: str) -> tuple:
-    import timm
-    import torch
-
-    import timm_layerscale  # noqa: F401  (registers the models)
-    from timm_layerscale import to_layerscale
-
-    ref = timm.create_model(name).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for key, p in ref.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "gamma" in key else 0.05))
-    ls = timm.create_model(name + "_ls").eval()
-    ls.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
-    return ref.cuda(), ls.cuda()
 
 
 def timed(model, x, autocast) -> float:
@@ -84,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---|---:|---:|---:|---|",
     ]
     for name, batch in CASES:
-        ref, ls = models(name)
+        pair = seeded_models(name, {"default": None})
+        ref, ls = pair["timm"].cuda(), pair["default"].cuda()
         x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(1)).cuda()
         for precision, autocast in precisions.items():
             with torch.inference_mode(), autocast():
@@ -101,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(
                 f"| {name}_ls | {batch} | {precision} | {t_ms:.2f} | {d_ms:.2f} | {ratio:.3f}x | {'yes' if equal else 'NO'} |"
             )
-        del ref, ls
+        del pair, ref, ls
         torch.cuda.empty_cache()
     print("\n".join(lines))
     return 0

@@ -83,7 +83,8 @@ def _gemm() -> tuple[Any, float]:
     return (lambda _x: torch.mm(a, b, out=out)), 2 * 2048**3
 
 
-def _models(name: str) -> dict:
+def seeded_models(name: str, impls: dict[str, str | None] = IMPLS) -> dict:
+    """timm's model (``"timm"``) with seeded weights, and the package's model per ``impls`` label on the same weights."""
     import timm
     import torch
 
@@ -96,7 +97,7 @@ def _models(name: str) -> dict:
         for key, p in ref.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "gamma" in key else 0.05))
     models = {"timm": ref}
-    for label, impl in IMPLS.items():
+    for label, impl in impls.items():
         m = timm.create_model(name + "_ls", **({"attn_impl": impl} if impl else {})).eval()
         m.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
         models[label] = m
@@ -110,7 +111,7 @@ def worker(runs: int, warmup: int) -> dict:
     result: dict = {"cases": {}}
     gemm, gemm_flops = _gemm()
     for name, batch in CASES:
-        models = _models(name)
+        models = seeded_models(name)
         x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():
             outs = {k: m(x) for k, m in models.items()}
