@@ -68,25 +68,26 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---|---:|---:|---:|---|",
     ]
     for name, batch in CASES:
-        pair = seeded_models(name, {"default": None})
-        ref, ls = pair["timm"].cuda(), pair["default"].cuda()
+        built = seeded_models(name, {"default": None})
+        ref, ls = built["timm"].cuda(), built["default"].cuda()
+        order = [("timm", ref), ("default", ls)]
         x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(1)).cuda()
         for precision, autocast in precisions.items():
             with torch.inference_mode(), autocast():
                 equal = torch.equal(ref(x), ls(x))
-            for _ in range(2):
-                timed(ref, x, autocast), timed(ls, x, autocast)
+            for _ in range(2):  # warm-up
+                for _, model in order:
+                    timed(model, x, autocast)
             times: dict[str, list[float]] = {"timm": [], "default": []}
             for r in range(rounds):
-                pair = [("timm", ref), ("default", ls)]
-                for label, model in pair if r % 2 == 0 else pair[::-1]:
+                for label, model in order if r % 2 == 0 else order[::-1]:
                     times[label].append(timed(model, x, autocast))
             ratio = statistics.median(d / t for d, t in zip(times["default"], times["timm"], strict=True))
             t_ms, d_ms = (statistics.median(times[k]) * 1e3 for k in ("timm", "default"))
             lines.append(
                 f"| {name}_ls | {batch} | {precision} | {t_ms:.2f} | {d_ms:.2f} | {ratio:.3f}x | {'yes' if equal else 'NO'} |"
             )
-        del pair, ref, ls
+        del built, order, ref, ls
         torch.cuda.empty_cache()
     print("\n".join(lines))
     return 0
