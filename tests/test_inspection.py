@@ -100,6 +100,12 @@ def test_model_name_checks_the_gate_width() -> None:
         LayerScaleError, match=r"52 of another width \(first blocks\.0\.ls1: 192 channels, the model's 384\)"
     ):
         gate_profile(xxs, model="cait_s24_224_ls")
+    # Each gate is checked at its own width: a wrong ls2 beside a right ls1 is found.
+    xxs["blocks.3.gamma_2"] = torch.ones(96)
+    with pytest.raises(
+        LayerScaleError, match=r"1 of another width \(first blocks\.3\.ls2: 96 channels, the model's 192\)"
+    ):
+        gate_profile(xxs, model="cait_xxs24_224_ls")
 
 
 def test_errors_are_one_line(official: dict) -> None:

@@ -66,6 +66,14 @@ def _load_state_dict(source: str | os.PathLike[str], ema: bool) -> Mapping[str, 
         raise LayerScaleError(f"{path}: {e}") from None
 
 
+def _gate(key: str) -> tuple[str, str, str] | None:
+    """``(block, "ls1" or "ls2", layout)`` of a LayerScale key in either layout; ``None`` for other keys."""
+    m = GATE_KEY.fullmatch(key)
+    if m is None:
+        return None
+    return m.group("block"), f"ls{m.group('g') or m.group('l')}", "gamma" if m.group("g") else "ls"
+
+
 def _position(block: str) -> tuple[str, int]:
     """The stage and index of a block path (``blocks.3`` -> ``("blocks", 3)``)."""
     b = _BLOCK.fullmatch(block)
@@ -117,10 +125,10 @@ def gate_profile(
     gates: dict[str, dict[str, str]] = {}  # block -> {"ls1": key in ``tensors``, "ls2": ...}
     layouts: set[str] = set()
     for name, original in names.items():
-        m = GATE_KEY.fullmatch(name)
-        if m is not None:
-            gates.setdefault(m.group("block"), {})[f"ls{m.group('g') or m.group('l')}"] = original
-            layouts.add("gamma" if m.group("g") else "ls")
+        if (gate := _gate(name)) is not None:
+            block, which, layout = gate
+            gates.setdefault(block, {})[which] = original
+            layouts.add(layout)
     if not gates:
         raise LayerScaleError(
             "checkpoint holds no LayerScale gates (no gamma_1/gamma_2 or ls1.gamma/ls2.gamma keys); "
@@ -130,12 +138,13 @@ def gate_profile(
         raise LayerScaleError(
             "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"
         )
+    gammas = {(block, which): tensors[key] for block, keys in gates.items() for which, key in keys.items()}
     blocks = sorted(gates, key=lambda block: (_stage_order(_position(block)[0]), _position(block)[1]))
     layout = layouts.pop()
     out = []
     for depth, block in enumerate(blocks):
         stage, index = _position(block)
-        keys = gates[block]
+        ls1, ls2 = gammas.get((block, "ls1")), gammas.get((block, "ls2"))
         out.append(
             {
                 "depth": depth,
@@ -143,18 +152,19 @@ def gate_profile(
                 "stage": stage,
                 "index": index,
                 "class_attn": stage in _CLASS_ATTN_STAGES,
-                "dim": int(tensors[keys.get("ls1") or keys["ls2"]].numel()),
-                "ls1": gate_stats(tensors[keys["ls1"]]) if "ls1" in keys else None,
-                "ls2": gate_stats(tensors[keys["ls2"]]) if "ls2" in keys else None,
+                "dim": int(gammas[(block, "ls1" if ls1 is not None else "ls2")].numel()),
+                "ls1": gate_stats(ls1) if ls1 is not None else None,
+                "ls2": gate_stats(ls2) if ls2 is not None else None,
                 "layout": layout,
             }
         )
     if model is not None:
-        _check_model(out, model)
+        _check_model({gate: int(gamma.numel()) for gate, gamma in gammas.items()}, model)
     return out
 
 
-def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
+def _check_model(have: Mapping[tuple[str, str], int], model: str) -> None:
+    """Raise unless the gates ``(block, "ls1" or "ls2") -> channels`` are those of ``model``."""
     import timm
     import torch
 
@@ -169,12 +179,7 @@ def _check_model(rows: Sequence[Mapping[str, Any]], model: str) -> None:
         name = model.split(".", 1)[0]
     with torch.device("meta"):
         m = timm.create_model(name)
-    have = {(r["block"], w): r["dim"] for r in rows for w in ("ls1", "ls2") if r[w] is not None}
-    want = {}
-    for key, tensor in m.state_dict().items():
-        g = GATE_KEY.fullmatch(key)
-        if g:
-            want[(g.group("block"), f"ls{g.group('g') or g.group('l')}")] = tensor.numel()
+    want = {gate[:2]: tensor.numel() for key, tensor in m.state_dict().items() if (gate := _gate(key))}
     missing = sorted(want.keys() - have.keys())
     extra = sorted(have.keys() - want.keys())
     wrong = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
