@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from collections.abc import Mapping
@@ -182,6 +183,39 @@ def test_check_finite():
     bad["z"] = torch.tensor([float("inf")])
     with pytest.raises(CheckpointError, match=r"2 tensor\(s\).*first 'blocks.0.gamma_1'.*allow_nonfinite=True"):
         check_finite(bad)
+
+
+_PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
+
+
+@pytest.mark.parametrize(
+    "pages, dropped",
+    [
+        ([_PRESENT | _FILE, 0], True),  # mapped file pages, read or not yet read
+        ([_PRESENT | _FILE, _PRESENT], False),  # one written to, or ordinary memory
+        ([_PRESENT | _FILE, _SWAPPED], False),  # one in swap: its only copy
+        ([_SWAPPED | _FILE], False),
+    ],
+    ids=["file", "private", "swapped", "swapped_shared"],
+)
+def test_release_pages_drops_file_pages_only(monkeypatch, pages, dropped):
+    import numpy as np
+
+    from timm_layerscale.files import read
+
+    class Pagemap(io.BytesIO):
+        def seek(self, offset, whence=0):  # the entries of the tensor's pages, wherever they are
+            return 0
+
+    calls = []
+    monkeypatch.setattr(read, "_madvise", lambda: lambda *args: calls.append(args))
+    monkeypatch.setattr(read, "open", lambda *a, **k: Pagemap(np.array(pages, np.uint64).tobytes()), raising=False)
+    page = read.mmap.PAGESIZE
+    buffer = torch.ones(3 * page // 4)
+    tensor = buffer[(-buffer.data_ptr() % page) // 4 :][: len(pages) * page // 4 - 1]
+    assert tensor.data_ptr() % page == 0 and tensor.nbytes == len(pages) * page - 4  # spans len(pages) pages
+    read.release_pages(tensor)
+    assert bool(calls) is dropped
 
 
 def test_parse_dtype():

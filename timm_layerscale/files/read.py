@@ -300,8 +300,10 @@ def release_pages(tensor: torch.Tensor) -> None:
     Every page of a mapped checkpoint that was read counts in the resident set until
     it is unmapped, so a pass over a large file would hold all of it. The pages are
     dropped (``MADV_DONTNEED``; they stay in the page cache) only when none of them
-    was written to: ``/proc/self/pagemap`` shows a written page of a private file
-    mapping as a private copy, and dropping that would lose the change.
+    holds data that exists nowhere else: ``/proc/self/pagemap`` shows a page of
+    ordinary memory, or of a mapped file that was written to (a private copy), as
+    present and not a file page, and such a page moved to swap as swapped; dropping
+    either would lose its contents.
     """
     madvise = _madvise()
     if madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
@@ -316,9 +318,16 @@ def release_pages(tensor: torch.Tensor) -> None:
             flags = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
     except OSError:
         return
-    present_private = ((flags >> 63) & 1).astype(bool) & ~((flags >> 61) & 1).astype(bool)
-    if len(flags) == count and not present_private.any():
+    if len(flags) == count and not _holds_private(flags):
         madvise(start, length, 4)  # MADV_DONTNEED
+
+
+def _holds_private(flags: np.ndarray) -> bool:
+    """Whether any of these pagemap entries is a page whose data only this process
+    has: in swap (bit 62), or present (bit 63) and not a file page (bit 61)."""
+    swapped = (flags >> 62) & 1
+    present_not_file = (flags >> 63) & ~(flags >> 61) & 1
+    return bool((swapped | present_not_file).any())
 
 
 def parse_dtype(name: str) -> torch.dtype:
