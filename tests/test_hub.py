@@ -679,10 +679,21 @@ def test_export_refuses_a_non_empty_folder(exported, tmp_path: Path) -> None:
         export_folder(source, result.folder)
 
 
-def test_export_rejects_a_bad_push_target_before_converting(tmp_path: Path) -> None:
+@pytest.mark.parametrize("option", ["push_to_hub", "repo_id"])
+def test_export_rejects_a_bad_hub_id_before_converting(tmp_path: Path, option: str) -> None:
+    bad: dict[str, Any] = {option: "not a/repo id"}
     with pytest.raises(HubError, match="ORG/NAME"):
-        export_folder(tmp_path / "missing.pth", tmp_path / "out", push_to_hub="not-a-repo-id")
+        export_folder(tmp_path / "missing.pth", tmp_path / "out", **bad)
     assert not (tmp_path / "out").exists()
+
+
+def test_export_to_a_folder_whose_name_is_no_hub_name_uses_a_placeholder(exported, tmp_path: Path) -> None:
+    from timm_layerscale.parity.tolerance import VerifyOptions
+
+    source = exported[3]
+    result = export_folder(source, tmp_path / "my model (v2)", options=VerifyOptions(num_inputs=1), plot=False)
+    assert result.repo_id == "ORG/NAME" and result.summary().endswith(" ORG/NAME")
+    assert 'create_model("hf-hub:ORG/NAME"' in (result.folder / "README.md").read_text()
 
 
 def test_export_into_a_folder_it_cannot_write_fails_before_converting(tmp_path: Path, monkeypatch) -> None:

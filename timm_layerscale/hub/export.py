@@ -148,6 +148,15 @@ def _architecture(variant: Any, to: str) -> str:
     return str(variant.reference)
 
 
+def _placeholder_repo_id(folder_name: str) -> str:
+    """``ORG/<folder name>`` for the card's usage code, or ``ORG/NAME`` where that is no Hub id."""
+    try:
+        check_repo_id(f"ORG/{folder_name}")
+    except HubError:
+        return "ORG/NAME"
+    return f"ORG/{folder_name}"
+
+
 def _deletes_source(source: Path, out: Path) -> bool:
     """Whether replacing the folder ``out`` deletes the local ``source``: a file inside it other
     than the weights the export writes again (re-exporting a folder onto itself is allowed)."""
@@ -248,7 +257,7 @@ def export_folder(
         private: With ``push_to_hub``, create the repository as private.
         commit_message: With ``push_to_hub``, the commit message.
         repo_id: Hub id for the card's usage code (default ``push_to_hub``, else
-            ``ORG/<folder name>``).
+            ``ORG/<folder name>``, or ``ORG/NAME`` where the folder name is no Hub name).
         plot: Draw ``gates.png`` when matplotlib is installed.
         command: Command line recorded in the card (default: the equivalent
             ``timm-layerscale export`` command).
@@ -271,7 +280,8 @@ def export_folder(
             the current folder, the label names do not fit the classifier, the tag is
             unknown, or ``to`` does not apply to the family; each before converting.
         ParityError: The converted model does not match the reference.
-        HubError: Download or upload failed (the folder is kept when only the upload failed).
+        HubError: ``push_to_hub`` or ``repo_id`` is no Hub id (before converting), or download
+            or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
     from ..converter import convert_checkpoint, load_source
@@ -285,12 +295,13 @@ def export_folder(
     if isinstance(label_names, (str, os.PathLike)):
         label_file = label_names
         label_names, descriptions = read_label_names(label_file)
-    if push_to_hub:
-        check_repo_id(push_to_hub)
+    for hub_id in (push_to_hub, repo_id):
+        if hub_id:
+            check_repo_id(hub_id)
     if _deletes_source(Path(source), out):
         raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
     out = check_output_folder(out, overwrite)
-    repo = repo_id or push_to_hub or f"ORG/{out.name}"
+    repo = repo_id or push_to_hub or _placeholder_repo_id(out.name)
     tmp, created = _make_temporary(out)
     try:
         weights = tmp / WEIGHTS_NAME
