@@ -158,6 +158,20 @@ def test_plot_writes_a_card_sized_png(official: dict, tmp_path: Path) -> None:
     assert (width, height) == (1200, 675)
 
 
+def test_plot_format_follows_the_suffix(official: dict, tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    from timm_layerscale.cli import main
+
+    rows = gate_profile(official)
+    assert plot_gates(rows, tmp_path / "gates.svg").read_bytes().lstrip().startswith(b"<?xml")
+    assert plot_gates(rows, tmp_path / "gates.PDF").read_bytes().startswith(b"%PDF")
+    with pytest.raises(LayerScaleError, match=r"cannot draw a \.txt file.*name the plot \.png"):
+        plot_gates(rows, tmp_path / "gates.txt")
+    code = main(["inspect", str(tmp_path / "missing.pth"), "--plot", str(tmp_path / "gates.txt")])
+    assert code == 2 and "cannot draw a .txt file" in capsys.readouterr().err  # before reading the source
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gates.PDF", "gates.svg"]
+
+
 def test_a_failed_plot_leaves_no_file(official: dict, tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure

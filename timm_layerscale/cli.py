@@ -199,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("inspect", "show the LayerScale gates of a checkpoint, block by block")
     p.add_argument("source", metavar="SOURCE")
     source_args(p)
-    p.add_argument("--plot", metavar="FILE.png", help="draw the gate profile (needs timm-layerscale[plot])")
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="draw the gate profile: .png, .svg, .pdf (needs timm-layerscale[plot])"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace the --plot file if it exists")
     p.add_argument("--json", action="store_true", help="print as JSON")
     return parser

@@ -218,10 +218,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .files.atomic import check_output
-    from .inspection import format_gate_table, gate_profile, plot_gates, require_matplotlib
+    from .inspection import format_gate_table, gate_profile, plot_format, plot_gates
 
     if a.plot:  # before any output or download
-        require_matplotlib()
+        plot_format(a.plot)
         check_output(Path(a.plot), a.overwrite)
     profile = gate_profile(a.source, model=a.model, ema=a.ema)
     if a.json:

@@ -29,6 +29,7 @@ __all__ = [
     "format_gate_table",
     "plot_gates",
     "gate_stats",
+    "plot_format",
     "require_matplotlib",
     "MissingPlotDependency",
 ]
@@ -268,6 +269,22 @@ def require_matplotlib() -> Any:
     return matplotlib
 
 
+def plot_format(path: str | os.PathLike[str]) -> str:
+    """The format :func:`plot_gates` writes to ``path``, from its suffix (``png`` without one).
+
+    Raises:
+        MissingPlotDependency: matplotlib is not installed.
+        LayerScaleError: matplotlib writes no such format.
+    """
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fmt = Path(path).suffix.lower().lstrip(".") or "png"
+    if fmt not in FigureCanvasAgg.get_supported_filetypes():
+        raise LayerScaleError(f"cannot draw a .{fmt} file: {path}; name the plot .png, .svg or .pdf")
+    return fmt
+
+
 def _depth_ticks(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[str]]:
     """Tick positions and labels: every few self-attention blocks, and ``CA`` under the class-attention ones."""
     sa = [r for r in rows if not r["class_attn"]]
@@ -289,17 +306,18 @@ def plot_gates(
     title: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Draw the gate profile across depth and save it as a PNG.
+    """Draw the gate profile across depth and save it (PNG; SVG, PDF and the rest from the suffix).
 
     The mean ``|gamma|`` of the attention (``ls1``) and MLP (``ls2``) gates of each
     block is drawn as a line over depth on a log scale, with the per-block
     min-max range shaded; class-attention blocks sit on a grey band at the end.
-    The figure is 1200 x 675 pixels, legible at the width of a model card. The file
+    The figure is 1200 x 675 pixels as a PNG, legible at the width of a model card. The file
     is written whole or not at all, as a converted checkpoint is.
 
     Args:
         rows: Output of :func:`gate_profile`.
-        path: PNG file to write (its folder must exist).
+        path: File to write (its folder must exist); its suffix names the format
+            (:func:`plot_format`).
         title: Figure title; default names the number of blocks.
         overwrite: Replace ``path`` if it exists.
 
@@ -309,11 +327,12 @@ def plot_gates(
     Raises:
         MissingPlotDependency: matplotlib is not installed.
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
-        LayerScaleError: ``rows`` is empty or the file cannot be written.
+        LayerScaleError: ``rows`` is empty, matplotlib writes no format of that suffix,
+            or the file cannot be written.
     """
     from .files.atomic import atomic_output
 
-    require_matplotlib()
+    fmt = plot_format(path)
     from matplotlib.artist import Artist
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -363,5 +382,5 @@ def plot_gates(
     order = handles[1:] + handles[:1] if ca else handles  # one column per gate (mean, range), then CA
     fig.legend(handles=order, loc="outside lower center", ncol=3, fontsize=9, frameon=False)
     with atomic_output(out, overwrite) as tmp:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format=fmt)
     return out
