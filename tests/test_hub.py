@@ -192,7 +192,7 @@ class FakeHub:
 
     def _resolve(self, h: BaseHTTPRequestHandler, method: str, path: str) -> None:
         """File downloads: ``/{repo_id}/resolve/{revision}/{filename}`` (public repositories)."""
-        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/(refs/pr/\d+|[^/]+)/(.+)", path)
         repo = self.repos.get(m.group(1)) if m else None
         if m is None or repo is None:
             h.send_response(404)
@@ -217,7 +217,7 @@ class FakeHub:
         h.send_response(200)
         h.send_header("Content-Length", str(len(data)))
         h.send_header("ETag", '"' + hashlib.sha1(data).hexdigest() + '"')
-        h.send_header("X-Repo-Commit", self._head(m.group(1), m.group(2)) if self.commits else "1" * 40)
+        h.send_header("X-Repo-Commit", self._head(m.group(1), m.group(2)))
         h.end_headers()
         if method == "GET":
             h.wfile.write(data)
@@ -226,7 +226,7 @@ class FakeHub:
         for c in reversed(self.commits):
             if c["repo_id"] == repo_id and c["revision"] == rev:
                 return c["oid"]
-        return "0" * 40
+        return hashlib.sha1(f"{repo_id}@{rev}".encode()).hexdigest()  # a branch's files put in place by a test
 
     # -- helpers for assertions ------------------------------------------------------
 
@@ -568,6 +568,9 @@ def test_resolve_source_downloads_from_the_hub(hub: FakeHub) -> None:
     hub.repos["my-org/empty"] = {"branches": {"main": {}}, "prs": {}}
     assert resolve_source("hf-hub:my-org/st").read_bytes() == b"safe"
     assert resolve_source("hf-hub:my-org/st@main/other.bin").read_bytes() == b"other"
+    hub.repos["my-org/st"]["branches"]["refs/pr/1"] = {"model.safetensors": b"pr", "other.bin": b"pr other"}
+    assert resolve_source("hf-hub:my-org/st@refs/pr/1").read_bytes() == b"pr"
+    assert resolve_source("hf-hub:my-org/st@refs/pr/1/other.bin").read_bytes() == b"pr other"
     assert resolve_source("hf-hub:my-org/bin").read_bytes() == b"pickle"
     with pytest.raises(HubError, match=r"has no file model\.safetensors or pytorch_model\.bin"):
         resolve_source("hf-hub:my-org/empty")

@@ -95,12 +95,11 @@ def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
     parts = rest.split("/")
     if len(parts) < 2 or not all(parts[:2]):
         raise HubError(f"{spec!r} is not a Hub source; write hf-hub:ORG/REPO or hf-hub:ORG/REPO/FILE")
-    repo_id = "/".join(parts[:2])
-    revision = None
-    if "@" in repo_id:
-        repo_id, revision = repo_id.split("@", 1)
-    filename = "/".join(parts[2:]) or None
-    return repo_id, revision, filename
+    repo_id, _, revision = "/".join(parts[:2]).partition("@")
+    file = parts[2:]
+    if revision == "refs" and len(file) >= 2:  # a pull request's refs/pr/N (or refs/convert/NAME)
+        revision, file = "/".join(["refs", *file[:2]]), file[2:]
+    return repo_id, revision or None, "/".join(file) or None
 
 
 def _offline() -> bool:
