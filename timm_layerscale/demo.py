@@ -93,36 +93,25 @@ def run_demo(
 
     _say("[3/3] loading the results with timm.create_model and comparing with the reference")
     inputs = seeded_inputs(4, 224, seed=seed + 1)
-    loaded = timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(converted)))
-    rep = compare_models(
-        reference,
-        loaded,
-        inputs,
-        reference_name=REFERENCE,
-        model_name=f"{MODEL} (file)",
-        family="cait",
-        inputs_desc="4 seeded images",
-    )
-    _say(
-        f"      timm.create_model('{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)): "
-        f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})"
-    )
-    ok = ok and rep.passed
-    hub_model = timm.create_model(f"local-dir:{hub_dir}", pretrained=True)
-    rep = compare_models(
-        reference,
-        hub_model,
-        inputs,
-        reference_name=REFERENCE,
-        model_name=f"{MODEL} (local-dir)",
-        family="cait",
-        inputs_desc="4 seeded images",
-    )
-    _say(
-        f"      timm.create_model('local-dir:{hub_dir}', pretrained=True): "
-        f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})"
-    )
-    ok = ok and rep.passed
+    for call, name, overlay in (
+        (f"'{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)", MODEL, {"file": str(converted)}),
+        (f"'local-dir:{hub_dir}', pretrained=True", f"local-dir:{hub_dir}", None),
+    ):
+        loaded = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay)
+        rep = compare_models(
+            reference,
+            loaded,
+            inputs,
+            reference_name=REFERENCE,
+            model_name=name,
+            family="cait",
+            inputs_desc="4 seeded images",
+        )
+        _say(
+            f"      timm.create_model({call}): "
+            f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})"
+        )
+        ok = ok and rep.passed
     return finish(ok)
 
 
