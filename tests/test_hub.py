@@ -316,12 +316,13 @@ def test_push_again_is_safe_and_commits_nothing_new(hub: FakeHub, folder: Path) 
 
 
 def test_push_private_revision_and_default_message(hub: FakeHub, folder: Path) -> None:
-    push_folder(folder, "my-org/private-model", private=True, revision="v2")
+    res = push_folder(folder, "my-org/private-model", private=True, revision="v2")
     payload = json.loads(next(r for r in hub.requests if r["path"] == "/api/repos/create")["body"])
     assert payload["visibility"] == "private"
     assert "POST /api/models/my-org/private-model/branch/v2" in hub.paths()
     assert hub.commits[0]["revision"] == "v2"
     assert "cait_xxs24_224_ls" in hub.commits[0]["summary"]
+    assert 'create_model("hf-hub:my-org/private-model@v2"' in res.summary()  # the branch, not main
 
 
 def test_push_create_pr_opens_a_pull_request(hub: FakeHub, folder: Path) -> None:
@@ -329,6 +330,7 @@ def test_push_create_pr_opens_a_pull_request(hub: FakeHub, folder: Path) -> None
     assert hub.commits[0]["revision"] == "refs/pr/1"
     assert hub.repos["my-org/pr-model"]["prs"][1]["title"] == "Convert weights"
     assert res.pr_url and res.pr_url.endswith("/discussions/1")
+    assert 'create_model("hf-hub:my-org/pr-model@refs/pr/1"' in res.summary()  # the files are on the PR
 
 
 def test_dry_run_lists_the_plan_and_sends_nothing(hub: FakeHub, folder: Path, monkeypatch) -> None:

@@ -135,9 +135,9 @@ class PushResult:
             return "dry run: nothing was sent\n" + self.plan()
         done = self.pr_url or self.commit_url or self.repo_url
         head = f"uploaded {len(self.files)} file(s), {_human_size(self.total_bytes)}, to {self.repo_id}: {done}"
-        usage = (
-            f'load it with: import timm_layerscale, timm; timm.create_model("hf-hub:{self.repo_id}", pretrained=True)'
-        )
+        revision = f"refs/pr/{self.pr_url.rstrip('/').rsplit('/', 1)[-1]}" if self.pr_url else self.revision
+        hub_id = self.repo_id + (f"@{revision}" if revision else "")
+        usage = f'load it with: import timm_layerscale, timm; timm.create_model("hf-hub:{hub_id}", pretrained=True)'
         return head + "\n" + usage
 
     def to_dict(self) -> dict[str, Any]:
