@@ -17,14 +17,15 @@ def _is_gamma(name: str) -> bool:
 
 @torch.no_grad()
 def seed_parameters_(model: nn.Module, seed: int = 0, gamma_std: float = 0.1) -> nn.Module:
-    """Fill every parameter and float buffer with seeded random values, in place.
+    """Fill every parameter with seeded random values, in place (buffers are kept).
 
     The values make every branch matter: LayerScale gammas ~ N(0, gamma_std) (not
     the 1e-5 init, which hides differences), matrices ~ N(0, 1/fan_in), norm
-    weights ~ 1 + N(0, 0.1), biases and embeddings ~ N(0, 0.1). Values depend only
-    on ``seed``, each parameter's name and its shape, so two models whose names map
-    onto each other (``gamma_1`` / ``ls1.gamma``) can be filled alike through
-    :func:`~timm_layerscale.conversion.keys.to_layerscale` instead.
+    weights ~ 1 + N(0, 0.1), biases and embeddings ~ N(0, 0.1). One generator fills
+    the parameters in order, so the values depend on ``seed`` and on the names, shapes
+    and order of all parameters; to fill two models alike whose names map onto each
+    other (``gamma_1`` / ``ls1.gamma``), seed one and load its weights into the other
+    through :func:`~timm_layerscale.conversion.keys.to_layerscale`.
 
     Args:
         model: Any module; parameters on any device and floating dtype.
