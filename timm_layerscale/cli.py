@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repo-id",
         metavar="ORG/NAME",
-        help="repo id shown in the model card's usage code (default: --push-to-hub, else ORG/<DIR name>)",
+        help="repo id shown in the model card's usage code (default: --push-to-hub, else ORG/<DIR name> "
+        "where that is a valid id, else ORG/NAME)",
     )
     p.add_argument(
         "--to",
