@@ -140,11 +140,12 @@ def gate_profile(
             "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"
         )
     gammas = {(block, which): tensors[key] for block, keys in gates.items() for which, key in keys.items()}
-    blocks = sorted(gates, key=lambda block: (_stage_order(_position(block)[0]), _position(block)[1]))
+    positions = {block: _position(block) for block in gates}
+    blocks = sorted(gates, key=lambda block: (_stage_order(positions[block][0]), positions[block][1]))
     layout = layouts.pop()
     out = []
     for depth, block in enumerate(blocks):
-        stage, index = _position(block)
+        stage, index = positions[block]
         ls1, ls2 = gammas.get((block, "ls1")), gammas.get((block, "ls2"))
         out.append(
             {
