@@ -119,7 +119,7 @@ def _build_args() -> list:
             requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
             usable = all(Requirement(r).specifier.contains(version(Requirement(r).name)) for r in requires)
         except Exception:
-            usable = False
+            pass  # stays False: pip sets up the build
     return ["--no-build-isolation", "--no-index"] if usable else []
 
 
