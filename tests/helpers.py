@@ -194,3 +194,29 @@ def parity_report(
     )
     values.update(fields)
     return ParityReport(**values)
+
+
+def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Module) -> None:
+    """timm's FX feature extractor and ``torch.jit.script`` of the eval-mode ``model`` give its eager outputs.
+
+    Exactly: both run the same ATen calls on the same operands (``torch.jit.script`` with
+    graph optimisations off, so nothing is fused). ``features`` is the same architecture
+    built with ``features_only=True, feature_cls="fx", out_indices=(1,)``.
+    """
+    import warnings
+
+    import timm
+
+    kept: list[torch.Tensor] = []
+    with torch.no_grad():
+        hook = model.blocks[1].register_forward_hook(lambda module, args, out: kept.append(out))
+        expected = model(x)
+        hook.remove()
+        traced = timm.models.create_feature_extractor(model, return_nodes=["blocks.1", "head"])(x)
+        with warnings.catch_warnings(), torch.jit.optimized_execution(False):
+            warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", FutureWarning)
+            scripted = torch.jit.script(model)(x)
+        feature_maps = features(x)
+    assert torch.equal(traced["head"], expected) and torch.equal(traced["blocks.1"], kept[0])
+    assert torch.equal(scripted, expected)
+    assert [f.shape for f in feature_maps] == [kept[0].shape]

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from timm.layers import set_fused_attn
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import create_model
+from helpers import assert_traces_and_scripts, create_model
 from kernel_trace import reduction_trace
 from timm_layerscale import to_gamma, to_layerscale
 from timm_layerscale.models.cait_ls import VARIANTS, CaitLS
@@ -294,6 +294,26 @@ def test_model_contract(tiny_cait_kwargs):
     assert model(x).shape == (2, 32)
     groups = timm.models.group_parameters(model, model.group_matcher())
     assert len(groups) >= len(model.blocks)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("attn_impl", ["reference", "buffered", "fast"])
+def test_fx_feature_extraction_and_torchscript(tiny_cait_kwargs, attn_impl):
+    """As timm's ``cait_*``: FX traces and TorchScript compiles the reference formulation."""
+    torch.manual_seed(0)
+    model = create_model("cait_xxs24_224_ls", **tiny_cait_kwargs).eval()
+    features = create_model(
+        "cait_xxs24_224_ls", **tiny_cait_kwargs, features_only=True, feature_cls="fx", out_indices=(1,)
+    )
+    x = torch.randn(2, 3, 32, 32)
+    if attn_impl == "reference":
+        assert_traces_and_scripts(model, x, features.eval())
+        return
+    other = create_model("cait_xxs24_224_ls", **tiny_cait_kwargs, attn_impl=attn_impl).eval()
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        traced = timm.models.create_feature_extractor(other, return_nodes=["head"])(x)["head"]
+        assert torch.equal(traced, model(x))
 
 
 def test_grad_checkpointing_same_result(tiny_cait_kwargs):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import create_model
+from helpers import assert_traces_and_scripts, create_model
 from timm_layerscale.conversion import keys as remap
 from timm_layerscale.conversion.detect import detect_variant, get_variant
 from timm_layerscale.errors import RemapError
@@ -427,6 +427,13 @@ def test_folded_layerscale_loads_folded_weights() -> None:
     with torch.no_grad():
         diff, top1 = parity(model(x), plain(x))
     assert diff <= PARITY_ATOL and top1 == 1.0
+
+
+@pytest.mark.compat
+def test_fx_feature_extraction_and_torchscript() -> None:
+    torch.manual_seed(0)
+    features = tiny(32, features_only=True, feature_cls="fx", out_indices=(1,)).eval()
+    assert_traces_and_scripts(tiny(32).eval(), images(2, 32), features)
 
 
 def test_pretrained_cfgs() -> None:

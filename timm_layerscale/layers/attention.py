@@ -91,8 +91,6 @@ class SdpaAttention(MultiHeadAttention):
     arguments are those of :class:`MultiHeadAttention`.
     """
 
-    fused_attn: bool
-
     def _build_attend(self, **dd: Any) -> None:
         from timm.layers import use_fused_attn  # at build, not at import: timm's import registers the models
 

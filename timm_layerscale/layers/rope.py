@@ -48,8 +48,9 @@ class Vit5RotaryEmbedding(nn.Module):
     """2-D axial rotary embedding with interleaved pairs and positions scaled to a reference grid.
 
     Holds no parameters or buffers: the tables are computed from constants on demand
-    (frequencies on the CPU, positions and angles on the target device, as the
-    official code does), so the module works unchanged after a meta-device build.
+    (frequencies and integer positions made on the CPU; positions scaled and angles
+    computed on the target device, the official code's arithmetic), so the module works
+    unchanged after a meta-device build.
 
     Args:
         head_dim: Width of one attention head ``d`` (a multiple of 4).
@@ -80,8 +81,9 @@ class Vit5RotaryEmbedding(nn.Module):
         """
         bands = self.bands().to(device)
         h, w = int(grid[0]), int(grid[1])
-        ang_h = (torch.arange(h, device=device) / h * self.ref_grid[0])[:, None] * bands
-        ang_w = (torch.arange(w, device=device) / w * self.ref_grid[1])[:, None] * bands
+        rows, cols = torch.arange(h).to(device), torch.arange(w).to(device)  # integers: exact on any device
+        ang_h = (rows / h * self.ref_grid[0])[:, None] * bands
+        ang_w = (cols / w * self.ref_grid[1])[:, None] * bands
         ang_h = ang_h.repeat_interleave(2, dim=-1)[:, None, :].expand(h, w, -1)
         ang_w = ang_w.repeat_interleave(2, dim=-1)[None, :, :].expand(h, w, -1)
         ang = torch.cat((ang_h, ang_w), dim=-1).reshape(h * w, self.head_dim)

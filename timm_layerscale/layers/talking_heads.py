@@ -105,7 +105,9 @@ class TalkingHeadAttn(MultiHeadAttention):
     @torch.jit.ignore
     def _eager_inference(self, x: torch.Tensor) -> bool:
         """True when no autograd, autocast, dropout, compiler or tracer is involved, on CPU."""
-        if x.device.type != "cpu" or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        if isinstance(x, torch.fx.Proxy) or x.device.type != "cpu":  # an FX trace records the reference
+            return False
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
             return False
         if torch.is_autocast_enabled("cpu") or (self.training and self.attn_drop.p > 0.0):
             return False
@@ -134,7 +136,7 @@ def attention_workspace() -> AbstractContextManager[None]:
     the block ends. Outside one, each call allocates its own. Under ``torch.compile``
     it does nothing (the reference formulation runs there).
     """
-    if torch.jit.is_scripting() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return nullcontext()
     return _workspace()
 

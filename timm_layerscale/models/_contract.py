@@ -11,7 +11,7 @@ registered variants and operation counts the model files share.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -52,28 +52,30 @@ class TimmContract(nn.Module):
 
     #: Parameters initialised with a truncated normal and kept out of weight decay, in init order.
     embedding_names: tuple[str, ...] = ("pos_embed", "cls_token")
-    #: Tokens after the patch tokens (registers), left out of average pooling.
-    num_reg_tokens: int = 0
-
-    num_classes: int
-    in_chans: int
-    global_pool: str
-    num_features: int
-    head_hidden_size: int
-    embed_dim: int
-    num_prefix_tokens: int
-    dynamic_img_size: bool
-    init_values: float | None
-    folded_layerscale: bool
-    grad_checkpointing: bool
-    patch_embed: PatchEmbed
-    pos_embed: nn.Parameter
-    cls_token: nn.Parameter | None
-    blocks: nn.Sequential | nn.ModuleList
-    feature_info: list[dict[str, Any]]
-    norm: nn.Module
-    head_drop: nn.Dropout
-    head: nn.Module
+    # For type checkers only: TorchScript takes class annotations for attribute types and cannot
+    # read these postponed (string) ones.
+    if TYPE_CHECKING:
+        #: Tokens after the patch tokens (registers), left out of average pooling.
+        num_reg_tokens: int
+        num_classes: int
+        in_chans: int
+        global_pool: str
+        num_features: int
+        head_hidden_size: int
+        embed_dim: int
+        num_prefix_tokens: int
+        dynamic_img_size: bool
+        init_values: float | None
+        folded_layerscale: bool
+        grad_checkpointing: bool
+        patch_embed: PatchEmbed
+        pos_embed: nn.Parameter
+        cls_token: nn.Parameter | None
+        blocks: nn.Sequential | nn.ModuleList
+        feature_info: list[dict[str, Any]]
+        norm: nn.Module
+        head_drop: nn.Dropout
+        head: nn.Module
 
     def _build_stem(
         self,
@@ -96,6 +98,7 @@ class TimmContract(nn.Module):
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
+        self.num_reg_tokens = 0
         self.dynamic_img_size = dynamic_img_size
         self.init_values = init_values
         self.folded_layerscale = folded_layerscale

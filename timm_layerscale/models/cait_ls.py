@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -119,7 +119,8 @@ class CaitLS(TimmContract):
         dtype: Parameter dtype.
     """
 
-    blocks_token_only: nn.ModuleList | None
+    if TYPE_CHECKING:  # not at run time: see TimmContract
+        blocks_token_only: nn.ModuleList | None
 
     def __init__(
         self,
@@ -293,7 +294,9 @@ class CaitLS(TimmContract):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N, C)``, class token first."""
         x = self.pos_drop(self._patch_tokens(x)[0])
-        if self.grad_checkpointing and not torch.jit.is_scripting():
+        if torch.jit.is_scripting():
+            x = self.blocks(x)
+        elif self.grad_checkpointing:
             x = checkpoint_seq(self.blocks, x)
         else:
             with attention_workspace():

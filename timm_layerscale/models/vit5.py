@@ -36,12 +36,13 @@ resampled), timm's feature-extraction API.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from timm.layers import Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
+from timm.models._manipulate import checkpoint as grad_checkpoint
 
 from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
 from ..families import (
@@ -116,7 +117,8 @@ class Vit5(TimmContract):
     """
 
     embedding_names = ("pos_embed", "cls_token", "reg_token")
-    cls_token: nn.Parameter
+    if TYPE_CHECKING:  # not at run time: see TimmContract
+        cls_token: nn.Parameter
 
     def __init__(
         self,
@@ -286,8 +288,11 @@ class Vit5(TimmContract):
         """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N + reg_tokens, C)``: class, patches, registers."""
         x, grid = self._tokens(x)
         rope = self.rope_tables(grid, x.device)
-        for blk in self.blocks:
-            x = self._run_block(blk, x, rope)
+        for blk in self.blocks:  # not _run_block: TorchScript passes no module as an argument
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = grad_checkpoint(blk, x, rope)
+            else:
+                x = blk(x, rope)
         return self.norm(x)
 
     def flop_count(self, batch_size: int = 1) -> int:
