@@ -297,23 +297,25 @@ def test_model_contract(tiny_cait_kwargs):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("attn_impl", ["reference", "buffered", "fast"])
-def test_fx_feature_extraction_and_torchscript(tiny_cait_kwargs, attn_impl):
-    """As timm's ``cait_*``: FX traces and TorchScript compiles the reference formulation."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fx_feature_extraction_and_torchscript(tiny_cait_kwargs, dynamic):
     torch.manual_seed(0)
-    model = create_model("cait_xxs24_224_ls", **tiny_cait_kwargs).eval()
-    features = create_model(
-        "cait_xxs24_224_ls", **tiny_cait_kwargs, features_only=True, feature_cls="fx", out_indices=(1,)
-    )
+    kwargs = dict(tiny_cait_kwargs, dynamic_img_size=dynamic)
+    model = create_model("cait_xxs24_224_ls", **kwargs).eval()
+    features = create_model("cait_xxs24_224_ls", **kwargs, features_only=True, feature_cls="fx", out_indices=(1,))
+    assert_traces_and_scripts(model, torch.randn(2, 3, 32, 48 if dynamic else 32), features.eval())
+
+
+@pytest.mark.parametrize("attn_impl", ["buffered", "fast"])
+def test_fx_traces_the_reference_formulation_of_every_attn_impl(tiny_cait_kwargs, attn_impl):
+    torch.manual_seed(0)
+    reference = create_model("cait_xxs24_224_ls", **tiny_cait_kwargs).eval()
+    model = create_model("cait_xxs24_224_ls", **tiny_cait_kwargs, attn_impl=attn_impl).eval()
+    model.load_state_dict(reference.state_dict())
     x = torch.randn(2, 3, 32, 32)
-    if attn_impl == "reference":
-        assert_traces_and_scripts(model, x, features.eval())
-        return
-    other = create_model("cait_xxs24_224_ls", **tiny_cait_kwargs, attn_impl=attn_impl).eval()
-    other.load_state_dict(model.state_dict())
     with torch.no_grad():
-        traced = timm.models.create_feature_extractor(other, return_nodes=["head"])(x)["head"]
-        assert torch.equal(traced, model(x))
+        traced = timm.models.create_feature_extractor(model, return_nodes=["head"])(x)["head"]
+        assert torch.equal(traced, reference(x))
 
 
 def test_grad_checkpointing_same_result(tiny_cait_kwargs):

@@ -430,10 +430,12 @@ def test_folded_layerscale_loads_folded_weights() -> None:
 
 
 @pytest.mark.compat
-def test_fx_feature_extraction_and_torchscript() -> None:
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fx_feature_extraction_and_torchscript(dynamic: bool) -> None:
     torch.manual_seed(0)
-    features = tiny(32, features_only=True, feature_cls="fx", out_indices=(1,)).eval()
-    assert_traces_and_scripts(tiny(32).eval(), images(2, 32), features)
+    features = tiny(32, dynamic_img_size=dynamic, features_only=True, feature_cls="fx", out_indices=(1,))
+    x = images(2, (48, 64) if dynamic else 32)
+    assert_traces_and_scripts(tiny(32, dynamic_img_size=dynamic).eval(), x, features.eval())
 
 
 def test_pretrained_cfgs() -> None:

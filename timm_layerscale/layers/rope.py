@@ -44,13 +44,23 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     return (x * cos + rotate_pairs(x) * sin).to(x.dtype)
 
 
+@torch.fx.wrap  # one node of an FX trace, so that a traced grid size (dynamic_img_size) reaches it as a number
+def _grid_angles(h: int, w: int, ref_grid: tuple[int, int], bands: torch.Tensor) -> torch.Tensor:
+    """Angles ``(h * w, 4 * len(bands))`` of a row-major ``h x w`` grid, on ``bands``' device."""
+    h, w = int(h), int(w)
+    ang_h = (torch.arange(h, device=bands.device) / h * ref_grid[0])[:, None] * bands
+    ang_w = (torch.arange(w, device=bands.device) / w * ref_grid[1])[:, None] * bands
+    ang_h = ang_h.repeat_interleave(2, dim=-1)[:, None, :].expand(h, w, -1)
+    ang_w = ang_w.repeat_interleave(2, dim=-1)[None, :, :].expand(h, w, -1)
+    return torch.cat((ang_h, ang_w), dim=-1).reshape(h * w, -1)
+
+
 class Vit5RotaryEmbedding(nn.Module):
     """2-D axial rotary embedding with interleaved pairs and positions scaled to a reference grid.
 
     Holds no parameters or buffers: the tables are computed from constants on demand
-    (frequencies and integer positions made on the CPU; positions scaled and angles
-    computed on the target device, the official code's arithmetic), so the module works
-    unchanged after a meta-device build.
+    (frequencies on the CPU, positions and angles on the target device, as the
+    official code does), so the module works unchanged after a meta-device build.
 
     Args:
         head_dim: Width of one attention head ``d`` (a multiple of 4).
@@ -79,14 +89,7 @@ class Vit5RotaryEmbedding(nn.Module):
         Returns:
             ``(sin, cos)``, each fp32 ``(H * W, head_dim)``.
         """
-        bands = self.bands().to(device)
-        h, w = int(grid[0]), int(grid[1])
-        rows, cols = torch.arange(h).to(device), torch.arange(w).to(device)  # integers: exact on any device
-        ang_h = (rows / h * self.ref_grid[0])[:, None] * bands
-        ang_w = (cols / w * self.ref_grid[1])[:, None] * bands
-        ang_h = ang_h.repeat_interleave(2, dim=-1)[:, None, :].expand(h, w, -1)
-        ang_w = ang_w.repeat_interleave(2, dim=-1)[None, :, :].expand(h, w, -1)
-        ang = torch.cat((ang_h, ang_w), dim=-1).reshape(h * w, self.head_dim)
+        ang = _grid_angles(grid[0], grid[1], self.ref_grid, self.bands().to(device))
         return ang.sin(), ang.cos()
 
     def extra_repr(self) -> str:
