@@ -197,11 +197,12 @@ def parity_report(
 
 
 def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Module) -> None:
-    """timm's FX feature extractor and ``torch.jit.script`` of the eval-mode ``model`` give its eager outputs.
+    """timm's FX feature extractor, ``torch.jit.script`` and the script of the FX graph give the
+    eval-mode ``model``'s eager outputs.
 
-    Exactly: both run the same ATen calls on the same operands (``torch.jit.script`` with
-    graph optimisations off, so nothing is fused). ``features`` is the same architecture
-    built with ``features_only=True, feature_cls="fx", out_indices=(1,)``.
+    Exactly: all run the same ATen calls on the same operands (TorchScript with graph
+    optimisations off, so nothing is fused). ``features`` is the same architecture built
+    with ``features_only=True, feature_cls="fx", out_indices=(1,)``.
     """
     import warnings
 
@@ -212,11 +213,13 @@ def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Mo
         hook = model.blocks[1].register_forward_hook(lambda module, args, out: kept.append(out))
         expected = model(x)
         hook.remove()
-        traced = timm.models.create_feature_extractor(model, return_nodes=["blocks.1", "head"])(x)
+        extractor = timm.models.create_feature_extractor(model, return_nodes=["blocks.1", "head"])
+        traced = extractor(x)
         with warnings.catch_warnings(), torch.jit.optimized_execution(False):
             warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", FutureWarning)
             scripted = torch.jit.script(model)(x)
+            scripted_graph = torch.jit.script(extractor)(x)
         feature_maps = features(x)
     assert torch.equal(traced["head"], expected) and torch.equal(traced["blocks.1"], kept[0])
-    assert torch.equal(scripted, expected)
+    assert torch.equal(scripted, expected) and torch.equal(scripted_graph["head"], expected)
     assert [f.shape for f in feature_maps] == [kept[0].shape]

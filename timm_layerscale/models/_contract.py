@@ -8,8 +8,8 @@ fine-tuning code calls on them; the functions below build the parts, checkpoints
 registered variants and operation counts the model files share.
 """
 
-from __future__ import annotations
-
+# Annotations here are evaluated, not postponed: an FX trace copies forward's into the graph's
+# code, and TorchScript cannot read a postponed one there.
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
