@@ -30,7 +30,7 @@ def _timm_config(model: Any, model_config: Mapping[str, Any]) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"
-        save_config_for_hf(model, str(path), model_config=dict(model_config))
+        save_config_for_hf(model, path, model_config=dict(model_config))  # type: ignore[arg-type]  # timm before 1.0.31 calls path.open()
         return json.loads(path.read_text(encoding="utf-8"))
 
 
