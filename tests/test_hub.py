@@ -606,6 +606,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory):
     yield result, reference, server, source
 
 
+@pytest.mark.compat
 def test_export_writes_a_folder_timm_loads_bit_exactly(exported) -> None:
     import timm
 
