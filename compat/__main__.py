@@ -58,8 +58,9 @@ class Cell:
 
 
 #: The supported range. The oldest timm is the first whose ``local-dir:`` loader reads a folder's
-#: ``model.safetensors`` (an exported folder; layers take ``device``/``dtype`` from 1.0.21); the oldest torch is the first with
-#: ``torch.serialization.safe_globals`` (training checkpoints carry an argparse.Namespace).
+#: ``model.safetensors`` (what ``export`` writes; layers take ``device``/``dtype`` from 1.0.21);
+#: the oldest torch is the first with ``torch.serialization.safe_globals`` (training checkpoints
+#: carry an argparse.Namespace).
 #: torchvision is the release made for each torch (0.29.2 requires torch>=2.14).
 TIMM_OLDEST, TIMM_NEWEST = "1.0.26", "1.0.31"
 TORCH_OLDEST, TORCH_NEWEST = ("2.5.1", "0.20.1"), ("2.15.0", "0.29.2")
