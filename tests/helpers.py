@@ -8,9 +8,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from timm_layerscale.cli import main
+
+#: Devices for tests that run where timm users run models: the CPU, and CUDA where present.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
 
 #: The prefix of every error line of the command line.
 ERROR = "timm-layerscale: error: "
@@ -198,7 +205,7 @@ def parity_report(
 
 def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Module) -> None:
     """timm's FX feature extractor, ``torch.jit.script`` and the script of the FX graph give the
-    eval-mode ``model``'s eager outputs.
+    eval-mode ``model``'s eager outputs, on ``x``'s device (both modules are moved there).
 
     Exactly: all run the same ATen calls on the same operands (TorchScript with graph
     optimisations off, so nothing is fused). ``features`` is the same architecture built
@@ -208,6 +215,7 @@ def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Mo
 
     import timm
 
+    model, features = model.to(x.device), features.to(x.device)
     kept: list[torch.Tensor] = []
     with torch.no_grad():
         hook = model.blocks[1].register_forward_hook(lambda module, args, out: kept.append(out))

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from timm.layers import set_fused_attn
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import assert_traces_and_scripts, create_model
+from helpers import DEVICES, assert_traces_and_scripts, create_model
 from kernel_trace import reduction_trace
 from timm_layerscale import to_gamma, to_layerscale
 from timm_layerscale.models.cait_ls import VARIANTS, CaitLS
@@ -297,13 +297,15 @@ def test_model_contract(tiny_cait_kwargs):
 
 
 @pytest.mark.compat
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_fx_feature_extraction_and_torchscript(tiny_cait_kwargs, dynamic):
+def test_fx_feature_extraction_and_torchscript(tiny_cait_kwargs, dynamic, device):
     torch.manual_seed(0)
     kwargs = dict(tiny_cait_kwargs, dynamic_img_size=dynamic)
     model = create_model("cait_xxs24_224_ls", **kwargs).eval()
     features = create_model("cait_xxs24_224_ls", **kwargs, features_only=True, feature_cls="fx", out_indices=(1,))
-    assert_traces_and_scripts(model, torch.randn(2, 3, 32, 48 if dynamic else 32), features.eval())
+    x = torch.randn(2, 3, 32, 48 if dynamic else 32).to(device)
+    assert_traces_and_scripts(model, x, features.eval())
 
 
 @pytest.mark.parametrize("attn_impl", ["buffered", "fast"])

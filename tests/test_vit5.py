@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import assert_traces_and_scripts, create_model
+from helpers import DEVICES, assert_traces_and_scripts, create_model
 from timm_layerscale.conversion import keys as remap
 from timm_layerscale.conversion.detect import detect_variant, get_variant
 from timm_layerscale.errors import RemapError
@@ -430,11 +430,12 @@ def test_folded_layerscale_loads_folded_weights() -> None:
 
 
 @pytest.mark.compat
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_fx_feature_extraction_and_torchscript(dynamic: bool) -> None:
+def test_fx_feature_extraction_and_torchscript(dynamic: bool, device: str) -> None:
     torch.manual_seed(0)
     features = tiny(32, dynamic_img_size=dynamic, features_only=True, feature_cls="fx", out_indices=(1,))
-    x = images(2, (48, 64) if dynamic else 32)
+    x = images(2, (48, 64) if dynamic else 32).to(device)
     assert_traces_and_scripts(tiny(32, dynamic_img_size=dynamic).eval(), x, features.eval())
 
 
