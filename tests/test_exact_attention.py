@@ -211,7 +211,12 @@ def test_cait_xxs24_bit_exact_eval_and_train(name, fused, fused_attn, buffered_c
 
 DISPATCHES = {
     "best": ({}, None),
-    "aten-default": ({"ATEN_CPU_CAPABILITY": "default"}, ("DEFAULT", "NO AVX")),  # the name differs by torch version
+    # Every library at its lowest ISA: oneDNN left at its best would pick AMX kernels whose packing
+    # routine an ATen built for no AVX lacks (bf16 attention then fails on AMX CPUs, in timm's models too).
+    "aten-default": (
+        {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+        ("DEFAULT", "NO AVX"),  # the name differs by torch version
+    ),
     "aten-avx2-mkl-avx2": (
         {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
         ("AVX2",),
@@ -227,7 +232,8 @@ def run_under_dispatch(dispatch: str, script: str, *args: str, timeout: int = 60
     env_update, capability = DISPATCHES[dispatch]
     if capability == ("AVX2",) and "avx2" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
         pytest.skip("this CPU has no AVX2")
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
+    variables = {name for update, _ in DISPATCHES.values() for name in update}
+    env = {k: v for k, v in os.environ.items() if k not in variables}
     env.update(env_update)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / script), *args], env=env, capture_output=True, text=True, timeout=timeout
