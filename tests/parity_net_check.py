@@ -9,7 +9,8 @@ Within one run it varies what a user varies per call:
   pretrained=True, pretrained_cfg_overlay=dict(file=...))`` and from an exported folder
   through ``local-dir:``;
 * batch size (1, 2, 3, 5), ``inference_mode`` / ``no_grad`` / autograd on, timm's fused
-  attention on and off, and ``torch.autocast`` in bf16 and fp16.
+  attention on and off, ``torch.autocast`` in bf16 and fp16, and channels-last models and
+  images (timm's ``--channels-last``).
 
 CaiT and DeiT-III must be ``torch.equal`` to timm's reference in every case. ViT-5's
 reference is an independent implementation: its verification passes within the stated
@@ -26,6 +27,7 @@ least 1e-45), and ViT-5's verdicts.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import shutil
 import struct
@@ -127,8 +129,20 @@ class Net:
     def record(self, case: str, value: float) -> None:
         self.results[case] = value
 
-    def compare(self, case: str, ref: torch.nn.Module, model: torch.nn.Module, batch: int, mode: str, dtype: str):
+    def compare(
+        self,
+        case: str,
+        ref: torch.nn.Module,
+        model: torch.nn.Module,
+        batch: int,
+        mode: str,
+        dtype: str,
+        channels_last: bool = False,
+    ) -> None:
         x = images(batch)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+            ref, model = (copy.deepcopy(m).to(memory_format=torch.channels_last) for m in (ref, model))
         with grad_mode(mode), autocast(dtype):
             expected, got = ref(x), model(x)
         self.record(case, diff(expected, got))
@@ -188,10 +202,11 @@ class Net:
         CaiT also runs its opt-in ``attn_impl="buffered"`` path on the fp32 cases (it steps
         aside for the reference formulation under autocast).
         """
-        cases = [("inference_mode", "fp32", b) for b in BATCHES] + [("inference_mode", "bf16", 1)]
+        cases = [("inference_mode", "fp32", b, False) for b in BATCHES] + [("inference_mode", "bf16", 1, False)]
         if full:
-            cases += [("no_grad", "fp32", 1), ("grad", "fp32", 3), ("inference_mode", "bf16", 3)]
-            cases += [("grad", "bf16", 1), ("inference_mode", "fp16", 1), ("grad", "fp16", 2)]
+            cases += [("no_grad", "fp32", 1, False), ("grad", "fp32", 3, False), ("inference_mode", "bf16", 3, False)]
+            cases += [("grad", "bf16", 1, False), ("inference_mode", "fp16", 1, False), ("grad", "fp16", 2, False)]
+            cases += [("inference_mode", "fp32", 3, True), ("inference_mode", "bf16", 2, True)]
         for fused in (True, False):
             with fused_attention(fused):
                 ref = self.reference(family, name)
@@ -199,11 +214,12 @@ class Net:
                 buffered = (
                     self.from_file(name, self.converted(family), attn_impl="buffered") if family == "cait" else None
                 )
-            for mode, dtype, batch in cases:
-                self.compare(f"{family} fused_attn={fused} {mode} {dtype} b{batch}", ref, model, batch, mode, dtype)
+            for mode, dtype, batch, channels_last in cases:
+                case = f"{mode} {dtype} b{batch}" + (" channels_last" if channels_last else "")
+                self.compare(f"{family} fused_attn={fused} {case}", ref, model, batch, mode, dtype, channels_last)
                 if buffered is not None and dtype == "fp32":
-                    case = f"{family} buffered fused_attn={fused} {mode} {dtype} b{batch}"
-                    self.compare(case, ref, buffered, batch, mode, dtype)
+                    case = f"{family} buffered fused_attn={fused} {case}"
+                    self.compare(case, ref, buffered, batch, mode, dtype, channels_last)
 
     def vit5(self) -> None:
         """ViT-5 at every offset: within the stated tolerance, and one ``--exact`` verdict."""
