@@ -54,7 +54,12 @@ class Cell:
     torchvision: str
 
     def pins(self) -> list[str]:
-        return [f"torch=={self.torch}", f"torchvision=={self.torchvision}", f"timm=={self.timm}"]
+        return [
+            f"torch=={self.torch}",
+            f"torchvision=={self.torchvision}",
+            f"timm=={self.timm}",
+            f"huggingface_hub=={HUB_OLDEST}",
+        ]
 
 
 #: The supported range. The oldest timm is the first whose ``local-dir:`` loader reads a folder's
@@ -63,6 +68,9 @@ class Cell:
 #: carry an argparse.Namespace).
 #: torchvision is the release made for each torch (0.29.2 requires torch>=2.14).
 TIMM_OLDEST, TIMM_NEWEST = "1.0.26", "1.0.31"
+#: Every cell runs the oldest supported huggingface_hub (make test's environment gets the newest):
+#: 1.0 to 1.2 lack ``constants.is_offline_mode``, and 1.31 is the oldest transformers 5 accepts.
+HUB_OLDEST = "1.31.0"
 TORCH_OLDEST, TORCH_NEWEST = ("2.5.1", "0.20.1"), ("2.15.0", "0.29.2")
 
 CELLS = [
@@ -144,9 +152,10 @@ def _install(cell: Cell, venv: Path, fresh: bool) -> tuple[bool, str]:
 
 
 _VERSIONS = (
-    "import json, platform, torch, torchvision, timm; "
+    "import json, platform, torch, torchvision, timm, huggingface_hub; "
     "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, "
-    "'torchvision': torchvision.__version__, 'timm': timm.__version__}))"
+    "'torchvision': torchvision.__version__, 'timm': timm.__version__, "
+    "'huggingface_hub': huggingface_hub.__version__}))"
 )
 
 
@@ -191,7 +200,12 @@ def run_cell(cell: Cell, fresh: bool, remove: bool) -> Outcome:
             print(f"[{cell.name}] {out.status}", flush=True)
             return out
         out.versions = versions
-        expected = {"torch": cell.torch, "torchvision": cell.torchvision, "timm": cell.timm}
+        expected = {
+            "torch": cell.torch,
+            "torchvision": cell.torchvision,
+            "timm": cell.timm,
+            "huggingface_hub": HUB_OLDEST,
+        }
         wrong = [f"{k} {versions[k]} (wanted {v})" for k, v in expected.items() if versions[k].split("+")[0] != v]
         if wrong:
             out.status = "wrong versions: " + ", ".join(wrong)
@@ -247,7 +261,8 @@ def write_results(outcomes: list[Outcome], path: Path) -> None:
     text = (
         "# Compatibility matrix\n\n"
         f"`python -m compat` (`make test-compat`) on {datetime.date.today().isoformat()}: "
-        f"{cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}. Each row is a fresh "
+        f"{cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}, huggingface_hub {HUB_OLDEST} in every "
+        "row. Each row is a fresh "
         f'environment running `pytest -m "{PYTEST_MARKERS}"`; install time includes downloads.\n\n'
         + table(outcomes)
         + "\n"
@@ -274,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     cells = [c for c in CELLS if not args.only or c.name in args.only]
     if args.list:
         for c in cells:
-            print(f"{c.name:13} timm {c.timm:7} torch {c.torch:7} torchvision {c.torchvision}")
+            print(
+                f"{c.name:13} timm {c.timm:7} torch {c.torch:7} torchvision {c.torchvision:7} huggingface_hub {HUB_OLDEST}"
+            )
         return 0
     t0 = time.perf_counter()
     outcomes = [run_cell(c, args.fresh, args.remove) for c in cells]

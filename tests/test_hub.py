@@ -284,6 +284,7 @@ def _no_token_anywhere(*texts: str, folder: Path | None = None) -> None:
 # ---- push --------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_push_creates_repo_and_commits_every_file(hub: FakeHub, folder: Path, capsys, caplog) -> None:
     caplog.set_level("DEBUG")
     res = push_folder(folder, "my-org/cait_xxs24_224_ls.fb_dist_in1k", commit_message="Add converted weights")
@@ -304,6 +305,7 @@ def test_push_creates_repo_and_commits_every_file(hub: FakeHub, folder: Path, ca
     _no_token_anywhere(out, err, res.summary(), json.dumps(res.to_dict()), caplog.text, folder=folder)
 
 
+@pytest.mark.compat
 def test_push_again_is_safe_and_commits_nothing_new(hub: FakeHub, folder: Path) -> None:
     push_folder(folder, "my-org/model")
     push_folder(folder, "my-org/model")
@@ -375,6 +377,7 @@ def test_missing_token_says_how_to_log_in(hub: FakeHub, folder: Path, monkeypatc
     assert hub.requests == []
 
 
+@pytest.mark.compat
 def test_network_failure_says_retry(folder: Path, monkeypatch, tmp_path: Path) -> None:
     _point_at(monkeypatch, _free_port_url(), tmp_path)
     with pytest.raises(HubError) as info:
@@ -461,6 +464,7 @@ def _http_error(cls: type, status: int) -> Exception:
     return cls(f"{status} Client Error.", response=response)
 
 
+@pytest.mark.compat
 def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
     from huggingface_hub.errors import (
         BadRequestError,
@@ -564,6 +568,7 @@ def test_resolve_source_network_failure_is_one_line(tmp_path: Path, monkeypatch)
     assert not (tmp_path / "checkpoints" / "XXS24_224.pth").exists()
 
 
+@pytest.mark.compat
 def test_resolve_source_downloads_from_the_hub(hub: FakeHub) -> None:
     hub.repos["my-org/st"] = {"branches": {"main": {"model.safetensors": b"safe", "other.bin": b"other"}}, "prs": {}}
     hub.repos["my-org/bin"] = {"branches": {"main": {"pytorch_model.bin": b"pickle"}}, "prs": {}}

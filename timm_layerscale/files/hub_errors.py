@@ -12,7 +12,6 @@ Importing this module imports huggingface_hub, not torch.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,10 +38,8 @@ def one_line(x: Any, limit: int = 160) -> str:
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """Connection failures: the transport errors of huggingface_hub's HTTP client, and the built-in ones."""
-    try:
-        from huggingface_hub.utils import httpx  # the client huggingface_hub uses (httpx2 from 2.0, httpx in 1.x)
-    except ImportError:  # 1.x before 1.30 does not export it
-        httpx = importlib.import_module("httpx")
+    from huggingface_hub.utils import httpx  # the client huggingface_hub uses (httpx2 from 2.0, httpx in 1.x)
+
     return (httpx.TransportError, ConnectionError, TimeoutError)
 
 
