@@ -3,9 +3,10 @@
 The matrix crosses the oldest and the newest supported timm with the oldest and the newest
 supported torch (each with the torchvision release made for it). Every cell gets its own
 virtual environment under ``.compat/NAME``, created with this interpreter and filled from
-the package index: exactly the pinned torch, torchvision and timm, then this project in
-editable mode with its ``test`` extra. In it, ``pytest -m "compat and not slow"`` runs the
-tests marked ``@pytest.mark.compat``. The pins are passed to pip as its
+the package index: exactly the pinned torch, torchvision, timm and huggingface_hub (its
+oldest supported release in every cell), then this project in editable mode with its
+``test`` extra. In it, ``pytest -m "compat and not slow"`` runs the tests marked
+``@pytest.mark.compat``. The pins are passed to pip as its
 constraints file (``PIP_CONSTRAINT``), which replaces any constraints file of the machine's
 pip configuration for these installs only.
 
