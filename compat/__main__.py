@@ -201,12 +201,7 @@ def run_cell(cell: Cell, fresh: bool, remove: bool) -> Outcome:
             print(f"[{cell.name}] {out.status}", flush=True)
             return out
         out.versions = versions
-        expected = {
-            "torch": cell.torch,
-            "torchvision": cell.torchvision,
-            "timm": cell.timm,
-            "huggingface_hub": HUB_OLDEST,
-        }
+        expected = dict(pin.split("==") for pin in cell.pins())
         wrong = [f"{k} {versions[k]} (wanted {v})" for k, v in expected.items() if versions[k].split("+")[0] != v]
         if wrong:
             out.status = "wrong versions: " + ", ".join(wrong)
