@@ -215,10 +215,10 @@ class Net:
                     self.from_file(name, self.converted(family), attn_impl="buffered") if family == "cait" else None
                 )
             for mode, dtype, batch, channels_last in cases:
-                case = f"{mode} {dtype} b{batch}" + (" channels_last" if channels_last else "")
-                self.compare(f"{family} fused_attn={fused} {case}", ref, model, batch, mode, dtype, channels_last)
+                setting = f"{mode} {dtype} b{batch}" + (" channels_last" if channels_last else "")
+                self.compare(f"{family} fused_attn={fused} {setting}", ref, model, batch, mode, dtype, channels_last)
                 if buffered is not None and dtype == "fp32":
-                    case = f"{family} buffered fused_attn={fused} {case}"
+                    case = f"{family} buffered fused_attn={fused} {setting}"
                     self.compare(case, ref, buffered, batch, mode, dtype, channels_last)
 
     def vit5(self) -> None:
