@@ -3,12 +3,11 @@
 The matrix crosses the oldest and the newest supported timm with the oldest and the newest
 supported torch (each with the torchvision release made for it). Every cell gets its own
 virtual environment under ``.compat/NAME``, created with this interpreter and filled from
-the package index: exactly the pinned torch, torchvision, timm and huggingface_hub (its
-oldest supported release in every cell), then this project in editable mode with its
-``test`` extra. In it, ``pytest -m "compat and not slow"`` runs the tests marked
-``@pytest.mark.compat``. The pins are passed to pip as its
-constraints file (``PIP_CONSTRAINT``), which replaces any constraints file of the machine's
-pip configuration for these installs only.
+the package index: exactly the pinned torch, torchvision, timm, huggingface_hub and safetensors
+(the last two at their oldest supported releases in every cell), then this project in editable
+mode with its ``test`` extra. In it, ``pytest -m "compat and not slow"`` runs the tests marked
+``@pytest.mark.compat``. The pins are passed to pip as its constraints file (``PIP_CONSTRAINT``),
+which replaces any constraints file of the machine's pip configuration for these installs only.
 
 An environment is reused when its recorded pins and ``pyproject.toml`` are unchanged
 (``--fresh`` rebuilds it; ``--remove`` deletes it after its run). The result table goes to
@@ -59,7 +58,7 @@ class Cell:
             f"torch=={self.torch}",
             f"torchvision=={self.torchvision}",
             f"timm=={self.timm}",
-            f"huggingface_hub=={HUB_OLDEST}",
+            *(f"{name}=={version}" for name, version in LIBRARY_OLDEST.items()),
         ]
 
 
@@ -69,9 +68,11 @@ class Cell:
 #: carry an argparse.Namespace).
 #: torchvision is the release made for each torch (0.29.2 requires torch>=2.14).
 TIMM_OLDEST, TIMM_NEWEST = "1.0.26", "1.0.31"
-#: Every cell runs the oldest supported huggingface_hub (make test's environment gets the newest):
-#: 1.0 to 1.2 lack ``constants.is_offline_mode``, and 1.31 is the oldest transformers 5 accepts.
-HUB_OLDEST = "1.31.0"
+#: Every cell runs the oldest supported huggingface_hub and safetensors (make test's environment gets
+#: the newest): huggingface_hub 1.0 to 1.2 lack ``constants.is_offline_mode``, and 1.31 is the oldest
+#: transformers 5 accepts; safetensors 0.7.0 is the first that reads complex tensors (``C64``).
+LIBRARY_OLDEST = {"huggingface_hub": "1.31.0", "safetensors": "0.7.0"}
+LIBRARIES = ", ".join(f"{name} {version}" for name, version in LIBRARY_OLDEST.items())
 TORCH_OLDEST, TORCH_NEWEST = ("2.5.1", "0.20.1"), ("2.15.0", "0.29.2")
 
 CELLS = [
@@ -153,10 +154,10 @@ def _install(cell: Cell, venv: Path, fresh: bool) -> tuple[bool, str]:
 
 
 _VERSIONS = (
-    "import json, platform, torch, torchvision, timm, huggingface_hub; "
+    "import json, platform, torch, torchvision, timm, huggingface_hub, safetensors; "
     "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, "
     "'torchvision': torchvision.__version__, 'timm': timm.__version__, "
-    "'huggingface_hub': huggingface_hub.__version__}))"
+    "'huggingface_hub': huggingface_hub.__version__, 'safetensors': safetensors.__version__}))"
 )
 
 
@@ -257,7 +258,7 @@ def write_results(outcomes: list[Outcome], path: Path) -> None:
     text = (
         "# Compatibility matrix\n\n"
         f"`python -m compat` (`make test-compat`) on {datetime.date.today().isoformat()}: "
-        f"{cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}, huggingface_hub {HUB_OLDEST} in every "
+        f"{cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}, {LIBRARIES} in every "
         "row. Each row is a fresh "
         f'environment running `pytest -m "{PYTEST_MARKERS}"`; install time includes downloads.\n\n'
         + table(outcomes)
@@ -285,9 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = [c for c in CELLS if not args.only or c.name in args.only]
     if args.list:
         for c in cells:
-            print(
-                f"{c.name:13} timm {c.timm:7} torch {c.torch:7} torchvision {c.torchvision:7} huggingface_hub {HUB_OLDEST}"
-            )
+            print(f"{c.name:13} timm {c.timm:7} torch {c.torch:7} torchvision {c.torchvision:7} {LIBRARIES}")
         return 0
     t0 = time.perf_counter()
     outcomes = [run_cell(c, args.fresh, args.remove) for c in cells]

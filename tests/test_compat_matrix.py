@@ -6,7 +6,7 @@ from importlib.metadata import requires
 
 from packaging.requirements import Requirement
 
-from compat.__main__ import CELLS, HUB_OLDEST, TIMM_NEWEST, TIMM_OLDEST, TORCH_NEWEST, TORCH_OLDEST, _counts
+from compat.__main__ import CELLS, LIBRARY_OLDEST, TIMM_NEWEST, TIMM_OLDEST, TORCH_NEWEST, TORCH_OLDEST, _counts
 
 
 def test_declared_floors_are_the_oldest_tested_releases():
@@ -15,7 +15,8 @@ def test_declared_floors_are_the_oldest_tested_releases():
     declared = {r.name: str(r.specifier) for r in map(Requirement, requirements) if not r.marker}
     assert declared["timm"] == f">={TIMM_OLDEST}"
     assert declared["torch"] == f">={TORCH_OLDEST[0]}"
-    assert declared["huggingface_hub"] == f">={HUB_OLDEST}"
+    for name, version in LIBRARY_OLDEST.items():
+        assert declared[name] == f">={version}"
 
 
 def test_matrix_crosses_both_ends_of_both_ranges():

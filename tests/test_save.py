@@ -32,6 +32,7 @@ def test_bytes_equal_save_file_mixed(tmp_path, metadata):
     assert_matches_save_file(tmp_path, mixed_state_dict(), metadata)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_bytes_equal_save_file_each_dtype(tmp_path, dtype):
     tensors = {"t": make_tensor((3, 5), dtype), "s": make_tensor((), dtype), "e": make_tensor((2, 0), dtype)}
@@ -121,6 +122,7 @@ def test_empty_dict_with_empty_metadata_is_valid(tmp_path):
 # ---------------------------------------------------------------- writing: round trips and dispatch
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     "suffix, fmt", [(".safetensors", None), (".pth", None), (".pt", None), (".out", "pth"), (".out", "safetensors")]
 )
