@@ -13,6 +13,9 @@ import torch
 
 from timm_layerscale.cli import main
 
+#: The repository's root.
+ROOT = Path(__file__).resolve().parents[1]
+
 #: Devices for tests that run where timm users run models: the CPU, and CUDA where present.
 DEVICES = [
     "cpu",

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import ROOT
 from timm_layerscale.files import atomic as temporaries
 from timm_layerscale.files.atomic import atomic_output, remove_stale_temporaries, temporary_folder
 from timm_layerscale.files.save import save_safetensors
 
-ROOT = Path(__file__).resolve().parents[1]
 POSIX = pytest.mark.skipif(sys.platform == "win32", reason="sends SIGKILL and takes flock")
 
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import ROOT
+
 pytestmark = pytest.mark.compat
 
 
-ROOT = Path(__file__).resolve().parents[1]
 HOOK = "_timm_layerscale_autoload"
 MODEL = "cait_xxs24_224_ls"
 STARTUP_FILES = {

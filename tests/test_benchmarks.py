@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
 

@@ -23,7 +23,7 @@ import safetensors.torch
 import torch
 
 import timm_layerscale  # registers the models
-from helpers import assert_one_line_error, cli, parity_report
+from helpers import ROOT, assert_one_line_error, cli, parity_report
 from timm_layerscale import converter as conversion
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
@@ -34,7 +34,6 @@ from timm_layerscale.files import save as ckpt_save
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,11 @@ import pytest
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import ERROR, assert_one_line_error, cli, parity_report
+from helpers import ERROR, ROOT, assert_one_line_error, cli, parity_report
 from timm_layerscale import commands, progress
 from timm_layerscale.converter import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
 
 

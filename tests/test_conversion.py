@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 import timm_layerscale  # noqa: F401  (registers the models)
+from helpers import ROOT
 from timm_layerscale import converter as conversion
 from timm_layerscale._version import __version__
 from timm_layerscale.conversion.detect import detect_variant
@@ -36,7 +37,6 @@ from timm_layerscale.parity.tolerance import VerifyOptions
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 DIRECTIVE = re.compile(r"^\.\. (?:automodule|py:module):: (\S+)", re.MULTILINE)
 
 

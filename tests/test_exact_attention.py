@@ -30,7 +30,7 @@ from timm.models.cait import Cait
 from timm.models.cait import TalkingHeadAttn as RefAttn
 from torch import nn
 
-from helpers import TINY_CAIT, randomize
+from helpers import ROOT, TINY_CAIT, randomize
 from kernel_trace import reduction_trace
 from timm_layerscale import to_layerscale
 from timm_layerscale.layers.talking_heads import (
@@ -41,7 +41,6 @@ from timm_layerscale.layers.talking_heads import (
 )
 from timm_layerscale.models.cait_ls import CaitLS
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = TINY_CAIT
 #: (B, N, C, H): real sizes, a single image, a single token, a single head.
 SHAPES = [

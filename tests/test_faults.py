@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ERROR, assert_one_line_error, cli
+from helpers import ERROR, ROOT, assert_one_line_error, cli
 from timm_layerscale import converter as conversion
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
 from timm_layerscale.conversion.keys import to_gamma
@@ -33,7 +33,6 @@ from timm_layerscale.files import save as ckpt_save
 from timm_layerscale.files.atomic import atomic_output
 from timm_layerscale.files.read import load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cait_xxs24_224_ls"
 
 

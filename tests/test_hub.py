@@ -30,13 +30,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import ROOT
 from timm_layerscale.errors import HubError, OutputExistsError
 from timm_layerscale.files.sources import resolve_source
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.hub.upload import plan_push, push_folder
 
 TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeHub:

@@ -47,7 +47,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 README = ROOT / "README.md"
 NETWORK = re.compile(r"#\s*\[network\]")
 #: Programs whose commands the README shows but this test does not run, and why.

@@ -6,9 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def test_a_passing_run_leaves_no_temporary_files(tmp_path):

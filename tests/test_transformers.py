@@ -26,11 +26,10 @@ transformers = pytest.importorskip(
 
 from huggingface_hub import ModelCard  # noqa: E402
 
-from helpers import assert_one_line_error, cli, fine_tuned  # noqa: E402
+from helpers import ROOT, assert_one_line_error, cli, fine_tuned  # noqa: E402
 from timm_layerscale.errors import CheckpointError  # noqa: E402
 from timm_layerscale.hub.export import export_folder  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 LABELS = [f"class {i}" for i in range(10)]
 
 
