@@ -70,7 +70,7 @@ class Cell:
 TIMM_OLDEST, TIMM_NEWEST = "1.0.26", "1.0.31"
 #: Every cell runs the oldest supported huggingface_hub and safetensors (make test's environment gets
 #: the newest): huggingface_hub 1.0 to 1.2 lack ``constants.is_offline_mode``, and 1.31 is the oldest
-#: transformers 5 accepts; safetensors 0.7.0 is the first that reads complex tensors (``C64``).
+#: transformers 5 accepts; safetensors 0.7.0 is the first that writes and reads complex tensors.
 LIBRARY_OLDEST = {"huggingface_hub": "1.31.0", "safetensors": "0.7.0"}
 LIBRARIES = ", ".join(f"{name} {version}" for name, version in LIBRARY_OLDEST.items())
 TORCH_OLDEST, TORCH_NEWEST = ("2.5.1", "0.20.1"), ("2.15.0", "0.29.2")
