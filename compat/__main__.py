@@ -153,17 +153,20 @@ def _install(cell: Cell, venv: Path, fresh: bool) -> tuple[bool, str]:
     return True, "installed"
 
 
+#: Run in a cell's interpreter: its Python and the version of each package named in its arguments.
 _VERSIONS = (
-    "import json, platform, torch, torchvision, timm, huggingface_hub, safetensors; "
-    "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, "
-    "'torchvision': torchvision.__version__, 'timm': timm.__version__, "
-    "'huggingface_hub': huggingface_hub.__version__, 'safetensors': safetensors.__version__}))"
+    "import importlib, json, platform, sys; print(json.dumps({'python': platform.python_version(), "
+    "**{name: importlib.import_module(name).__version__ for name in sys.argv[1:]}}))"
 )
 
 
-def _versions(venv: Path) -> tuple[dict | None, str]:
+def _versions(venv: Path, names: list[str]) -> tuple[dict | None, str]:
     proc = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", _VERSIONS], cwd=venv, env=_env(venv), capture_output=True, text=True
+        [str(venv / "bin" / "python"), "-c", _VERSIONS, *names],
+        cwd=venv,
+        env=_env(venv),
+        capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
         return None, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
@@ -196,13 +199,13 @@ def run_cell(cell: Cell, fresh: bool, remove: bool) -> Outcome:
             print(f"[{cell.name}] {reason}", flush=True)
             return out
         print(f"[{cell.name}] environment {reason} in {out.install_s:.0f} s", flush=True)
-        versions, error = _versions(venv)
+        expected = dict(pin.split("==") for pin in cell.pins())
+        versions, error = _versions(venv, list(expected))
         if versions is None:
             out.status = f"import failed: {error}"
             print(f"[{cell.name}] {out.status}", flush=True)
             return out
         out.versions = versions
-        expected = dict(pin.split("==") for pin in cell.pins())
         wrong = [f"{k} {versions[k]} (wanted {v})" for k, v in expected.items() if versions[k].split("+")[0] != v]
         if wrong:
             out.status = "wrong versions: " + ", ".join(wrong)
