@@ -273,3 +273,23 @@ def test_a_killed_conversion_leaves_nothing_after_the_next_one(official, tmp_pat
     reference = tmp_path / "reference" / out.name
     assert main(["convert", str(official), str(reference), "--no-verify", "--quiet"]) == 0
     assert out.read_bytes() == reference.read_bytes()
+
+
+@POSIX
+def test_outputs_take_the_permissions_the_umask_gives(official, tmp_path, capsys, few_inputs):
+    """A converted file and an exported folder are readable by whom the umask allows, like any file
+    the user writes (a temporary made with ``mkstemp`` or ``mkdtemp`` would be the owner's only)."""
+    import stat
+
+    from helpers import cli
+
+    old = os.umask(0o027)
+    try:
+        for name in ("a.safetensors", "a.pth"):
+            assert cli(capsys, "convert", official, tmp_path / name, "--no-verify")[0] == 0
+        assert cli(capsys, "export", official, tmp_path / "folder")[0] == 0
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert modes.pop("folder") == 0o750
+    assert modes and set(modes.values()) == {0o640}, modes

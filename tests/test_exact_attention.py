@@ -30,7 +30,7 @@ from timm.models.cait import Cait
 from timm.models.cait import TalkingHeadAttn as RefAttn
 from torch import nn
 
-from helpers import ROOT, TINY_CAIT, randomize
+from helpers import ROOT, TINY_CAIT, images, randomize, tiny_pair
 from kernel_trace import reduction_trace
 from timm_layerscale import to_layerscale
 from timm_layerscale.layers.talking_heads import (
@@ -285,6 +285,30 @@ def test_fast_model_within_its_bound_and_trains_like_the_reference():
     ref.train()
     fast.train()
     assert torch.equal(fast(x), ref(x)), "with autograd recording, the reference formulation runs"
+
+
+@pytest.mark.parametrize("impl", ["reference", "buffered", "fast"])
+def test_deterministic_algorithms_mode(impl):
+    """Training scripts may set ``torch.use_deterministic_algorithms(True)``: every attention
+    still runs forward and backward, and the exact ones still equal timm's."""
+    ref, default = tiny_pair()
+    ours = CaitLS(**TINY, attn_impl=impl).eval()
+    ours.load_state_dict(default.state_dict())
+    x = images(2, TINY["img_size"])
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.inference_mode():
+            got, expected = ours(x), ref(x)
+        ours.train()(x).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    if impl == "fast":
+        err, bound = _within_fast_bound(got, expected)
+        assert err <= bound
+    else:
+        assert torch.equal(got, expected)
+    assert all(p.grad is not None for p in ours.parameters())
 
 
 def test_attn_impl_argument():

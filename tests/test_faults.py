@@ -144,6 +144,47 @@ def test_disk_full_on_a_small_tmpfs(source, tmp_path, capsys, suffix):
     assert sha256(source) == before
 
 
+@pytest.mark.parametrize("failing", ["weights", "config", "card"])
+def test_export_disk_full_at_each_file(source, tmp_path, capsys, monkeypatch, few_inputs, failing):
+    """Whichever file of the folder meets the full disk, the error names the folder's path, not
+    its temporary, and nothing is left: not the folder, not its temporary, not its parents."""
+    import huggingface_hub
+
+    from timm_layerscale.hub import export
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if failing == "weights":
+        real_open = open
+
+        def filling_open(path, mode="r", *args, **kwargs):
+            f = real_open(path, mode, *args, **kwargs)
+            return _FillingFile(f, room=1 << 20) if any(m in mode for m in "wa+") else f
+
+        monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
+    elif failing == "config":
+        monkeypatch.setattr(export, "write_config", full)
+    else:
+        monkeypatch.setattr(huggingface_hub.ModelCard, "save", full)
+    out = tmp_path / "new" / "folder"
+    code, stdout, err = cli(capsys, "export", source, out)
+    assert_one_line_error(code, stdout, err, f"writing {out}", stdout="")
+    assert "No space left on device" in err and ".tmp-" not in err
+    assert names(tmp_path) == ["src"]
+
+
+def test_export_and_demo_on_a_full_tmpfs(source, tmp_path, capsys):
+    with mounted("-t", "tmpfs", "-o", "size=8m", "tmpfs", target=tmp_path / "small") as small:
+        code, out, err = cli(capsys, "export", source, small / "folder")
+        assert_one_line_error(code, out, err, f"writing {small / 'folder' / 'model.safetensors'} failed", stdout="")
+        assert names(small) == []
+        code, out, err = cli(capsys, "demo", "--out", small / "demo")
+        assert_one_line_error(code, out, err, "No space left on device")
+        assert names(small) == []  # the demo's folder is removed with what it wrote
+        assert os.statvfs(small).f_bfree == os.statvfs(small).f_blocks
+
+
 # --- two writers, one output ----------------------------------------------------------------------
 
 

@@ -135,6 +135,14 @@ def test_load_rejects_missing_and_directory(tmp_path):
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_load_rejects_a_device_or_a_pipe(tmp_path):
+    os.mkfifo(tmp_path / "pipe.pth")
+    for path in (tmp_path / "pipe.pth", Path(os.devnull)):
+        with pytest.raises(CheckpointError, match="is not a regular file"):
+            load_checkpoint(path)
+
+
 class _Payload:
     """Unpickling this would create a file."""
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_demo", "official_layout", "write_official_checkpoint"]
+__all__ = ["run_demo", "write_official_checkpoint"]
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
@@ -36,11 +36,12 @@ def run_demo(
     """Run the demo into folder ``out``; return whether every parity check held.
 
     ``options`` (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`) set the verification of step 2.
-    A failed check prints its report and ends the demo with a ``demo FAILED`` line.
+    A failed check prints its report and ends the demo with a ``demo FAILED`` line, its
+    outputs kept; an error (a full disk, say) removes ``out`` again.
 
     Raises:
         OutputExistsError: ``out`` exists and is not empty, without ``overwrite``.
-        CheckpointError: ``out`` is a file, or cannot be created.
+        CheckpointError: ``out`` is a file, or cannot be created or written.
     """
     from .errors import CheckpointError
     from .files.atomic import check_output_folder
@@ -52,6 +53,14 @@ def run_demo(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create {out} ({e.strerror or e}); choose another folder") from None
+    try:
+        return _run_steps(out, seed, options)
+    except BaseException:  # an error, not a failed check: leave no partial folder
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _run_steps(out: Path, seed: int, options: Any) -> bool:
     t0 = time.perf_counter()
 
     import timm
@@ -115,17 +124,6 @@ def run_demo(
     return finish(ok)
 
 
-def official_layout(model: Any, family: str = "cait") -> dict[str, Any]:
-    """A model's weights as the official training code saves them.
-
-    For CaiT: ``{'model': {'module.' + key: tensor}}`` with ``gamma_1``/``gamma_2``
-    (see :func:`~timm_layerscale.conversion.keys.official_checkpoint`).
-    """
-    from .conversion.keys import official_checkpoint, to_gamma
-
-    return official_checkpoint(to_gamma(model.state_dict(), family), family)
-
-
 def write_official_checkpoint(
     path: str | os.PathLike[str], model_name: str = "cait_xxs24_224", seed: int = 0, overwrite: bool = False
 ) -> Any:
@@ -144,17 +142,21 @@ def write_official_checkpoint(
     Returns:
         The reference model (eval mode) whose weights were written.
     """
-    import torch
-
     from .conversion.detect import get_variant
+    from .conversion.keys import official_checkpoint, to_gamma
     from .families import VARIANTS
-    from .files.atomic import atomic_output
+    from .files.save import save_pth
     from .parity.inputs import seed_parameters_
     from .parity.references import build_reference
 
     variant = next((v for v in VARIANTS if model_name in (v.name, v.reference)), None) or get_variant(model_name)
     ref = build_reference(variant)
     seed_parameters_(ref, seed)
-    with atomic_output(path, overwrite) as tmp:
-        torch.save(official_layout(ref, variant.family), tmp)
+    family = variant.family
+    save_pth(
+        path,
+        to_gamma(ref.state_dict(), family),
+        overwrite=overwrite,
+        wrap=lambda sd: official_checkpoint(sd, family),
+    )
     return ref.eval()

@@ -104,6 +104,8 @@ def _readable_file(path: str | os.PathLike[str]) -> Path:
         raise CheckpointError(f"{p} is a directory, not a checkpoint; pass the .pth or .safetensors file inside it")
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} not found; check the path")
+    if not p.is_file():
+        raise CheckpointError(f"{p} is not a regular file (a device or a pipe); pass a checkpoint file")
     if p.stat().st_size == 0:
         raise CheckpointError(f"{p} is empty (0 bytes); download or copy it again")
     if not os.access(p, os.R_OK):

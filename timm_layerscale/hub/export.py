@@ -351,9 +351,15 @@ def export_folder(
         )
         card.save(tmp / CARD_NAME)
         _swap_into_place(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
+        if isinstance(e, OSError):
+            raise CheckpointError(
+                f"writing {out} failed ({e.strerror or e}); nothing was written, free space or choose another folder"
+            ) from None
+        if isinstance(e, CheckpointError) and str(tmp) in str(e):  # name the folder, not its temporary
+            raise CheckpointError(str(e).replace(str(tmp), str(out))) from None
         raise
     conv.output = out / WEIGHTS_NAME
     result = ExportResult(
