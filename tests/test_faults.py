@@ -174,6 +174,19 @@ def test_export_disk_full_at_each_file(source, tmp_path, capsys, monkeypatch, fe
     assert names(tmp_path) == ["src"]
 
 
+def test_demo_disk_full_simulated(tmp_path, capsys, monkeypatch):
+    real_open = open
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return _FillingFile(f, room=1 << 20) if any(m in mode for m in "wa+") else f
+
+    monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
+    code, out, err = cli(capsys, "demo", "--out", tmp_path / "demo")
+    assert_one_line_error(code, out, err, f"writing {tmp_path / 'demo' / 'XXS24_224.pth'} failed")
+    assert names(tmp_path) == []
+
+
 def test_export_and_demo_on_a_full_tmpfs(source, tmp_path, capsys):
     with mounted("-t", "tmpfs", "-o", "size=8m", "tmpfs", target=tmp_path / "small") as small:
         code, out, err = cli(capsys, "export", source, small / "folder")
@@ -182,6 +195,10 @@ def test_export_and_demo_on_a_full_tmpfs(source, tmp_path, capsys):
         code, out, err = cli(capsys, "demo", "--out", small / "demo")
         assert_one_line_error(code, out, err, "No space left on device")
         assert names(small) == []  # the demo's folder is removed with what it wrote
+        (small / "empty").mkdir()
+        code, out, err = cli(capsys, "demo", "--out", small / "empty")
+        assert_one_line_error(code, out, err, "No space left on device")
+        assert names(small) == ["empty"] and names(small / "empty") == []  # a folder it did not make stays
         assert os.statvfs(small).f_bfree == os.statvfs(small).f_blocks
 
 

@@ -14,6 +14,7 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -47,7 +48,8 @@ def run_demo(
     from .files.atomic import check_output_folder
 
     out = check_output_folder(Path(out), overwrite)
-    if out.is_dir():
+    existed = out.is_dir()
+    if existed:
         shutil.rmtree(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -57,6 +59,9 @@ def run_demo(
         return _run_steps(out, seed, options)
     except BaseException:  # an error, not a failed check: leave no partial folder
         shutil.rmtree(out, ignore_errors=True)
+        if existed:  # the folder the user named stays, empty
+            with contextlib.suppress(OSError):
+                out.mkdir()
         raise
 
 
