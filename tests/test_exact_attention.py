@@ -311,6 +311,27 @@ def test_deterministic_algorithms_mode(impl):
     assert all(p.grad is not None for p in ours.parameters())
 
 
+@pytest.mark.parametrize("config", [{"exportable": True}, {"scriptable": True}, {"no_jit": True}])
+def test_timms_layer_config_reaches_the_models(config):
+    """``timm.layers.set_layer_config`` (``exportable=True`` is what timm's ONNX export sets) decides
+    fused attention for these models as for timm's, and CaiT stays ``torch.equal`` to timm's."""
+    from timm.layers import set_layer_config
+
+    from timm_layerscale.models.vit5 import Vit5
+
+    with set_layer_config(**config):
+        ref, ours = tiny_pair()
+        vit5 = Vit5(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
+
+    def fused(model: nn.Module) -> set[Any]:
+        return {m.fused_attn for m in model.modules() if hasattr(m, "fused_attn")}
+
+    assert fused(ours) == fused(ref) == fused(vit5) == {not config.get("exportable", False)}
+    x = images(2, TINY["img_size"])
+    with torch.inference_mode():
+        assert torch.equal(ours(x), ref(x))
+
+
 def test_attn_impl_argument():
     assert type(CaitLS(**TINY).blocks[0].attn) is TalkingHeadAttn
     assert type(CaitLS(**TINY, attn_impl="buffered").blocks[0].attn) is BufferedTalkingHeadAttn
