@@ -114,20 +114,25 @@ class _FillingFile:
         self._f.close()
 
 
+def fill_disk(monkeypatch, folder: Path | None = None) -> None:
+    """Every file the writers open for writing (in ``folder``, if given) takes 1 MiB, then ENOSPC."""
+    real_open = open
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if any(m in mode for m in "wa+") and (folder is None or Path(path).parent == folder):
+            return _FillingFile(f, room=1 << 20)
+        return f
+
+    monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
 def test_disk_full_simulated(source, tmp_path, capsys, monkeypatch, suffix):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     before = sha256(source)
-    real_open = open
-
-    def filling_open(path, mode="r", *args, **kwargs):
-        f = real_open(path, mode, *args, **kwargs)
-        if Path(path).parent == out_dir and any(m in mode for m in "wa+"):
-            return _FillingFile(f, room=1 << 20)
-        return f
-
-    monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
+    fill_disk(monkeypatch, out_dir)
     code, out, err = cli(capsys, "convert", source, out_dir / f"x{suffix}", "--no-verify")
     assert_one_line_error(code, out, err, "No space left on device", stdout="")
     assert names(out_dir) == [] and sha256(source) == before
@@ -156,13 +161,7 @@ def test_export_disk_full_at_each_file(source, tmp_path, capsys, monkeypatch, fe
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     if failing == "weights":
-        real_open = open
-
-        def filling_open(path, mode="r", *args, **kwargs):
-            f = real_open(path, mode, *args, **kwargs)
-            return _FillingFile(f, room=1 << 20) if any(m in mode for m in "wa+") else f
-
-        monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
+        fill_disk(monkeypatch)
     elif failing == "config":
         monkeypatch.setattr(export, "write_config", full)
     else:
@@ -175,13 +174,7 @@ def test_export_disk_full_at_each_file(source, tmp_path, capsys, monkeypatch, fe
 
 
 def test_demo_disk_full_simulated(tmp_path, capsys, monkeypatch):
-    real_open = open
-
-    def filling_open(path, mode="r", *args, **kwargs):
-        f = real_open(path, mode, *args, **kwargs)
-        return _FillingFile(f, room=1 << 20) if any(m in mode for m in "wa+") else f
-
-    monkeypatch.setattr(ckpt_save, "open", filling_open, raising=False)
+    fill_disk(monkeypatch)
     code, out, err = cli(capsys, "demo", "--out", tmp_path / "demo")
     assert_one_line_error(code, out, err, f"writing {tmp_path / 'demo' / 'XXS24_224.pth'} failed")
     assert names(tmp_path) == []
