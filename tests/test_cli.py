@@ -695,6 +695,29 @@ def test_https_source_goes_through_the_torch_hub_cache(official, tmp_path, torch
     assert len(calls) == 1
 
 
+def test_two_urls_ending_in_one_name_are_two_downloads(official, tmp_path, torch_home, capsys, monkeypatch):
+    import torch.hub
+
+    _online(monkeypatch)
+    other = tmp_path / "other.pth"
+    checkpoint = torch.load(official, weights_only=True)
+    checkpoint["model"] = {k: v + 1 if "gamma" in k else v for k, v in checkpoint["model"].items()}
+    torch.save(checkpoint, other)
+    files = {"https://example.org/v1/XXS24_224.pth": official, "https://example.org/v2/XXS24_224.pth": other}
+
+    def download(url, dst, hash_prefix=None, progress=True):
+        shutil.copyfile(files[url], dst)
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    for url, source in files.items():
+        argv = ("convert", url, tmp_path / "x.safetensors", "--no-verify", "--json", "--overwrite")
+        code, stdout, err = cli(capsys, *argv)
+        assert code == 0, err
+        res = json.loads(stdout)
+        assert res["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+        assert res["metadata"]["source_file"] == "XXS24_224.pth"
+
+
 def test_https_source_offline_is_one_line(tmp_path, torch_home, capsys, monkeypatch):
     import urllib.error
 

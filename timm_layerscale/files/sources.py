@@ -13,12 +13,14 @@ The only requests sent from here are in ``_download_url`` and
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import CheckpointError, HubError
+from ..families import CAIT_RELEASE_URL
 from .hub_errors import hub_errors, one_line
 
 __all__ = ["download_source", "cached_url_path", "check_online", "hub_endpoint", "is_remote", "resolve_source"]
@@ -75,7 +77,7 @@ def download_source(source: str) -> Path:
 
     Args:
         source: An ``https://`` (or ``http://``) URL, downloaded once into torch.hub's
-            cache (``torch.hub.get_dir()/checkpoints/<name>``) and reused afterwards;
+            cache (:func:`cached_url_path`) and reused afterwards;
             or ``hf-hub:ORG/REPO[@REVISION][/FILE]``, fetched with huggingface_hub
             into its cache (``FILE`` defaults to ``model.safetensors``, else
             ``pytorch_model.bin``).
@@ -140,13 +142,22 @@ def check_online(url: str, action: str) -> None:
 
 
 def cached_url_path(url: str) -> Path:
-    """Where :func:`download_source` keeps the download of ``url``: torch.hub's checkpoint cache."""
+    """Where :func:`download_source` keeps the download of ``url``: torch.hub's checkpoint cache.
+
+    The official release files keep torch.hub's own path, ``checkpoints/<name>`` (their names
+    are unique there, and a file torch.hub fetched is reused). Any other URL's file goes in a
+    folder named by a hash of the whole URL, so that two URLs ending in the same name
+    (``.../v1/model.pth`` and ``.../v2/model.pth``) never share a download.
+    """
     import torch.hub
 
     name = os.path.basename(urlparse(url).path)
     if not name:
         raise HubError(f"cannot tell a file name from {url}; give the URL of the checkpoint file")
-    return Path(torch.hub.get_dir()) / "checkpoints" / name
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    if url.startswith(CAIT_RELEASE_URL):
+        return folder / name
+    return folder / hashlib.sha256(url.encode()).hexdigest()[:16] / name
 
 
 def _download_url(url: str) -> Path:
