@@ -217,6 +217,21 @@ def test_export_never_replaces_the_folder_that_holds_its_source(official, tmp_pa
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="symbolic links need privileges there")
+def test_export_onto_a_link_replaces_the_folder_it_leads_to(official, tmp_path, capsys, few_inputs):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "old.txt").write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    code, _, err = cli(capsys, "export", official, link, "--overwrite")
+    assert code == 0, err
+    assert link.is_symlink() and link.resolve() == real.resolve()  # the link stays, its folder is new
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # nothing hidden left beside them
+    assert (real / "model.safetensors").is_file() and not (real / "old.txt").exists()
+    assert f"timm-layerscale export {official} {link}\n" in (real / "README.md").read_text()  # as typed
+
+
 def test_a_failed_export_leaves_no_folder_it_created(tmp_path):
     from timm_layerscale.hub.export import export_folder
 

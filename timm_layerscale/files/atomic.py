@@ -173,15 +173,16 @@ def check_output_folder(out: Path, overwrite: bool) -> Path:
     """Raise unless ``out`` can be written as a folder: not a file, and empty unless ``overwrite``.
 
     Returns:
-        The folder to write: ``out``, or the folder it leads to when its last part is
-        ``..`` (whose temporary sibling and name would be those of the folder below).
+        The folder to write: ``out``, or the folder it leads to when it is a symbolic link
+        (replacing the link would leave its folder as it was) or its last part is ``..``
+        (whose temporary sibling and name would be those of the folder below).
 
     Raises:
         CheckpointError: ``out`` is a file, or the current folder or one holding it
             (replacing it would delete the folder a shell stands in).
         OutputExistsError: ``out`` holds files and ``overwrite`` is false.
     """
-    if out.name == "..":
+    if out.name == ".." or out.is_symlink():
         out = out.resolve()
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; pass a folder path")

@@ -330,7 +330,7 @@ def export_folder(
                 plot_note = f"no {PLOT_NAME}: {e}"
         num_params = _count_params(weights)
         cmd = command or command_line(
-            ("timm-layerscale", "export", source, out),
+            ("timm-layerscale", "export", source, out_dir),
             options,
             model=model,
             ema=ema,
