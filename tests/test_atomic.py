@@ -293,3 +293,20 @@ def test_outputs_take_the_permissions_the_umask_gives(official, tmp_path, capsys
     modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
     assert modes.pop("folder") == 0o750
     assert modes and set(modes.values()) == {0o640}, modes
+
+
+def test_a_name_as_long_as_a_file_name_may_be(official, tmp_path, capsys, few_inputs):
+    """A file name takes up to 255 bytes; the hidden siblings (``.NAME.tmp-PID-HEX``, an export's
+    ``.NAME.old-HEX``) must fit too, and a killed writer's temporary is still found by the next."""
+    from helpers import cli
+
+    name = "a" * (255 - len(".safetensors")) + ".safetensors"
+    assert cli(capsys, "convert", official, tmp_path / name, "--no-verify")[0] == 0
+    folder = tmp_path / ("d" * 255)
+    for overwrite in ([], ["--overwrite"]):
+        code, _, err = cli(capsys, "export", official, folder, *overwrite)
+        assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, folder.name])
+    stale = tmp_path / f"{temporaries.hidden_prefix(tmp_path / name)}.tmp-{dead_pid()}-0123abcd"
+    stale.write_bytes(b"half")
+    assert remove_stale_temporaries(tmp_path / name) == [stale]

@@ -1,6 +1,7 @@
 """Atomic writes: a temporary next to the target, moved onto it only when complete.
 
-A writer builds its output under a hidden name, ``.{name}.tmp-{pid}-{hex}``, and
+A writer builds its output under a hidden name, ``.{name}.tmp-{pid}-{hex}`` (a hash in place
+of a name too long to take the suffix), and
 holds an exclusive ``flock`` on it while it lives; the kernel drops that lock when
 the process ends, however it ends (``SIGKILL`` included). So a temporary that can be
 locked, of a process that no longer runs, was left by a writer that died, and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -38,9 +40,18 @@ __all__ = [
 ]
 
 
+def hidden_prefix(target: Path) -> str:
+    """``.{name}`` of ``target``, the start of its hidden siblings' names; a name too long to take
+    a suffix within a file name's 255 bytes is replaced by a hash of it."""
+    name = target.name
+    if len(name.encode()) > 200:
+        name = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return f".{name}"
+
+
 # Hidden, and matched by the Hub upload's ignore pattern ``.*.tmp-*``.
 def _temporary_name(target: Path) -> Path:
-    return target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    return target.parent / f"{hidden_prefix(target)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -103,7 +114,7 @@ def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
     runs, in this process or another, is never touched.
     """
     target = Path(target)
-    pattern = re.compile(re.escape(f".{target.name}.tmp-") + r"([0-9]+)-[0-9a-f]+")
+    pattern = re.compile(re.escape(f"{hidden_prefix(target)}.tmp-") + r"([0-9]+)-[0-9a-f]+")
     try:
         names = [e.name for e in os.scandir(target.parent)]
     except OSError:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, HubError, LayerScaleError
+from ..files.atomic import check_output_folder, hidden_prefix, temporary_folder
 from ..files.hub_errors import one_line
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
@@ -174,8 +175,6 @@ def _make_temporary(out: Path) -> tuple[Path, list[Path]]:
         The temporary folder, and the parent folders created, deepest first (removed again
         if the export fails).
     """
-    from ..files.atomic import temporary_folder
-
     created = []
     parent = out.absolute().parent
     while not parent.exists():
@@ -204,7 +203,7 @@ def _remove_empty(folders: Sequence[Path]) -> None:
 def _swap_into_place(tmp: Path, out: Path) -> None:
     old = None
     if out.exists():
-        old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+        old = out.parent / f"{hidden_prefix(out)}.old-{secrets.token_hex(4)}"
         os.replace(out, old)
     try:
         os.replace(tmp, out)
@@ -285,7 +284,6 @@ def export_folder(
         LayerScaleError: Any other problem with the source or the folder.
     """
     from ..converter import convert_checkpoint, load_source
-    from ..files.atomic import check_output_folder
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line
 
