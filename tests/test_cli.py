@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -301,6 +302,30 @@ def test_verify_exit_1_when_one_weight_differs(official, perturbed, capsys):
     assert code == 1, "a tolerance loosens the output check, never the weight check"
     assert any(line.split() == ["bit-exact", "no"] for line in stdout.splitlines())
     assert any("NOT equal to the source" in line for line in stdout.splitlines())
+
+
+def _strict_json(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is no JSON number")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_output_is_standard_json_when_values_are_not_finite(official, converted, tmp_path, capsys):
+    """A diverged checkpoint has NaN or infinite gates and outputs: ``--json`` writes them as null."""
+    sd = safetensors.torch.load_file(str(converted))
+    sd["blocks.0.ls1.gamma"][0] = float("nan")
+    sd["blocks.1.ls1.gamma"][:] = float("inf")
+    diverged = tmp_path / "diverged.safetensors"
+    safetensors.torch.save_file(sd, str(diverged))
+    code, stdout, err = cli(capsys, "inspect", diverged, "--json")
+    assert code == 0, err
+    rows = _strict_json(stdout)
+    assert rows[0]["ls1"]["mean"] is None and rows[1]["ls1"]["max"] is None and rows[0]["ls2"]["mean"] > 0
+    code, stdout, err = cli(capsys, "verify", official, diverged, "--num-inputs", "1", "--json")
+    assert code == 1, err
+    rep = _strict_json(stdout)
+    assert rep["passed"] is False and rep["max_abs_diff"] is None
 
 
 def test_verify_exit_2_for_bad_input(official, converted, tmp_path, capsys):

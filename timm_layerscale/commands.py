@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -70,9 +71,21 @@ def error(message: str) -> None:
     print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
 
 
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def print_json(obj: Any) -> None:
-    """Print ``obj`` as indented JSON (values it cannot encode as strings)."""
-    print(json.dumps(obj, indent=2, default=str))
+    """Print ``obj`` as indented, standard JSON: NaN and infinities, which JSON has no numbers for,
+    as ``null`` (``jq`` and ``JSON.parse`` refuse Python's ``NaN``); other values it cannot encode
+    as strings."""
+    print(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
 
 
 def _parity_failed(e: ParityError, as_json: bool) -> int:
