@@ -172,6 +172,30 @@ def test_plot_format_follows_the_suffix(official: dict, tmp_path: Path, capsys) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gates.PDF", "gates.svg"]
 
 
+def test_plot_marks_the_blocks_whose_gates_are_not_finite(official: dict, tmp_path: Path, monkeypatch) -> None:
+    """A diverged checkpoint's NaN or infinite gates have no place on the lines: a cross marks them."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    drawn = []
+    savefig = Figure.savefig
+
+    def keep(self, *args, **kwargs) -> None:
+        drawn.append(self)
+        savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    sd = dict(official["model"])
+    sd["module.blocks.1.gamma_1"] = torch.full_like(sd["module.blocks.1.gamma_1"], float("nan"))
+    sd["module.blocks_token_only.0.gamma_2"] = torch.full_like(sd["module.blocks_token_only.0.gamma_2"], float("inf"))
+    for state_dict in (official["model"], sd):
+        plot_gates(gate_profile(state_dict), tmp_path / "gates.png", overwrite=True)
+    labels = [[t.get_text() for t in fig.legends[0].get_texts()] for fig in drawn]
+    assert "a gate holds NaN or inf" not in labels[0] and "a gate holds NaN or inf" in labels[1]
+    (cross,) = [c for c in drawn[1].axes[0].collections if c.get_label() == "a gate holds NaN or inf"]
+    assert cross.get_offsets()[:, 0].tolist() == [1, 3]
+
+
 def test_a_failed_plot_leaves_no_file(official: dict, tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure

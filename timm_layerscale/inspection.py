@@ -311,7 +311,8 @@ def plot_gates(
 
     The mean ``|gamma|`` of the attention (``ls1``) and MLP (``ls2``) gates of each
     block is drawn as a line over depth on a log scale, with the per-block
-    min-max range shaded; class-attention blocks sit on a grey band at the end.
+    min-max range shaded; class-attention blocks sit on a grey band at the end, and a red cross
+    at the top marks a block whose gate holds NaN or infinite values.
     The figure is 1200 x 675 pixels as a PNG, legible at the width of a model card. The file
     is written whole or not at all, as a converted checkpoint is.
 
@@ -342,7 +343,7 @@ def plot_gates(
         raise LayerScaleError("no gates to plot")
     out = Path(path)
     depth = [r["depth"] for r in rows]
-    positive = [v for r in rows for w in ("ls1", "ls2") if r[w] for v in r[w].values() if not math.isnan(v) and v > 0]
+    positive = [v for r in rows for w in ("ls1", "ls2") if r[w] for v in r[w].values() if math.isfinite(v) and v > 0]
     floor = min(positive) if positive else 1e-12
     log = bool(positive)
 
@@ -370,6 +371,11 @@ def plot_gates(
         )
         band = ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0, label=f"{label}: min to max", zorder=1)
         handles += [line, band]
+    diverged = [r["depth"] for r in rows for w in ("ls1", "ls2") if r[w] and not all(map(math.isfinite, r[w].values()))]
+    if diverged:  # no line can show them: a cross at the top of their block
+        cross = ax.scatter(diverged, [1.0] * len(diverged), transform=ax.get_xaxis_transform(), marker="x")
+        cross.set(color="tab:red", clip_on=False, zorder=4, label="a gate holds NaN or inf")
+        handles.append(cross)
     if log:
         ax.set_yscale("log")
     ax.set_xlim(min(depth) - 0.5, max(depth) + 0.5)
