@@ -448,8 +448,11 @@ def _preflight(releases: Sequence[Release], sources: Path | None, org: str | Non
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the pipeline; return 0 when every variant succeeded, 1 when any failed, 2 on bad input.
 
-    Every error line starts with ``python -m convert: error:``.
+    Every error line starts with ``python -m convert: error:``; 130 when interrupted, 143 when
+    terminated (the variant being written leaves nothing behind).
     """
+    from timm_layerscale.commands import stoppable
+
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(args_list)
@@ -459,6 +462,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 2
 
+    return stoppable(lambda: _run(args, args_list, parser.prog, error), error)
+
+
+def _run(args: argparse.Namespace, args_list: list[str], prog: str, error: Any) -> int:
     try:
         releases = select(args.only, args.family)
     except PipelineError as e:
@@ -498,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"summary written to {md} and {js}")
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
-        print(f"{parser.prog}: error: {len(failed)} of {len(rows)} release(s) failed:", file=sys.stderr)
+        print(f"{prog}: error: {len(failed)} of {len(rows)} release(s) failed:", file=sys.stderr)
         for r in failed:
             print(f"  {r['variant']}.{r['tag']}: {r['error']}", file=sys.stderr)
         return 1

@@ -276,6 +276,35 @@ def test_a_killed_conversion_leaves_nothing_after_the_next_one(official, tmp_pat
 
 
 @POSIX
+@pytest.mark.parametrize(
+    "sig, status, said", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_terminated_conversion_cleans_up_on_its_way_out(official, tmp_path, sig, status, said):
+    """SIGTERM (``kill``, ``timeout``, a scheduler's time limit) and Ctrl-C leave no temporary, unlike
+    SIGKILL; the command says so in one line and exits 128 + the signal's number."""
+    from timm_layerscale.cli import main
+
+    out = tmp_path / "cait_xxs24_224_ls.safetensors"
+    argv = [sys.executable, "-c", _STALLED_CONVERSION, str(official), str(out)]
+    proc = subprocess.Popen(argv, env=env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not temporaries_of(out):
+            assert proc.poll() is None, "the conversion ended before it was stopped"
+            assert time.monotonic() < deadline, "no temporary appeared"
+            time.sleep(0.01)
+        time.sleep(0.2)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == status and err.strip() == f"timm-layerscale: error: {said}"
+    assert list(tmp_path.iterdir()) == []
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["list"]) == 0 and signal.getsignal(signal.SIGTERM) is before  # put back after a command
+
+
+@POSIX
 def test_outputs_take_the_permissions_the_umask_gives(official, tmp_path, capsys, few_inputs):
     """A converted file and an exported folder are readable by whom the umask allows, like any file
     the user writes (a temporary made with ``mkstemp`` or ``mkdtemp`` would be the owner's only)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,26 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
     assert "unknown variant(s) nope" in capsys.readouterr().err
     assert main(["--sources", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig, status, said", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_an_interrupted_pipeline_says_so_in_one_line(tmp_path: Path, capsys, monkeypatch, sig, status, said) -> None:
+    import os
+    import signal
+
+    from convert import release
+
+    def stopped(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, sig))
+        time.sleep(5)  # the signal arrives first
+        raise AssertionError("not stopped")
+
+    monkeypatch.setattr(release, "run_release", stopped)
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    assert main(["--only", "cait_xxs24_224", "--sources", str(sources), "--out", str(tmp_path / "out")]) == status
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m convert: error: {said}"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_list_prints_the_plan_offline(capsys) -> None:

@@ -13,7 +13,11 @@ every command:
       network or Hub failure (the message says what to do)
 3     internal error: a bug; rerun with ``--debug`` and report the traceback
 130   interrupted (Ctrl-C)
+143   terminated (SIGTERM: ``kill``, ``timeout``, a batch scheduler's time limit)
 ====  ==========================================================================
+
+Interrupted or terminated, a command removes its temporaries and partial outputs on
+the way out.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from ._version import __version__
-from .commands import COMMANDS, EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED, EXIT_USER_ERROR, PROG, cli_message, error
+from .commands import COMMANDS, EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, PROG, cli_message, error, stoppable
 from .options import OneLineParser, add_verify_args, check_inputs
 
 __all__ = ["main", "build_parser"]
@@ -212,8 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
     Exit status: 0 ok, 1 verification failed, 2 user error, 3 internal error
-    (130 when interrupted). Every error is one line on stderr starting with
-    ``timm-layerscale: error:``.
+    (130 when interrupted, 143 when terminated). Every error is one line on stderr
+    starting with ``timm-layerscale: error:``.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -229,10 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         disable_progress_bars()
     try:
-        return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        error("interrupted")
-        return EXIT_INTERRUPTED
+        return stoppable(lambda: COMMANDS[args.command](args), error)
     except Exception as e:
         from .errors import LayerScaleError
 

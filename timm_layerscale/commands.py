@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import re
+import signal
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,10 +27,12 @@ __all__ = [
     "EXIT_USER_ERROR",
     "EXIT_INTERNAL_ERROR",
     "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
     "PROG",
     "cli_message",
     "error",
     "print_json",
+    "stoppable",
 ]
 
 PROG = "timm-layerscale"
@@ -39,6 +42,7 @@ EXIT_VERIFICATION_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 #: Advice in library messages is written for Python callers (``pass overwrite=True``,
@@ -79,6 +83,38 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return obj
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program stands, so that it cleans up as for Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def stoppable(run: Callable[[], int], say: Callable[[str], object]) -> int:
+    """``run()``, ended by Ctrl-C or SIGTERM (``kill``, ``timeout``, a batch scheduler's time limit)
+    as by an exception, so that temporaries and partial outputs are removed on the way out; then
+    one line through ``say`` and exit status 130 or 143. SIGTERM is left alone where the calling
+    program handles it, or off the main thread."""
+    previous = None
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # signals are only handled in the main thread
+        pass
+    try:
+        return run()
+    except KeyboardInterrupt:
+        say("interrupted")
+        return EXIT_INTERRUPTED
+    except _Terminated:
+        say("terminated")
+        return EXIT_TERMINATED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def print_json(obj: Any) -> None:
