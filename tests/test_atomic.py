@@ -247,22 +247,29 @@ sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--no-verify", "--quiet"]))
 """
 
 
+def stalled_conversion(official: Path, out: Path) -> subprocess.Popen:
+    """``timm-layerscale convert OFFICIAL OUT`` in a child process, stalled for good once its
+    temporary holds the first tensor; its stderr is piped."""
+    argv = [sys.executable, "-c", _STALLED_CONVERSION, str(official), str(out)]
+    proc = subprocess.Popen(argv, env=env(), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not temporaries_of(out):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no temporary appeared: {proc.communicate()[1]}")
+        time.sleep(0.01)
+    time.sleep(0.2)
+    return proc
+
+
 @POSIX
 def test_a_killed_conversion_leaves_nothing_after_the_next_one(official, tmp_path):
     from timm_layerscale.cli import main
 
     out = tmp_path / "cait_xxs24_224_ls.safetensors"
-    proc = subprocess.Popen([sys.executable, "-c", _STALLED_CONVERSION, str(official), str(out)], env=env())
-    try:
-        deadline = time.monotonic() + 120
-        while not temporaries_of(out):
-            assert proc.poll() is None, "the conversion ended before it was killed"
-            assert time.monotonic() < deadline, "no temporary appeared"
-            time.sleep(0.01)
-        time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    proc = stalled_conversion(official, out)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
     left = temporaries_of(out)
     assert left and not out.exists()
     assert (tmp_path / left[0]).stat().st_size > 0  # the killed writer's partial file
@@ -285,16 +292,9 @@ def test_a_terminated_conversion_cleans_up_on_its_way_out(official, tmp_path, si
     from timm_layerscale.cli import main
 
     out = tmp_path / "cait_xxs24_224_ls.safetensors"
-    argv = [sys.executable, "-c", _STALLED_CONVERSION, str(official), str(out)]
-    proc = subprocess.Popen(argv, env=env(), stderr=subprocess.PIPE, text=True)
+    proc = stalled_conversion(official, out)
+    proc.send_signal(sig)
     try:
-        deadline = time.monotonic() + 120
-        while not temporaries_of(out):
-            assert proc.poll() is None, "the conversion ended before it was stopped"
-            assert time.monotonic() < deadline, "no temporary appeared"
-            time.sleep(0.01)
-        time.sleep(0.2)
-        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
