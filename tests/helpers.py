@@ -135,6 +135,8 @@ def fine_tuned(official: Path, path: Path, num_classes: int = 10) -> Path:
 TINY_CAIT: dict[str, Any] = dict(
     img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=10, init_values=1e-5
 )
+#: A ViT-5 of the same size class.
+TINY_VIT5: dict[str, Any] = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
 
 
 def images(n: int, size: int, seed: int = 1) -> torch.Tensor:

@@ -30,7 +30,7 @@ from timm.models.cait import Cait
 from timm.models.cait import TalkingHeadAttn as RefAttn
 from torch import nn
 
-from helpers import ROOT, TINY_CAIT, images, randomize, tiny_pair
+from helpers import ROOT, TINY_CAIT, TINY_VIT5, images, randomize, tiny_pair
 from kernel_trace import reduction_trace
 from timm_layerscale import to_layerscale
 from timm_layerscale.layers.talking_heads import (
@@ -321,7 +321,7 @@ def test_timms_layer_config_reaches_the_models(config):
 
     with set_layer_config(**config):
         ref, ours = tiny_pair()
-        vit5 = Vit5(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
+        vit5 = Vit5(**TINY_VIT5)
 
     def fused(model: nn.Module) -> set[Any]:
         return {m.fused_attn for m in model.modules() if hasattr(m, "fused_attn")}

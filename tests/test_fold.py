@@ -13,7 +13,7 @@ import timm
 import torch
 from torch import nn
 
-from helpers import TINY_CAIT, images, randomize, tiny_pair
+from helpers import TINY_CAIT, TINY_VIT5, images, randomize, tiny_pair
 from timm_layerscale import LayerScale, fold_layerscale, to_layerscale
 from timm_layerscale.models.cait_ls import CaitLS
 
@@ -119,8 +119,7 @@ def _vit5_module():
 
 def test_fold_vit5_close_and_loads():
     vit5 = _vit5_module()
-    args = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
-    model = randomize(vit5.Vit5(**args)).eval()
+    model = randomize(vit5.Vit5(**TINY_VIT5)).eval()
     x = images(2, 32)
     with torch.inference_mode():
         expected = model(x)
@@ -128,7 +127,7 @@ def test_fold_vit5_close_and_loads():
     assert model.folded_layerscale
     with torch.inference_mode():
         assert _max_diff(model(x), expected) <= 1e-5
-    vit5.Vit5(**args, folded_layerscale=True).load_state_dict(model.state_dict(), strict=True)
+    vit5.Vit5(**TINY_VIT5, folded_layerscale=True).load_state_dict(model.state_dict(), strict=True)
 
 
 #: What the legacy exporter says of itself, and of the size check in timm's PatchEmbed it traces.
@@ -214,9 +213,8 @@ def test_vit5_filter_folds_with_the_same_rule():
     vit5 = _vit5_module()
     from timm_layerscale import fold_state_dict
 
-    args = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
-    model = randomize(vit5.Vit5(**args)).eval()
-    target = vit5.Vit5(**args, folded_layerscale=True)
+    model = randomize(vit5.Vit5(**TINY_VIT5)).eval()
+    target = vit5.Vit5(**TINY_VIT5, folded_layerscale=True)
     filtered = vit5.checkpoint_filter_fn(model.state_dict(), target)
     expected = fold_state_dict(model.state_dict())
     assert filtered.keys() == expected.keys()
