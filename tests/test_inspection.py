@@ -188,6 +188,8 @@ def test_plot_marks_the_blocks_whose_gates_are_not_finite(official: dict, tmp_pa
     sd = dict(official["model"])
     sd["module.blocks.1.gamma_1"] = torch.full_like(sd["module.blocks.1.gamma_1"], float("nan"))
     sd["module.blocks_token_only.0.gamma_2"] = torch.full_like(sd["module.blocks_token_only.0.gamma_2"], float("inf"))
+    # both of block 1's gates: still one cross there
+    sd["module.blocks.1.gamma_2"] = torch.full_like(sd["module.blocks.1.gamma_2"], float("nan"))
     for state_dict in (official["model"], sd):
         plot_gates(gate_profile(state_dict), tmp_path / "gates.png", overwrite=True)
     labels = [[t.get_text() for t in fig.legends[0].get_texts()] for fig in drawn]

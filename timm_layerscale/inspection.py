@@ -371,8 +371,10 @@ def plot_gates(
         )
         band = ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0, label=f"{label}: min to max", zorder=1)
         handles += [line, band]
-    diverged = [r["depth"] for r in rows for w in ("ls1", "ls2") if r[w] and not all(map(math.isfinite, r[w].values()))]
-    if diverged:  # no line can show them: a cross at the top of their block
+    diverged = sorted(
+        {r["depth"] for r in rows for w in ("ls1", "ls2") if r[w] and not all(map(math.isfinite, r[w].values()))}
+    )
+    if diverged:  # no line can show them: one cross at the top of each such block
         cross = ax.scatter(diverged, [1.0] * len(diverged), transform=ax.get_xaxis_transform(), marker="x")
         cross.set(color="tab:red", clip_on=False, zorder=4, label="a gate holds NaN or inf")
         handles.append(cross)
