@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from timm_layerscale.commands import stoppable
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.hub.card import timm_hub_copy
@@ -451,8 +452,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     Every error line starts with ``python -m convert: error:``; 130 when interrupted, 143 when
     terminated (the variant being written leaves nothing behind).
     """
-    from timm_layerscale.commands import stoppable
-
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(args_list)
