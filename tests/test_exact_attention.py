@@ -332,6 +332,22 @@ def test_timms_layer_config_reaches_the_models(config):
         assert torch.equal(ours(x), ref(x))
 
 
+@pytest.mark.parametrize("impl", ["reference", "buffered", "fast"])
+def test_an_empty_batch_gives_an_empty_output(impl):
+    """A data-parallel evaluation's last shard may be empty: every path returns ``(0, classes)`` as
+    timm's, and feature maps of batch size 0 (timm's ``forward_intermediates`` fails on those)."""
+    ref, default = tiny_pair()
+    ours = CaitLS(**TINY, attn_impl=impl).eval()
+    ours.load_state_dict(default.state_dict())
+    x = images(1, TINY["img_size"])[:0]
+    with torch.inference_mode():
+        expected = ref(x)
+        assert expected.shape == (0, TINY["num_classes"]) and torch.equal(ours(x), expected)
+        maps = ours.forward_intermediates(x, intermediates_only=True)
+    assert [m.shape for m in maps] == [(0, TINY["embed_dim"], 4, 4)] * TINY["depth"]
+    ours.train()(x).sum().backward()
+
+
 def test_attn_impl_argument():
     assert type(CaitLS(**TINY).blocks[0].attn) is TalkingHeadAttn
     assert type(CaitLS(**TINY, attn_impl="buffered").blocks[0].attn) is BufferedTalkingHeadAttn

@@ -518,6 +518,8 @@ def test_forward_intermediates() -> None:
     torch.testing.assert_close(prefix[:, 0], tokens[:, 0])
     torch.testing.assert_close(prefix[:, 1:], tokens[:, -4:])
     torch.testing.assert_close(patches.flatten(2).transpose(1, 2), tokens[:, 1:-4])
+    empty = model.forward_intermediates(x[:0], intermediates_only=True)  # a data-parallel run's empty shard
+    assert [t.shape for t in empty] == [(0, 64, 3, 3)] * 2 and model(x[:0]).shape == (0, model.num_classes)
 
 
 def test_features_only_and_prune() -> None:

@@ -104,8 +104,10 @@ class TalkingHeadAttn(MultiHeadAttention):
 
     @torch.jit.ignore
     def _eager_inference(self, x: torch.Tensor) -> bool:
-        """True when no autograd, autocast, dropout, compiler or tracer is involved, on CPU."""
+        """True for a non-empty batch on CPU when no autograd, autocast, dropout, compiler or tracer is involved."""
         if isinstance(x, torch.fx.Proxy) or x.device.type != "cpu":  # an FX trace records the reference
+            return False
+        if x.shape[0] == 0:  # nothing to save: buffers of no elements cannot take the reshapes
             return False
         if torch.jit.is_tracing() or torch.compiler.is_compiling():
             return False

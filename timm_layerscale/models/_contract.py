@@ -194,7 +194,7 @@ class TimmContract(nn.Module):
     def _to_nchw(tokens: Iterable[torch.Tensor], grid: tuple[int, int]) -> list[torch.Tensor]:
         """Patch tokens ``(B, H * W, C)`` to feature maps ``(B, C, H, W)``."""
         H, W = grid
-        return [y.reshape(y.shape[0], H, W, -1).permute(0, 3, 1, 2).contiguous() for y in tokens]
+        return [y.reshape(y.shape[0], H, W, y.shape[-1]).permute(0, 3, 1, 2).contiguous() for y in tokens]
 
     def _collect_intermediates(
         self, x: torch.Tensor, indices: int | list[int] | None, norm: bool, stop_early: bool, *args: Any
