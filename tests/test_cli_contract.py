@@ -52,6 +52,31 @@ def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
     assert_one_line_error(*cli(capsys, "list"), status=1, expect="does not match")
 
 
+@pytest.mark.parametrize("reader", ["left", "full device"])
+def test_an_output_that_refuses_the_table(reader, tmp_path):
+    """``| head`` may leave before the table is written: the command ends quietly, with 141 as a
+    Unix tool killed by SIGPIPE; a full device is one error line. Python's own flush at exit
+    adds no "Exception ignored" lines (run without ``PYTHONUNBUFFERED``, as most users run)."""
+    if reader == "left":
+        r, w = os.pipe()
+        os.close(r)
+    elif os.path.exists("/dev/full"):
+        w = os.open("/dev/full", os.O_WRONLY)
+    else:
+        pytest.skip("no /dev/full here")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "timm_layerscale", "list"], stdout=w, stderr=subprocess.PIPE, text=True, env=env
+        )
+    finally:
+        os.close(w)
+    if reader == "left":
+        assert (p.returncode, p.stderr) == (141, "")
+    else:
+        assert_one_line_error(p.returncode, "", p.stderr, expect="writing the output failed (No space left on device)")
+
+
 def test_demo_parity_failure_prints_the_report_and_exits_1(tmp_path, capsys, monkeypatch):
     from timm_layerscale import demo
     from timm_layerscale.hub import export

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -28,11 +29,13 @@ __all__ = [
     "EXIT_INTERNAL_ERROR",
     "EXIT_INTERRUPTED",
     "EXIT_TERMINATED",
+    "EXIT_READER_LEFT",
     "PROG",
     "cli_message",
     "error",
     "print_json",
     "stoppable",
+    "write_out",
 ]
 
 PROG = "timm-layerscale"
@@ -43,6 +46,7 @@ EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+EXIT_READER_LEFT = 141
 
 
 #: Advice in library messages is written for Python callers (``pass overwrite=True``,
@@ -97,7 +101,8 @@ def stoppable(run: Callable[[], int], say: Callable[[str], object]) -> int:
     """``run()``, ended by Ctrl-C or SIGTERM (``kill``, ``timeout``, a batch scheduler's time limit)
     as by an exception, so that temporaries and partial outputs are removed on the way out; then
     one line through ``say`` and exit status 130 or 143. SIGTERM is left alone where the calling
-    program handles it, or off the main thread."""
+    program handles it, or off the main thread. When the reader of the output has left
+    (:func:`write_out`), it ends without a word, as Unix tools do, with status 141."""
     previous = None
     try:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
@@ -112,16 +117,44 @@ def stoppable(run: Callable[[], int], say: Callable[[str], object]) -> int:
     except _Terminated:
         say("terminated")
         return EXIT_TERMINATED
+    except BrokenPipeError:
+        return EXIT_READER_LEFT
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def write_out(text: str) -> None:
+    """Print ``text`` on standard output at once.
+
+    If the output refuses it (its reader has left, as ``| head`` may, or its device is
+    full), standard output is pointed at the null device, so that Python's exit does not
+    fail on it again, and :class:`BrokenPipeError` or a one-line
+    :class:`~timm_layerscale.errors.LayerScaleError` is raised.
+    """
+    try:
+        print(text, flush=True)
+    except OSError as e:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+        except (OSError, ValueError):  # standard output is no file (a test's capture)
+            pass
+        if isinstance(e, BrokenPipeError):
+            raise
+        from .errors import LayerScaleError
+
+        raise LayerScaleError(
+            f"writing the output failed ({e.strerror}); free space on its device or send it elsewhere"
+        ) from e
 
 
 def print_json(obj: Any) -> None:
     """Print ``obj`` as indented, standard JSON: NaN and infinities, which JSON has no numbers for,
     as ``null`` (``jq`` and ``JSON.parse`` refuse Python's ``NaN``); other values it cannot encode
     as strings."""
-    print(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
+    write_out(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
 
 
 def _parity_failed(e: ParityError, as_json: bool) -> int:
@@ -130,7 +163,7 @@ def _parity_failed(e: ParityError, as_json: bool) -> int:
     if as_json:
         print_json({"ok": False, "error": cli_message(str(e)), "report": e.report.to_dict()})
     else:
-        print(e.report.format_table())
+        write_out(e.report.format_table())
     error(cli_message(str(e)))
     return EXIT_VERIFICATION_FAILED
 
@@ -176,11 +209,11 @@ def cmd_convert(a: argparse.Namespace) -> int:
         return EXIT_OK
     target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
     target += ", LayerScale folded into the weights" if res.metadata.get("folded_layerscale") == "true" else ""
-    print(
+    write_out(
         f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s"
     )
     if res.report is not None:
-        print(res.report.format_table())
+        write_out(res.report.format_table())
     return EXIT_OK
 
 
@@ -191,7 +224,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if a.json:
         print_json(rep.to_dict())
     else:
-        print(rep.format_table())
+        write_out(rep.format_table())
     return EXIT_OK if rep.passed else EXIT_VERIFICATION_FAILED
 
 
@@ -202,7 +235,7 @@ def cmd_list(a: argparse.Namespace) -> int:
     if a.json:
         print_json(rows)
     else:
-        print(format_catalog(rows, flops=a.flops))
+        write_out(format_catalog(rows, flops=a.flops))
     return EXIT_OK
 
 
@@ -240,7 +273,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.json:
         print_json({"ok": True, **res.to_dict()})
     else:
-        print(res.summary())
+        write_out(res.summary())
     return EXIT_OK
 
 
@@ -259,7 +292,7 @@ def cmd_push(a: argparse.Namespace) -> int:
     if a.json:
         print_json(res.to_dict())
     else:
-        print(res.summary())
+        write_out(res.summary())
     return EXIT_OK
 
 
@@ -276,11 +309,11 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if a.json:
         print_json(profile)
     else:
-        print(format_gate_table(profile))
+        write_out(format_gate_table(profile))
     if a.plot:
         plot_gates(profile, a.plot, title=f"{Path(a.source).name}: LayerScale gates", overwrite=a.overwrite)
         if not a.json:
-            print(f"plot written to {a.plot}")
+            write_out(f"plot written to {a.plot}")
     return EXIT_OK
 
 

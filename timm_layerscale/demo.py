@@ -21,14 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .commands import write_out
+
 __all__ = ["run_demo", "write_official_checkpoint"]
 
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
-
-
-def _say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def run_demo(
@@ -77,35 +75,35 @@ def _run_steps(out: Path, seed: int, options: Any) -> bool:
     from .parity.inputs import seeded_inputs
 
     def finish(ok: bool) -> bool:
-        _say("")
-        _say(f"demo {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; outputs in {out}/")
+        write_out("")
+        write_out(f"demo {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; outputs in {out}/")
         return ok
 
     official = out / "XXS24_224.pth"
-    _say(f"[1/3] writing a seeded {REFERENCE} in the official layout -> {official}")
+    write_out(f"[1/3] writing a seeded {REFERENCE} in the official layout -> {official}")
     reference = write_official_checkpoint(official, REFERENCE, seed=seed)
 
     hub_dir = out / f"{MODEL}.fb_dist_in1k"
-    _say(f"[2/3] converting to the LayerScale-module layout, verifying against timm's {REFERENCE},")
-    _say(f"      and exporting a Hub-ready folder -> {hub_dir}")
+    write_out(f"[2/3] converting to the LayerScale-module layout, verifying against timm's {REFERENCE},")
+    write_out(f"      and exporting a Hub-ready folder -> {hub_dir}")
     try:
         exp = export_folder(official, hub_dir, overwrite=True, options=options)
     except ParityError as e:
-        _say("")
-        _say(e.report.format_table())
-        _say(f"      {e}")
+        write_out("")
+        write_out(e.report.format_table())
+        write_out(f"      {e}")
         return finish(False)
     res = exp.conversion
     converted = hub_dir / "model.safetensors"
-    _say(f"      detected {res.variant.name}; source sha256 {res.source_sha256[:16]}...; {res.seconds:.1f} s")
-    _say("      wrote " + ", ".join(sorted(p.name for p in hub_dir.iterdir())))
+    write_out(f"      detected {res.variant.name}; source sha256 {res.source_sha256[:16]}...; {res.seconds:.1f} s")
+    write_out("      wrote " + ", ".join(sorted(p.name for p in hub_dir.iterdir())))
     assert res.report is not None
-    _say("")
-    _say(res.report.format_table())
-    _say("")
+    write_out("")
+    write_out(res.report.format_table())
+    write_out("")
     ok = res.report.passed
 
-    _say("[3/3] loading the results with timm.create_model and comparing with the reference")
+    write_out("[3/3] loading the results with timm.create_model and comparing with the reference")
     inputs = seeded_inputs(4, 224, seed=seed + 1)
     for call, name, overlay in (
         (f"'{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)", MODEL, {"file": str(converted)}),
@@ -121,7 +119,7 @@ def _run_steps(out: Path, seed: int, options: Any) -> bool:
             family="cait",
             inputs_desc="4 seeded images",
         )
-        _say(
+        write_out(
             f"      timm.create_model({call}): "
             f"bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})"
         )
