@@ -344,7 +344,7 @@ def test_an_empty_batch_gives_an_empty_output(impl):
         expected = ref(x)
         assert expected.shape == (0, TINY["num_classes"]) and torch.equal(ours(x), expected)
         maps = ours.forward_intermediates(x, intermediates_only=True)
-    assert [m.shape for m in maps] == [(0, TINY["embed_dim"], 4, 4)] * TINY["depth"]
+    assert isinstance(maps, list) and [m.shape for m in maps] == [(0, TINY["embed_dim"], 4, 4)] * TINY["depth"]
     ours.train()(x).sum().backward()
 
 
