@@ -772,6 +772,27 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
     assert "**Params (M):** 46.9" in text
 
 
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize(
+    ("text", "descriptions"),
+    [
+        (b"tench\tTinca tinca\ngoldfish\n", {"tench": "Tinca tinca"}),
+        (BOM + b"tench\tTinca tinca\r\ngoldfish\r\n", {"tench": "Tinca tinca"}),
+        (BOM + b'["tench", "goldfish"]', None),
+    ],
+    ids=["lines", "windows lines", "windows json"],
+)
+def test_label_files_as_editors_save_them(tmp_path: Path, text: bytes, descriptions: dict | None) -> None:
+    """A Windows editor's byte-order mark and CRLF line ends do not reach the class names."""
+    from timm_layerscale.hub.config import read_label_names
+
+    path = tmp_path / "labels.txt"
+    path.write_bytes(text)
+    assert read_label_names(path) == (["tench", "goldfish"], descriptions)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -108,7 +108,7 @@ def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str,
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as Windows editors write, is not a name
     except (OSError, UnicodeDecodeError) as e:
         reason = getattr(e, "strerror", None) or e
         raise CheckpointError(
