@@ -348,6 +348,25 @@ def test_an_empty_batch_gives_an_empty_output(impl):
     ours.train()(x).sum().backward()
 
 
+@pytest.mark.parametrize("impl", ["reference", "buffered", "fast"])
+def test_dynamic_quantization_reaches_every_path(impl):
+    """``quantize_dynamic`` replaces the head mixes by quantized layers, whose weights are no
+    tensors: each path gives what timm's quantized model gives (the mixes run their own forward)."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    ref, default = tiny_pair()
+    ours = CaitLS(**TINY, attn_impl=impl).eval()
+    ours.load_state_dict(default.state_dict())
+    with warnings.catch_warnings():  # torch.ao.quantization's notice that it moves to torchao
+        warnings.simplefilter("ignore")
+        ref, ours = (quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8) for m in (ref, ours))
+    x = images(2, TINY["img_size"])
+    with torch.inference_mode():
+        assert torch.equal(ours(x), ref(x))
+
+
 def test_attn_impl_argument():
     assert type(CaitLS(**TINY).blocks[0].attn) is TalkingHeadAttn
     assert type(CaitLS(**TINY, attn_impl="buffered").blocks[0].attn) is BufferedTalkingHeadAttn

@@ -104,8 +104,11 @@ class TalkingHeadAttn(MultiHeadAttention):
 
     @torch.jit.ignore
     def _eager_inference(self, x: torch.Tensor) -> bool:
-        """True for a non-empty batch on CPU when no autograd, autocast, dropout, compiler or tracer is involved."""
+        """True for a non-empty batch on CPU when no autograd, autocast, dropout, compiler or tracer is
+        involved, and both head mixes are plain ``nn.Linear``, whose weights the other paths read."""
         if isinstance(x, torch.fx.Proxy) or x.device.type != "cpu":  # an FX trace records the reference
+            return False
+        if type(self.proj_l) is not nn.Linear or type(self.proj_w) is not nn.Linear:  # quantized, adapted
             return False
         if x.shape[0] == 0:  # nothing to save: buffers of no elements cannot take the reshapes
             return False
