@@ -367,6 +367,26 @@ def test_dynamic_quantization_reaches_every_path(impl):
         assert torch.equal(ours(x), ref(x))
 
 
+@pytest.mark.parametrize("impl", ["reference", "buffered", "fast"])
+def test_hooks_and_pruning_on_the_head_mixes_hold_on_every_path(impl):
+    """A forward hook on ``proj_l`` (to read the mixed logits) is called in every block, and a
+    pruning mask on ``proj_w`` (a forward pre-hook) applies, as in timm's model."""
+    from torch.nn.utils import prune
+
+    ref, default = tiny_pair()
+    ours = CaitLS(**TINY, attn_impl=impl).eval()
+    ours.load_state_dict(default.state_dict())
+    seen: dict[str, list[torch.Tensor]] = {"ref": [], "ours": []}
+    for name, model in (("ref", ref), ("ours", ours)):
+        for attn in (m for m in model.modules() if isinstance(m, (RefAttn, TalkingHeadAttn))):
+            attn.proj_l.register_forward_hook(lambda m, i, o, name=name: seen[name].append(o.clone()))
+            prune.l1_unstructured(attn.proj_w, "weight", amount=0.5)
+    x = images(2, TINY["img_size"])
+    with torch.inference_mode():
+        assert torch.equal(ours(x), ref(x))
+    assert len(seen["ours"]) == TINY["depth"] and all(map(torch.equal, seen["ours"], seen["ref"]))
+
+
 def test_attn_impl_argument():
     assert type(CaitLS(**TINY).blocks[0].attn) is TalkingHeadAttn
     assert type(CaitLS(**TINY, attn_impl="buffered").blocks[0].attn) is BufferedTalkingHeadAttn

@@ -105,11 +105,14 @@ class TalkingHeadAttn(MultiHeadAttention):
     @torch.jit.ignore
     def _eager_inference(self, x: torch.Tensor) -> bool:
         """True for a non-empty batch on CPU when no autograd, autocast, dropout, compiler or tracer is
-        involved, and both head mixes are plain ``nn.Linear``, whose weights the other paths read."""
+        involved, and both head mixes are plain ``nn.Linear`` without hooks: the other paths read
+        their weights instead of calling them (a quantized or adapted layer, a hook or a pruning
+        mask keeps the reference)."""
         if isinstance(x, torch.fx.Proxy) or x.device.type != "cpu":  # an FX trace records the reference
             return False
-        if type(self.proj_l) is not nn.Linear or type(self.proj_w) is not nn.Linear:  # quantized, adapted
-            return False
+        for m in (self.proj_l, self.proj_w):
+            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+                return False
         if x.shape[0] == 0:  # nothing to save: buffers of no elements cannot take the reshapes
             return False
         if torch.jit.is_tracing() or torch.compiler.is_compiling():
