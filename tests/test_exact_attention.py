@@ -367,10 +367,12 @@ def test_dynamic_quantization_reaches_every_path(impl):
         assert torch.equal(ours(x), ref(x))
 
 
+@pytest.mark.parametrize("where", ["proj_l", "attn_drop", "pruned proj_w"])
 @pytest.mark.parametrize("impl", ["reference", "buffered", "fast"])
-def test_hooks_and_pruning_on_the_head_mixes_hold_on_every_path(impl):
-    """A forward hook on ``proj_l`` (to read the mixed logits) is called in every block, and a
-    pruning mask on ``proj_w`` (a forward pre-hook) applies, as in timm's model."""
+def test_hooks_and_pruning_on_the_head_mixes_hold_on_every_path(impl, where):
+    """A forward hook on ``proj_l`` (the mixed logits) or ``attn_drop`` (the attention map) is
+    called in every block, and a pruning mask on ``proj_w`` (a forward pre-hook) applies, as in
+    timm's model."""
     from torch.nn.utils import prune
 
     ref, default = tiny_pair()
@@ -379,12 +381,16 @@ def test_hooks_and_pruning_on_the_head_mixes_hold_on_every_path(impl):
     seen: dict[str, list[torch.Tensor]] = {"ref": [], "ours": []}
     for name, model in (("ref", ref), ("ours", ours)):
         for attn in (m for m in model.modules() if isinstance(m, (RefAttn, TalkingHeadAttn))):
-            attn.proj_l.register_forward_hook(lambda m, i, o, name=name: seen[name].append(o.clone()))
-            prune.l1_unstructured(attn.proj_w, "weight", amount=0.5)
+            if where == "pruned proj_w":
+                prune.l1_unstructured(attn.proj_w, "weight", amount=0.5)
+            else:
+                layer = getattr(attn, where)
+                layer.register_forward_hook(lambda m, i, o, name=name: seen[name].append(o.clone()))
     x = images(2, TINY["img_size"])
     with torch.inference_mode():
         assert torch.equal(ours(x), ref(x))
-    assert len(seen["ours"]) == TINY["depth"] and all(map(torch.equal, seen["ours"], seen["ref"]))
+    assert len(seen["ours"]) == (0 if where.startswith("pruned") else TINY["depth"])
+    assert all(map(torch.equal, seen["ours"], seen["ref"]))
 
 
 def test_attn_impl_argument():

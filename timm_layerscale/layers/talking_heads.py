@@ -105,13 +105,13 @@ class TalkingHeadAttn(MultiHeadAttention):
     @torch.jit.ignore
     def _eager_inference(self, x: torch.Tensor) -> bool:
         """True for a non-empty batch on CPU when no autograd, autocast, dropout, compiler or tracer is
-        involved, and both head mixes are plain ``nn.Linear`` without hooks: the other paths read
-        their weights instead of calling them (a quantized or adapted layer, a hook or a pruning
-        mask keeps the reference)."""
+        involved, and the layers the other paths do not call (they read the head mixes' weights and
+        skip the dropout) are plain ``nn.Linear`` / ``nn.Dropout`` without hooks: a quantized or
+        adapted layer, a hook that reads the attention map, or a pruning mask keeps the reference."""
         if isinstance(x, torch.fx.Proxy) or x.device.type != "cpu":  # an FX trace records the reference
             return False
-        for m in (self.proj_l, self.proj_w):
-            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+        for m, plain in ((self.proj_l, nn.Linear), (self.proj_w, nn.Linear), (self.attn_drop, nn.Dropout)):
+            if type(m) is not plain or m._forward_hooks or m._forward_pre_hooks:
                 return False
         if x.shape[0] == 0:  # nothing to save: buffers of no elements cannot take the reshapes
             return False
