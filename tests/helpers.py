@@ -158,8 +158,9 @@ def model_pair(name: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Modu
     return ref, ours
 
 
-def tiny_pair(**kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """timm's Cait and CaitLS of :data:`TINY_CAIT` (with ``kwargs``), the same random weights."""
+def tiny_pair(attn_impl: str = "reference", **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """timm's Cait and CaitLS of :data:`TINY_CAIT` (with ``kwargs``), the same random weights;
+    ``attn_impl`` is CaitLS's attention mode."""
     from timm.models.cait import Cait
 
     from timm_layerscale import to_layerscale
@@ -167,7 +168,7 @@ def tiny_pair(**kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
 
     args = dict(TINY_CAIT, **kwargs)
     ref = randomize(Cait(**args)).eval()
-    ours = CaitLS(**args).eval()
+    ours = CaitLS(**args, attn_impl=attn_impl).eval()
     ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
     return ref, ours
 

@@ -26,7 +26,6 @@ import pytest
 import timm
 import torch
 from timm.layers import set_fused_attn, use_fused_attn
-from timm.models.cait import Cait
 from timm.models.cait import TalkingHeadAttn as RefAttn
 from torch import nn
 
@@ -120,9 +119,7 @@ def test_frozen_mixing_weights_take_the_reference_formulation(buffered_calls):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
 def test_model_makes_timms_kernel_calls(fused, fused_attn, buffered_calls):
     fused_attn(fused)
-    ref = randomize(Cait(**TINY)).eval()
-    ours = CaitLS(**TINY, attn_impl="buffered").eval()
-    ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
+    ref, ours = tiny_pair(attn_impl="buffered")
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     expected = reduction_trace(lambda: ref(x))
     got = reduction_trace(lambda: ours(x))
@@ -291,9 +288,7 @@ def test_fast_model_within_its_bound_and_trains_like_the_reference():
 def test_deterministic_algorithms_mode(impl):
     """Training scripts may set ``torch.use_deterministic_algorithms(True)``: every attention
     still runs forward and backward, and the exact ones still equal timm's."""
-    ref, default = tiny_pair()
-    ours = CaitLS(**TINY, attn_impl=impl).eval()
-    ours.load_state_dict(default.state_dict())
+    ref, ours = tiny_pair(attn_impl=impl)
     x = images(2, TINY["img_size"])
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -336,9 +331,8 @@ def test_timms_layer_config_reaches_the_models(config):
 def test_an_empty_batch_gives_an_empty_output(impl):
     """A data-parallel evaluation's last shard may be empty: every path returns ``(0, classes)`` as
     timm's, and feature maps of batch size 0 (timm's ``forward_intermediates`` fails on those)."""
-    ref, default = tiny_pair()
-    ours = CaitLS(**TINY, attn_impl=impl).eval()
-    ours.load_state_dict(default.state_dict())
+    ref, ours = tiny_pair(attn_impl=impl)
+    assert isinstance(ours, CaitLS)
     x = images(1, TINY["img_size"])[:0]
     with torch.inference_mode():
         expected = ref(x)
@@ -356,9 +350,7 @@ def test_dynamic_quantization_reaches_every_path(impl):
 
     from torch.ao.quantization import quantize_dynamic
 
-    ref, default = tiny_pair()
-    ours = CaitLS(**TINY, attn_impl=impl).eval()
-    ours.load_state_dict(default.state_dict())
+    ref, ours = tiny_pair(attn_impl=impl)
     with warnings.catch_warnings():  # torch.ao.quantization's notice that it moves to torchao
         warnings.simplefilter("ignore")
         ref, ours = (quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8) for m in (ref, ours))
@@ -375,9 +367,7 @@ def test_hooks_and_pruning_on_the_head_mixes_hold_on_every_path(impl, where):
     timm's model."""
     from torch.nn.utils import prune
 
-    ref, default = tiny_pair()
-    ours = CaitLS(**TINY, attn_impl=impl).eval()
-    ours.load_state_dict(default.state_dict())
+    ref, ours = tiny_pair(attn_impl=impl)
     seen: dict[str, list[torch.Tensor]] = {"ref": [], "ours": []}
     for name, model in (("ref", ref), ("ours", ours)):
         for attn in (m for m in model.modules() if isinstance(m, (RefAttn, TalkingHeadAttn))):
