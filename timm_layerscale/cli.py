@@ -13,6 +13,7 @@ every command:
       network or Hub failure (the message says what to do)
 3     internal error: a bug; rerun with ``--debug`` and report the traceback
 130   interrupted (Ctrl-C)
+141   the reader of the output left before it was written (``| head``); nothing is said
 143   terminated (SIGTERM: ``kill``, ``timeout``, a batch scheduler's time limit)
 ====  ==========================================================================
 
@@ -216,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
     Exit status: 0 ok, 1 verification failed, 2 user error, 3 internal error
-    (130 when interrupted, 143 when terminated). Every error is one line on stderr
-    starting with ``timm-layerscale: error:``.
+    (130 when interrupted, 141 when the reader of the output has left, 143 when terminated).
+    Every error is one line on stderr starting with ``timm-layerscale: error:``.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
