@@ -106,6 +106,33 @@ def test_demo_into_a_folder_that_cannot_be_created_is_a_user_error(where, tmp_pa
     assert stdout == ""
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert", "{bad}.pth", "out.safetensors"],
+        ["convert", "{official}", "{bad}.safetensors"],
+        ["convert", "{official}", "{bad}.pth"],
+        ["verify", "{official}", "{bad}.pth"],
+        ["inspect", "{bad}.pth"],
+        ["export", "{official}", "{bad}"],
+        ["demo", "--out", "{bad}"],
+    ],
+)
+def test_a_name_not_in_utf8_is_a_user_error(argv, official, tmp_path, capsys, monkeypatch):
+    """PyTorch and safetensors open UTF-8 paths only; a name in another encoding (an old archive's
+    Latin-1 ``café``) is refused before anything is read or written."""
+    bad = os.fsdecode(b"caf\xe9")
+    try:
+        shutil.copy(official, tmp_path / f"{bad}.pth")
+    except (OSError, UnicodeError):
+        pytest.skip("this filesystem refuses names that are not UTF-8")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    code, out, err = cli(capsys, *(a.format(bad=bad, official=official) for a in argv))
+    assert_one_line_error(code, out, err, "is not a UTF-8 name", stdout="")
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 _ARGUMENTS = """
 import contextlib, io, json, runpy, sys
 results = {}

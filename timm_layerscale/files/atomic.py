@@ -32,6 +32,7 @@ from ..errors import CheckpointError, OutputExistsError
 
 __all__ = [
     "atomic_output",
+    "check_name",
     "check_output",
     "check_output_folder",
     "create_temporary",
@@ -44,8 +45,8 @@ def hidden_prefix(target: Path) -> str:
     """``.{name}`` of ``target``, the start of its hidden siblings' names; a name too long to take
     a suffix within a file name's 255 bytes is replaced by a hash of it."""
     name = target.name
-    if len(name.encode()) > 200:
-        name = hashlib.sha256(name.encode()).hexdigest()[:16]
+    if len(os.fsencode(name)) > 200:
+        name = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
     return f".{name}"
 
 
@@ -156,13 +157,25 @@ def create_temporary(target: Path, folder: bool = False) -> tuple[Path, int | No
         os.close(fd)
 
 
+def check_name(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` is valid UTF-8: PyTorch and safetensors open no other names."""
+    try:
+        str(path).encode()
+    except UnicodeEncodeError:
+        raise CheckpointError(
+            f"{str(path)!r} is not a UTF-8 name, which PyTorch and safetensors cannot open; use a name in UTF-8"
+        ) from None
+
+
 def check_output(target: Path, overwrite: bool) -> None:
     """Raise unless ``target`` can be written as a new file (or replaced, with ``overwrite``).
 
     Raises:
         OutputExistsError: ``target`` exists and ``overwrite`` is false.
-        CheckpointError: ``target`` is a directory, or its folder is missing or not writable.
+        CheckpointError: ``target`` is a directory, its name is not valid UTF-8, or its folder
+            is missing or not writable.
     """
+    check_name(target)
     if target.is_dir():
         raise CheckpointError(
             f"output {target} is a directory; pass a file path such as {target / 'model.safetensors'}"
@@ -189,12 +202,13 @@ def check_output_folder(out: Path, overwrite: bool) -> Path:
         (whose temporary sibling and name would be those of the folder below).
 
     Raises:
-        CheckpointError: ``out`` is a file, or the current folder or one holding it
-            (replacing it would delete the folder a shell stands in).
+        CheckpointError: ``out`` is a file, not a valid UTF-8 name, or the current folder or
+            one holding it (replacing it would delete the folder a shell stands in).
         OutputExistsError: ``out`` holds files and ``overwrite`` is false.
     """
     if out.name == ".." or out.is_symlink():
         out = out.resolve()
+    check_name(out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; pass a folder path")
     if out.is_dir() and Path.cwd().is_relative_to(out.resolve()):

@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
+from .atomic import check_name
 
 __all__ = [
     "LazySafetensors",
@@ -100,6 +101,7 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
 
 def _readable_file(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
+    check_name(p)
     if p.is_dir():
         raise CheckpointError(f"{p} is a directory, not a checkpoint; pass the .pth or .safetensors file inside it")
     if not p.exists():
@@ -153,9 +155,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
         For safetensors files, a :class:`LazySafetensors` mapping.
 
     Raises:
-        CheckpointError: The file is missing, a directory, empty, truncated, text, of
-            unknown format, holds objects other than tensors and containers, or its
-            top level is not a dict.
+        CheckpointError: The file is missing, not named in UTF-8, a directory, empty,
+            truncated, text, of unknown format, holds objects other than tensors and
+            containers, or its top level is not a dict.
     """
     p = _readable_file(path)
     size = p.stat().st_size
