@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -688,6 +689,33 @@ def test_export_refuses_a_non_empty_folder(exported, tmp_path: Path) -> None:
     result, _, _, source = exported
     with pytest.raises(OutputExistsError, match="pass overwrite=True"):
         export_folder(source, result.folder)
+
+
+@pytest.mark.parametrize("meanwhile", [["theirs.txt"], []])
+def test_export_never_replaces_a_folder_filled_while_it_ran(exported, tmp_path: Path, monkeypatch, meanwhile) -> None:
+    """The folder did not exist when the export began; another writer (a second export to it)
+    made it since. Without overwrite, one holding files stays as it is; an empty one is taken."""
+    import timm_layerscale.hub.export as export_module
+    from timm_layerscale.parity.tolerance import VerifyOptions
+
+    out = tmp_path / "out"
+    build = export_module.build_model_card
+
+    def another_writer_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        out.mkdir()
+        for name in meanwhile:
+            (out / name).write_text("another writer's")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "build_model_card", another_writer_meanwhile)
+    run = functools.partial(export_folder, exported[3], out, options=VerifyOptions(num_inputs=1), plot=False)
+    if meanwhile:
+        with pytest.raises(OutputExistsError, match="pass overwrite=True"):
+            run()
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]
+        assert [p.name for p in out.iterdir()] == meanwhile
+    else:
+        assert run().folder == out and (out / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("option", ["push_to_hub", "repo_id"])

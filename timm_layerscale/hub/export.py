@@ -15,6 +15,8 @@ uploads through :func:`~timm_layerscale.hub.upload.push_folder`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import os
 import secrets
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, HubError, LayerScaleError
+from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
 from ..files.atomic import check_output_folder, hidden_prefix, temporary_folder
 from ..files.hub_errors import one_line
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME
@@ -200,16 +202,24 @@ def _remove_empty(folders: Sequence[Path]) -> None:
             return
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
+def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished folder ``tmp`` onto ``out``. Without ``overwrite`` it only takes the place
+    of a missing or empty folder (the rename fails on one holding files, which another writer may
+    have made since the export began), so of two exports racing to one folder, one wins."""
     old = None
-    if out.exists():
+    if overwrite and out.exists():
         old = out.parent / f"{hidden_prefix(out)}.old-{secrets.token_hex(4)}"
         os.replace(out, old)
+    elif not overwrite:
+        with contextlib.suppress(OSError):  # an empty folder (a rename cannot replace one on Windows)
+            out.rmdir()
     try:
-        os.replace(tmp, out)
-    except BaseException:
+        os.rename(tmp, out)
+    except BaseException as e:
         if old is not None:
             os.replace(old, out)
+        if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it") from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -348,7 +358,7 @@ def export_folder(
             plot=PLOT_NAME if plot_path else None,
         )
         card.save(tmp / CARD_NAME)
-        _swap_into_place(tmp, out)
+        _swap_into_place(tmp, out, overwrite)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
