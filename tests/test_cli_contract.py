@@ -52,11 +52,12 @@ def test_a_parity_failure_exits_1_from_any_command(capsys, monkeypatch):
     assert_one_line_error(*cli(capsys, "list"), status=1, expect="does not match")
 
 
+@pytest.mark.parametrize("argv", [["list"], ["--help"], ["convert", "--help"], ["--version"]])
 @pytest.mark.parametrize("reader", ["left", "full device"])
-def test_an_output_that_refuses_the_table(reader, tmp_path):
-    """``| head`` may leave before the table is written: the command ends quietly, with 141 as a
-    Unix tool killed by SIGPIPE; a full device is one error line. Python's own flush at exit
-    adds no "Exception ignored" lines (run without ``PYTHONUNBUFFERED``, as most users run)."""
+def test_an_output_that_refuses_the_table(reader, argv, tmp_path):
+    """``| head`` may leave before the table (or the help) is written: the command ends quietly,
+    with 141 as a Unix tool killed by SIGPIPE; a full device is one error line. Python's own flush
+    at exit adds no "Exception ignored" lines (run without ``PYTHONUNBUFFERED``, as most users run)."""
     if reader == "left":
         r, w = os.pipe()
         os.close(r)
@@ -67,7 +68,7 @@ def test_an_output_that_refuses_the_table(reader, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     try:
         p = subprocess.run(
-            [sys.executable, "-m", "timm_layerscale", "list"], stdout=w, stderr=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-m", "timm_layerscale", *argv], stdout=w, stderr=subprocess.PIPE, text=True, env=env
         )
     finally:
         os.close(w)

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ._version import __version__
-from .commands import COMMANDS, EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, PROG, cli_message, error, stoppable
+from .commands import COMMANDS, EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, PROG, cli_message, error, stoppable, write_out
 from .options import OneLineParser, add_verify_args, check_inputs
 
 __all__ = ["main", "build_parser"]
@@ -221,7 +221,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     Every error is one line on stderr starting with ``timm-layerscale: error:``.
     """
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit as e:  # after --help or --version, whose text may still wait in stdout's buffer
+        code = int(e.code or 0)
+
+        def flushed() -> int:
+            write_out("", end="")
+            return code
+
+        raise SystemExit(_run(flushed, debug=False)) from None
     if extra:  # said by the subcommand's parser, so the advice is its --help
         args.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:
@@ -233,12 +242,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .progress import disable_progress_bars
 
         disable_progress_bars()
+    return _run(lambda: COMMANDS[args.command](args), args.debug)
+
+
+def _run(command: Callable[[], int], debug: bool) -> int:
+    """``command()``'s exit status, or that of the error it raised, said in one line (raised with ``debug``)."""
     try:
-        return stoppable(lambda: COMMANDS[args.command](args), error)
+        return stoppable(command, error)
     except Exception as e:
         from .errors import LayerScaleError
 
-        if args.debug:
+        if debug:
             raise
         if isinstance(e, LayerScaleError):
             error(cli_message(str(e)))

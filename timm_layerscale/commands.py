@@ -124,8 +124,8 @@ def stoppable(run: Callable[[], int], say: Callable[[str], object]) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def write_out(text: str) -> None:
-    """Print ``text`` on standard output at once.
+def write_out(text: str, end: str = "\n") -> None:
+    """Print ``text`` (and ``end``) on standard output at once, with what waits in its buffer.
 
     If the output refuses it (its reader has left, as ``| head`` may, or its device is
     full), standard output is pointed at the null device, so that Python's exit does not
@@ -133,7 +133,7 @@ def write_out(text: str) -> None:
     :class:`~timm_layerscale.errors.LayerScaleError` is raised.
     """
     try:
-        print(text, flush=True)
+        print(text, end=end, flush=True)
     except OSError as e:
         try:
             null = os.open(os.devnull, os.O_WRONLY)
