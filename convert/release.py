@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from timm_layerscale.commands import stoppable
+from timm_layerscale.commands import stoppable, write_out
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.hub.card import timm_hub_copy
@@ -461,7 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 2
 
-    return stoppable(lambda: _run(args, args_list, parser.prog, error), error)
+    try:
+        return stoppable(lambda: _run(args, args_list, parser.prog, error), error)
+    except LayerScaleError as e:  # the output refused the summary (a full device)
+        return error(str(e))
 
 
 def _run(args: argparse.Namespace, args_list: list[str], prog: str, error: Any) -> int:
@@ -470,7 +473,7 @@ def _run(args: argparse.Namespace, args_list: list[str], prog: str, error: Any) 
     except PipelineError as e:
         return error(str(e))
     if args.list:
-        print(format_table(releases))
+        write_out(format_table(releases))
         return 0
     try:
         options = verify_options(args)
@@ -500,8 +503,8 @@ def _run(args: argparse.Namespace, args_list: list[str], prog: str, error: Any) 
         bar.write(f"{rel.name}: {done} ({row['seconds']:.1f} s)", file=sys.stderr)
     bar.close()
     md, js = write_summary(out, rows, args_list)
-    print(format_markdown(rows), end="")
-    print(f"summary written to {md} and {js}")
+    write_out(format_markdown(rows), end="")
+    write_out(f"summary written to {md} and {js}")
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         print(f"{prog}: error: {len(failed)} of {len(rows)} release(s) failed:", file=sys.stderr)

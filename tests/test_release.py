@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 from convert.release import PipelineError, format_markdown, main, releases, select
+from helpers import ROOT
 from test_hub import FakeHub, _point_at
 
 ONLY = [
@@ -107,6 +111,25 @@ def test_list_prints_the_plan_offline(capsys) -> None:
     assert main(["--list", "--family", "vit5"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert len(lines) == 10 and all(line.startswith("vit5_") for line in lines)
+
+
+def test_list_for_a_reader_that_left_ends_quietly() -> None:
+    """As the package's commands: ``--list | true`` ends with 141 and no "Exception ignored" lines."""
+    r, w = os.pipe()
+    os.close(r)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "convert", "--list"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (141, "")
 
 
 def test_markdown_summary_format() -> None:
