@@ -183,11 +183,15 @@ def _layouts(gamma_sd, ls_sd):
         "ls.pth": lambda: ls_sd,
         "compiled.pth": lambda: {"state_dict": {"_orig_mod." + k: v for k, v in gamma_sd.items()}},
         "ddp-compiled.pth": lambda: {"model": {"module._orig_mod." + k: v for k, v in gamma_sd.items()}, "epoch": 3},
+        # PyTorch Lightning: the LightningModule's attribute names every key
+        "lightning.ckpt": lambda: {"state_dict": {"model." + k: v for k, v in gamma_sd.items()}, "epoch": 3},
     }
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("name", ["timm-gamma.safetensors", "ls.pth", "compiled.pth", "ddp-compiled.pth"])
+@pytest.mark.parametrize(
+    "name", ["timm-gamma.safetensors", "ls.pth", "compiled.pth", "ddp-compiled.pth", "lightning.ckpt"]
+)
 def test_source_layouts_convert_to_the_same_tensors(name, gamma_sd, ls_sd, tmp_path):
     src = tmp_path / name
     obj = _layouts(gamma_sd, ls_sd)[name]()

@@ -82,6 +82,19 @@ def test_mixed_layouts_rejected():
         to_layerscale({"blocks.0.gamma_1": 1, "blocks.1.ls1.gamma": 2})
 
 
+def test_the_name_of_a_module_wrapping_the_model_is_removed():
+    model = {"cls_token": 1, "patch_embed.proj.weight": 2, "blocks.0.gamma_1": 3}
+    assert strip_prefixes({"net." + k: v for k, v in model.items()}) == model
+    assert strip_prefixes({"module.model." + k: v for k, v in model.items()}) == model
+    # not where a key lies outside it, nor without the patch embedding that marks it
+    beside = {"model." + k: v for k, v in model.items()} | {"criterion.weight": 4}
+    assert strip_prefixes(beside) == beside
+    assert strip_prefixes({"blocks.0.gamma_1": 1, "blocks.0.gamma_2": 2}) == {
+        "blocks.0.gamma_1": 1,
+        "blocks.0.gamma_2": 2,
+    }
+
+
 def test_colliding_prefixes_rejected():
     with pytest.raises(RemapError, match="ambiguous"):
         strip_prefixes({"module.cls_token": 1, "cls_token": 2})

@@ -99,7 +99,10 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
 def strip_prefixes(state_dict: Mapping[str, V], prefixes: Iterable[str] = PREFIXES) -> dict[str, V]:
     """Remove DDP / torch.compile prefixes (``module.``, ``_orig_mod.``) from every key.
 
-    Prefixes are removed repeatedly, so ``module._orig_mod.x`` becomes ``x``.
+    Prefixes are removed repeatedly, so ``module._orig_mod.x`` becomes ``x``. Then the name of
+    a module that wraps the whole model, as a PyTorch Lightning module's ``model.`` does, is
+    removed too: the part before ``patch_embed.proj.weight`` (every family has that key), where
+    every key starts with it.
     """
     prefixes = tuple(prefixes)
     out: dict[str, V] = {}
@@ -115,6 +118,11 @@ def strip_prefixes(state_dict: Mapping[str, V], prefixes: Iterable[str] = PREFIX
         if new in out:
             raise RemapError(f"two keys become {new!r} once prefixes are removed; the checkpoint is ambiguous")
         out[new] = value
+    embeds = [k for k in out if k.endswith(".patch_embed.proj.weight")]
+    if "patch_embed.proj.weight" not in out and len(embeds) == 1:
+        outer = embeds[0].removesuffix("patch_embed.proj.weight")
+        if all(k.startswith(outer) for k in out):
+            return {k.removeprefix(outer): v for k, v in out.items()}
     return out
 
 
