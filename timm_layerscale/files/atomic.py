@@ -158,7 +158,8 @@ def create_temporary(target: Path, folder: bool = False) -> tuple[Path, int | No
 
 
 def check_name(path: Path) -> None:
-    """Raise :class:`CheckpointError` unless ``path`` is valid UTF-8: PyTorch and safetensors open no other names."""
+    """Raise :class:`~timm_layerscale.errors.CheckpointError` unless ``path`` is valid UTF-8: PyTorch and
+    safetensors open no other names."""
     try:
         str(path).encode()
     except UnicodeEncodeError:
