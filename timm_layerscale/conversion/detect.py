@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ArchitectureError, RemapError
 from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, VARIANTS, Variant
-from .keys import check_floating, check_state_dict, strip_prefixes, to_layerscale, unwrap_state_dict
+from .keys import check_floating, check_state_dict, model_holders, strip_prefixes, to_layerscale, unwrap_state_dict
 
 __all__ = ["Detection", "get_variant", "state_dict_shapes", "describe_state_dict", "detect", "detect_variant"]
 
@@ -282,6 +282,12 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
     if not info:
         info = describe_state_dict(state_dict)
     found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(state_dict)} keys of no known family"
+    holders = model_holders(state_dict)
+    if best[2] is None and holders:  # a training module's state dict: a model (or two) beside other keys
+        raise ArchitectureError(
+            f"checkpoint holds model weights under {', '.join(map(repr, holders))} beside other keys; "
+            "save the state_dict() of one model alone and convert that"
+        )
     if best[2] is None:
         what = f"model {model!r}" if model else "any convertible model (CaiT, ViT-5, DeiT-III)"
         raise ArchitectureError(f"checkpoint does not fit {what}: found {found}; check the file")

@@ -23,6 +23,7 @@ from ..families import GATE_KEY, Family, Rule, get_family
 __all__ = [
     "unwrap_state_dict",
     "strip_prefixes",
+    "model_holders",
     "state_dict_of",
     "detect_layout",
     "to_layerscale",
@@ -118,12 +119,16 @@ def strip_prefixes(state_dict: Mapping[str, V], prefixes: Iterable[str] = PREFIX
         if new in out:
             raise RemapError(f"two keys become {new!r} once prefixes are removed; the checkpoint is ambiguous")
         out[new] = value
-    embeds = [k for k in out if k.endswith(".patch_embed.proj.weight")]
-    if "patch_embed.proj.weight" not in out and len(embeds) == 1:
-        outer = embeds[0].removesuffix("patch_embed.proj.weight")
-        if all(k.startswith(outer) for k in out):
-            return {k.removeprefix(outer): v for k, v in out.items()}
+    holders = model_holders(out)
+    if len(holders) == 1 and all(k.startswith(holders[0]) for k in out):
+        return {k.removeprefix(holders[0]): v for k, v in out.items()}
     return out
+
+
+def model_holders(keys: Iterable[str]) -> list[str]:
+    """The names of the modules that hold a model among ``keys``, sorted: ``'model.'`` for
+    ``model.patch_embed.proj.weight`` (a key every family has)."""
+    return sorted(k.removesuffix("patch_embed.proj.weight") for k in keys if k.endswith(".patch_embed.proj.weight"))
 
 
 def state_dict_of(checkpoint: Mapping[str, Any], ema: bool = False) -> dict[str, Any]:
