@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import ROOT
+from helpers import ROOT, cli
 from timm_layerscale.errors import HubError, OutputExistsError
 from timm_layerscale.files.sources import resolve_source
 from timm_layerscale.hub.export import export_folder
@@ -346,6 +346,21 @@ def test_dry_run_lists_the_plan_and_sends_nothing(hub: FakeHub, folder: Path, mo
         assert p.name in text
     assert dict(res.files) == {p.name: p.stat().st_size for p in folder.iterdir()}
     assert res.total_bytes == sum(p.stat().st_size for p in folder.iterdir())
+
+
+def test_a_folder_named_in_bytes_that_are_not_utf8_is_pushed(hub: FakeHub, folder: Path, capsys) -> None:
+    """Its name (``café`` in Latin-1) is printed escaped, as Python prints it on stderr, where a
+    strict UTF-8 output would have failed on it."""
+    latin1 = folder.parent / os.fsdecode(b"caf\xe9")
+    try:
+        folder.rename(latin1)
+    except (OSError, UnicodeError):
+        pytest.skip("this filesystem refuses names that are not UTF-8")
+    code, out, err = cli(capsys, "push", latin1, "my-org/model", "--dry-run")  # the plan names the folder
+    assert (code, err) == (0, "") and "caf\\udce9" in out
+    code, out, err = cli(capsys, "push", latin1, "my-org/model")
+    assert (code, err) == (0, "") and out.startswith("uploaded 3 file(s)")
+    assert {"model.safetensors", "config.json", "README.md"} <= set(hub.repos["my-org/model"]["branches"]["main"])
 
 
 @pytest.mark.parametrize(

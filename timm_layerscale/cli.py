@@ -24,6 +24,7 @@ the way out.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Callable, Sequence
 
@@ -220,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (130 when interrupted, 141 when the reader of the output has left, 143 when terminated).
     Every error is one line on stderr starting with ``timm-layerscale: error:``.
     """
+    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
+        sys.stdout.reconfigure(errors="backslashreplace")  # a name in bytes of no encoding: shown as stderr shows it
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
