@@ -813,6 +813,11 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
     assert "no output comparison was made" in text
     assert "gates.png" not in text and "## LayerScale gates" not in text
     assert "**Params (M):** 46.9" in text
+    # a local file whose name holds a backtick still makes one code span
+    conversion.source_path = tmp_path / "v2`final.pth"
+    conversion.source = str(conversion.source_path)
+    text = str(build_model_card(conversion, repo_id="org/x", config=config, num_params=1, command="c"))
+    assert "The weights come from `v2'final.pth` (SHA-256" in text and "**Source file:** `v2'final.pth`" in text
 
 
 BOM = b"\xef\xbb\xbf"

@@ -181,7 +181,7 @@ def build_model_card(
     if is_official(source_name, sha):
         weights = f"These are the official weights released with the paper (`{source_name}`, SHA-256 as pinned)"
     else:
-        weights = f"The weights come from `{source_name}` (SHA-256 `{sha}`)"
+        weights = f"The weights come from {_md_code(source_name)} (SHA-256 `{sha}`)"
     if needs_package and family == "vit5":
         needs = "timm with `timm-layerscale` installed, which registers this architecture (timm has no ViT-5)."
     elif needs_package:
