@@ -3,7 +3,10 @@ the in-process command line and its one-line-error assertion."""
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -82,6 +85,18 @@ def header_bytes(path: Path) -> bytes:
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     return data[8 : 8 + n]
+
+
+def run_python_into(stdout: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` from the repository's root, with standard output the descriptor ``stdout``
+    (closed afterwards) and without ``PYTHONUNBUFFERED``, as most users run."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    try:
+        return subprocess.run(
+            [sys.executable, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
+    finally:
+        os.close(stdout)
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import ERROR, ROOT, assert_one_line_error, cli, parity_report
+from helpers import ERROR, ROOT, assert_one_line_error, cli, parity_report, run_python_into
 from timm_layerscale import commands, progress
 from timm_layerscale.converter import convert_checkpoint
 from timm_layerscale.errors import ArchitectureError, ParityError, RemapError
@@ -65,13 +65,7 @@ def test_an_output_that_refuses_the_table(reader, argv, tmp_path):
         w = os.open("/dev/full", os.O_WRONLY)
     else:
         pytest.skip("no /dev/full here")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    try:
-        p = subprocess.run(
-            [sys.executable, "-m", "timm_layerscale", *argv], stdout=w, stderr=subprocess.PIPE, text=True, env=env
-        )
-    finally:
-        os.close(w)
+    p = run_python_into(w, "-m", "timm_layerscale", *argv)
     if reader == "left":
         assert (p.returncode, p.stderr) == (141, "")
     else:

@@ -471,18 +471,21 @@ def test_detection_of_another_architecture():
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("beside", [["criterion.weight"], ["model_ema.module."]])
+@pytest.mark.parametrize("beside", ["criterion.weight", "model_ema.module."])
 def test_a_training_module_with_more_than_the_model_is_told_to_save_the_model_alone(gamma_sd, beside):
     """A Lightning module's state dict: its model under ``model.`` beside a loss's buffer, or beside
     an EMA copy; which of them to convert is the user's choice."""
     sd = {"model." + k: v for k, v in gamma_sd.items()}
-    for outer in beside:
-        sd |= {outer + k: v for k, v in gamma_sd.items()} if outer.endswith(".") else {outer: torch.ones(3)}
+    if beside.endswith("."):  # a second model
+        sd |= {beside + k: v for k, v in gamma_sd.items()}
+        where = "'model.', 'model_ema.module.'"
+    else:
+        sd[beside] = torch.ones(3)
+        where = "'model.'"
     with pytest.raises(ArchitectureError) as info:
         detect_variant({"state_dict": sd})
-    model_ema = ", 'model_ema.module.'" if beside == ["model_ema.module."] else ""
     assert str(info.value) == (
-        f"checkpoint holds model weights under 'model.'{model_ema} beside other keys; "
+        f"checkpoint holds model weights under {where} beside other keys; "
         "save the state_dict() of one model alone and convert that"
     )
 

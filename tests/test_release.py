@@ -12,8 +12,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import pytest
 import torch
 
 from convert.release import PipelineError, format_markdown, main, releases, select
-from helpers import ROOT
+from helpers import run_python_into
 from test_hub import FakeHub, _point_at
 
 ONLY = [
@@ -117,18 +115,7 @@ def test_list_for_a_reader_that_left_ends_quietly() -> None:
     """As the package's commands: ``--list | true`` ends with 141 and no "Exception ignored" lines."""
     r, w = os.pipe()
     os.close(r)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    try:
-        p = subprocess.run(
-            [sys.executable, "-m", "convert", "--list"],
-            stdout=w,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-    finally:
-        os.close(w)
+    p = run_python_into(w, "-m", "convert", "--list")
     assert (p.returncode, p.stderr) == (141, "")
 
 
