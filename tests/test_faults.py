@@ -1,5 +1,5 @@
-"""Conversion under faults: a full disk, two writers racing for one output, read-only folders,
-and a source that another process rewrites during the conversion.
+"""Conversion under faults: a full disk, a mount point as export's folder, two writers racing for
+one output, read-only folders, and a source that another process rewrites during the conversion.
 
 Each fault is made real where this machine allows it (a small tmpfs, a read-only bind mount:
 both need root and a ``mount`` that works, else those tests skip) and is also simulated by
@@ -193,6 +193,43 @@ def test_export_and_demo_on_a_full_tmpfs(source, tmp_path, capsys):
         assert_one_line_error(code, out, err, "No space left on device")
         assert names(small) == ["empty"] and names(small / "empty") == []  # a folder it did not make stays
         assert os.statvfs(small).f_bfree == os.statvfs(small).f_blocks
+
+
+def _export_into_volume(vol: Path, source: Path, capsys) -> None:
+    """A mount point as export's DIR (a container's ``-v host:/out``), which no rename can replace:
+    filled, refused once it holds another file, its files replaced with --overwrite."""
+    code, _, err = cli(capsys, "export", source, vol, "--num-inputs", "1")
+    assert (code, err) == (0, "")
+    exported = names(vol)
+    assert exported == ["README.md", "config.json", "gates.png", "model.safetensors"]
+    (vol / "theirs.txt").write_text("x")
+    assert_one_line_error(*cli(capsys, "export", source, vol, "--num-inputs", "1"), "exists and is not empty")
+    code, _, err = cli(capsys, "export", source, vol, "--num-inputs", "1", "--overwrite")
+    assert (code, err, names(vol)) == (0, "", exported)
+
+
+def test_export_into_a_mount_point(source, tmp_path, capsys):
+    with mounted("-t", "tmpfs", "-o", "size=256m", "tmpfs", target=tmp_path / "vol") as vol:
+        _export_into_volume(vol, source, capsys)
+
+
+def test_export_into_a_mount_point_simulated(source, tmp_path, capsys, monkeypatch):
+    vol = tmp_path / "vol"
+    vol.mkdir()
+
+    def busy(rename):  # as the kernel refuses to rename a mount point or onto one
+        def call(a, b, *args, **kwargs):
+            if vol in (Path(a), Path(b)):
+                raise OSError(errno.EBUSY, "Device or resource busy", str(a))
+            return rename(a, b, *args, **kwargs)
+
+        return call
+
+    is_mount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == vol or is_mount(p))
+    monkeypatch.setattr(os, "rename", busy(os.rename))
+    monkeypatch.setattr(os, "replace", busy(os.replace))
+    _export_into_volume(vol, source, capsys)
 
 
 # --- two writers, one output ----------------------------------------------------------------------

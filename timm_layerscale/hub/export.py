@@ -171,7 +171,8 @@ def _deletes_source(source: Path, out: Path) -> bool:
 
 
 def _make_temporary(out: Path) -> tuple[Path, list[Path]]:
-    """Create the missing parents of the export folder ``out``, then the temporary folder next to it.
+    """Create the missing parents of the export folder ``out``, then the temporary folder next to it
+    (inside it where it is a mount point).
 
     Returns:
         The temporary folder, and the parent folders created, deepest first (removed again
@@ -187,7 +188,7 @@ def _make_temporary(out: Path) -> tuple[Path, list[Path]]:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
-        return temporary_folder(out), created
+        return temporary_folder(out / out.name if os.path.ismount(out) else out), created
     except BaseException:
         _remove_empty(created)
         raise
@@ -205,7 +206,23 @@ def _remove_empty(folders: Sequence[Path]) -> None:
 def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished folder ``tmp`` onto ``out``. Without ``overwrite`` it only takes the place
     of a missing or empty folder (the rename fails on one holding files, which another writer may
-    have made since the export began), so of two exports racing to one folder, one wins."""
+    have made since the export began), so of two exports racing to one folder, one wins. Where
+    ``tmp`` lies inside ``out`` (a mount point, which no rename can replace), its files are moved
+    into ``out`` instead, after ``overwrite`` removed what else ``out`` held."""
+    taken = OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    if tmp.parent == out:
+        others = [p for p in out.iterdir() if p != tmp]
+        if others and not overwrite:
+            raise taken
+        for p in others:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        for p in tmp.iterdir():
+            os.replace(p, out / p.name)
+        tmp.rmdir()
+        return
     old = None
     if overwrite and out.exists():
         old = out.parent / f"{hidden_prefix(out)}.old-{secrets.token_hex(4)}"
@@ -219,7 +236,7 @@ def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
         if old is not None:
             os.replace(old, out)
         if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it") from None
+            raise taken from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
