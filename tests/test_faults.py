@@ -195,9 +195,10 @@ def test_export_and_demo_on_a_full_tmpfs(source, tmp_path, capsys):
         assert os.statvfs(small).f_bfree == os.statvfs(small).f_blocks
 
 
-def _export_into_volume(vol: Path, source: Path, capsys) -> None:
-    """A mount point as export's DIR (a container's ``-v host:/out``), which no rename can replace:
-    filled, refused once it holds another file, its files replaced with --overwrite."""
+def _write_into_volume(vol: Path, source: Path, capsys) -> None:
+    """A mount point as export's DIR (a container's ``-v host:/out``), which no rename can replace
+    or remove: filled, refused once it holds another file, its files replaced with --overwrite;
+    then the demo's --out, with --overwrite."""
     code, _, err = cli(capsys, "export", source, vol, "--num-inputs", "1")
     assert (code, err) == (0, "")
     exported = names(vol)
@@ -206,30 +207,32 @@ def _export_into_volume(vol: Path, source: Path, capsys) -> None:
     assert_one_line_error(*cli(capsys, "export", source, vol, "--num-inputs", "1"), "exists and is not empty")
     code, _, err = cli(capsys, "export", source, vol, "--num-inputs", "1", "--overwrite")
     assert (code, err, names(vol)) == (0, "", exported)
+    code, _, err = cli(capsys, "demo", "--out", vol, "--overwrite")
+    assert (code, err, names(vol)) == (0, "", ["XXS24_224.pth", "cait_xxs24_224_ls.fb_dist_in1k"])
 
 
-def test_export_into_a_mount_point(source, tmp_path, capsys):
+def test_export_and_demo_into_a_mount_point(source, tmp_path, capsys):
     with mounted("-t", "tmpfs", "-o", "size=256m", "tmpfs", target=tmp_path / "vol") as vol:
-        _export_into_volume(vol, source, capsys)
+        _write_into_volume(vol, source, capsys)
 
 
-def test_export_into_a_mount_point_simulated(source, tmp_path, capsys, monkeypatch):
+def test_export_and_demo_into_a_mount_point_simulated(source, tmp_path, capsys, monkeypatch):
     vol = tmp_path / "vol"
     vol.mkdir()
 
-    def busy(rename):  # as the kernel refuses to rename a mount point or onto one
-        def call(a, b, *args, **kwargs):
-            if vol in (Path(a), Path(b)):
-                raise OSError(errno.EBUSY, "Device or resource busy", str(a))
-            return rename(a, b, *args, **kwargs)
+    def busy(call):  # as the kernel refuses to rename or remove a mount point
+        def refused(*args, **kwargs):
+            if vol in (Path(a) for a in args[:2] if isinstance(a, (str, os.PathLike))):
+                raise OSError(errno.EBUSY, "Device or resource busy", str(args[0]))
+            return call(*args, **kwargs)
 
-        return call
+        return refused
 
     is_mount = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == vol or is_mount(p))
-    monkeypatch.setattr(os, "rename", busy(os.rename))
-    monkeypatch.setattr(os, "replace", busy(os.replace))
-    _export_into_volume(vol, source, capsys)
+    for name in ("rename", "replace", "rmdir"):
+        monkeypatch.setattr(os, name, busy(getattr(os, name)))
+    _write_into_volume(vol, source, capsys)
 
 
 # --- two writers, one output ----------------------------------------------------------------------

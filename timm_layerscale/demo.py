@@ -43,23 +43,26 @@ def run_demo(
         CheckpointError: ``out`` is a file, or cannot be created or written.
     """
     from .errors import CheckpointError
-    from .files.atomic import check_output_folder
+    from .files.atomic import check_output_folder, clear_folder
 
     out = check_output_folder(Path(out), overwrite)
     existed = out.is_dir()
-    if existed:
-        shutil.rmtree(out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        if existed:  # emptied, not removed: it may be a mount point
+            clear_folder(out)
+        else:
+            out.mkdir(parents=True)
     except OSError as e:
-        raise CheckpointError(f"cannot create {out} ({e.strerror or e}); choose another folder") from None
+        what = "empty" if existed else "create"
+        raise CheckpointError(f"cannot {what} {out} ({e.strerror or e}); choose another folder") from None
     try:
         return _run_steps(out, seed, options)
     except BaseException:  # an error, not a failed check: leave no partial folder
-        shutil.rmtree(out, ignore_errors=True)
         if existed:  # the folder the user named stays, empty
             with contextlib.suppress(OSError):
-                out.mkdir()
+                clear_folder(out)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
         raise
 
 

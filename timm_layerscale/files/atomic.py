@@ -35,6 +35,7 @@ __all__ = [
     "check_name",
     "check_output",
     "check_output_folder",
+    "clear_folder",
     "create_temporary",
     "remove_stale_temporaries",
     "temporary_folder",
@@ -219,6 +220,18 @@ def check_output_folder(out: Path, overwrite: bool) -> Path:
     if out.is_dir() and not overwrite and any(out.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     return out
+
+
+def clear_folder(folder: Path, keep: Path | None = None) -> None:
+    """Delete everything ``folder`` holds but ``keep``, and not the folder itself (a mount point,
+    as a container's volume is, cannot be removed or renamed)."""
+    for p in folder.iterdir():
+        if p == keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _publish(tmp: Path, target: Path, overwrite: bool) -> None:

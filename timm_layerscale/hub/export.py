@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
-from ..files.atomic import check_output_folder, hidden_prefix, temporary_folder
+from ..files.atomic import check_output_folder, clear_folder, hidden_prefix, temporary_folder
 from ..files.hub_errors import one_line
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
@@ -211,14 +211,9 @@ def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     into ``out`` instead, after ``overwrite`` removed what else ``out`` held."""
     taken = OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     if tmp.parent == out:
-        others = [p for p in out.iterdir() if p != tmp]
-        if others and not overwrite:
+        if not overwrite and any(p != tmp for p in out.iterdir()):
             raise taken
-        for p in others:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
+        clear_folder(out, keep=tmp)
         for p in tmp.iterdir():
             os.replace(p, out / p.name)
         tmp.rmdir()
