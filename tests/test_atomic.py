@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import ROOT
+from helpers import ROOT, dead_pid
 from timm_layerscale.files import atomic as temporaries
 from timm_layerscale.files.atomic import atomic_output, remove_stale_temporaries, temporary_folder
 from timm_layerscale.files.save import save_safetensors
@@ -29,14 +29,6 @@ def env() -> dict[str, str]:
 
 def temporaries_of(target: Path) -> list[str]:
     return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.tmp-"))
-
-
-def dead_pid() -> int:
-    """The id of a process that has ended."""
-    p = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
-    )
-    return int(p.stdout)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:

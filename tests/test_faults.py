@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ERROR, ROOT, assert_one_line_error, cli
+from helpers import ERROR, ROOT, assert_one_line_error, cli, dead_pid
 from timm_layerscale import converter as conversion
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
 from timm_layerscale.conversion.keys import to_gamma
@@ -197,8 +197,9 @@ def test_export_and_demo_on_a_full_tmpfs(source, tmp_path, capsys):
 
 def _write_into_volume(vol: Path, source: Path, capsys) -> None:
     """A mount point as export's DIR (a container's ``-v host:/out``), which no rename can replace
-    or remove: filled, refused once it holds another file, its files replaced with --overwrite;
-    then the demo's --out, with --overwrite."""
+    or remove: filled (past the temporary a killed export left inside it), refused once it holds
+    another file, its files replaced with --overwrite; then the demo's --out, with --overwrite."""
+    (vol / f".{vol.name}.tmp-{dead_pid()}-0a1b2c3d").mkdir()
     code, _, err = cli(capsys, "export", source, vol, "--num-inputs", "1")
     assert (code, err) == (0, "")
     exported = names(vol)

@@ -217,8 +217,11 @@ def check_output_folder(out: Path, overwrite: bool) -> Path:
         raise CheckpointError(
             f"{out} is or holds the current folder, which replacing it would delete; pass another folder"
         )
-    if out.is_dir() and not overwrite and any(out.iterdir()):
-        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    if out.is_dir() and not overwrite:
+        if os.path.ismount(out):  # an export's temporary lies inside: those of killed exports do not count
+            remove_stale_temporaries(out / out.name)
+        if any(out.iterdir()):
+            raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     return out
 
 
