@@ -183,8 +183,20 @@ def _layouts(gamma_sd, ls_sd):
         "ls.pth": lambda: ls_sd,
         "compiled.pth": lambda: {"state_dict": {"_orig_mod." + k: v for k, v in gamma_sd.items()}},
         "ddp-compiled.pth": lambda: {"model": {"module._orig_mod." + k: v for k, v in gamma_sd.items()}, "epoch": 3},
-        # PyTorch Lightning: the LightningModule's attribute names every key
-        "lightning.ckpt": lambda: {"state_dict": {"model." + k: v for k, v in gamma_sd.items()}, "epoch": 3},
+        # PyTorch Lightning: the LightningModule's attribute names every key; the other entries
+        # are those a Trainer's ModelCheckpoint writes (Lightning 2.6)
+        "lightning.ckpt": lambda: {
+            "state_dict": {"model." + k: v for k, v in gamma_sd.items()},
+            "epoch": 3,
+            "global_step": 2,
+            "pytorch-lightning_version": "2.6.6",
+            "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 1}}}},
+            "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_score": None, "dirpath": "/ck"}},
+            "optimizer_states": [{"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 1e-4}]}],
+            "lr_schedulers": [{"step_size": 1, "last_epoch": 2}],
+            "hparams_name": "kwargs",
+            "hyper_parameters": {"lr": 1e-4, "name": "cait_xxs24_224"},
+        },
     }
 
 
