@@ -144,9 +144,14 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def fine_tuned(official: Path, path: Path, num_classes: int = 10) -> Path:
-    """An official CaiT file with a new seeded ``num_classes`` head, as a fine-tuning run saves it."""
+    """An official CaiT file with a new seeded ``num_classes`` head, as a fine-tuning run saves it;
+    with ``num_classes=0``, without a head, as a feature backbone is saved."""
     obj = torch.load(official, map_location="cpu", weights_only=True)
     sd = obj["model"]
+    if num_classes == 0:
+        del sd["module.head.weight"], sd["module.head.bias"]
+        torch.save(obj, path)
+        return path
     g = torch.Generator().manual_seed(5)
     sd["module.head.weight"] = torch.randn(num_classes, sd["module.head.weight"].shape[1], generator=g) * 0.02
     sd["module.head.bias"] = torch.randn(num_classes, generator=g) * 0.02

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import ROOT
+from helpers import ROOT, images
 from timm_layerscale import converter as conversion
 from timm_layerscale._version import __version__
 from timm_layerscale.conversion.detect import detect_variant
@@ -463,6 +463,34 @@ def test_detection_finds_a_finetuned_head(gamma_sd, official, tmp_path, few_inpu
     assert res.num_classes == 10 and res.metadata["num_classes"] == "10"
     assert res.report is not None and res.report.passed and res.report.bit_exact
     assert tuple(load_output(res.output)["head.weight"].shape) == (10, 192)
+
+
+def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, few_inputs):
+    """A model trained or kept as a feature extractor (timm's ``num_classes=0``) has no ``head``."""
+    sd = {k: v for k, v in gamma_sd.items() if not k.startswith("head.")}
+    src = tmp_path / "backbone.pth"
+    torch.save({"model": sd}, src)
+    res = convert_checkpoint(src, tmp_path / "backbone.safetensors")
+    assert res.num_classes == 0 and res.metadata["num_classes"] == "0"
+    assert res.report is not None and res.report.passed and res.report.bit_exact
+    out = load_output(res.output)
+    assert not any(k.startswith("head.") for k in out) and len(out) == len(sd)
+    model = timm.create_model(MODEL, pretrained=True, num_classes=0, pretrained_cfg_overlay=dict(file=str(res.output)))
+    assert model.eval()(images(2, 224)).shape == (2, 192)
+    back = convert_checkpoint(res.output, tmp_path / "back.pth", to="gamma", plain=True, verify=False)
+    assert_same_tensors(torch.load(back.output, weights_only=True), sd)
+
+
+@pytest.mark.parametrize("name", ["cait_xxs24_224_ls", "deit3_small_patch16_224", "vit5_small_patch16_224"])
+def test_each_family_is_detected_without_its_head(name):
+    from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
+    from timm_layerscale.conversion.keys import to_gamma
+
+    variant = get_variant(name)
+    shapes = state_dict_shapes(variant, num_classes=0)
+    assert not any(k.startswith("head.") for k in shapes)
+    sd = to_gamma({k: torch.empty(s, device="meta") for k, s in shapes.items()}, variant.family)
+    assert detect_variant(sd) == (variant, dict(detect_variant(sd)[1], num_classes=0))
 
 
 def test_detection_error_says_what_was_found_and_the_closest_variant(gamma_sd):

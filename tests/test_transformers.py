@@ -52,6 +52,7 @@ def folders(tmp_path_factory, official) -> dict[str, Path]:
         "vit5": (vit5, {}),
         "tuned": (tuned, {"label_names": labels}),
         "tuned_unnamed": (tuned, {"to": "gamma"}),
+        "backbone": (fine_tuned(official, root / "backbone.pth", num_classes=0), {}),
     }
     return {
         key: export_folder(src, root / key, plot=False, repo_id=f"org/{key}", **kw).folder
@@ -93,6 +94,28 @@ def test_pipeline_names_imagenet_classes_and_fine_tuned_ones(folders) -> None:
     assert len(top) == 1000 and "tench, Tinca tinca" in {r["label"] for r in top}
     tuned = pipeline("image-classification", model=str(folders["tuned"]))
     assert {r["label"] for r in tuned(image, top_k=10)} == set(LABELS)
+
+
+def test_a_backbone_without_a_head_is_a_feature_extractor_everywhere(folders) -> None:
+    import timm
+    from PIL import Image
+    from transformers import AutoModel, pipeline
+
+    folder = folders["backbone"]
+    assert json.loads((folder / "config.json").read_text())["num_classes"] == 0
+    reference: Any = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    x = _pixels()
+    with torch.inference_mode():
+        expected = reference(x)
+        assert expected.shape == (2, 192)
+        assert torch.equal(AutoModel.from_pretrained(folder).eval()(pixel_values=x).pooler_output, expected)
+    image = Image.fromarray((torch.rand(224, 224, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
+    features = pipeline("image-feature-extraction", model=str(folder))(image, pool=True)
+    assert torch.tensor(features).shape == (1, 192)
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.pipeline_tag == "image-feature-extraction" and "image-classification" not in card.data.tags
+    assert 'pipeline("image-feature-extraction", model="org/backbone")' in card.text
+    assert "feature backbone, without a classifier" in card.text and "softmax" not in card.text
 
 
 def test_label_names_reach_timm_and_transformers(folders) -> None:

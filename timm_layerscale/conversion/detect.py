@@ -106,7 +106,7 @@ def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
         A dict with whatever could be read: ``embed_dim``, ``depth``,
         ``class_attn_depth``, ``num_heads`` (from talking-heads ``proj_l``),
-        ``grid`` (from ``pos_embed``), ``num_classes`` (from ``head``),
+        ``grid`` (from ``pos_embed``), ``num_classes`` (from ``head``; 0 without one),
         ``registers``.
     """
     info: dict[str, Any] = {}
@@ -138,6 +138,8 @@ def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, Any]:
     head = sd.get("head.weight")
     if head is not None:
         info["num_classes"] = int(head.shape[0])
+    elif pe is not None and "head.bias" not in sd:  # a backbone saved without its classifier
+        info["num_classes"] = 0
     return info
 
 
@@ -199,7 +201,8 @@ class Detection:
     Attributes:
         variant: The variant the checkpoint fits.
         info: :func:`describe_state_dict` of the checkpoint; ``info["num_classes"]`` is
-            set only when it differs from the variant's default (a fine-tuned head).
+            set only when it differs from the variant's default (a fine-tuned head, or 0 for
+            a backbone saved without one).
         state_dict: The checkpoint's state dict in the ``ls`` layout (same tensors).
     """
 

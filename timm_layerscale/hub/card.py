@@ -162,12 +162,14 @@ def build_model_card(
     tag = pcfg.get("tag")
     full_name = f"{architecture}.{tag}" if tag else architecture
     datasets = sorted({ds for key, ds in _DATASETS.items() if tag and key in tag}) or None
+    classifier = config.get("num_classes") != 0  # 0: a backbone saved without its head
+    task = "image-classification" if classifier else "image-feature-extraction"
     data = ModelCardData(
         library_name="timm",
         license=pcfg.get("license") or ("apache-2.0" if family == "cait" else None),
-        tags=["image-classification", "timm", "layerscale", family, "timm-layerscale"],
+        tags=[task, "timm", "layerscale", family, "timm-layerscale"],
         datasets=datasets,
-        pipeline_tag="image-classification",
+        pipeline_tag=task,
         model_name=full_name,
         base_model=timm_hub_copy(variant.reference, tag),
     )
@@ -216,6 +218,7 @@ def build_model_card(
         image_size=f"{size[-2]} x {size[-1]}",
         init_value=f"{variant.init_value:g}" if variant.init_value is not None else None,
         num_classes=config.get("num_classes"),
+        classifier=classifier,
         labelled="label_names" in config,
         dataset_names=", ".join(datasets or []),
         paper=paper,
