@@ -197,12 +197,29 @@ def _layouts(gamma_sd, ls_sd):
             "hparams_name": "kwargs",
             "hyper_parameters": {"lr": 1e-4, "name": "cait_xxs24_224"},
         },
+        # DeepSpeed's mp_rank_00_model_states.pt (ZeRO stages 0-2, as DeepSpeed 0.19 writes it): the
+        # model's own state dict under 'module'
+        "deepspeed.pt": lambda: {
+            "module": dict(gamma_sd),
+            "buffer_names": [],
+            "optimizer": None,
+            "param_shapes": [{k: v.shape for k, v in gamma_sd.items()}],
+            "frozen_param_shapes": None,
+            "shared_params": {},
+            "lr_scheduler": None,
+            "global_steps": 2,
+            "dp_world_size": 2,
+            "checkpoint_parallel_dimensions": {},
+            "ds_config": {"train_batch_size": 8, "zero_optimization": {"stage": 2}},
+            "ds_version": "0.19.8",
+        },
     }
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize(
-    "name", ["timm-gamma.safetensors", "ls.pth", "compiled.pth", "ddp-compiled.pth", "lightning.ckpt"]
+    "name",
+    ["timm-gamma.safetensors", "ls.pth", "compiled.pth", "ddp-compiled.pth", "lightning.ckpt", "deepspeed.pt"],
 )
 def test_source_layouts_convert_to_the_same_tensors(name, gamma_sd, ls_sd, tmp_path):
     src = tmp_path / name
@@ -528,6 +545,22 @@ def test_a_training_module_with_more_than_the_model_is_told_to_save_the_model_al
         f"checkpoint holds model weights under {where} beside other keys; "
         "save the state_dict() of one model alone and convert that"
     )
+
+
+def test_a_deepspeed_zero3_file_without_its_weights_says_to_gather_them(gamma_sd, tmp_path, capsys):
+    """ZeRO-3 keeps each rank's shard of the weights in the optimizer files; the model-states file
+    holds the names with empty tensors."""
+    from helpers import assert_one_line_error, cli
+
+    src = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    torch.save({"module": {k: torch.empty(0) for k in gamma_sd}, "ds_config": {"zero_optimization": {"stage": 3}}}, src)
+    assert_one_line_error(
+        *cli(capsys, "convert", src, tmp_path / "out.safetensors"),
+        "checkpoint holds no weights, every tensor is empty: a DeepSpeed ZeRO-3 file keeps them in other files; "
+        "gather them first (with the zero_to_fp32.py saved beside it) and convert its output",
+        stdout="",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
 
 
 def test_named_model_mismatch_lists_missing_unexpected_and_misshaped_keys(gamma_sd):

@@ -285,6 +285,11 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
     if not info:
         info = describe_state_dict(state_dict)
     found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(state_dict)} keys of no known family"
+    if state_dict and all(0 in getattr(v, "shape", (1,)) for v in state_dict.values()):
+        raise ArchitectureError(
+            "checkpoint holds no weights, every tensor is empty: a DeepSpeed ZeRO-3 file keeps them in other "
+            "files; gather them first (with the zero_to_fp32.py saved beside it) and convert its output"
+        )
     holders = model_holders(state_dict)
     if best[2] is None and holders:  # a training module's state dict: a model (or two) beside other keys
         raise ArchitectureError(

@@ -38,8 +38,9 @@ __all__ = [
 
 V = TypeVar("V")
 
-#: Keys that wrap a state dict inside a training checkpoint, in order of preference.
-WRAPPER_KEYS = ("model", "state_dict", "model_ema", "state_dict_ema")
+#: Keys that wrap a state dict inside a training checkpoint, in order of preference (DeepSpeed's
+#: model-states file keeps it under ``'module'``).
+WRAPPER_KEYS = ("model", "state_dict", "module", "model_ema", "state_dict_ema")
 #: Names of the EMA weights, the official DeiT / ViT-5 training code's first, then timm's train.py's.
 EMA_KEYS = ("model_ema", "state_dict_ema")
 #: Prefixes added by DistributedDataParallel and torch.compile.
@@ -66,9 +67,9 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
 
     Args:
         checkpoint: A state dict, or a dict holding one under ``'model'``,
-            ``'state_dict'``, ``'model_ema'`` or ``'state_dict_ema'``.
-        wrapper: Which wrapper key to take. ``None`` takes ``'model'`` or else
-            ``'state_dict'``; the EMA weights must be asked for by name, and
+            ``'state_dict'``, ``'module'``, ``'model_ema'`` or ``'state_dict_ema'``.
+        wrapper: Which wrapper key to take. ``None`` takes the first of ``'model'``,
+            ``'state_dict'`` and ``'module'``; the EMA weights must be asked for by name, and
             ``'model_ema'`` also finds them under timm's ``'state_dict_ema'``. A
             checkpoint that is already a state dict is returned as it is.
 
@@ -88,7 +89,7 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
         found = ", ".join(k for k in WRAPPER_KEYS if k in checkpoint) or "none"
         advice = "leave out ema=True" if wrapper in EMA_KEYS else "name a wrapper it has"
         raise RemapError(f"checkpoint has no {wrapper!r} state dict (wrappers found: {found}); {advice}")
-    for key in WRAPPER_KEYS[:2]:
+    for key in WRAPPER_KEYS[:3]:
         if _is_state_dict(checkpoint.get(key)):
             return checkpoint[key]
     ema = [k for k in EMA_KEYS if _is_state_dict(checkpoint.get(k))]
