@@ -499,15 +499,35 @@ def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, f
 
 
 @pytest.mark.parametrize("name", ["cait_xxs24_224_ls", "deit3_small_patch16_224", "vit5_small_patch16_224"])
-def test_each_family_is_detected_without_its_head(name):
-    from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
+@pytest.mark.parametrize("args", [{"num_classes": 0}, {"img_size": 320}, {"num_classes": 10, "img_size": 256}])
+def test_each_family_is_detected_without_its_head_or_at_another_resolution(name, args):
+    """A backbone without its head; a fine-tune at a resolution no variant is registered at."""
+    from timm_layerscale.conversion.detect import get_variant, model_args, state_dict_shapes
     from timm_layerscale.conversion.keys import to_gamma
 
     variant = get_variant(name)
-    shapes = state_dict_shapes(variant, num_classes=0)
-    assert not any(k.startswith("head.") for k in shapes)
+    shapes = state_dict_shapes(variant, **args)
     sd = to_gamma({k: torch.empty(s, device="meta") for k, s in shapes.items()}, variant.family)
-    assert detect_variant(sd) == (variant, dict(detect_variant(sd)[1], num_classes=0))
+    found, info = detect_variant(sd)
+    assert found == variant and model_args(info) == args
+
+
+def test_a_checkpoint_fine_tuned_at_another_resolution_converts(gamma_sd, tmp_path, few_inputs):
+    """timm's cait_xxs24_224 fine-tuned at 256 x 256 (``img_size=256``): its position embedding has a
+    16 x 16 grid, which no CaiT variant is registered with."""
+    sd = dict(gamma_sd, pos_embed=torch.randn(1, 16 * 16, 192, generator=torch.Generator().manual_seed(3)))
+    src = tmp_path / "ft256.pth"
+    torch.save({"model": sd}, src)
+    res = convert_checkpoint(src, tmp_path / "ft256.safetensors")
+    assert res.variant.name == MODEL and res.img_size == 256 and res.metadata["img_size"] == "256"
+    assert res.report is not None and res.report.bit_exact and res.report.inputs.endswith("at 256x256")
+    file = dict(file=str(res.output))
+    model = timm.create_model(MODEL, pretrained=True, img_size=256, pretrained_cfg_overlay=file).eval()
+    reference = timm.create_model("cait_xxs24_224", img_size=256).eval()
+    reference.load_state_dict(sd)
+    x = images(2, 256)
+    assert torch.equal(model(x), reference(x))
+    assert verify_checkpoint(src, res.output).bit_exact
 
 
 def test_detection_error_says_what_was_found_and_the_closest_variant(gamma_sd):

@@ -53,11 +53,20 @@ def folders(tmp_path_factory, official) -> dict[str, Path]:
         "tuned": (tuned, {"label_names": labels}),
         "tuned_unnamed": (tuned, {"to": "gamma"}),
         "backbone": (fine_tuned(official, root / "backbone.pth", num_classes=0), {}),
+        "resized": (_fine_tuned_at_256(official, root / "ft256.pth"), {}),
     }
     return {
         key: export_folder(src, root / key, plot=False, repo_id=f"org/{key}", **kw).folder
         for key, (src, kw) in jobs.items()
     }
+
+
+def _fine_tuned_at_256(official: Path, path: Path) -> Path:
+    """The official CaiT file with a 16 x 16 position grid, as a fine-tune at 256 x 256 saves it."""
+    obj = torch.load(official, map_location="cpu", weights_only=True)
+    obj["model"]["module.pos_embed"] = torch.randn(1, 256, 192, generator=torch.Generator().manual_seed(3)) * 0.02
+    torch.save(obj, path)
+    return path
 
 
 def _pixels(seed: int = 0) -> torch.Tensor:
@@ -116,6 +125,25 @@ def test_a_backbone_without_a_head_is_a_feature_extractor_everywhere(folders) ->
     assert card.data.pipeline_tag == "image-feature-extraction" and "image-classification" not in card.data.tags
     assert 'pipeline("image-feature-extraction", model="org/backbone")' in card.text
     assert "feature backbone, without a classifier" in card.text and "softmax" not in card.text
+
+
+def test_a_fine_tune_at_another_resolution_loads_at_it_everywhere(folders) -> None:
+    import timm
+    from PIL import Image
+    from transformers import AutoModelForImageClassification, pipeline
+
+    folder = folders["resized"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_args"] == {"img_size": 256} and config["pretrained_cfg"]["input_size"] == [3, 256, 256]
+    reference: Any = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    assert timm.data.resolve_data_config({}, model=reference)["input_size"] == (3, 256, 256)
+    x = torch.randn(2, 3, 256, 256, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = AutoModelForImageClassification.from_pretrained(folder).eval()(pixel_values=x).logits
+        assert torch.equal(logits, reference(x))
+    image = Image.fromarray((torch.rand(300, 400, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
+    assert len(pipeline("image-classification", model=str(folder))(image, top_k=3)) == 3
+    assert "- **Image size:** 256 x 256" in (folder / "README.md").read_text()
 
 
 def test_label_names_reach_timm_and_transformers(folders) -> None:

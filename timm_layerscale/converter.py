@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ._version import __version__
-from .conversion.detect import Detection, Variant, detect
+from .conversion.detect import Detection, Variant, detect, model_args
 from .conversion.fold import fold_state_dict
 from .conversion.keys import detect_layout, official_checkpoint, state_dict_of, to_gamma
 from .errors import CheckpointError, LayerScaleError, ParityError, RemapError
@@ -50,6 +50,8 @@ class ConversionResult:
         output: The written file.
         variant: The architecture the checkpoint was converted as.
         num_classes: Classifier size when it differs from the variant's default, else ``None``.
+        img_size: The resolution a checkpoint was fine-tuned at when no variant of its
+            architecture is registered at it (its models take ``img_size=``), else ``None``.
         source: The source as given (path, URL or ``hf-hub:`` id).
         source_path: The local file that was read.
         source_sha256: SHA-256 of that file.
@@ -76,6 +78,7 @@ class ConversionResult:
     seconds: float
     command: str
     container: str = "plain"
+    img_size: int | None = None
 
 
 def load_source(
@@ -157,9 +160,7 @@ def verify_checkpoint(
     conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(resolve_source(converted))
     conv_sd = state_dict_of(conv)
     try:
-        return verify_state_dicts(
-            src_sd, conv_sd, found.variant, num_classes=found.info.get("num_classes"), options=options
-        )
+        return verify_state_dicts(src_sd, conv_sd, found.variant, model_args=model_args(found.info), options=options)
     except RemapError as e:  # the source fits its model (detection checked it), so the converted weights do not
         conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
         src_name = "the source" if isinstance(source, Mapping) else str(source)
@@ -251,7 +252,7 @@ def convert_checkpoint(
         _check_not_source(output, path)
     identity = ckpt.file_identity(path)  # checked once the source is no longer read
     sd, found = _read(path, model=model, ema=ema)
-    variant, num_classes = found.variant, found.info.get("num_classes")
+    variant, args = found.variant, model_args(found.info)
     layout = detect_layout(sd)
     sha = _hash_and_check(path, sd, allow_nonfinite)
     target = _to_target(sd, found, to)
@@ -266,14 +267,14 @@ def convert_checkpoint(
         "architecture": variant.name,
         "family": variant.family,
         "converter": f"timm-layerscale {__version__}",
-        **({"num_classes": str(num_classes)} if num_classes is not None else {}),
+        **{k: str(v) for k, v in args.items()},
         **({"folded_layerscale": "true"} if fold else {}),
     }
     report = None
     if verify:
         if torch_dtype is not None:
             target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
-        report = _verified(sd, target, variant, num_classes, options, fold)
+        report = _verified(sd, target, variant, args, options, fold)
     metadata.update(report.metadata() if report is not None else {"parity": "not verified"})
     family = FAMILIES[variant.family]
     official = to == "gamma" and fmt == "pth" and not plain
@@ -315,7 +316,8 @@ def convert_checkpoint(
     return ConversionResult(
         output=output,
         variant=variant,
-        num_classes=num_classes,
+        num_classes=args.get("num_classes"),
+        img_size=args.get("img_size"),
         source=str(source),
         source_path=path,
         source_sha256=sha,
@@ -342,12 +344,12 @@ def _verified(
     sd: Mapping[str, torch.Tensor],
     target: Mapping[str, torch.Tensor],
     variant: Variant,
-    num_classes: int | None,
+    args: Mapping[str, Any],
     options: VerifyOptions | None,
     folded: bool,
 ) -> ParityReport:
     """Step 6: the parity report of the converted weights; a failed check raises and nothing is written."""
-    report = verify_state_dicts(sd, target, variant, num_classes=num_classes, options=options, folded=folded)
+    report = verify_state_dicts(sd, target, variant, model_args=args, options=options, folded=folded)
     if report.passed:
         return report
     if report.weights_equal is False:

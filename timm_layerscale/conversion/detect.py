@@ -18,7 +18,16 @@ from ..errors import ArchitectureError, RemapError
 from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, VARIANTS, Variant
 from .keys import check_floating, check_state_dict, model_holders, strip_prefixes, to_layerscale, unwrap_state_dict
 
-__all__ = ["Detection", "get_variant", "state_dict_shapes", "describe_state_dict", "detect", "detect_variant"]
+__all__ = [
+    "Detection",
+    "get_variant",
+    "state_dict_shapes",
+    "describe_state_dict",
+    "detect",
+    "detect_variant",
+    "model_args",
+    "timm_args",
+]
 
 
 def get_variant(name: str) -> Variant:
@@ -47,20 +56,23 @@ def _norm(prefix: str, dim: int, bias: bool = True) -> dict[str, tuple[int, ...]
     return {f"{prefix}.weight": (dim,), **({f"{prefix}.bias": (dim,)} if bias else {})}
 
 
-def state_dict_shapes(variant: Variant, num_classes: int | None = None) -> dict[str, tuple[int, ...]]:
+def state_dict_shapes(
+    variant: Variant, num_classes: int | None = None, img_size: int | None = None
+) -> dict[str, tuple[int, ...]]:
     """Keys and shapes of the state dict of ``variant``'s model (``ls`` layout), computed from the table.
 
     Equal to ``{k: tuple(v.shape) for k, v in timm.create_model(variant.name,
-    num_classes=...).state_dict().items()}`` (a test checks every variant), without timm.
+    num_classes=..., img_size=...).state_dict().items()}`` (a test checks every variant), without timm.
 
     Args:
         variant: The architecture.
         num_classes: Classifier outputs (default 1000; 0: no classifier).
+        img_size: Input resolution (default the variant's), which sets the position embedding's grid.
     """
     d, p, h = variant.embed_dim, variant.patch_size, variant.num_heads
     classes = DEFAULT_NUM_CLASSES if num_classes is None else num_classes
     rms = variant.family == "vit5"  # RMSNorm (weight only), no qkv bias, QK-norm, registers
-    grid = variant.img_size // p
+    grid = (img_size or variant.img_size) // p
     out: dict[str, tuple[int, ...]] = {"cls_token": (1, 1, d)}
     if rms:
         out["reg_token"] = (1, 4, d)
@@ -202,13 +214,30 @@ class Detection:
         variant: The variant the checkpoint fits.
         info: :func:`describe_state_dict` of the checkpoint; ``info["num_classes"]`` is
             set only when it differs from the variant's default (a fine-tuned head, or 0 for
-            a backbone saved without one).
+            a backbone saved without one), ``info["img_size"]`` only for a checkpoint
+            fine-tuned at a resolution that no variant of its architecture is registered at.
         state_dict: The checkpoint's state dict in the ``ls`` layout (same tensors).
     """
 
     variant: Variant
     info: dict[str, Any]
     state_dict: dict[str, Any]
+
+
+def model_args(info: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments a model needs beyond its variant's to take a checkpoint that :func:`detect`
+    described: ``num_classes`` and ``img_size``, where they differ from the variant's."""
+    return {k: info[k] for k in ("num_classes", "img_size") if k in info}
+
+
+def timm_args(model_args: Mapping[str, Any]) -> dict[str, Any]:
+    """``timm.create_model`` arguments for :func:`model_args`: another ``img_size`` comes with the
+    same ``input_size`` in the model's pretrained config, so that timm's data config, transforms
+    and an exported ``config.json`` follow the resolution."""
+    args = dict(model_args)
+    if "img_size" in args:
+        args["pretrained_cfg_overlay"] = {"input_size": (3, args["img_size"], args["img_size"])}
+    return args
 
 
 def detect_variant(checkpoint: Mapping[str, Any], model: str | None = None) -> tuple[Variant, dict[str, Any]]:
@@ -265,6 +294,12 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
         num_classes = info.get("num_classes")
         shapes = state_dict_shapes(v, num_classes)
         bad = _mismatch(sd, shapes)
+        # Fine-tuned at another resolution: only the position embedding's grid differs. The
+        # variants of the checkpoint's own resolution were tried first.
+        size = info["grid"] * v.patch_size if "grid" in info else v.img_size
+        resized = {"img_size": size} if size != v.img_size else {}
+        if bad and resized and _mismatch(sd, state_dict_shapes(v, num_classes, size)) == 0:
+            bad = 0
         if bad and _mismatch(sd, {k: s for k, s in shapes.items() if not GATE_KEY.fullmatch(k)}) == 0:
             raise ArchitectureError(
                 f"checkpoint has the weights of {v.name} but no LayerScale gates: a model without LayerScale, "
@@ -275,7 +310,7 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
             check_state_dict(sd, shapes, v.name)
         if bad == 0:
             check_floating(sd, v.name)
-            out = dict(info)
+            out = dict(info, **resized)
             if num_classes == DEFAULT_NUM_CLASSES:
                 out.pop("num_classes")
             return Detection(v, out, sd)

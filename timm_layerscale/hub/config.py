@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..conversion.detect import timm_args
 from ..errors import CheckpointError
 
 __all__ = ["write_config", "read_label_names"]
@@ -38,7 +39,7 @@ def write_config(
     model_name: str,
     path: str | os.PathLike[str],
     *,
-    num_classes: int | None = None,
+    model_args: Mapping[str, Any] | None = None,
     label_names: Sequence[str] | None = None,
     label_descriptions: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -49,13 +50,15 @@ def write_config(
     ``num_classes``, ``num_features`` and the ``pretrained_cfg`` (input size, crop,
     mean/std, interpolation). ``model_args`` keeps only the arguments whose value
     differs from the architecture's default, and never ``num_classes`` (the top-level
-    field says it), as timm writes it when a caller passes none.
+    field says it), as timm writes it when a caller passes none; an ``img_size`` is
+    always kept there, and the input size follows it.
 
     Args:
         model_name: Registered model name (``cait_s24_224_ls``), optionally with a
             pretrained tag timm registers for it (``deit3_small_patch16_224.fb_in22k_ft_in1k``).
         path: The ``config.json`` to write.
-        num_classes: Classifier size when it differs from the model's default.
+        model_args: Arguments beyond the architecture's: ``num_classes`` (a classifier
+            size that differs from the default), ``img_size`` (another resolution).
         label_names: One name per class (timm's ``label_names``; transformers' ``id2label``).
         label_descriptions: Name to description (timm's ``label_descriptions``).
 
@@ -73,7 +76,7 @@ def write_config(
     if tag and tag not in tags:
         raise CheckpointError(f"{tag!r} is not a pretrained tag of {arch}; choose from: {', '.join(tags) or 'none'}")
     with torch.device("meta"):
-        kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
+        kwargs = timm_args(model_args or {})
         model = timm.create_model(model_name, **kwargs)
         default = timm.create_model(model_name) if kwargs else model
     if label_names is not None and len(label_names) != model.num_classes:
@@ -88,6 +91,7 @@ def write_config(
     config = _timm_config(model, extra)
     defaults = _timm_config(default, {}).get("model_args", {})
     args = {k: v for k, v in config.pop("model_args", {}).items() if k != "num_classes" and defaults.get(k) != v}
+    args.update({k: v for k, v in (model_args or {}).items() if k == "img_size"})
     if args:
         config["model_args"] = args
     Path(path).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

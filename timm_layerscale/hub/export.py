@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..conversion.detect import model_args
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
 from ..files.atomic import check_output_folder, clear_folder, hidden_prefix, temporary_folder
 from ..files.hub_errors import one_line
@@ -333,7 +334,7 @@ def export_folder(
         config = write_config(
             f"{architecture}.{tag}" if tag else architecture,
             tmp / CONFIG_NAME,
-            num_classes=info.get("num_classes"),
+            model_args=model_args(info),
             label_names=label_names,
             label_descriptions=descriptions,
         )

@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..conversion.detect import get_variant
+from ..conversion.detect import get_variant, timm_args
 from ..conversion.keys import check_state_dict, state_dict_of, to_gamma, to_layerscale
 from ..families import Variant, official_rope_buffers
 from .vit5_official import build_official_vit5
@@ -42,13 +42,17 @@ def reference_name(variant: Variant | str) -> str:
     return v.reference if v.reference is not None else f"{v.family}_official/{v.name}"
 
 
-def reference_state_dict(variant: Variant | str, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def reference_state_dict(
+    variant: Variant | str, state_dict: Mapping[str, Any], **model_args: Any
+) -> dict[str, torch.Tensor]:
     """A source state dict as the reference loads it.
 
     Args:
         variant: The variant (or its name).
         state_dict: The original weights (a training dict or prefixed keys are fine),
             or weights in this package's ``ls`` layout.
+        **model_args: The model's arguments beyond its variant's (``img_size``: timm's DeiT-III
+            filter resamples the position embedding to the model's grid).
 
     Returns:
         ``cait``: the official ``gamma`` layout. ``deit3``: the output of timm's own
@@ -62,7 +66,7 @@ def reference_state_dict(variant: Variant | str, state_dict: Mapping[str, Any]) 
         from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
         with torch.device("meta"):
-            target = timm.create_model(v.name)
+            target = timm.create_model(v.name, **model_args)
         return checkpoint_filter_fn(dict(sd), cast(VisionTransformer, target), adapt_layer_scale=True)
     out: dict[str, torch.Tensor] = official_rope_buffers(v) if v.family == "vit5" else {}
     out.update(to_gamma(to_layerscale(sd, v.family), v.family))
@@ -102,7 +106,7 @@ def build_loaded(
 
 
 def build_reference(
-    variant: Variant | str, state_dict: Mapping[str, Any] | None = None, num_classes: int | None = None
+    variant: Variant | str, state_dict: Mapping[str, Any] | None = None, **model_args: Any
 ) -> nn.Module:
     """The reference model of a variant.
 
@@ -110,7 +114,8 @@ def build_reference(
         variant: The variant (or its name; a pretrained tag is ignored).
         state_dict: The original weights, loaded strictly (:func:`reference_state_dict`);
             ``None`` leaves the reference's random initialisation.
-        num_classes: Classifier outputs when they differ from the default 1000.
+        **model_args: The model's arguments beyond its variant's: ``num_classes`` (classifier
+            outputs, default 1000), ``img_size`` (another resolution).
 
     Returns:
         The reference, in eval mode when weights were loaded, else in train mode.
@@ -119,16 +124,16 @@ def build_reference(
         RemapError: Missing, unexpected or mis-shaped keys (all listed in one message).
     """
     v = _variant(variant)
-    kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
 
     def build() -> nn.Module:
         if v.family == "vit5":
-            return build_official_vit5(v, **kwargs)
+            return build_official_vit5(v, **model_args)
         import timm
 
-        return timm.create_model(str(v.reference), **kwargs)
+        return timm.create_model(str(v.reference), **timm_args(model_args))
 
     if state_dict is None:
         return build()
     # CaiT holds no computed buffers: it is built on the meta device and takes the weights as they are.
-    return build_loaded(build, reference_state_dict(v, state_dict), reference_name(v), on_meta=v.family == "cait")
+    sd = reference_state_dict(v, state_dict, **model_args)
+    return build_loaded(build, sd, reference_name(v), on_meta=v.family == "cait")

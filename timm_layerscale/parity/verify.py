@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import progress
+from ..conversion.detect import timm_args
 from ..conversion.keys import to_layerscale
 from ..errors import CheckpointError
 from ..families import FAMILIES, GATE_KEY, Family, Variant
@@ -25,21 +26,20 @@ from .tolerance import VerifyOptions, resolve_tolerance
 __all__ = ["verify_state_dicts", "build_converted", "align_attention"]
 
 
-def build_converted(
-    variant: Variant, state_dict: Mapping[str, torch.Tensor], num_classes: int | None = None, **kwargs: Any
-) -> nn.Module:
+def build_converted(variant: Variant, state_dict: Mapping[str, torch.Tensor], **kwargs: Any) -> nn.Module:
     """Build the target model and load a state dict in any accepted layout, strictly.
+
+    ``kwargs`` go to ``timm.create_model`` (``num_classes``, ``img_size``: see
+    :func:`~timm_layerscale.conversion.detect.timm_args`).
 
     Raises:
         RemapError: Missing, unexpected or mis-shaped keys (all listed in one message).
     """
     import timm
 
-    if num_classes is not None:
-        kwargs["num_classes"] = num_classes
     sd = to_layerscale(state_dict, FAMILIES[variant.family])
     return build_loaded(
-        lambda: timm.create_model(variant.name, **kwargs), sd, variant.name, on_meta=variant.family == "cait"
+        lambda: timm.create_model(variant.name, **timm_args(kwargs)), sd, variant.name, on_meta=variant.family == "cait"
     )
 
 
@@ -94,7 +94,7 @@ def verify_state_dicts(
     conv_sd: Mapping[str, torch.Tensor],
     variant: Variant,
     *,
-    num_classes: int | None = None,
+    model_args: Mapping[str, Any] | None = None,
     options: VerifyOptions | None = None,
     folded: bool | None = None,
 ) -> ParityReport:
@@ -104,7 +104,9 @@ def verify_state_dicts(
         src_sd: The original weights (unwrapped, prefixes stripped), any dtype.
         conv_sd: The converted weights, any layout; their float dtype is the check's.
         variant: The architecture.
-        num_classes: Classifier size when it differs from the variant's default.
+        model_args: The models' arguments beyond the variant's (``num_classes`` for a
+            fine-tuned head, ``img_size`` for another resolution:
+            :func:`~timm_layerscale.conversion.detect.model_args`).
         options: Tolerances, inputs and device (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`).
         folded: The converted weights have LayerScale folded in; default: detected
             (the source has gammas, the converted weights none).
@@ -121,8 +123,9 @@ def verify_state_dicts(
     weights = compare_weights(_expected_weights(src_sd, conv_ls, family, folded), conv_ls)
     dtype = _dtype_of(conv_sd)
     tolerance = resolve_tolerance(variant.family, dtype, options, folded=folded)
-    ref, ref_name = build_reference(variant, src_sd, num_classes), reference_name(variant)
-    out = build_converted(variant, conv_sd, num_classes, **({"folded_layerscale": True} if folded else {}))
+    args = dict(model_args or {})
+    ref, ref_name = build_reference(variant, src_sd, **args), reference_name(variant)
+    out = build_converted(variant, conv_sd, **args, **({"folded_layerscale": True} if folded else {}))
     align_attention(ref, out)
     ref.to(device, dtype)
     out.to(device, dtype)
