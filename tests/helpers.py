@@ -3,6 +3,8 @@ the in-process command line and its one-line-error assertion."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import struct
 import subprocess
@@ -85,6 +87,30 @@ def header_bytes(path: Path) -> bytes:
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     return data[8 : 8 + n]
+
+
+def safetensors_contents(path: Path) -> dict[str, Any]:
+    """A safetensors file's metadata and, per tensor, its dtype tag, shape and bytes: what it holds,
+    whatever the order and alignment of its data."""
+    data, header = path.read_bytes(), header_bytes(path)
+    start, entries = 8 + len(header), json.loads(header)
+    out: dict[str, Any] = {"__metadata__": entries.pop("__metadata__", None)}
+    for name, e in entries.items():
+        begin, end = e["data_offsets"]
+        out[name] = (e["dtype"], e["shape"], data[start + begin : start + end])
+    return out
+
+
+def assert_aligned(path: Path) -> None:
+    """The data starts on a 64-byte boundary of the file, as does every tensor of whole 64-byte blocks;
+    every other tensor starts on a multiple of its item size."""
+    header = header_bytes(path)
+    assert (8 + len(header)) % 64 == 0
+    for name, e in json.loads(header).items():
+        if name != "__metadata__":
+            begin, end = e["data_offsets"]
+            count = math.prod(e["shape"])
+            assert begin % (64 if (end - begin) % 64 == 0 else (end - begin) // count) == 0, name
 
 
 def run_python_into(stdout: int, *args: str) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import ROOT, dead_pid
+from helpers import ROOT, dead_pid, safetensors_contents
 from timm_layerscale.files import atomic as temporaries
 from timm_layerscale.files.atomic import atomic_output, remove_stale_temporaries, temporary_folder
 from timm_layerscale.files.save import save_safetensors
@@ -81,7 +81,7 @@ def test_temporary_of_a_killed_writer_is_removed_by_the_next_write(tmp_path):
     save_safetensors(out, big_tensors())
     assert temporaries_of(out) == []
     save_file(big_tensors(), tmp_path / "expected.safetensors")
-    assert out.read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
+    assert safetensors_contents(out) == safetensors_contents(tmp_path / "expected.safetensors")
 
 
 # Holds a temporary of its own output, as a writer in the middle of its work does, until killed.

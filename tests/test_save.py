@@ -14,7 +14,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from helpers import ALL_DTYPES, assert_same_tensors, header_bytes, leftovers, make_tensor, mixed_state_dict
+from helpers import (
+    ALL_DTYPES,
+    assert_aligned,
+    assert_same_tensors,
+    header_bytes,
+    leftovers,
+    make_tensor,
+    mixed_state_dict,
+    safetensors_contents,
+)
 from timm_layerscale.errors import CheckpointError, OutputExistsError
 from timm_layerscale.files.atomic import atomic_output
 from timm_layerscale.files.read import LazySafetensors, check_finite, load_checkpoint, parse_dtype
@@ -22,30 +31,48 @@ from timm_layerscale.files.save import save_pth, save_safetensors, save_state_di
 
 
 def assert_matches_save_file(tmp: Path, tensors, metadata=None, **kwargs) -> None:
+    """The header entries, metadata and tensor bytes of ``save_file``'s file, laid out aligned."""
     save_file(tensors, str(tmp / "ref.safetensors"), metadata=metadata)
     save_safetensors(tmp / "ours.safetensors", tensors, metadata, overwrite=True, **kwargs)
-    assert (tmp / "ours.safetensors").read_bytes() == (tmp / "ref.safetensors").read_bytes()
+    assert safetensors_contents(tmp / "ours.safetensors") == safetensors_contents(tmp / "ref.safetensors")
+    assert_aligned(tmp / "ours.safetensors")
 
 
 @pytest.mark.parametrize("metadata", [None, {}, {"format": "pt"}, {"note": 'quote " slash \\ tab \t é \x01'}])
-def test_bytes_equal_save_file_mixed(tmp_path, metadata):
+def test_contents_equal_save_file_mixed(tmp_path, metadata):
     assert_matches_save_file(tmp_path, mixed_state_dict(), metadata)
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-def test_bytes_equal_save_file_each_dtype(tmp_path, dtype):
+def test_contents_equal_save_file_each_dtype(tmp_path, dtype):
     tensors = {"t": make_tensor((3, 5), dtype), "s": make_tensor((), dtype), "e": make_tensor((2, 0), dtype)}
     assert_matches_save_file(tmp_path, tensors)
 
 
-def test_bytes_equal_save_file_every_padding(tmp_path):
+def test_contents_equal_save_file_every_padding(tmp_path):
     seen = set()
-    for n in range(1, 17):
-        tensors = {"k" * n: torch.ones(2)}
+    for n in range(1, 65):
+        tensors = {"k" * n: torch.ones(2), "w": torch.ones(4, 4)}
         assert_matches_save_file(tmp_path, tensors, {"format": "pt"})
-        seen.add(len(json.dumps({"k" * n: 0})) % 8)
-    assert len(seen) == 8
+        seen.add(len(header_bytes(tmp_path / "ours.safetensors").rstrip(b" ")) % 64)
+    assert len(seen) == 64
+
+
+def test_weight_matrices_start_on_64_byte_boundaries_before_the_rest(tmp_path):
+    """A tensor of whole 64-byte blocks is never placed after an odd-sized one (a bias of 1000 classes)."""
+    tensors = {"a.bias": torch.ones(1000), "b.weight": torch.ones(1000, 192), "c.bias": torch.ones(3)}
+    tensors |= {"d.half": torch.ones(5, dtype=torch.float16), "e.weight": torch.ones(8, 4, dtype=torch.float16)}
+    save_safetensors(tmp_path / "w.safetensors", tensors)
+    assert_aligned(tmp_path / "w.safetensors")
+    header = json.loads(header_bytes(tmp_path / "w.safetensors"))
+    assert [n for n, _ in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"])] == [
+        "b.weight",
+        "e.weight",
+        "a.bias",
+        "c.bias",
+        "d.half",
+    ]
 
 
 def test_multi_key_metadata_matches_up_to_key_order(tmp_path):
@@ -53,12 +80,7 @@ def test_multi_key_metadata_matches_up_to_key_order(tmp_path):
     tensors = mixed_state_dict()
     save_file(tensors, str(tmp_path / "ref.safetensors"), metadata=metadata)
     save_safetensors(tmp_path / "ours.safetensors", tensors, metadata)
-    ours, ref = ((tmp_path / n).read_bytes() for n in ("ours.safetensors", "ref.safetensors"))
-    assert len(ours) == len(ref)
-    assert json.loads(header_bytes(tmp_path / "ours.safetensors")) == json.loads(
-        header_bytes(tmp_path / "ref.safetensors")
-    )
-    assert ours.endswith(ref[8 + len(header_bytes(tmp_path / "ref.safetensors")) :])
+    assert safetensors_contents(tmp_path / "ours.safetensors") == safetensors_contents(tmp_path / "ref.safetensors")
     assert list(json.loads(header_bytes(tmp_path / "ours.safetensors"))["__metadata__"]) == ["a", "format", "z"]
 
 
@@ -80,7 +102,7 @@ def tensor_dicts(draw):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tensors=tensor_dicts(), metadata=st.none() | st.dictionaries(_NAMES, _NAMES, max_size=1))
-def test_bytes_equal_save_file_property(tmp_path, tensors, metadata):
+def test_contents_equal_save_file_property(tmp_path, tensors, metadata):
     if not tensors and metadata == {}:
         metadata = None  # save_file writes invalid JSON for this one case
     assert_matches_save_file(tmp_path, tensors, metadata)
@@ -91,7 +113,7 @@ def test_cast_only_floating(tmp_path):
     save_safetensors(tmp_path / "h.safetensors", tensors, dtype=torch.float16)
     cast = {k: v.half() if v.is_floating_point() else v for k, v in tensors.items()}
     save_file(cast, str(tmp_path / "ref.safetensors"))
-    assert (tmp_path / "h.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert safetensors_contents(tmp_path / "h.safetensors") == safetensors_contents(tmp_path / "ref.safetensors")
 
 
 def test_views_and_shared_memory_written_as_copies(tmp_path):
@@ -100,15 +122,16 @@ def test_views_and_shared_memory_written_as_copies(tmp_path):
     save_safetensors(tmp_path / "v.safetensors", tensors)
     copies = {k: v.contiguous().clone() for k, v in tensors.items()}
     save_file(copies, str(tmp_path / "ref.safetensors"))
-    assert (tmp_path / "v.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert safetensors_contents(tmp_path / "v.safetensors") == safetensors_contents(tmp_path / "ref.safetensors")
 
 
 def test_safetensors_header_length_that_looks_like_pickle(tmp_path):
-    # a header of 0x380 bytes starts the file with 0x80 0x03, a pickle's first two bytes
+    # a header of 0x380 bytes starts the file with 0x80 0x03, a pickle's first two bytes (save_file
+    # pads a header to 8 bytes; this package's, to 64 bytes with the length, cannot be that long)
     out = tmp_path / "p.weights"
-    save_safetensors(out, {"w": torch.ones(2)}, {"pad": ""})
+    save_file({"w": torch.ones(2)}, str(out), {"pad": ""})
     unpadded = len(header_bytes(out).rstrip(b" "))
-    save_safetensors(out, {"w": torch.ones(2)}, {"pad": "x" * (0x380 - unpadded)}, overwrite=True)
+    save_file({"w": torch.ones(2)}, str(out), {"pad": "x" * (0x380 - unpadded)})
     assert out.read_bytes()[:2] == b"\x80\x03"
     assert isinstance(load_checkpoint(out), LazySafetensors)
 
