@@ -137,6 +137,26 @@ def test_done_when_loads_with_timm_create_model(converted, reference):
         assert torch.equal(model.eval()(x), reference(x))
 
 
+def test_a_model_computing_on_the_written_file_gives_timms_outputs_for_one_image(ls_sd, reference, tmp_path):
+    """``load_state_dict(load_file(path), assign=True)``, as transformers loads, computes on the file's
+    memory, where a weight's alignment decides how a one-row GEMM is summed: at every header length
+    the written weights must give the reference's logits for one image."""
+    from safetensors.torch import load_file
+
+    from timm_layerscale.files.save import save_safetensors
+
+    x = images(1, 224)
+    with torch.inference_mode():
+        expected = reference(x)
+        for pad in range(0, 64, 8):
+            path = tmp_path / f"pad{pad}.safetensors"
+            save_safetensors(path, ls_sd, {"pad": "x" * pad})
+            with torch.device("meta"):
+                model = timm.create_model(MODEL)
+            model.load_state_dict(load_file(path), assign=True)
+            assert torch.equal(model.eval()(x), expected), pad
+
+
 def test_checkpoint_path_takes_the_models_own_layout(converted, official, reference):
     """``checkpoint_path=`` (timm's ``--initial-checkpoint``) loads without the pretrained filter, as for timm's models."""
     model = timm.create_model(MODEL, checkpoint_path=str(converted.output)).eval()
