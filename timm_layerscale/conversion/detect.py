@@ -292,14 +292,12 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
             continue
         info = described[v.family]
         num_classes = info.get("num_classes")
-        shapes = state_dict_shapes(v, num_classes)
-        bad = _mismatch(sd, shapes)
-        # Fine-tuned at another resolution: only the position embedding's grid differs. The
-        # variants of the checkpoint's own resolution were tried first.
+        # The variant at the checkpoint's own resolution: one fine-tuned at another has only another
+        # position-embedding grid. The variants registered at that resolution were tried first.
         size = info["grid"] * v.patch_size if "grid" in info else v.img_size
         resized = {"img_size": size} if size != v.img_size else {}
-        if bad and resized and _mismatch(sd, state_dict_shapes(v, num_classes, size)) == 0:
-            bad = 0
+        shapes = state_dict_shapes(v, num_classes, size)
+        bad = _mismatch(sd, shapes)
         if bad and _mismatch(sd, {k: s for k, s in shapes.items() if not GATE_KEY.fullmatch(k)}) == 0:
             raise ArchitectureError(
                 f"checkpoint has the weights of {v.name} but no LayerScale gates: a model without LayerScale, "

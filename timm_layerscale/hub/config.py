@@ -91,7 +91,8 @@ def write_config(
     config = _timm_config(model, extra)
     defaults = _timm_config(default, {}).get("model_args", {})
     args = {k: v for k, v in config.pop("model_args", {}).items() if k != "num_classes" and defaults.get(k) != v}
-    args.update({k: v for k, v in (model_args or {}).items() if k == "img_size"})
+    if model_args and "img_size" in model_args:  # timm before 1.0.31 does not record it
+        args["img_size"] = model_args["img_size"]
     if args:
         config["model_args"] = args
     Path(path).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
