@@ -38,11 +38,11 @@ __all__ = [
 
 V = TypeVar("V")
 
-#: Keys that wrap a state dict inside a training checkpoint, in order of preference (DeepSpeed's
-#: model-states file keeps it under ``'module'``).
-WRAPPER_KEYS = ("model", "state_dict", "module", "model_ema", "state_dict_ema")
 #: Names of the EMA weights, the official DeiT / ViT-5 training code's first, then timm's train.py's.
 EMA_KEYS = ("model_ema", "state_dict_ema")
+_MAIN_KEYS = ("model", "state_dict", "module")  # DeepSpeed's model-states file uses 'module'
+#: Keys that wrap a state dict inside a training checkpoint, in order of preference.
+WRAPPER_KEYS = _MAIN_KEYS + EMA_KEYS
 #: Prefixes added by DistributedDataParallel and torch.compile.
 PREFIXES = ("module.", "_orig_mod.")
 
@@ -89,7 +89,7 @@ def unwrap_state_dict(checkpoint: Mapping[str, Any], wrapper: str | None = None)
         found = ", ".join(k for k in WRAPPER_KEYS if k in checkpoint) or "none"
         advice = "leave out ema=True" if wrapper in EMA_KEYS else "name a wrapper it has"
         raise RemapError(f"checkpoint has no {wrapper!r} state dict (wrappers found: {found}); {advice}")
-    for key in WRAPPER_KEYS[:3]:
+    for key in _MAIN_KEYS:
         if _is_state_dict(checkpoint.get(key)):
             return checkpoint[key]
     ema = [k for k in EMA_KEYS if _is_state_dict(checkpoint.get(k))]
