@@ -510,6 +510,12 @@ def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, f
     res = convert_checkpoint(src, tmp_path / "backbone.safetensors")
     assert res.num_classes == 0 and res.metadata["num_classes"] == "0"
     assert res.report is not None and res.report.passed and res.report.bit_exact
+    # its outputs are 192 features: no class agreement is claimed over them
+    assert res.report.top1_agreement is None and res.report.top5_agreement is None
+    assert [" ".join(line.split()) for line in res.report.format_table().splitlines() if "agreement" in line] == [
+        "top-1 agreement - (no classifier)",
+        "top-5 agreement - (no classifier)",
+    ]
     out = load_output(res.output)
     assert not any(k.startswith("head.") for k in out) and len(out) == len(sd)
     model = timm.create_model(MODEL, pretrained=True, num_classes=0, pretrained_cfg_overlay=dict(file=str(res.output)))

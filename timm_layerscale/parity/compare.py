@@ -56,11 +56,12 @@ class ParityReport:
         dtype: dtype of both models and the inputs.
         device: Device both models ran on.
         attention: Attention path both models took.
-        max_abs_diff: Largest ``|ref - out|`` over all logits.
+        max_abs_diff: Largest ``|ref - out|`` over all outputs (logits, or a backbone's features).
         max_rel_diff: Largest ``|ref - out| / |ref|`` (0 where both are 0).
         cosine_min: Smallest per-image cosine similarity of the logit vectors.
-        top1_agreement: Fraction of images with the same top-1 class.
-        top5_agreement: Fraction of images with the same top-5 class set.
+        top1_agreement: Fraction of images with the same top-1 class; ``None`` for a model
+            without a classifier (``num_classes=0``), whose outputs are pooled features.
+        top5_agreement: Fraction of images with the same top-5 class set; ``None`` likewise.
         bit_exact: Every output element is identical (``torch.equal``).
         atol: Absolute tolerance of the check (0 = exact).
         rtol: Relative tolerance of the check (0 = exact).
@@ -83,8 +84,8 @@ class ParityReport:
     max_abs_diff: float
     max_rel_diff: float
     cosine_min: float
-    top1_agreement: float
-    top5_agreement: float
+    top1_agreement: float | None
+    top5_agreement: float | None
     bit_exact: bool
     atol: float
     rtol: float
@@ -142,8 +143,10 @@ class ParityReport:
             ("max abs diff", f"{self.max_abs_diff:.3g}"),
             ("max rel diff", f"{self.max_rel_diff:.3g}"),
             ("min cosine similarity", f"{self.cosine_min:.9f}"),
-            ("top-1 agreement", f"{self.top1_agreement:.1%}"),
-            ("top-5 agreement", f"{self.top5_agreement:.1%}"),
+            *(
+                (f"top-{k} agreement", "- (no classifier)" if v is None else f"{v:.1%}")
+                for k, v in ((1, self.top1_agreement), (5, self.top5_agreement))
+            ),
             ("bit-exact", "yes" if self.bit_exact else "no"),
             ("tolerance", tol),
             ("result", f"PASS ({self.verdict})" if self.passed else "FAIL"),
@@ -243,17 +246,12 @@ def compare_models(
     a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
     cos = torch.nn.functional.cosine_similarity(a2.double(), b2.double(), dim=1)
     bit_exact = all(torch.equal(x, y) for x, y in zip(outs_ref, outs, strict=True))
-    k = min(5, a2.shape[1])
-    top1 = (a2.argmax(1) == b2.argmax(1)).float().mean().item()
-    top5 = (
-        float(
-            sum(
-                set(x.tolist()) == set(y.tolist())
-                for x, y in zip(a2.topk(k, 1).indices, b2.topk(k, 1).indices, strict=True)
-            )
-        )
-        / a2.shape[0]
-    )
+    top1 = top5 = None
+    if getattr(model, "num_classes", None) != 0:  # a backbone's outputs are features, not classes
+        k = min(5, a2.shape[1])
+        top1 = (a2.argmax(1) == b2.argmax(1)).float().mean().item()
+        pairs = zip(a2.topk(k, 1).indices, b2.topk(k, 1).indices, strict=True)
+        top5 = sum(set(x.tolist()) == set(y.tolist()) for x, y in pairs) / a2.shape[0]
     tolerance = tolerance or Tolerance(0.0, 0.0, "")
     if tolerance.exact:
         passed = bit_exact
