@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from timm_layerscale.errors import HubError, OutputExistsError
 from timm_layerscale.files.sources import resolve_source
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.hub.upload import plan_push, push_folder
+from timm_layerscale.parity.tolerance import VerifyOptions
 
 TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
 
@@ -689,6 +691,23 @@ def test_export_model_card(exported) -> None:
     assert "Going Deeper With Image Transformers" in text and "@inproceedings{touvron2021cait," in text
     if result.plot is not None:
         assert "](gates.png)" in text
+
+
+def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Path, monkeypatch) -> None:
+    """A presigned URL's query, or a user name and password in it, stay out of the card."""
+    from timm_layerscale.files.sources import cached_url_path
+
+    _, _, _, source = exported
+    url = "https://alice:hunter2@storage.example:8443/runs/XXS24_224.pth?X-Amz-Signature=s3cr3t&token=t0k3n#part"
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    cached = cached_url_path(url)  # downloaded before: the export reads it from the cache
+    cached.parent.mkdir(parents=True)
+    shutil.copyfile(source, cached)
+    res = export_folder(url, tmp_path / "out", options=VerifyOptions(num_inputs=1), plot=False)
+    text = (res.folder / "README.md").read_text()
+    assert "[XXS24_224.pth](https://storage.example:8443/runs/XXS24_224.pth)" in text
+    assert "timm-layerscale export https://storage.example:8443/runs/XXS24_224.pth " in text
+    assert not any(secret in text for secret in ("alice", "hunter2", "s3cr3t", "t0k3n", "part"))
 
 
 def test_export_pushed_the_folder(exported) -> None:

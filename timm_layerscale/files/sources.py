@@ -17,13 +17,21 @@ import hashlib
 import os
 import socket
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from ..errors import CheckpointError, HubError
 from ..families import CAIT_RELEASE_URL
 from .hub_errors import hub_errors, one_line
 
-__all__ = ["download_source", "cached_url_path", "check_online", "hub_endpoint", "is_remote", "resolve_source"]
+__all__ = [
+    "download_source",
+    "cached_url_path",
+    "check_online",
+    "hub_endpoint",
+    "is_remote",
+    "public_source",
+    "resolve_source",
+]
 
 #: The weights file of an exported folder.
 WEIGHTS_NAME = "model.safetensors"
@@ -55,6 +63,16 @@ def resolve_source(source: str | os.PathLike[str]) -> Path:
                 return path / name
         raise CheckpointError(f"{path} holds neither {' nor '.join(FOLDER_WEIGHTS)}; pass the checkpoint file")
     return path
+
+
+def public_source(source: str | os.PathLike[str]) -> str:
+    """``source`` as a model card may publish it: a URL without its user name, password, query and
+    fragment, which can hold credentials (a presigned URL's signature, a token); others unchanged."""
+    source = os.fspath(source)
+    if not source.startswith(("https://", "http://")):
+        return source
+    url = urlsplit(source)
+    return urlunsplit((url.scheme, url.netloc.rpartition("@")[2], url.path, "", ""))
 
 
 def is_remote(source: str | os.PathLike[str]) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import LayerScaleError
-from ..files.sources import WEIGHTS_NAME
+from ..files.sources import WEIGHTS_NAME, public_source
 
 __all__ = [
     "build_model_card",
@@ -177,7 +177,7 @@ def build_model_card(
     title, description = _FAMILY_TEXT.get(family, (family, "a Vision Transformer with LayerScale"))
     source, source_name, sha = conversion.source, conversion.source_path.name, conversion.source_sha256
     if source.startswith(("https://", "http://")):
-        source_file = f"[{source_name}]({source})"
+        source_file = f"[{source_name}]({public_source(source)})"
     else:
         source_file = _md_code(source if source.startswith("hf-hub:") else source_name)
     if is_official(source_name, sha):

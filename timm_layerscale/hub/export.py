@@ -31,7 +31,7 @@ from ..conversion.detect import model_args
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
 from ..files.atomic import check_output_folder, clear_folder, hidden_prefix, temporary_folder
 from ..files.hub_errors import one_line
-from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME
+from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, public_source
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
 from .config import read_label_names, write_config
 from .upload import PushResult, check_repo_id, push_folder
@@ -351,7 +351,7 @@ def export_folder(
                 plot_note = f"no {PLOT_NAME}: {e}"
         num_params = _count_params(weights)
         cmd = command or command_line(
-            ("timm-layerscale", "export", source, out_dir),
+            ("timm-layerscale", "export", public_source(source), out_dir),
             options,
             model=model,
             ema=ema,
