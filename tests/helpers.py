@@ -264,8 +264,9 @@ def parity_report(
 
 
 def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Module) -> None:
-    """timm's FX feature extractor, ``torch.jit.script`` and the script of the FX graph give the
-    eval-mode ``model``'s eager outputs, on ``x``'s device (both modules are moved there).
+    """timm's FX feature extractor, ``torch.jit.script``, the script of the FX graph and
+    ``torch.export`` with a dynamic batch size (run at another one) give the eval-mode ``model``'s
+    eager outputs, on ``x``'s device (both modules are moved there).
 
     Exactly: all run the same ATen calls on the same operands (TorchScript with graph
     optimisations off, so nothing is fused). ``features`` is the same architecture built
@@ -288,6 +289,11 @@ def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Mo
             scripted = torch.jit.script(model)(x)
             scripted_graph = torch.jit.script(extractor)(x)
         feature_maps = features(x)
+        batch = torch.export.Dim("batch", min=2, max=16)
+        exported = torch.export.export(model, (x,), dynamic_shapes={"x": {0: batch}}).module()
+        more = torch.cat([x, x[:1]])
+        exported_ok = torch.equal(exported(x), expected) and torch.equal(exported(more), model(more))
+    assert exported_ok, "torch.export's program differs from the eager model"
     assert torch.equal(traced["head"], expected) and torch.equal(traced["blocks.1"], kept[0])
     assert torch.equal(scripted, expected) and torch.equal(scripted_graph["head"], expected)
     assert [f.shape for f in feature_maps] == [kept[0].shape]
