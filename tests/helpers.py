@@ -169,18 +169,21 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def fine_tuned(official: Path, path: Path, num_classes: int = 10) -> Path:
-    """An official CaiT file with a new seeded ``num_classes`` head, as a fine-tuning run saves it;
-    with ``num_classes=0``, without a head, as a feature backbone is saved."""
+def fine_tuned(official: Path, path: Path, num_classes: int | None = 10, img_size: int | None = None) -> Path:
+    """An official CaiT file as a fine-tuning run saves it: with a new seeded ``num_classes`` head
+    (``0``: without a head, as a feature backbone is saved; ``None``: the head kept), and with the
+    position grid of ``img_size`` where one is given."""
     obj = torch.load(official, map_location="cpu", weights_only=True)
     sd = obj["model"]
+    g = torch.Generator().manual_seed(5)
     if num_classes == 0:
         del sd["module.head.weight"], sd["module.head.bias"]
-        torch.save(obj, path)
-        return path
-    g = torch.Generator().manual_seed(5)
-    sd["module.head.weight"] = torch.randn(num_classes, sd["module.head.weight"].shape[1], generator=g) * 0.02
-    sd["module.head.bias"] = torch.randn(num_classes, generator=g) * 0.02
+    elif num_classes is not None:
+        sd["module.head.weight"] = torch.randn(num_classes, sd["module.head.weight"].shape[1], generator=g) * 0.02
+        sd["module.head.bias"] = torch.randn(num_classes, generator=g) * 0.02
+    if img_size is not None:
+        pos = sd["module.pos_embed"]
+        sd["module.pos_embed"] = torch.randn(1, (img_size // 16) ** 2, pos.shape[2], generator=g) * 0.02
     torch.save(obj, path)
     return path
 

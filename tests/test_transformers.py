@@ -53,20 +53,12 @@ def folders(tmp_path_factory, official) -> dict[str, Path]:
         "tuned": (tuned, {"label_names": labels}),
         "tuned_unnamed": (tuned, {"to": "gamma"}),
         "backbone": (fine_tuned(official, root / "backbone.pth", num_classes=0), {}),
-        "resized": (_fine_tuned_at_256(official, root / "ft256.pth"), {}),
+        "resized": (fine_tuned(official, root / "ft256.pth", num_classes=None, img_size=256), {}),
     }
     return {
         key: export_folder(src, root / key, plot=False, repo_id=f"org/{key}", **kw).folder
         for key, (src, kw) in jobs.items()
     }
-
-
-def _fine_tuned_at_256(official: Path, path: Path) -> Path:
-    """The official CaiT file with a 16 x 16 position grid, as a fine-tune at 256 x 256 saves it."""
-    obj = torch.load(official, map_location="cpu", weights_only=True)
-    obj["model"]["module.pos_embed"] = torch.randn(1, 256, 192, generator=torch.Generator().manual_seed(3)) * 0.02
-    torch.save(obj, path)
-    return path
 
 
 def _pixels(seed: int = 0) -> torch.Tensor:
