@@ -238,3 +238,19 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_a_plot_of_a_url_is_titled_without_its_query(official: dict, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A presigned URL's signature stays out of the plot, which may be shared."""
+    pytest.importorskip("matplotlib")
+    from timm_layerscale.cli import main
+    from timm_layerscale.files.sources import cached_url_path
+
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    url = "https://storage.example/runs/ckpt.pth?X-Amz-Signature=s3cr3t"
+    cached = cached_url_path(url)  # downloaded before: read from the cache
+    cached.parent.mkdir(parents=True)
+    torch.save(official, cached)
+    assert main(["inspect", url, "--plot", str(tmp_path / "gates.svg")]) == 0
+    svg = (tmp_path / "gates.svg").read_text()  # matplotlib keeps each text as a comment
+    assert "ckpt.pth: LayerScale gates" in svg and "s3cr3t" not in svg

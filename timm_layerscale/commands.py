@@ -300,6 +300,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .files.atomic import check_output
+    from .files.sources import public_source
     from .inspection import format_gate_table, gate_profile, plot_format, plot_gates
 
     if a.plot:  # before any output or download
@@ -311,7 +312,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     else:
         write_out(format_gate_table(profile))
     if a.plot:
-        plot_gates(profile, a.plot, title=f"{Path(a.source).name}: LayerScale gates", overwrite=a.overwrite)
+        name = Path(public_source(a.source)).name  # a URL's query can hold credentials
+        plot_gates(profile, a.plot, title=f"{name}: LayerScale gates", overwrite=a.overwrite)
         if not a.json:
             write_out(f"plot written to {a.plot}")
     return EXIT_OK
