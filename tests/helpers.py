@@ -266,10 +266,12 @@ def parity_report(
     return ParityReport(**values)
 
 
-def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Module) -> None:
+def assert_traces_and_scripts(
+    model: Any, x: torch.Tensor, features: torch.nn.Module, dynamic_batch: bool = True
+) -> None:
     """timm's FX feature extractor, ``torch.jit.script``, the script of the FX graph and
-    ``torch.export`` with a dynamic batch size (run at another one) give the eval-mode ``model``'s
-    eager outputs, on ``x``'s device (both modules are moved there).
+    ``torch.export`` (with a dynamic batch size, run at another one, if ``dynamic_batch``) give
+    the eval-mode ``model``'s eager outputs, on ``x``'s device (both modules are moved there).
 
     Exactly: all run the same ATen calls on the same operands (TorchScript with graph
     optimisations off, so nothing is fused). ``features`` is the same architecture built
@@ -292,9 +294,9 @@ def assert_traces_and_scripts(model: Any, x: torch.Tensor, features: torch.nn.Mo
             scripted = torch.jit.script(model)(x)
             scripted_graph = torch.jit.script(extractor)(x)
         feature_maps = features(x)
-        batch = torch.export.Dim("batch", min=2, max=16)
-        exported = torch.export.export(model, (x,), dynamic_shapes={"x": {0: batch}}).module()
-        more = torch.cat([x, x[:1]])
+        dims = {"x": {0: torch.export.Dim("batch", min=2, max=16)}} if dynamic_batch else None
+        exported = torch.export.export(model, (x,), dynamic_shapes=dims).module()
+        more = torch.cat([x, x[:1]]) if dynamic_batch else x
         exported_ok = torch.equal(exported(x), expected) and torch.equal(exported(more), model(more))
     assert exported_ok, "torch.export's program differs from the eager model"
     assert torch.equal(traced["head"], expected) and torch.equal(traced["blocks.1"], kept[0])

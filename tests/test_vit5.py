@@ -436,7 +436,9 @@ def test_fx_feature_extraction_and_torchscript(dynamic: bool, device: str) -> No
     torch.manual_seed(0)
     features = tiny(32, dynamic_img_size=dynamic, features_only=True, feature_cls="fx", out_indices=(1,))
     x = images(2, (48, 64) if dynamic else 32).to(device)
-    assert_traces_and_scripts(tiny(32, dynamic_img_size=dynamic).eval(), x, features.eval())
+    # torch 2.5's rms_norm fixes the batch size of an exported program
+    newer = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 6)
+    assert_traces_and_scripts(tiny(32, dynamic_img_size=dynamic).eval(), x, features.eval(), dynamic_batch=newer)
 
 
 def test_pretrained_cfgs() -> None:
