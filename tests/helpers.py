@@ -266,12 +266,17 @@ def parity_report(
     return ParityReport(**values)
 
 
+#: torch's (major, minor) version.
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+
+
 def assert_traces_and_scripts(
     model: Any, x: torch.Tensor, features: torch.nn.Module, dynamic_batch: bool = True
 ) -> None:
     """timm's FX feature extractor, ``torch.jit.script``, the script of the FX graph and
-    ``torch.export`` (with a dynamic batch size, run at another one, if ``dynamic_batch``) give
-    the eval-mode ``model``'s eager outputs, on ``x``'s device (both modules are moved there).
+    ``torch.export`` give the eval-mode ``model``'s eager outputs, on ``x``'s device (both modules
+    are moved there). With ``dynamic_batch`` the program is exported with a dynamic batch size
+    (and, from torch 2.8, height and width for a ``dynamic_img_size`` model) and also run at other ones.
 
     Exactly: all run the same ATen calls on the same operands (TorchScript with graph
     optimisations off, so nothing is fused). ``features`` is the same architecture built
@@ -294,9 +299,15 @@ def assert_traces_and_scripts(
             scripted = torch.jit.script(model)(x)
             scripted_graph = torch.jit.script(extractor)(x)
         feature_maps = features(x)
-        dims = {"x": {0: torch.export.Dim("batch", min=2, max=16)}} if dynamic_batch else None
-        exported = torch.export.export(model, (x,), dynamic_shapes=dims).module()
-        more = torch.cat([x, x[:1]]) if dynamic_batch else x
+        dims, more = None, x
+        if dynamic_batch:
+            dims, more = {0: torch.export.Dim("batch", min=2, max=16)}, torch.cat([x, x[:1]])
+            if model.dynamic_img_size and TORCH_VERSION >= (2, 8):  # before, timm's patch check fixes the size
+                p = model.patch_embed.patch_size[0]
+                dims.update({2: p * torch.export.Dim("h", min=2, max=16), 3: p * torch.export.Dim("w", min=2, max=16)})
+                size = (3, x.shape[1], x.shape[2] + p, x.shape[3] + 2 * p)
+                more = torch.randn(size, generator=torch.Generator().manual_seed(1)).to(x.device)
+        exported = torch.export.export(model, (x,), dynamic_shapes={"x": dims} if dims else None).module()
         exported_ok = torch.equal(exported(x), expected) and torch.equal(exported(more), model(more))
     assert exported_ok, "torch.export's program differs from the eager model"
     assert torch.equal(traced["head"], expected) and torch.equal(traced["blocks.1"], kept[0])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import DEVICES, assert_traces_and_scripts, create_model
+from helpers import DEVICES, TORCH_VERSION, assert_traces_and_scripts, create_model
 from timm_layerscale.conversion import keys as remap
 from timm_layerscale.conversion.detect import detect_variant, get_variant
 from timm_layerscale.errors import RemapError
@@ -436,9 +436,9 @@ def test_fx_feature_extraction_and_torchscript(dynamic: bool, device: str) -> No
     torch.manual_seed(0)
     features = tiny(32, dynamic_img_size=dynamic, features_only=True, feature_cls="fx", out_indices=(1,))
     x = images(2, (48, 64) if dynamic else 32).to(device)
+    model = tiny(32, dynamic_img_size=dynamic).eval()
     # torch 2.5's rms_norm fixes the batch size of an exported program
-    newer = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 6)
-    assert_traces_and_scripts(tiny(32, dynamic_img_size=dynamic).eval(), x, features.eval(), dynamic_batch=newer)
+    assert_traces_and_scripts(model, x, features.eval(), dynamic_batch=TORCH_VERSION >= (2, 6))
 
 
 def test_pretrained_cfgs() -> None:

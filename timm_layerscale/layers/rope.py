@@ -47,7 +47,6 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
 @torch.fx.wrap  # one node of an FX trace, so that a traced grid size (dynamic_img_size) reaches it as a number
 def _grid_angles(h: int, w: int, ref_grid: tuple[int, int], bands: torch.Tensor) -> torch.Tensor:
     """Angles ``(h * w, 4 * len(bands))`` of a row-major ``h x w`` grid, on ``bands``' device."""
-    h, w = int(h), int(w)
     ang_h = (torch.arange(h, device=bands.device) / h * ref_grid[0])[:, None] * bands
     ang_w = (torch.arange(w, device=bands.device) / w * ref_grid[1])[:, None] * bands
     ang_h = ang_h.repeat_interleave(2, dim=-1)[:, None, :].expand(h, w, -1)
