@@ -581,8 +581,9 @@ def test_resolve_source_reuses_a_cached_download(tmp_path: Path, monkeypatch) ->
 def test_resolve_source_network_failure_is_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    with pytest.raises(HubError, match=r"could not download .*check the network and retry"):
-        resolve_source(_free_port_url() + "/deit/XXS24_224.pth")
+    with pytest.raises(HubError, match=r"could not download .*check the network and retry") as info:
+        resolve_source(_free_port_url() + "/deit/XXS24_224.pth?token=s3cr3t")
+    assert "/deit/XXS24_224.pth:" in str(info.value) and "s3cr3t" not in str(info.value)  # messages reach logs
     assert not (tmp_path / "checkpoints" / "XXS24_224.pth").exists()
 
 
@@ -693,8 +694,8 @@ def test_export_model_card(exported) -> None:
         assert "](gates.png)" in text
 
 
-def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Path, monkeypatch) -> None:
-    """A presigned URL's query, or a user name and password in it, stay out of the card."""
+def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A presigned URL's query, or a user name and password in it, stay out of the card and the summary."""
     from timm_layerscale.files.sources import cached_url_path
 
     _, _, _, source = exported
@@ -707,7 +708,10 @@ def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Pat
     text = (res.folder / "README.md").read_text()
     assert "[XXS24_224.pth](https://storage.example:8443/runs/XXS24_224.pth)" in text
     assert "timm-layerscale export https://storage.example:8443/runs/XXS24_224.pth " in text
-    assert not any(secret in text for secret in ("alice", "hunter2", "s3cr3t", "t0k3n", "part"))
+    code, out, _ = cli(capsys, "convert", url, tmp_path / "x.safetensors", "--num-inputs", "1")
+    assert code == 0 and "converted https://storage.example:8443/runs/XXS24_224.pth (gamma layout)" in out
+    shown = (text, res.summary(), json.dumps(res.to_dict()), out)  # and what the command line prints
+    assert not any(secret in t for t in shown for secret in ("alice", "hunter2", "s3cr3t", "t0k3n", "#part"))
 
 
 def test_export_pushed_the_folder(exported) -> None:

@@ -66,8 +66,9 @@ def resolve_source(source: str | os.PathLike[str]) -> Path:
 
 
 def public_source(source: str | os.PathLike[str]) -> str:
-    """``source`` as a model card may publish it: a URL without its user name, password, query and
-    fragment, which can hold credentials (a presigned URL's signature, a token); others unchanged."""
+    """``source`` as a model card, a message or a log may show it: a URL without its user name,
+    password, query and fragment, which can hold credentials (a presigned URL's signature, a
+    token); others unchanged."""
     source = os.fspath(source)
     if not source.startswith(("https://", "http://")):
         return source
@@ -190,17 +191,18 @@ def _download_url(url: str) -> Path:
     target = cached_url_path(url)
     if target.is_file() and target.stat().st_size > 0:
         return target
-    check_online(url, f"downloading {url}")
+    shown = public_source(url)  # messages end up in logs: no credentials
+    check_online(url, f"downloading {shown}")
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         torch.hub.download_url_to_file(url, str(target), progress=progress.enabled())
     except urllib.error.HTTPError as e:
         if e.code == 404:
-            raise HubError(f"could not download {url}: not found (404); check the URL") from e
-        raise HubError(f"could not download {url}: {one_line(e)}; check the network and retry") from e
+            raise HubError(f"could not download {shown}: not found (404); check the URL") from e
+        raise HubError(f"could not download {shown}: {one_line(e)}; check the network and retry") from e
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e  # URLError wraps the socket's error
-        raise HubError(f"could not download {url}: {one_line(reason)}; check the network and retry") from e
+        raise HubError(f"could not download {shown}: {one_line(reason)}; check the network and retry") from e
     return target
 
 
