@@ -706,6 +706,7 @@ def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Pat
     shutil.copyfile(source, cached)
     res = export_folder(url, tmp_path / "out", options=VerifyOptions(num_inputs=1), plot=False)
     text = (res.folder / "README.md").read_text()
+    assert res.conversion.source == "https://storage.example:8443/runs/XXS24_224.pth"
     assert "[XXS24_224.pth](https://storage.example:8443/runs/XXS24_224.pth)" in text
     assert "timm-layerscale export https://storage.example:8443/runs/XXS24_224.pth " in text
     code, out, _ = cli(capsys, "convert", url, tmp_path / "x.safetensors", "--num-inputs", "1")

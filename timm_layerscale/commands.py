@@ -171,7 +171,6 @@ def _parity_failed(e: ParityError, as_json: bool) -> int:
 def cmd_convert(a: argparse.Namespace) -> int:
     from .converter import convert_checkpoint
     from .errors import ParityError
-    from .files.sources import public_source
 
     try:
         res = convert_checkpoint(
@@ -211,7 +210,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
     target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
     target += ", LayerScale folded into the weights" if res.metadata.get("folded_layerscale") == "true" else ""
     write_out(
-        f"converted {public_source(res.source)} ({res.source_layout} layout) -> {res.output} ({target}) "
+        f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) "
         f"as {res.variant.name} in {res.seconds:.1f} s"
     )
     if res.report is not None:

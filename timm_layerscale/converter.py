@@ -29,7 +29,7 @@ from .errors import CheckpointError, LayerScaleError, ParityError, RemapError
 from .families import FAMILIES, check_rope_buffers, official_rope_buffers
 from .files import atomic, save
 from .files import read as ckpt
-from .files.sources import is_remote, resolve_source
+from .files.sources import is_remote, public_source, resolve_source
 from .parity.compare import ParityReport, compare_weights
 from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_state_dicts
@@ -52,7 +52,9 @@ class ConversionResult:
         num_classes: Classifier size when it differs from the variant's default, else ``None``.
         img_size: The resolution a checkpoint was fine-tuned at when no variant of its
             architecture is registered at it (its models take ``img_size=``), else ``None``.
-        source: The source as given (path, URL or ``hf-hub:`` id).
+        source: The source as given (path, URL or ``hf-hub:`` id); a URL without the user name,
+            password and query that can hold credentials, as summaries and model cards show it
+            (:func:`~timm_layerscale.files.sources.public_source`).
         source_path: The local file that was read.
         source_sha256: SHA-256 of that file.
         source_layout: ``"gamma"`` or ``"ls"``.
@@ -318,7 +320,7 @@ def convert_checkpoint(
         variant=variant,
         num_classes=args.get("num_classes"),
         img_size=args.get("img_size"),
-        source=str(source),
+        source=public_source(source),
         source_path=path,
         source_sha256=sha,
         source_layout=layout,

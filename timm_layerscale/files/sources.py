@@ -37,8 +37,10 @@ __all__ = [
 WEIGHTS_NAME = "model.safetensors"
 #: Where a checkpoint folder keeps its weights, in order of preference.
 FOLDER_WEIGHTS = (WEIGHTS_NAME, "pytorch_model.bin")
+#: Prefixes of the URL sources.
+URL_PREFIXES = ("https://", "http://")
 #: Prefixes of the sources :func:`resolve_source` downloads.
-REMOTE_PREFIXES = ("https://", "http://", "hf-hub:")
+REMOTE_PREFIXES = (*URL_PREFIXES, "hf-hub:")
 
 
 def resolve_source(source: str | os.PathLike[str]) -> Path:
@@ -70,7 +72,7 @@ def public_source(source: str | os.PathLike[str]) -> str:
     password, query and fragment, which can hold credentials (a presigned URL's signature, a
     token); others unchanged."""
     source = os.fspath(source)
-    if not source.startswith(("https://", "http://")):
+    if not source.startswith(URL_PREFIXES):
         return source
     url = urlsplit(source)
     return urlunsplit((url.scheme, url.netloc.rpartition("@")[2], url.path, "", ""))
@@ -105,7 +107,7 @@ def download_source(source: str) -> Path:
         HubError: A download failed; the message says whether to check the
             address, log in, or retry.
     """
-    if source.startswith(("https://", "http://")):
+    if source.startswith(URL_PREFIXES):
         return _download_url(source)
     repo_id, revision, filename = _parse_hub_spec(source)
     return _download_from_hub(repo_id, revision, filename)

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import LayerScaleError
-from ..files.sources import WEIGHTS_NAME, public_source
+from ..files.sources import URL_PREFIXES, WEIGHTS_NAME
 
 __all__ = [
     "build_model_card",
@@ -176,8 +176,8 @@ def build_model_card(
 
     title, description = _FAMILY_TEXT.get(family, (family, "a Vision Transformer with LayerScale"))
     source, source_name, sha = conversion.source, conversion.source_path.name, conversion.source_sha256
-    if source.startswith(("https://", "http://")):
-        source_file = _md_link(source_name, public_source(source))
+    if source.startswith(URL_PREFIXES):  # without credentials: ConversionResult.source
+        source_file = _md_link(source_name, source)
     else:
         source_file = _md_code(source if source.startswith("hf-hub:") else source_name)
     if is_official(source_name, sha):

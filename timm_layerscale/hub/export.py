@@ -81,7 +81,7 @@ class ExportResult:
     def summary(self) -> str:
         """Human-readable account for the command line."""
         c = self.conversion
-        lines = [f"exported {public_source(c.source)} as {c.variant.name} to {self.folder} in {c.seconds:.1f} s"]
+        lines = [f"exported {c.source} as {c.variant.name} to {self.folder} in {c.seconds:.1f} s"]
         lines += [f"  {p.name}" for p in self.files]
         if self.plot_note:
             lines.append(f"note: {self.plot_note}")
@@ -102,7 +102,7 @@ class ExportResult:
             "architecture": self.architecture,
             "repo_id": self.repo_id,
             "num_params": self.num_params,
-            "source": public_source(c.source),
+            "source": c.source,
             "source_sha256": c.source_sha256,
             "seconds": round(c.seconds, 3),
             "report": c.report.to_dict() if c.report is not None else None,
