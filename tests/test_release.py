@@ -241,7 +241,8 @@ def test_pipeline_exports_and_pushes_only_the_good_variants(pipeline) -> None:
         config = json.loads((out / folder / "config.json").read_text())
         assert [config["architecture"], config["pretrained_cfg"]["tag"]] == folder.split(".")
         card = (out / folder / "README.md").read_text()
-        assert "python -m convert --only" in card and f"--sources {sources}" in card
+        assert f"--out {out.name} --sources sources --org my-org" in card  # local folders by name
+        assert str(sources.parent) not in card
         assert f"hf-hub:my-org/{folder}" in card
 
 

@@ -29,12 +29,15 @@ from huggingface_hub import ModelCard  # noqa: E402
 from helpers import ROOT, assert_one_line_error, cli, fine_tuned  # noqa: E402
 from timm_layerscale.errors import CheckpointError  # noqa: E402
 from timm_layerscale.hub.export import export_folder  # noqa: E402
+from timm_layerscale.parity.tolerance import VerifyOptions  # noqa: E402
 
 LABELS = [f"class {i}" for i in range(10)]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, official) -> dict[str, Path]:
+    from PIL import Image
+
     from timm_layerscale.demo import write_official_checkpoint
 
     root = tmp_path_factory.mktemp("tf")
@@ -44,13 +47,15 @@ def folders(tmp_path_factory, official) -> dict[str, Path]:
     write_official_checkpoint(vit5, "vit5_small_patch16_224", seed=2)
     labels = root / "labels.txt"
     labels.write_text("\n".join(f"{n}\tdescription of {n}" for n in LABELS) + "\n")
+    image = root / "cat.png"
+    Image.fromarray(torch.full((240, 320, 3), 128, dtype=torch.uint8).numpy()).save(image)
     tuned = fine_tuned(official, root / "tuned.pth")
     jobs = {
         "cait": (official, {}),
         "cait_gamma": (official, {"to": "gamma"}),
         "deit3": (deit3, {}),
         "vit5": (vit5, {}),
-        "tuned": (tuned, {"label_names": labels}),
+        "tuned": (tuned, {"label_names": labels, "options": VerifyOptions(num_inputs=2, images=(str(image),))}),
         "tuned_unnamed": (tuned, {"to": "gamma"}),
         "backbone": (fine_tuned(official, root / "backbone.pth", num_classes=0), {}),
         "resized": (fine_tuned(official, root / "ft256.pth", num_classes=None, img_size=256), {}),
@@ -155,6 +160,10 @@ def test_label_names_reach_timm_and_transformers(folders) -> None:
     model: Any = timm.create_model(f"local-dir:{folder}", pretrained=True)
     assert model.pretrained_cfg["label_names"] == LABELS
     assert AutoConfig.from_pretrained(folder).id2label == dict(enumerate(LABELS))
+    # The card's command names the local files, not the folder they are in.
+    card = (folder / "README.md").read_text()
+    assert "timm-layerscale export tuned.pth tuned " in card and "--images cat.png" in card
+    assert "--label-names labels.txt" in card and str(folder.parent) not in card
     # Another head size without names gets none (transformers' defaults), not ImageNet's.
     unnamed = json.loads((folders["tuned_unnamed"] / "config.json").read_text())
     assert unnamed["num_classes"] == 10 and "label_names" not in unnamed

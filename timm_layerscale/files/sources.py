@@ -30,6 +30,7 @@ __all__ = [
     "hub_endpoint",
     "is_remote",
     "public_source",
+    "published_path",
     "resolve_source",
 ]
 
@@ -76,6 +77,16 @@ def public_source(source: str | os.PathLike[str]) -> str:
         return source
     url = urlsplit(source)
     return urlunsplit((url.scheme, url.netloc.rpartition("@")[2], url.path, "", ""))
+
+
+def published_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a published model card shows it: a URL or ``hf-hub:`` id by
+    :func:`public_source`, a local path by its name alone (as the card's source line and the
+    weights' metadata name the source), so that no local folder goes to the Hub."""
+    path = os.fspath(path)
+    if path.startswith(REMOTE_PREFIXES):
+        return public_source(path)
+    return os.path.basename(os.path.normpath(path)) or path
 
 
 def is_remote(source: str | os.PathLike[str]) -> bool:

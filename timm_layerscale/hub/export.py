@@ -23,7 +23,7 @@ import secrets
 import shlex
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from ..conversion.detect import model_args
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
 from ..files.atomic import check_output_folder, clear_folder, hidden_prefix, temporary_folder
 from ..files.hub_errors import one_line
-from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, public_source
+from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, published_path
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
 from .config import read_label_names, write_config
 from .upload import PushResult, check_repo_id, push_folder
@@ -282,7 +282,7 @@ def export_folder(
             ``ORG/<folder name>``, or ``ORG/NAME`` where the folder name is no Hub name).
         plot: Draw ``gates.png`` when matplotlib is installed.
         command: Command line recorded in the card (default: the equivalent
-            ``timm-layerscale export`` command).
+            ``timm-layerscale export`` command, local paths by their names).
         to: ``"ls"`` (this package's architecture, ``ls1.gamma``) or, for CaiT,
             ``"gamma"``: timm's own ``cait_*`` architecture and layout, which timm and
             transformers load without this package. DeiT-III folders always use timm's
@@ -351,14 +351,14 @@ def export_folder(
                 plot_note = f"no {PLOT_NAME}: {e}"
         num_params = _count_params(weights)
         cmd = command or command_line(
-            ("timm-layerscale", "export", public_source(source), out_dir),
-            options,
+            ("timm-layerscale", "export", published_path(source), published_path(out_dir)),
+            options and replace(options, images=tuple(map(published_path, options.images))),
             model=model,
             ema=ema,
             push_to_hub=push_to_hub,
             private=bool(push_to_hub and private),
             to=None if to == "ls" else to,
-            label_names=label_file,
+            label_names=label_file and published_path(label_file),
             tag=tag,
         )
         card = build_model_card(
