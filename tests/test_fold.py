@@ -6,7 +6,6 @@ Folding changes rounding, so folded models are compared with a tolerance.
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import timm
@@ -15,6 +14,7 @@ from torch import nn
 
 from helpers import TINY_CAIT, TINY_VIT5, images, randomize, tiny_pair
 from timm_layerscale import LayerScale, fold_layerscale, to_layerscale
+from timm_layerscale.models import vit5
 from timm_layerscale.models.cait_ls import CaitLS
 
 # --- LayerScale folding --------------------------------------------------------------
@@ -107,18 +107,7 @@ def test_fold_without_layerscale_is_a_no_op():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def _vit5_module():
-    try:
-        mod = importlib.import_module("timm_layerscale.models.vit5")
-    except ImportError:
-        pytest.skip("no ViT-5 model file")
-    if "folded_layerscale" not in mod.Vit5.__init__.__code__.co_varnames:
-        pytest.skip("ViT-5 has no folded_layerscale")
-    return mod
-
-
 def test_fold_vit5_close_and_loads():
-    vit5 = _vit5_module()
     model = randomize(vit5.Vit5(**TINY_VIT5)).eval()
     x = images(2, 32)
     with torch.inference_mode():
@@ -143,7 +132,7 @@ def _tiny_cait_folded() -> nn.Module:
 
 
 def _tiny_vit5(folded: bool) -> nn.Module:
-    model = randomize(_vit5_module().Vit5(**TINY_VIT5)).eval()
+    model = randomize(vit5.Vit5(**TINY_VIT5)).eval()
     return fold_layerscale(model) if folded else model
 
 
@@ -235,7 +224,6 @@ def test_folded_model_loads_pretrained_weights(tmp_path, layout):
 
 
 def test_vit5_filter_folds_with_the_same_rule():
-    vit5 = _vit5_module()
     from timm_layerscale import fold_state_dict
 
     model = randomize(vit5.Vit5(**TINY_VIT5)).eval()

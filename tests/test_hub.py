@@ -555,7 +555,7 @@ def test_card_template_ships_with_the_package() -> None:
 
     from timm_layerscale.hub.card import TEMPLATE_NAME
 
-    tomllib = pytest.importorskip("tomllib")
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert TEMPLATE_NAME in package_data["timm_layerscale.hub"]
     text = resources.files("timm_layerscale.hub").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
@@ -840,12 +840,13 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
     assert "gates.png" not in text and "## LayerScale gates" not in text
     assert "**Params (M):** 46.9" in text
     # a bracket or parenthesis in a URL's file name ends neither the link's text nor its address
-    markdown_it = pytest.importorskip("markdown_it")
+    import markdown_it
+
     conversion.source = "https://host.example/runs/v2)best].pth"
     conversion.source_path = tmp_path / "v2)best].pth"
     text = str(build_model_card(conversion, repo_id="org/x", config=config, num_params=1, command="c"))
     line = next(line for line in text.splitlines() if line.startswith("- **Source file:**"))
-    inline = markdown_it.MarkdownIt().parseInline(line)[0].children
+    inline = markdown_it.MarkdownIt().parseInline(line)[0].children or []
     links = [(t.attrs["href"], inline[i + 1].content) for i, t in enumerate(inline) if t.type == "link_open"]
     assert links == [("https://host.example/runs/v2%29best%5D.pth", "v2)best].pth")]
     # a local file whose name holds a backtick still makes one code span
