@@ -217,11 +217,11 @@ def _check_sha256(rel: Release, path: Path) -> str:
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
     from timm_layerscale.files.sources import published_path
-    from timm_layerscale.options import command_line
+    from timm_layerscale.options import command_line, published_options
 
     return command_line(
         ("python", "-m", "convert"),
-        options,
+        published_options(options),
         only=rel.name,
         out=published_path(out),
         sources=sources and published_path(sources),

@@ -75,6 +75,17 @@ def test_select_by_any_name_in_table_order() -> None:
         select(["cait_s24_224"], ["vit5"])
 
 
+def test_the_cards_command_names_local_paths_by_their_names(tmp_path: Path) -> None:
+    """As ``export``'s card: the folders and the image files by name, so that no local path is published."""
+    from convert.release import _command
+    from timm_layerscale.parity.tolerance import VerifyOptions
+
+    options = VerifyOptions(num_inputs=2, images=(str(tmp_path / "imgs" / "cat.png"),))
+    command = _command(select(["cait_xxs24_224"])[0], tmp_path / "out", tmp_path / "src", "my-org", False, options)
+    assert "--out out --sources src --org my-org" in command and "--images cat.png" in command
+    assert str(tmp_path) not in command
+
+
 def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
     assert main(["--only", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown variant(s) nope" in capsys.readouterr().err

@@ -19,6 +19,7 @@ __all__ = [
     "check_inputs",
     "verify_options",
     "command_line",
+    "published_options",
 ]
 
 
@@ -125,6 +126,16 @@ def command_line(words: Sequence[Any], options: Any = None, **opts: Any) -> str:
         elif value is not None and value is not False and value not in ((), []):
             parts += [flag] + ([str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)])
     return shlex.join(parts)
+
+
+def published_options(options: Any) -> Any:
+    """``options`` (:class:`~timm_layerscale.parity.tolerance.VerifyOptions` or ``None``) with its
+    image files by their names, as a published model card's command line gives local paths."""
+    from dataclasses import replace
+
+    from .files.sources import published_path
+
+    return options and replace(options, images=tuple(map(published_path, options.images)))
 
 
 def verify_flags(options: Any) -> dict[str, Any]:

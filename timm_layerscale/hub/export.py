@@ -23,7 +23,7 @@ import secrets
 import shlex
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -308,7 +308,7 @@ def export_folder(
     """
     from ..converter import convert_checkpoint, load_source
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
-    from ..options import command_line
+    from ..options import command_line, published_options
 
     out = Path(out_dir)
     label_file = None
@@ -352,7 +352,7 @@ def export_folder(
         num_params = _count_params(weights)
         cmd = command or command_line(
             ("timm-layerscale", "export", published_path(source), published_path(out_dir)),
-            options and replace(options, images=tuple(map(published_path, options.images))),
+            published_options(options),
             model=model,
             ema=ema,
             push_to_hub=push_to_hub,
