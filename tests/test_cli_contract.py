@@ -227,7 +227,6 @@ def test_inspect_plot_without_matplotlib_fails_before_printing(official, capsys,
 
 
 def test_inspect_never_replaces_a_plot_without_overwrite(official, tmp_path, capsys, monkeypatch):
-    pytest.importorskip("matplotlib")
     from timm_layerscale import inspection
 
     plot = tmp_path / "gates.png"

@@ -14,6 +14,7 @@ import base64
 import errno
 import functools
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -555,7 +556,7 @@ def test_card_template_ships_with_the_package() -> None:
 
     from timm_layerscale.hub.card import TEMPLATE_NAME
 
-    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    tomllib = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert TEMPLATE_NAME in package_data["timm_layerscale.hub"]
     text = resources.files("timm_layerscale.hub").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")

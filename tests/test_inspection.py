@@ -151,7 +151,6 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_plot_writes_a_card_sized_png(official: dict, tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     out = plot_gates(gate_profile(official), tmp_path / "gates.png", title="tiny CaiT")
     assert out == tmp_path / "gates.png"
     width, height = _png_size(out)
@@ -159,7 +158,6 @@ def test_plot_writes_a_card_sized_png(official: dict, tmp_path: Path) -> None:
 
 
 def test_plot_format_follows_the_suffix(official: dict, tmp_path: Path, capsys) -> None:
-    pytest.importorskip("matplotlib")
     from timm_layerscale.cli import main
 
     rows = gate_profile(official)
@@ -174,7 +172,6 @@ def test_plot_format_follows_the_suffix(official: dict, tmp_path: Path, capsys) 
 
 def test_plot_marks_the_blocks_whose_gates_are_not_finite(official: dict, tmp_path: Path, monkeypatch) -> None:
     """A diverged checkpoint's NaN or infinite gates have no place on the lines: a cross marks them."""
-    pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
     drawn = []
@@ -199,7 +196,6 @@ def test_plot_marks_the_blocks_whose_gates_are_not_finite(official: dict, tmp_pa
 
 
 def test_a_failed_plot_leaves_no_file(official: dict, tmp_path: Path, monkeypatch) -> None:
-    pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
     def half_written(self, path, **kwargs) -> None:
@@ -242,7 +238,6 @@ def _has_matplotlib() -> bool:
 
 def test_a_plot_of_a_url_is_titled_without_its_query(official: dict, tmp_path: Path, monkeypatch, capsys) -> None:
     """A presigned URL's signature stays out of the plot, which may be shared."""
-    pytest.importorskip("matplotlib")
     from timm_layerscale.cli import main
     from timm_layerscale.files.sources import cached_url_path
 
