@@ -15,6 +15,7 @@ import errno
 import functools
 import hashlib
 import importlib
+import io
 import json
 import os
 import re
@@ -605,6 +606,58 @@ def test_resolve_source_downloads_from_the_hub(hub: FakeHub) -> None:
         resolve_source("hf-hub:my-org/does-not-exist")
     with pytest.raises(HubError, match=r"my-org/st has no revision 'v9' \(404\) .*check the revision"):
         resolve_source("hf-hub:my-org/st@v9")
+
+
+@pytest.mark.compat
+def test_pretrained_downloads_what_the_registered_config_names(hub: FakeHub, tmp_path: Path, monkeypatch) -> None:
+    """``create_model(NAME, pretrained=True)`` with nothing overlaid: timm downloads the file the
+    registered config names (timm's CaiT copy; a ViT-5 training dict) and the filter maps it;
+    the next build reads the cache, offline."""
+    import argparse
+
+    import timm
+    from safetensors.torch import save
+
+    from helpers import images, randomize
+    from timm_layerscale.conversion.keys import to_gamma
+    from timm_layerscale.families import rope_buffers
+
+    # timm passes no endpoint, so huggingface_hub uses the HF_ENDPOINT it read on import
+    template = hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    theirs = randomize(timm.create_model("cait_xxs24_224"), seed=3).eval()
+    sd = {k: v.contiguous() for k, v in theirs.state_dict().items()}
+    hub.repos["timm/cait_xxs24_224.fb_dist_in1k"] = {"branches": {"main": {"model.safetensors": save(sd)}}, "prs": {}}
+    tiny: dict[str, Any] = dict(embed_dim=64, depth=2, num_heads=2, img_size=32)
+    weights, ema = (randomize(timm.create_model("vit5_small_patch16_224", **tiny), seed=s).eval() for s in (4, 5))
+    model_sd, ema_sd = (to_gamma(m.state_dict(), "vit5") | rope_buffers(2, 32) for m in (weights, ema))
+    buf = io.BytesIO()
+    torch.save({"model": model_sd, "model_ema": ema_sd, "epoch": 9, "args": argparse.Namespace(lr=1.0)}, buf)
+    hub.repos["FengWang3211/ViT-5"] = {"branches": {"main": {"vit5_small_patch16_224.pth": buf.getvalue()}}, "prs": {}}
+    cache, x, x_small = tmp_path / "cache", images(2, 224), images(2, 32)
+
+    def load_and_compare() -> set[str]:
+        hub.requests.clear()
+        ours = timm.create_model("cait_xxs24_224_ls", pretrained=True, cache_dir=cache).eval()
+        with torch.inference_mode():
+            assert torch.equal(ours(x), theirs(x))
+        for tag, expected in (("in1k", weights), ("in1k_ema", ema)):
+            model = timm.create_model(f"vit5_small_patch16_224.{tag}", pretrained=True, cache_dir=cache, **tiny)
+            with torch.inference_mode():
+                assert torch.equal(model.eval()(x_small), expected(x_small)), tag
+        return {r["path"] for r in hub.requests if "/resolve/" in r["path"] and r["method"] == "GET"}
+
+    assert load_and_compare() == {
+        "/timm/cait_xxs24_224.fb_dist_in1k/resolve/main/model.safetensors",
+        "/FengWang3211/ViT-5/resolve/main/vit5_small_patch16_224.pth",
+    }
+    assert sorted(p.name for p in cache.glob("models--*")) == [
+        "models--FengWang3211--ViT-5",
+        "models--timm--cait_xxs24_224.fb_dist_in1k",
+    ]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert load_and_compare() == set()
 
 
 def test_resolve_source_rejects_a_bad_hub_spec() -> None:
