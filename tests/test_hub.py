@@ -205,7 +205,10 @@ class FakeHub:
             h.send_header("Content-Length", "0")
             h.end_headers()
             return
-        branch = repo["branches"].get(m.group(2))
+        branches = repo["branches"]
+        branch = branches.get(m.group(2))
+        if branch is None:  # a commit id, as clients resolve a branch to before fetching: that branch's head
+            branch = next((f for b, f in branches.items() if self._head(m.group(1), b) == m.group(2)), None)
         if branch is None:
             h.send_response(404)
             h.send_header("X-Error-Code", "RevisionNotFound")
@@ -696,6 +699,57 @@ def test_export_writes_a_folder_timm_loads_bit_exactly(exported) -> None:
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+def test_a_pushed_folder_loads_from_the_hub_as_its_card_and_summary_say(
+    exported, hub: FakeHub, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Pushed to the Hub (a local stand-in), the folder loads with the model card's two Python
+    examples as written, and, pushed to main, a branch or a pull request, with the
+    ``create_model`` call the summary prints and in transformers at that revision, each with
+    the reference's outputs."""
+    import timm
+    from PIL import Image
+    from transformers import AutoModelForImageClassification
+
+    # timm and transformers pass no endpoint, so huggingface_hub uses the HF_ENDPOINT it read on import
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    result, reference, _, _ = exported
+    card = (result.folder / "README.md").read_text()
+    examples = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    assert len(examples) == 2 and all(result.repo_id in e for e in examples), card
+    push_folder(result.folder, result.repo_id)
+    monkeypatch.chdir(tmp_path)
+    pixels = torch.randint(0, 256, (256, 320, 3), generator=torch.Generator().manual_seed(6), dtype=torch.uint8)
+    Image.fromarray(pixels.numpy()).save("image.jpg")
+    with_timm: dict[str, Any] = {}
+    exec(compile(examples[0], "README.md", "exec"), with_timm)
+    with torch.inference_mode():
+        expected = reference(with_timm["transform"](Image.open("image.jpg").convert("RGB")).unsqueeze(0))
+    assert torch.equal(with_timm["probs"], expected.softmax(dim=-1))
+    with_transformers: dict[str, Any] = {}
+    exec(compile(examples[1], "README.md", "exec"), with_transformers)
+    top = with_transformers["classify"]("image.jpg", top_k=1)[0]
+    assert top["label"] == with_transformers["classify"].model.config.id2label[int(expected.argmax())]
+    assert capsys.readouterr().out.count("\n") == 2  # each example prints one line
+
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = reference(x)
+    pushes: list[dict[str, Any]] = [{}, {"revision": "v2"}, {"create_pr": True}]
+    for i, kwargs in enumerate(pushes):
+        res = push_folder(result.folder, f"my-org/cait-{i}", **kwargs)
+        call = re.search(r'timm\.create_model\("(hf-hub:[^"]+)", pretrained=True\)', res.summary())
+        assert call is not None, res.summary()
+        model = timm.create_model(call.group(1), pretrained=True).eval()
+        revision = call.group(1).partition("@")[2] or None
+        hf = AutoModelForImageClassification.from_pretrained(f"my-org/cait-{i}", revision=revision).eval()
+        with torch.inference_mode():
+            assert torch.equal(model(x), expected), kwargs
+            assert torch.equal(hf(pixel_values=x).logits, expected), kwargs
 
 
 def test_export_files_config_and_metadata(exported) -> None:
