@@ -269,6 +269,15 @@ def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, tmp_path: Path, token: 
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-here"))
 
 
+def _endpoint_read_on_import(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """For timm and transformers, which pass no endpoint: huggingface_hub then uses the
+    ``HF_ENDPOINT`` it read when it was imported, as if it had been set before."""
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+
+
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     """A small folder shaped like an export: weights, config.json, model card."""
@@ -625,10 +634,7 @@ def test_pretrained_downloads_what_the_registered_config_names(hub: FakeHub, tmp
     from timm_layerscale.conversion.keys import to_gamma
     from timm_layerscale.families import rope_buffers
 
-    # timm passes no endpoint, so huggingface_hub uses the HF_ENDPOINT it read on import
-    template = hub.url + "/{repo_id}/resolve/{revision}/{filename}"
-    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
-    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    _endpoint_read_on_import(monkeypatch, hub.url)
     theirs = randomize(timm.create_model("cait_xxs24_224"), seed=3).eval()
     sd = {k: v.contiguous() for k, v in theirs.state_dict().items()}
     hub.repos["timm/cait_xxs24_224.fb_dist_in1k"] = {"branches": {"main": {"model.safetensors": save(sd)}}, "prs": {}}
@@ -712,11 +718,7 @@ def test_a_pushed_folder_loads_from_the_hub_as_its_card_and_summary_say(
     from PIL import Image
     from transformers import AutoModelForImageClassification
 
-    # timm and transformers pass no endpoint, so huggingface_hub uses the HF_ENDPOINT it read on import
-    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
-    monkeypatch.setattr(
-        huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}"
-    )
+    _endpoint_read_on_import(monkeypatch, hub.url)
     result, reference, _, _ = exported
     card = (result.folder / "README.md").read_text()
     examples = re.findall(r"```python\n(.*?)```", card, flags=re.S)
