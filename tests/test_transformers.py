@@ -19,17 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is a test extra (pip install -e '.[test]'); CI installs it"
-)
-
-from huggingface_hub import ModelCard  # noqa: E402
-
-from helpers import ROOT, assert_one_line_error, cli, fine_tuned  # noqa: E402
-from timm_layerscale.errors import CheckpointError  # noqa: E402
-from timm_layerscale.hub.export import export_folder  # noqa: E402
-from timm_layerscale.parity.tolerance import VerifyOptions  # noqa: E402
+from helpers import ROOT, assert_one_line_error, cli, fine_tuned
+from timm_layerscale.errors import CheckpointError
+from timm_layerscale.hub.export import export_folder
+from timm_layerscale.parity.tolerance import VerifyOptions
 
 LABELS = [f"class {i}" for i in range(10)]
 
