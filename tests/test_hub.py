@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from helpers import ROOT, cli
 from timm_layerscale.errors import HubError, OutputExistsError
-from timm_layerscale.files.sources import resolve_source
+from timm_layerscale.files.sources import cached_url_path, resolve_source
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.hub.upload import plan_push, push_folder
 from timm_layerscale.parity.tolerance import VerifyOptions
@@ -599,6 +599,34 @@ def test_resolve_source_network_failure_is_one_line(tmp_path: Path, monkeypatch)
         resolve_source(_free_port_url() + "/deit/XXS24_224.pth?token=s3cr3t")
     assert "/deit/XXS24_224.pth:" in str(info.value) and "s3cr3t" not in str(info.value)  # messages reach logs
     assert not (tmp_path / "checkpoints" / "XXS24_224.pth").exists()
+
+
+def test_resolve_source_downloads_a_url_once_and_says_when_it_is_wrong(tmp_path: Path, monkeypatch) -> None:
+    """A real download from a web server on 127.0.0.1 into torch.hub's cache, read from there
+    the second time; a missing file is one line that says to check the URL, and leaves nothing."""
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    (tmp_path / "site" / "deit").mkdir(parents=True)
+    (tmp_path / "site" / "deit" / "model.pth").write_bytes(b"weights" * 1000)
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "torch-hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path / "site"))) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            base = f"http://127.0.0.1:{server.server_address[1]}/deit"
+            got = resolve_source(base + "/model.pth")
+            assert got == cached_url_path(base + "/model.pth") and got.read_bytes() == b"weights" * 1000
+            (tmp_path / "site" / "deit" / "model.pth").unlink()
+            assert resolve_source(base + "/model.pth") == got  # from the cache
+            with pytest.raises(HubError) as info:
+                resolve_source(base + "/modle.pth")
+            assert str(info.value) == f"could not download {base}/modle.pth: not found (404); check the URL"
+            assert list(cached_url_path(base + "/modle.pth").parent.glob("*")) == []
+        finally:
+            server.shutdown()
 
 
 @pytest.mark.compat
