@@ -1004,8 +1004,9 @@ BOM = b"\xef\xbb\xbf"
         (b"tench\tTinca tinca\ngoldfish\n", {"tench": "Tinca tinca"}),
         (BOM + b"tench\tTinca tinca\r\ngoldfish\r\n", {"tench": "Tinca tinca"}),
         (BOM + b'["tench", "goldfish"]', None),
+        (b'{"1": "goldfish", "0": "tench"}', None),
     ],
-    ids=["lines", "windows lines", "windows json"],
+    ids=["lines", "windows lines", "windows json", "id2label"],
 )
 def test_label_files_as_editors_save_them(tmp_path: Path, text: bytes, descriptions: dict | None) -> None:
     """A Windows editor's byte-order mark and CRLF line ends do not reach the class names."""
@@ -1023,7 +1024,20 @@ def test_label_files_as_editors_save_them(tmp_path: Path, text: bytes, descripti
         (b"", r"labels.txt holds no class names; write one name per class$"),
         (b"cat\n\ndog\n", r"labels.txt holds no name for class 1; write one name per class$"),
         (b"\xff\xfe", r"cannot read the label file .*labels.txt \(.*\); pass a UTF-8 text file, one name per line$"),
+        (
+            b'["tench",',
+            r"labels.txt is not valid JSON \(Expecting value at line 1\); fix it or write one name per line$",
+        ),
+        (
+            b'["tench", 2]',
+            r"labels.txt is neither a list of names nor an object from every class index to a name; write \[\"tench\", \.\.\.\] or",
+        ),
+        (
+            b'{"1": "goldfish", "2": "tench"}',
+            r"labels.txt is neither a list .* or \{\"0\": \"tench\", \.\.\.\}$",
+        ),
     ],
+    ids=["missing", "empty", "gap", "not utf-8", "bad json", "not strings", "not every index"],
 )
 def test_label_file_errors_say_what_to_write(tmp_path: Path, text: bytes | None, message: str) -> None:
     from timm_layerscale.errors import CheckpointError

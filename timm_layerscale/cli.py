@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--label-names",
         metavar="FILE",
-        help="class names of a fine-tuned head: one per line (name<TAB>description allowed) or a JSON list "
-        "(default: timm's ImageNet names for 1000 classes, none otherwise)",
+        help="class names of a fine-tuned head: one per line (name<TAB>description allowed), a JSON list "
+        "or a JSON object from class index to name, as id2label (default: timm's ImageNet names for 1000 "
+        "classes, none otherwise)",
     )
     p.add_argument(
         "--tag", help="pretrained tag written into config.json (default: the architecture's, e.g. fb_dist_in1k)"

@@ -100,7 +100,8 @@ def write_config(
 
 
 def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str, str] | None]:
-    """Read class names: a JSON list of strings, or one name per line.
+    """Read class names: a JSON list of strings, a JSON object from class index to name
+    (transformers' ``id2label``: ``{"0": "tench", "1": "goldfish"}``), or one name per line.
 
     A line may hold ``name<TAB>description``; the descriptions then become timm's
     ``label_descriptions``. Blank lines at the end are ignored; names must be unique.
@@ -120,15 +121,21 @@ def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str,
             f"cannot read the label file {p} ({reason}); pass a UTF-8 text file, one name per line"
         ) from None
     descriptions: dict[str, str] | None = None
-    if text.lstrip().startswith("["):
+    if text.lstrip().startswith(("[", "{")):
         try:
             names = json.loads(text)
         except json.JSONDecodeError as e:
             raise CheckpointError(
-                f"{p} is not a JSON list ({e.msg} at line {e.lineno}); write one name per line instead"
+                f"{p} is not valid JSON ({e.msg} at line {e.lineno}); fix it or write one name per line"
             ) from None
-        if not all(isinstance(n, str) for n in names):
-            raise CheckpointError(f"{p}: a JSON label file is a list of strings")
+        if isinstance(names, dict):
+            indices = [str(i) for i in range(len(names))]
+            names = [names[i] for i in indices] if sorted(names) == sorted(indices) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CheckpointError(
+                f"{p} is neither a list of names nor an object from every class index to a name;"
+                ' write ["tench", ...] or {"0": "tench", ...}'
+            )
     else:
         names, descriptions = [], {}
         for line in text.rstrip("\r\n").splitlines():

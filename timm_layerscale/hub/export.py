@@ -288,7 +288,8 @@ def export_folder(
             transformers load without this package. DeiT-III folders always use timm's
             own ``deit3_*``; ViT-5 has no timm architecture.
         label_names: Class names for a fine-tuned head: a list, or a file with one name
-            per line (``name<TAB>description`` allowed) or a JSON list. Without them a
+            per line (``name<TAB>description`` allowed), a JSON list or a JSON object from
+            class index to name (transformers' ``id2label``). Without them a
             1000-class model keeps timm's ImageNet labels and other sizes get none.
         tag: Pretrained tag written into ``config.json`` (default: the architecture's
             default tag, e.g. ``fb_dist_in1k``).
