@@ -324,6 +324,15 @@ def test_wheel_ships_startup_files_at_its_root(wheel):
         assert f"{HOOK}.py" in zf.namelist()
 
 
+def test_wheel_ships_the_package_data(wheel):
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    assert {"timm_layerscale/hub/card_template.md", "timm_layerscale/py.typed"} <= names
+    assert not any("__pycache__" in n or n.startswith(("tests/", "convert/", "benchmarks/")) for n in names)
+
+
 def test_startup_files_installed_and_entry_point_resolves(installed):
     for name, text in STARTUP_FILES.items():
         assert (installed.site_packages / name).read_text() == text
