@@ -1028,16 +1028,15 @@ def test_label_files_as_editors_save_them(tmp_path: Path, text: bytes, descripti
             b'["tench",',
             r"labels.txt is not valid JSON \(Expecting value at line 1\); fix it or write one name per line$",
         ),
-        (
-            b'["tench", 2]',
-            r"labels.txt is neither a list of names nor an object from every class index to a name; write \[\"tench\", \.\.\.\] or",
-        ),
+        (b'["tench", 2]', r"labels.txt holds 2, not a name; give one string per class$"),
+        (b'{"0": "tench", "1": null}', r"labels.txt holds None, not a name; give one string per class$"),
         (
             b'{"1": "goldfish", "2": "tench"}',
-            r"labels.txt is neither a list .* or \{\"0\": \"tench\", \.\.\.\}$",
+            r"labels.txt is neither a list of names nor an object from every class index to a name;"
+            r" write \[\"tench\", \.\.\.\] or \{\"0\": \"tench\", \.\.\.\}$",
         ),
     ],
-    ids=["missing", "empty", "gap", "not utf-8", "bad json", "not strings", "not every index"],
+    ids=["missing", "empty", "gap", "not utf-8", "bad json", "not strings", "null", "not every index"],
 )
 def test_label_file_errors_say_what_to_write(tmp_path: Path, text: bytes | None, message: str) -> None:
     from timm_layerscale.errors import CheckpointError
@@ -1048,3 +1047,16 @@ def test_label_file_errors_say_what_to_write(tmp_path: Path, text: bytes | None,
         path.write_bytes(text)
     with pytest.raises(CheckpointError, match=message):
         read_label_names(path)
+
+
+def test_label_names_from_python_are_checked_before_anything_is_written(official, tmp_path: Path) -> None:
+    from timm_layerscale.errors import CheckpointError
+
+    cases: list[tuple[Any, str]] = [
+        ({0: "tench", 1: "goldfish"}, r"label_names holds 0, not a name; give one string per class$"),
+        (["tench", "tench"], r"label_names names a class twice \('tench'\); class names must be unique$"),
+    ]
+    for names, message in cases:
+        with pytest.raises(CheckpointError, match=message):
+            export_folder(official, tmp_path / "out", label_names=names, plot=False)
+    assert list(tmp_path.iterdir()) == []

@@ -66,7 +66,8 @@ def write_config(
         The written configuration.
 
     Raises:
-        CheckpointError: ``label_names`` has another length than the classifier, or the tag is unknown.
+        CheckpointError: ``label_names`` are no unique strings or have another length than the
+            classifier, or the tag is unknown.
     """
     import timm
     import torch
@@ -79,12 +80,13 @@ def write_config(
         kwargs = timm_args(model_args or {})
         model = timm.create_model(model_name, **kwargs)
         default = timm.create_model(model_name) if kwargs else model
-    if label_names is not None and len(label_names) != model.num_classes:
-        raise CheckpointError(
-            f"{len(label_names)} label names for a model with {model.num_classes} classes; give one name per class"
-        )
     extra: dict[str, Any] = {}
     if label_names is not None:
+        _check_names(label_names, "label_names")
+        if len(label_names) != model.num_classes:
+            raise CheckpointError(
+                f"{len(label_names)} label names for a model with {model.num_classes} classes; give one name per class"
+            )
         extra["label_names"] = list(label_names)
     if label_descriptions:
         extra["label_descriptions"] = dict(label_descriptions)
@@ -131,7 +133,7 @@ def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str,
         if isinstance(names, dict):
             indices = [str(i) for i in range(len(names))]
             names = [names[i] for i in indices] if sorted(names) == sorted(indices) else None
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, list):
             raise CheckpointError(
                 f"{p} is neither a list of names nor an object from every class index to a name;"
                 ' write ["tench", ...] or {"0": "tench", ...}'
@@ -143,11 +145,19 @@ def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str,
             names.append(name.strip())
             if description.strip():
                 descriptions[name.strip()] = description.strip()
+    _check_names(names, str(p))
+    return names, descriptions or None
+
+
+def _check_names(names: Sequence[Any], where: str) -> None:
+    """Class names are strings, one per class, none empty and none twice."""
+    wrong = [n for n in names if not isinstance(n, str)]
+    if wrong:
+        raise CheckpointError(f"{where} holds {wrong[0]!r}, not a name; give one string per class")
     empty = [i for i, n in enumerate(names) if not n]
     if empty or not names:
         what = f"no name for class {empty[0]}" if empty else "no class names"
-        raise CheckpointError(f"{p} holds {what}; write one name per class")
+        raise CheckpointError(f"{where} holds {what}; write one name per class")
     repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     if repeated:
-        raise CheckpointError(f"{p} names a class twice ({repeated[0]!r}); class names must be unique")
-    return names, descriptions or None
+        raise CheckpointError(f"{where} names a class twice ({repeated[0]!r}); class names must be unique")
