@@ -66,8 +66,8 @@ def write_config(
         The written configuration.
 
     Raises:
-        CheckpointError: ``label_names`` are no unique strings or have another length than the
-            classifier, or the tag is unknown.
+        CheckpointError: ``label_names`` are not unique, non-empty strings, one per class,
+            or the tag is unknown.
     """
     import timm
     import torch
