@@ -359,26 +359,40 @@ def test_dynamic_quantization_reaches_every_path(impl):
         assert torch.equal(ours(x), ref(x))
 
 
-@pytest.mark.parametrize("where", ["proj_l", "attn_drop", "pruned proj_w"])
+@pytest.mark.parametrize("where", ["proj_l", "attn_drop", "pruned proj_w", "global hook"])
 @pytest.mark.parametrize("impl", ["reference", "buffered", "fast"])
 def test_hooks_and_pruning_on_the_head_mixes_hold_on_every_path(impl, where):
     """A forward hook on ``proj_l`` (the mixed logits) or ``attn_drop`` (the attention map) is
     called in every block, and a pruning mask on ``proj_w`` (a forward pre-hook) applies, as in
-    timm's model."""
+    timm's model. So is a hook registered for every module (``register_module_forward_hook``, as
+    module trackers and profilers do), here keeping what ``proj_l`` gives."""
+    from torch.nn.modules.module import register_module_forward_hook
     from torch.nn.utils import prune
 
     ref, ours = tiny_pair(attn_impl=impl)
     seen: dict[str, list[torch.Tensor]] = {"ref": [], "ours": []}
+    mixes: dict[nn.Module, str] = {}
     for name, model in (("ref", ref), ("ours", ours)):
         for attn in (m for m in model.modules() if isinstance(m, (RefAttn, TalkingHeadAttn))):
             if where == "pruned proj_w":
                 prune.l1_unstructured(attn.proj_w, "weight", amount=0.5)
+            elif where == "global hook":
+                mixes[attn.proj_l] = name
             else:
                 layer = getattr(attn, where)
                 layer.register_forward_hook(lambda m, i, o, name=name: seen[name].append(o.clone()))
+
+    def keep_mixed_logits(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if module in mixes:
+            seen[mixes[module]].append(out.clone())
+
+    handle = register_module_forward_hook(keep_mixed_logits)
     x = images(2, TINY["img_size"])
     with torch.inference_mode():
-        assert torch.equal(ours(x), ref(x))
+        try:
+            assert torch.equal(ours(x), ref(x))
+        finally:
+            handle.remove()
     assert len(seen["ours"]) == (0 if where.startswith("pruned") else TINY["depth"])
     assert all(map(torch.equal, seen["ours"], seen["ref"]))
 

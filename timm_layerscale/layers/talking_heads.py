@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules import module as _every_module
 
 from .attention import MultiHeadAttention
 
@@ -106,9 +107,12 @@ class TalkingHeadAttn(MultiHeadAttention):
     def _eager_inference(self, x: torch.Tensor) -> bool:
         """True for a non-empty batch on CPU when no autograd, autocast, dropout, compiler or tracer is
         involved, and the layers the other paths do not call (they read the head mixes' weights and
-        skip the dropout) are plain ``nn.Linear`` / ``nn.Dropout`` without hooks: a quantized or
-        adapted layer, a hook that reads the attention map, or a pruning mask keeps the reference."""
+        skip the dropout) are plain ``nn.Linear`` / ``nn.Dropout`` without hooks, their own or every
+        module's: a quantized or adapted layer, a hook that reads the attention map, a module tracker
+        or a pruning mask keeps the reference."""
         if isinstance(x, torch.fx.Proxy) or x.device.type != "cpu":  # an FX trace records the reference
+            return False
+        if _every_module._global_forward_hooks or _every_module._global_forward_pre_hooks:
             return False
         for m, plain in ((self.proj_l, nn.Linear), (self.proj_w, nn.Linear), (self.attn_drop, nn.Dropout)):
             if type(m) is not plain or m._forward_hooks or m._forward_pre_hooks:
