@@ -1,7 +1,8 @@
 """The parity net: what varies between users, sampled in one fresh interpreter.
 
 ``tests/test_parity_net.py`` runs this file once per process-wide setting (thread count,
-CPU kernel dispatch), each in a fresh interpreter because those are read at start-up.
+CPU kernel dispatch, fp32 matmul precision), each in a fresh interpreter because those are
+read at start-up or hold for the whole process.
 Within one run it varies what a user varies per call:
 
 * where the weights lie: the converted file rewritten with its data at every 8-byte
@@ -17,9 +18,11 @@ reference is an independent implementation: its verification passes within the s
 tolerance at every offset, ``--exact`` gives one verdict for all of them, and under
 autocast it stays within the tolerance of the autocast dtype.
 
-Usage: ``python tests/parity_net_check.py WORKDIR {full,core} {default,THREADS} [DEVICE]``
-(``DEVICE`` ``cpu`` by default, or ``cuda``; a missing WORKDIR is made with :func:`prepare`);
-prints one JSON object: the ATen capability (the GPU's name on CUDA), the thread count, per
+Usage: ``python tests/parity_net_check.py WORKDIR {full,core} {default,THREADS} [DEVICE [PRECISION]]``
+(``DEVICE`` ``cpu`` by default, or ``cuda``; ``PRECISION`` is given to
+``torch.set_float32_matmul_precision``, ``highest`` by default; a missing WORKDIR is made
+with :func:`prepare`); prints one JSON object: the ATen capability (the GPU's name on CUDA),
+the thread count and fp32 matmul precision, per
 exact case the largest absolute difference (0.0 where the outputs are ``torch.equal``, else at
 least 1e-45), and ViT-5's verdicts.
 """
@@ -270,6 +273,7 @@ def main(workdir: Path, scope: str) -> dict[str, Any]:
     return {
         "capability": torch.cuda.get_device_name() if DEVICE == "cuda" else torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
+        "fp32_matmul_precision": torch.get_float32_matmul_precision(),
         "results": net.results,
         "vit5_verdicts": net.verdicts,
     }
@@ -279,5 +283,7 @@ if __name__ == "__main__":
     if sys.argv[3] != "default":
         torch.set_num_threads(int(sys.argv[3]))
     DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    if len(sys.argv) > 5:
+        torch.set_float32_matmul_precision(sys.argv[5])
     work = Path(sys.argv[1])
     print(json.dumps(main(work if work.exists() else prepare(work), sys.argv[2])))

@@ -1,11 +1,13 @@
 """The parity net: exact parity under what varies between users (``tests/parity_net_check.py``).
 
-Each process-wide setting (thread count, CPU kernel dispatch) runs in a fresh interpreter
+Each process-wide setting (thread count, CPU kernel dispatch, fp32 matmul precision) runs in a fresh interpreter
 on the same files: seeded official-layout CaiT (``cait_xxs24_224``), DeiT-III
 (``deit3_small_patch16_224``) and ViT-5 (``vit5_small_patch16_224``) checkpoints, their
 conversions and exported folders. The default setting samples everything (channels-last
 models and images among it); the others sample batch sizes, fused attention, bf16 autocast and
-two offsets. Where a CUDA device is present, the whole net runs on it too (both models there);
+two offsets. ``torch.set_float32_matmul_precision("medium")``, which a training script may set
+for a GPU's TF32 and which allows oneDNN to compute fp32 matmuls with bf16 internally on a CPU,
+changes both models' arithmetic alike. Where a CUDA device is present, the whole net runs on it too (both models there);
 elsewhere that case skips.
 """
 
@@ -19,13 +21,14 @@ import torch
 from test_exact_attention import run_under_dispatch
 from timm_layerscale.cli import main as cli_main
 
-#: Setting -> (CPU kernel dispatch, threads, scope, device).
+#: Setting -> (CPU kernel dispatch, threads, scope, device, fp32 matmul precision).
 SETTINGS = {
-    "default-threads": ("best", "default", "full", "cpu"),
-    "one-thread": ("best", "1", "core", "cpu"),
-    "aten-default": ("aten-default", "default", "core", "cpu"),
-    "aten-avx2-mkl-avx2": ("aten-avx2-mkl-avx2", "default", "core", "cpu"),
-    "cuda": ("best", "default", "full", "cuda"),
+    "default-threads": ("best", "default", "full", "cpu", "highest"),
+    "one-thread": ("best", "1", "core", "cpu", "highest"),
+    "aten-default": ("aten-default", "default", "core", "cpu", "highest"),
+    "aten-avx2-mkl-avx2": ("aten-avx2-mkl-avx2", "default", "core", "cpu", "highest"),
+    "fp32-matmul-medium": ("best", "default", "core", "cpu", "medium"),
+    "cuda": ("best", "default", "full", "cuda", "highest"),
 }
 
 
@@ -39,12 +42,14 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_parity_net(setting: str, workdir: Path) -> None:
-    dispatch, threads, scope, device = SETTINGS[setting]
+    dispatch, threads, scope, device, precision = SETTINGS[setting]
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    result = run_under_dispatch(dispatch, "parity_net_check.py", str(workdir), scope, threads, device, timeout=900)
+    args = (str(workdir), scope, threads, device, precision)
+    result = run_under_dispatch(dispatch, "parity_net_check.py", *args, timeout=900)
     if threads != "default":
         assert result["threads"] == int(threads)
+    assert result["fp32_matmul_precision"] == precision
     results = result["results"]
     families = {case.split()[0] for case in results}
     assert families == {"cait", "deit3"}
