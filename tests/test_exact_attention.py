@@ -342,6 +342,26 @@ def test_an_empty_batch_gives_an_empty_output(impl):
     ours.train()(x).sum().backward()
 
 
+@pytest.mark.parametrize("impl", ["buffered", "fast"])
+def test_threads_running_one_model_at_once_keep_their_own_buffers(impl):
+    """A server's threads calling one model at the same time, at different batch sizes: each
+    gets the output its input gives alone (the shared buffers belong to one call's context)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, ours = tiny_pair(attn_impl=impl)
+    inputs = [images(n, TINY["img_size"], seed=n) for n in (1, 2, 3, 5)] * 4
+    with torch.inference_mode():
+        alone = [ours(x) for x in inputs]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return ours(x)
+
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(run, inputs))
+    assert all(map(torch.equal, together, alone))
+
+
 @pytest.mark.parametrize("impl", ["reference", "buffered", "fast"])
 def test_dynamic_quantization_reaches_every_path(impl):
     """``quantize_dynamic`` replaces the head mixes by quantized layers, whose weights are no
