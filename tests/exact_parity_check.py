@@ -31,7 +31,7 @@ SHAPES = [(2, 17, 32, 4), (3, 50, 96, 6), (1, 65, 256, 16), (4, 196, 192, 4)]
 def attention_checks() -> dict[str, bool]:
     out = {}
     for B, N, C, H in SHAPES:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
             ref = randomize(RefAttn(C, num_heads=H, qkv_bias=True)).eval().to(dtype)
             ours = BufferedTalkingHeadAttn(C, num_heads=H, qkv_bias=True).eval().to(dtype)
             ours.load_state_dict(ref.state_dict())

@@ -51,7 +51,7 @@ SHAPES = [
     (2, 1, 32, 4),
     (3, 7, 16, 1),
 ]
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _attn_pair(C: int, H: int, dtype: torch.dtype, cls: type = BufferedTalkingHeadAttn) -> tuple[nn.Module, nn.Module]:
@@ -90,7 +90,7 @@ def fused_attn():
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("B,N,C,H", SHAPES)
 def test_buffered_attention_makes_timms_kernel_calls(B, N, C, H, dtype, buffered_calls):
     ref, ours = _attn_pair(C, H, dtype)
@@ -130,7 +130,7 @@ def test_model_makes_timms_kernel_calls(fused, fused_attn, buffered_calls):
 # --- results on this machine ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("B,N,C,H", SHAPES)
 def test_buffered_attention_bit_exact(B, N, C, H, dtype, buffered_calls):
     ref, ours = _attn_pair(C, H, dtype)
@@ -198,9 +198,10 @@ def test_cait_xxs24_bit_exact_eval_and_train(name, fused, fused_attn, buffered_c
         ref.train()
         ours.train()
         assert torch.equal(ours(x), ref(x))
-    bf16_ref, bf16_ours = copy.deepcopy(ref).eval().bfloat16(), copy.deepcopy(ours).eval().bfloat16()
-    with torch.inference_mode():
-        assert torch.equal(bf16_ours(x.bfloat16()), bf16_ref(x.bfloat16()))
+    for dtype in (torch.bfloat16, torch.float16):
+        half_ref, half_ours = copy.deepcopy(ref).eval().to(dtype), copy.deepcopy(ours).eval().to(dtype)
+        with torch.inference_mode():
+            assert torch.equal(half_ours(x.to(dtype)), half_ref(x.to(dtype))), dtype
 
 
 # --- other kernel dispatches ---------------------------------------------------------
@@ -247,7 +248,7 @@ def run_under_dispatch(dispatch: str, script: str, *args: str, timeout: int = 60
 def test_exact_parity_under_other_kernel_dispatch(dispatch):
     result = run_under_dispatch(dispatch, "exact_parity_check.py")
     failed = [name for name, ok in result["checks"].items() if not ok]
-    assert len(result["checks"]) == 10
+    assert len(result["checks"]) == 14
     assert not failed, f"not bit-exact under {dispatch} ({result['capability']}): {failed}"
 
 
@@ -260,7 +261,7 @@ def _within_fast_bound(got: torch.Tensor, expected: torch.Tensor) -> tuple[float
     return err, rtol * expected.float().abs().max().item()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("B,N,C,H", SHAPES)
 def test_fast_attention_within_its_bound(B, N, C, H, dtype):
     ref, fast = _attn_pair(C, H, dtype, FastTalkingHeadAttn)
