@@ -141,7 +141,8 @@ def _workspace() -> Iterator[None]:
 
 
 def attention_workspace() -> AbstractContextManager[None]:
-    """Share the buffered attention's buffers between the calls inside the ``with`` block.
+    """Share the buffered attention's buffers between the calls inside the ``with`` block, in
+    the thread (or asyncio task) that enters it; other threads keep their own.
 
     A model runs its blocks inside one, so a forward pass allocates the three
     ``(B, H, N, N)`` buffers once instead of once per block; they are released when
