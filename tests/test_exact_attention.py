@@ -14,6 +14,7 @@ reference with its documented tolerance instead.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -408,14 +409,10 @@ def test_hooks_and_pruning_on_the_head_mixes_hold_on_every_path(impl, where):
             seen[mixes[module]].append(out.clone())
 
     # only in its own case: while it is registered, every path runs the reference formulation
-    handle = register_module_forward_hook(keep_mixed_logits) if where == "global hook" else None
+    hook = register_module_forward_hook(keep_mixed_logits) if where == "global hook" else contextlib.nullcontext()
     x = images(2, TINY["img_size"])
-    with torch.inference_mode():
-        try:
-            assert torch.equal(ours(x), ref(x))
-        finally:
-            if handle is not None:
-                handle.remove()
+    with hook, torch.inference_mode():  # the handle removes the hook on leaving
+        assert torch.equal(ours(x), ref(x))
     assert len(seen["ours"]) == (0 if where.startswith("pruned") else TINY["depth"])
     assert all(map(torch.equal, seen["ours"], seen["ref"]))
 
