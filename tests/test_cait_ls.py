@@ -13,7 +13,7 @@ from timm.layers import set_fused_attn
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from helpers import DEVICES, assert_traces_and_scripts, create_model
-from kernel_trace import reduction_trace
+from kernel_trace import compiled_graph, reduction_trace
 from timm_layerscale import to_gamma, to_layerscale
 from timm_layerscale.models.cait_ls import VARIANTS, CaitLS
 from timm_layerscale.parity.inputs import seed_parameters_
@@ -217,6 +217,24 @@ def test_fused_attention_close_to_official_math(xxs24, images):
     with torch.no_grad():
         expected = _official_forward(to_gamma(ours.state_dict()), images, num_heads=4, patch=16)
         assert (ours(images) - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
+def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused):
+    """``torch.compile`` makes timm's ATen graph of the converted model, up to the order of a
+    multiply's operands (timm's ``gamma_1 * x``, LayerScale's ``x * gamma``: they round alike),
+    so the code it generates computes alike: the compiled models' outputs are ``torch.equal``."""
+    set_fused_attn(fused)
+    try:
+        ref, ours = _pair("cait_xxs24_224", **tiny_cait_kwargs)
+    finally:
+        set_fused_attn(True)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    assert compiled_graph(ours, x) == compiled_graph(ref, x)
+    if fused:  # the code inductor generates from that graph, for timm's default
+        torch._dynamo.reset()
+        with torch.inference_mode():
+            assert torch.equal(torch.compile(ours)(x), torch.compile(ref)(x))
 
 
 # --- pretrained loading ----------------------------------------------------------------------
