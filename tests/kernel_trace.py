@@ -135,7 +135,7 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor) -> list[tuple]:
     torch._dynamo.reset()
     ((graph, inputs),) = graphs
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-    names: dict[torch.fx.Node, Any] = {  # the parameters are the graph's inputs, so each is one
+    names: dict[torch.fx.Node, Any] = {  # one placeholder per input, parameters included, in order
         n: ("input", tuple(t.shape), hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest())
         for n, t in zip(placeholders, inputs, strict=True)
     }
