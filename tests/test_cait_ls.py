@@ -232,7 +232,6 @@ def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused):
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     assert compiled_graph(ours, x) == compiled_graph(ref, x)
     if fused:  # the code inductor generates from that graph, for timm's default
-        torch._dynamo.reset()
         with torch.inference_mode():
             assert torch.equal(torch.compile(ours)(x), torch.compile(ref)(x))
 
