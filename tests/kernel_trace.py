@@ -6,8 +6,8 @@ induction when the inputs are equal). :func:`reduction_trace` lists those calls;
 movement (views, copies) and ``out=`` / in-place variants are free to differ, so they
 are left out or normalised. Elementwise calls are kept by name only: each rounds once
 per element whatever the layout, so their order is what has to agree. :func:`compiled_graph`
-gives the ATen graph ``torch.compile`` makes of a forward pass, for the same comparison of two
-compiled models: one graph, one generated code.
+gives the ATen graphs ``torch.compile`` makes of a forward pass or a training step, for the same
+comparison of two compiled models: one graph, one generated code.
 """
 
 from __future__ import annotations
@@ -113,44 +113,85 @@ def reduction_trace(fn: Callable[[], Any]) -> list[tuple]:
     return rec.calls
 
 
-def compiled_graph(model: torch.nn.Module, x: torch.Tensor) -> list[tuple]:
-    """The ATen graph ``torch.compile`` makes of ``model(x)`` for inference, in a form in which
-    two models' graphs can be compared: each input named by its shape and values (a parameter of
-    one model matches the equal one of the other, whatever their names and order), each node by
-    its position, and the operands of a multiply sorted (``a * b`` rounds as ``b * a``)."""
-    from torch._functorch.aot_autograd import aot_module_simplified
+def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | None = None) -> Any:
+    """The ATen graphs ``torch.compile`` makes of ``model(x)``, in a form in which two models'
+    graphs can be compared.
 
-    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
+    Without ``loss``, the inference graph: the names of its outputs. With ``loss``, a training
+    step (``loss(model(x)).backward()``, which fills the parameters' ``.grad``): the forward
+    graph's outputs and, as a sorted list, each input with its gradient from the backward graph.
+    A name stands for the whole computation behind a value, so two graphs give the same names
+    when they make the same calls on the same values, in whatever order independent calls
+    come: an input is named by its shape and values (a parameter of one model matches the
+    equal one of the other, whatever their names and order), a call by its operator, its
+    operands' names with a multiply's sorted (``a * b`` rounds as ``b * a``), and, for a
+    random one, its place among the random calls (the order they draw in).
+    """
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+    graphs: dict[str, Any] = {}
 
     def backend(traced: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
-        def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
-            graphs.append((gm, inputs))
-            return gm.forward
+        def recorder(kind: str) -> Callable:
+            def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
+                graphs[kind] = gm
+                return make_boxed_func(gm.forward)
 
-        return aot_module_simplified(traced, inputs, fw_compiler=record)
+            return record
+
+        graphs["inputs"] = inputs
+        return aot_module_simplified(traced, inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
 
     torch._dynamo.reset()  # a fresh trace: no shape made dynamic by an earlier compile
-    with torch.inference_mode():
-        torch.compile(model, backend=backend, fullgraph=True)(x)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    if loss is None:
+        with torch.inference_mode():
+            compiled(x)
+    else:
+        loss(compiled(x)).backward()
     torch._dynamo.reset()
-    ((graph, inputs),) = graphs
-    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+
+    forward = graphs["forward"].graph
+    primals = [n for n in forward.nodes if n.op == "placeholder"]
     names: dict[torch.fx.Node, Any] = {  # one placeholder per input, parameters included, in order
         n: ("input", tuple(t.shape), hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest())
-        for n, t in zip(placeholders, inputs, strict=True)
+        for n, t in zip(primals, graphs["inputs"], strict=True)
     }
+    outputs = _output_names(forward, names)
+    if loss is None:
+        return outputs
+    backward = graphs["backward"].graph
+    placeholders = [n for n in backward.nodes if n.op == "placeholder"]  # saved values, then tangents
+    saved = [n for n in placeholders if not n.name.startswith("tangents")]
+    tangents = placeholders[len(saved) :]
+    names.update(zip(saved, outputs[len(outputs) - len(saved) :], strict=True))
+    names.update((n, ("tangent", i)) for i, n in enumerate(tangents))
+    grads = _output_names(backward, names)
+    gradients = sorted((repr(names[n]), repr(g)) for n, g in zip(primals, grads, strict=True))  # one per input
+    return outputs[: len(outputs) - len(saved)], gradients
+
+
+def _output_names(graph: torch.fx.Graph, names: dict[torch.fx.Node, Any]) -> list[Any]:
+    """Name every call of ``graph`` after what it computes (``names`` holds its inputs' names);
+    return its outputs' names."""
 
     def operand(v: Any) -> Any:
         if isinstance(v, torch.fx.Node):
             return names[v]
         return tuple(operand(a) for a in v) if isinstance(v, (list, tuple)) else v
 
-    nodes: list[tuple] = []
-    for n in graph.graph.nodes:
-        if n.op != "placeholder":
-            args = tuple(operand(a) for a in n.args)
-            if n.target is torch.ops.aten.mul.Tensor:
-                args = tuple(sorted(args, key=repr))
-            names[n] = f"%{len(nodes)}"
-            nodes.append((str(n.target), args, {k: operand(v) for k, v in n.kwargs.items()}))
-    return nodes
+    draws = 0
+    for n in graph.nodes:
+        if n.op == "output":
+            return [operand(v) for v in n.args[0]]
+        if n.op == "placeholder":
+            continue
+        args = tuple(operand(a) for a in n.args)
+        if n.target is torch.ops.aten.mul.Tensor:
+            args = tuple(sorted(args, key=repr))
+        call: tuple = (str(n.target), args, {k: operand(v) for k, v in n.kwargs.items()})
+        if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            call += (("draw", draws),)
+            draws += 1
+        names[n] = hashlib.sha256(repr(call).encode()).hexdigest()
+    raise AssertionError("a graph without an output")

@@ -20,6 +20,7 @@ from timm.utils import CheckpointSaver, ModelEmaV3
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from helpers import TINY_CAIT, images, tiny_pair
+from kernel_trace import compiled_graph
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.files.read import load_checkpoint
@@ -288,6 +289,44 @@ def test_train_mode_gradients_bit_exact(fused, drop, fused_attn):
     b.square().mean().backward()
     ref_grads = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
     our_grads = to_gamma({k: p.grad for k, p in ours.named_parameters() if p.grad is not None}, "cait")
+    assert ref_grads.keys() == our_grads.keys() == dict(ref.named_parameters()).keys()
+    for key, grad in ref_grads.items():
+        assert torch.equal(grad, our_grads[key]), key
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
+@pytest.mark.parametrize("drop", [0.0, 0.1], ids=["no_dropout", "dropout"])
+def test_compiled_training_is_timms(fused, drop, fused_attn):
+    """``torch.compile`` makes timm's forward and backward graphs of a training step, up to the
+    order of independent calls and of a multiply's operands (autograd computes LayerScale's two
+    gradients in the other order for ``x * gamma`` than for timm's ``gamma_1 * x``), with the
+    random draws in the same order; so the compiled steps give ``torch.equal`` outputs and
+    gradients (run with inductor for timm's default, fused attention, with dropout)."""
+    fused_attn(fused)
+    rates = dict(proj_drop_rate=drop, attn_drop_rate=drop, drop_path_rate=drop)
+    ref, ours = tiny_pair(depth=1, **rates)
+    ref.train()
+    ours.train()
+    x = images(3, 32)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    assert compiled_graph(ours, x, loss) == compiled_graph(ref, x, loss)
+    if not (fused and drop):
+        return
+    results = []
+    for model in (ref, ours):
+        torch._dynamo.reset()
+        torch.manual_seed(7)
+        out = torch.compile(model)(x)
+        model.zero_grad(set_to_none=True)
+        loss(out).backward()
+        results.append((out.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}))
+    torch._dynamo.reset()
+    (expected, ref_grads), (got, our_grads) = results
+    assert torch.equal(got, expected)
+    our_grads = to_gamma(our_grads, "cait")
     assert ref_grads.keys() == our_grads.keys() == dict(ref.named_parameters()).keys()
     for key, grad in ref_grads.items():
         assert torch.equal(grad, our_grads[key]), key
