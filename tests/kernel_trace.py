@@ -12,6 +12,7 @@ comparison of two compiled models: one graph, one generated code.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -114,8 +115,9 @@ def reduction_trace(fn: Callable[[], Any]) -> list[tuple]:
 
 
 def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | None = None) -> Any:
-    """The ATen graphs ``torch.compile`` makes of ``model(x)``, in a form in which two models'
-    graphs can be compared.
+    """The ATen graphs ``torch.compile`` makes of ``model(x)`` for inductor to generate code
+    from (decomposed as inductor decomposes, a training step split into forward and backward
+    as inductor splits it), in a form in which two models' graphs can be compared.
 
     Without ``loss``, the inference graph: the names of its outputs. With ``loss``, a training
     step (``loss(model(x)).backward()``, which fills the parameters' ``.grad``): the forward
@@ -128,6 +130,8 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | Non
     random one, its place among the random calls (the order they draw in).
     """
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
 
     graphs: dict[str, Any] = {}
 
@@ -140,7 +144,14 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | Non
             return record
 
         graphs["inputs"] = inputs
-        return aot_module_simplified(traced, inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+        return aot_module_simplified(
+            traced,
+            inputs,
+            fw_compiler=recorder("forward"),
+            bw_compiler=recorder("backward"),
+            decompositions=select_decomp_table(),  # inductor's, and its partitioner:
+            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        )
 
     torch._dynamo.reset()  # a fresh trace: no shape made dynamic by an earlier compile
     compiled = torch.compile(model, backend=backend, fullgraph=True)
