@@ -149,7 +149,7 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | Non
             inputs,
             fw_compiler=recorder("forward"),
             bw_compiler=recorder("backward"),
-            decompositions=select_decomp_table(),  # inductor's, and its partitioner:
+            decompositions=select_decomp_table(),  # decomposed and partitioned as inductor does
             partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
         )
 

@@ -221,9 +221,10 @@ def test_fused_attention_close_to_official_math(xxs24, images):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
 def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused):
-    """``torch.compile`` makes timm's ATen graph of the converted model, up to the order of a
-    multiply's operands (timm's ``gamma_1 * x``, LayerScale's ``x * gamma``: they round alike),
-    so the code it generates computes alike: the compiled models' outputs are ``torch.equal``."""
+    """``torch.compile`` makes timm's ATen graph of the converted model, up to the order of
+    independent calls and of a multiply's operands (timm's ``gamma_1 * x``, LayerScale's
+    ``x * gamma``: they round alike), so the code it generates computes alike: the compiled
+    models' outputs are ``torch.equal``."""
     set_fused_attn(fused)
     try:
         ref, ours = _pair("cait_xxs24_224", **tiny_cait_kwargs)
