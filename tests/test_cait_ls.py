@@ -220,19 +220,21 @@ def test_fused_attention_close_to_official_math(xxs24, images):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
-def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused):
-    """``torch.compile`` makes timm's ATen graph of the converted model, up to the order of
-    independent calls and of a multiply's operands (timm's ``gamma_1 * x``, LayerScale's
-    ``x * gamma``: they round alike), so the code it generates computes alike: the compiled
-    models' outputs are ``torch.equal``."""
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16_autocast"])
+def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused, amp):
+    """``torch.compile`` makes timm's ATen graph of the converted model, in fp32 and under bf16
+    autocast, up to the order of independent calls and of a multiply's operands (timm's
+    ``gamma_1 * x``, LayerScale's ``x * gamma``: they round alike), so the code it generates
+    computes alike: the compiled models' outputs are ``torch.equal``."""
     set_fused_attn(fused)
     try:
         ref, ours = _pair("cait_xxs24_224", **tiny_cait_kwargs)
     finally:
         set_fused_attn(True)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    assert compiled_graph(ours, x) == compiled_graph(ref, x)
-    if fused:  # the code inductor generates from that graph, for timm's default
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        assert compiled_graph(ours, x) == compiled_graph(ref, x)
+    if fused and not amp:  # the code inductor generates from that graph, for timm's default
         with torch.inference_mode():
             assert torch.equal(torch.compile(ours)(x), torch.compile(ref)(x))
 

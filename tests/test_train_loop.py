@@ -296,12 +296,14 @@ def test_train_mode_gradients_bit_exact(fused, drop, fused_attn):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_attn", "unfused_attn"])
 @pytest.mark.parametrize("drop", [0.0, 0.1], ids=["no_dropout", "dropout"])
-def test_compiled_training_is_timms(fused, drop, fused_attn):
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16_autocast"])
+def test_compiled_training_is_timms(fused, drop, amp, fused_attn):
     """``torch.compile`` makes timm's forward and backward graphs of a training step, up to the
     order of independent calls and of a multiply's operands (autograd computes LayerScale's two
     gradients in the other order for ``x * gamma`` than for timm's ``gamma_1 * x``), with the
-    random draws in the same order; so the compiled steps give ``torch.equal`` outputs and
-    gradients (run with inductor for timm's default, fused attention, with dropout)."""
+    random draws in the same order, in fp32 and under bf16 autocast; so the compiled steps give
+    ``torch.equal`` outputs and gradients (run with inductor for timm's default, fused attention,
+    with dropout, in fp32)."""
     fused_attn(fused)
     rates = dict(proj_drop_rate=drop, attn_drop_rate=drop, drop_path_rate=drop)
     ref, ours = tiny_pair(depth=1, **rates)
@@ -312,8 +314,9 @@ def test_compiled_training_is_timms(fused, drop, fused_attn):
     def loss(out: torch.Tensor) -> torch.Tensor:
         return out.square().mean()
 
-    assert compiled_graph(ours, x, loss) == compiled_graph(ref, x, loss)
-    if not (fused and drop):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        assert compiled_graph(ours, x, loss) == compiled_graph(ref, x, loss)
+    if amp or not (fused and drop):
         return
     results = []
     for model in (ref, ours):
