@@ -175,11 +175,12 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | Non
     placeholders = [n for n in backward.nodes if n.op == "placeholder"]  # saved values, then tangents
     saved = [n for n in placeholders if not n.name.startswith("tangents")]
     tangents = placeholders[len(saved) :]
-    names.update(zip(saved, outputs[len(outputs) - len(saved) :], strict=True))
+    returned = len(outputs) - len(saved)  # the forward returns the model's outputs, then the saved values
+    names.update(zip(saved, outputs[returned:], strict=True))
     names.update((n, ("tangent", i)) for i, n in enumerate(tangents))
     grads = _output_names(backward, names)
     gradients = sorted((repr(names[n]), repr(g)) for n, g in zip(primals, grads, strict=True))  # one per input
-    return outputs[: len(outputs) - len(saved)], gradients
+    return outputs[:returned], gradients
 
 
 def _output_names(graph: torch.fx.Graph, names: dict[torch.fx.Node, Any]) -> list[Any]:
