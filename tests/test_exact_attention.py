@@ -222,19 +222,26 @@ DISPATCHES = {
 }
 
 
-def run_under_dispatch(dispatch: str, script: str, *args: str, timeout: int = 600) -> dict[str, Any]:
+def run_under_dispatch(
+    dispatch: str, script: str, *args: str, timeout: int = 600, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run ``tests/SCRIPT`` in a fresh interpreter under a kernel dispatch of :data:`DISPATCHES`; its JSON line.
 
-    Skips where the CPU lacks the dispatch, and checks the capability the script reports.
+    Skips where the CPU lacks the dispatch, and checks the capability the script reports. ``env``
+    adds environment variables.
     """
     env_update, capability = DISPATCHES[dispatch]
     if capability == ("AVX2",) and "avx2" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
         pytest.skip("this CPU has no AVX2")
     variables = {name for update, _ in DISPATCHES.values() for name in update}
-    env = {k: v for k, v in os.environ.items() if k not in variables}
-    env.update(env_update)
+    run_env = {k: v for k, v in os.environ.items() if k not in variables}
+    run_env.update(env_update, **(env or {}))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / script), *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(ROOT / "tests" / script), *args],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
