@@ -114,7 +114,7 @@ def reduction_trace(fn: Callable[[], Any]) -> list[tuple]:
     return rec.calls
 
 
-def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | None = None) -> Any:
+def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | None = None, dynamic: bool = False) -> Any:
     """The ATen graphs ``torch.compile`` makes of ``model(x)`` for inductor to generate code
     from (decomposed as inductor decomposes, a training step split into forward and backward
     as inductor splits it), in a form in which two models' graphs can be compared.
@@ -127,7 +127,9 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | Non
     come: an input is named by its shape and values (a parameter of one model matches the
     equal one of the other, whatever their names and order), a call by its operator, its
     operands' names with a multiply's sorted (``a * b`` rounds as ``b * a``), and, for a
-    random one, its place among the random calls (the order they draw in).
+    random one, its place among the random calls (the order they draw in). ``dynamic``: the
+    graph for any batch size, which dynamo compiles once a second batch size arrives (the batch
+    size is then an input of the graph, named as such).
     """
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -155,6 +157,9 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | Non
 
     torch._dynamo.reset()  # a fresh trace: no shape made dynamic by an earlier compile
     compiled = torch.compile(model, backend=backend, fullgraph=True)
+    if dynamic:
+        x = x.clone()
+        torch._dynamo.mark_dynamic(x, 0)
     if loss is None:
         with torch.inference_mode():
             compiled(x)
@@ -165,8 +170,7 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | Non
     forward = graphs["forward"].graph
     primals = [n for n in forward.nodes if n.op == "placeholder"]
     names: dict[torch.fx.Node, Any] = {  # one placeholder per input, parameters included, in order
-        n: ("input", tuple(t.shape), hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest())
-        for n, t in zip(primals, graphs["inputs"], strict=True)
+        n: _input_name(t) for n, t in zip(primals, graphs["inputs"], strict=True)
     }
     outputs = _output_names(forward, names)
     if loss is None:
@@ -181,6 +185,12 @@ def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | Non
     grads = _output_names(backward, names)
     gradients = sorted((repr(names[n]), repr(g)) for n, g in zip(primals, grads, strict=True))  # one per input
     return outputs[:returned], gradients
+
+
+def _input_name(t: torch.Tensor | torch.SymInt) -> tuple:
+    if isinstance(t, torch.SymInt):
+        return ("size", str(t))
+    return ("input", tuple(t.shape), hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest())
 
 
 def _output_names(graph: torch.fx.Graph, names: dict[torch.fx.Node, Any]) -> list[Any]:

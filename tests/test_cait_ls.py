@@ -225,7 +225,8 @@ def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused, amp):
     """``torch.compile`` makes timm's ATen graph of the converted model, in fp32 and under bf16
     autocast, up to the order of independent calls and of a multiply's operands (timm's
     ``gamma_1 * x``, LayerScale's ``x * gamma``: they round alike), so the code it generates
-    computes alike: the compiled models' outputs are ``torch.equal``."""
+    computes alike: the compiled models' outputs are ``torch.equal``. So too for the graph for any
+    batch size, which dynamo compiles once a second batch size arrives (an evaluation's last batch)."""
     set_fused_attn(fused)
     try:
         ref, ours = _pair("cait_xxs24_224", **tiny_cait_kwargs)
@@ -233,10 +234,13 @@ def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused, amp):
         set_fused_attn(True)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        assert compiled_graph(ours, x) == compiled_graph(ref, x)
+        for dynamic in (False, True):
+            assert compiled_graph(ours, x, dynamic=dynamic) == compiled_graph(ref, x, dynamic=dynamic)
     if fused and not amp:  # the code inductor generates from that graph, for timm's default
+        compiled = torch.compile(ours), torch.compile(ref)
         with torch.inference_mode():
-            assert torch.equal(torch.compile(ours)(x), torch.compile(ref)(x))
+            for batch in (x, torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))):
+                assert torch.equal(compiled[0](batch), compiled[1](batch))
 
 
 # --- pretrained loading ----------------------------------------------------------------------
