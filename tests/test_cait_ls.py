@@ -236,11 +236,11 @@ def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused, amp):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         for dynamic in (False, True):
             assert compiled_graph(ours, x, dynamic=dynamic) == compiled_graph(ref, x, dynamic=dynamic)
-    if fused and not amp:  # the code inductor generates from that graph, for timm's default
-        compiled = torch.compile(ours), torch.compile(ref)
+    if fused and not amp:  # the code inductor generates from those graphs, for timm's default
+        compiled_ours, compiled_ref = torch.compile(ours), torch.compile(ref)
         with torch.inference_mode():
             for batch in (x, torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))):
-                assert torch.equal(compiled[0](batch), compiled[1](batch))
+                assert torch.equal(compiled_ours(batch), compiled_ref(batch))
 
 
 # --- pretrained loading ----------------------------------------------------------------------

@@ -5,10 +5,10 @@ a fresh interpreter on the same files: seeded official-layout CaiT (``cait_xxs24
 DeiT-III (``deit3_small_patch16_224``) and ViT-5 (``vit5_small_patch16_224``) checkpoints,
 their conversions and exported folders. The default setting samples everything (channels-last
 models and images among it); the others sample batch sizes, fused attention, bf16 autocast and
-two offsets. Sixteen threads, more than this machine has cores, split the kernels' work as a
-server's cores would. ``torch.set_float32_matmul_precision("medium")``, which a training script may set
-for a GPU's TF32 and which allows oneDNN to compute fp32 matmuls with bf16 internally on a CPU,
-changes both models' arithmetic alike. Where a CUDA device is present, the whole net runs on it
+two offsets. Sixteen threads split the kernels' work as a 16-core server does, whatever this
+machine's cores. ``torch.set_float32_matmul_precision("medium")``, which a training script may
+set for a GPU's TF32 and which allows oneDNN to compute fp32 matmuls with bf16 internally on a
+CPU, changes both models' arithmetic alike. Where a CUDA device is present, the whole net runs on it
 too (both models there); elsewhere that case skips.
 """
 
