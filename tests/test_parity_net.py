@@ -8,8 +8,8 @@ models and images among it); the others sample batch sizes, fused attention, bf1
 two offsets. Sixteen threads split the kernels' work as a 16-core server does, whatever this
 machine's cores. ``torch.set_float32_matmul_precision("medium")``, which a training script may
 set for a GPU's TF32 and which allows oneDNN to compute fp32 matmuls with bf16 internally on a
-CPU, changes both models' arithmetic alike. Where a CUDA device is present, the whole net runs on it
-too (both models there); elsewhere that case skips.
+CPU, changes both models' arithmetic alike. Where a CUDA device is present, the whole net runs
+on it too (both models there); elsewhere that case skips.
 """
 
 from __future__ import annotations
