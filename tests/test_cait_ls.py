@@ -69,6 +69,9 @@ def test_registry_meta_build_and_pretrained_cfg(name):
     # Same architecture as the reference: key for key and shape for shape.
     ref_model = create_model(str(ref), device="meta")
     assert cfg["url"] == ref_model.pretrained_cfg["url"]
+    # Evaluated as timm evaluates the reference: the same resize, crop and normalisation.
+    data = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode", "test_input_size", "first_conv")
+    assert {k: cfg.get(k) for k in data} == {k: ref_model.pretrained_cfg.get(k) for k in data}
     mapped = {k: tuple(v.shape) for k, v in to_layerscale(ref_model.state_dict()).items()}
     assert mapped == {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert model.blocks[0].ls1.init_value == VARIANTS[name].init_value

@@ -166,6 +166,85 @@ def test_label_names_reach_timm_and_transformers(folders) -> None:
     assert AutoConfig.from_pretrained(folders["tuned_unnamed"]).id2label[0] == "LABEL_0"
 
 
+@pytest.mark.parametrize(("key", "named"), [("cait", True), ("vit5", False)])
+def test_a_fine_tune_begun_in_transformers_exports_again(folders, tmp_path: Path, key: str, named: bool) -> None:
+    """A new head from transformers (``num_labels``, ``ignore_mismatched_sizes``), a training step,
+    ``save_pretrained``: exporting that folder gives timm the fine-tuned model and its class names
+    (transformers' placeholders ``LABEL_0``, ... are no names)."""
+    import timm
+    from transformers import AutoModelForImageClassification
+
+    names = {i: f"kind {i}" for i in range(10)} if named else {}
+    folder = folders[key]
+    model = AutoModelForImageClassification.from_pretrained(
+        folder, num_labels=10, ignore_mismatched_sizes=True, **({"id2label": names} if named else {})
+    )
+    start: Any = timm.create_model(f"local-dir:{folder}", pretrained=True)
+    tuned = model.timm_model.state_dict()
+    assert tuned["head.weight"].shape[0] == 10
+    assert all(torch.equal(v, tuned[k]) for k, v in start.state_dict().items() if not k.startswith("head."))
+    x = _pixels()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model(pixel_values=x, labels=torch.arange(2)).loss.backward()
+    optimizer.step()
+    model.eval().save_pretrained(tmp_path / "saved")
+    again = export_folder(tmp_path / "saved", tmp_path / "again", plot=False, repo_id="org/again").folder
+    config = json.loads((again / "config.json").read_text())
+    assert config.get("label_names") == (list(names.values()) if named else None)
+    reloaded: Any = timm.create_model(f"local-dir:{again}", pretrained=True).eval()
+    with torch.inference_mode():
+        assert torch.equal(reloaded(x), model(pixel_values=x).logits)
+
+
+def test_transformers_loads_bf16_and_preprocesses_as_timm(folders) -> None:
+    import timm
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    image = Image.fromarray((torch.rand(240, 320, 3, generator=torch.Generator().manual_seed(2)) * 255).byte().numpy())
+    for key in ("cait", "deit3", "vit5"):
+        reference: Any = timm.create_model(f"local-dir:{folders[key]}", pretrained=True).eval()
+        transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=reference))
+        pixels = AutoImageProcessor.from_pretrained(folders[key])(image, return_tensors="pt")["pixel_values"]
+        assert torch.equal(pixels[0], transform(image)), key
+        classifier = AutoModelForImageClassification.from_pretrained(folders[key], dtype=torch.bfloat16).eval()
+        assert {p.dtype for p in classifier.parameters()} == {torch.bfloat16}
+        x = _pixels().bfloat16()
+        with torch.inference_mode():
+            assert torch.equal(classifier(pixel_values=x).logits, reference.bfloat16()(x)), key
+
+
+def test_re_exporting_a_folder_keeps_its_class_names_and_tag(folders, tmp_path: Path, capsys) -> None:
+    """Exporting an exported folder again (onto itself, or as timm's own CaiT) keeps the class
+    names and descriptions its ``config.json`` gives, and its pretrained tag; given names win."""
+    import shutil
+
+    tuned = json.loads((folders["tuned"] / "config.json").read_text())
+    gamma = export_folder(folders["tuned"], tmp_path / "gamma", to="gamma", plot=False).folder
+    config = json.loads((gamma / "config.json").read_text())
+    assert config["architecture"] == "cait_xxs24_224"
+    assert config["label_names"] == LABELS and config["label_descriptions"] == tuned["label_descriptions"]
+    deit3 = tmp_path / "deit3"
+    shutil.copytree(folders["deit3"], deit3)
+    export_folder(deit3, deit3, overwrite=True, tag="fb_in22k_ft_in1k", plot=False)
+    export_folder(deit3, deit3, overwrite=True, plot=False)
+    config = json.loads((deit3 / "config.json").read_text())
+    assert config["pretrained_cfg"]["tag"] == "fb_in22k_ft_in1k" and "label_names" not in config
+    given = export_folder(gamma, tmp_path / "given", label_names=[f"n{i}" for i in range(10)], plot=False).folder
+    assert json.loads((given / "config.json").read_text())["label_names"][0] == "n0"
+    # Names that do not fit the weights: one line naming the file, nothing written.
+    config = json.loads((gamma / "config.json").read_text())
+    (gamma / "config.json").write_text(json.dumps({**config, "label_names": LABELS[:9]}))
+    assert_one_line_error(
+        *cli(capsys, "export", gamma, tmp_path / "out"),
+        f"{gamma / 'config.json'}: 9 label names for a model with 10 classes; give one name per class, "
+        "or pass --label-names FILE",
+    )
+    (gamma / "config.json").write_text("{")
+    assert_one_line_error(*cli(capsys, "export", gamma, tmp_path / "out"), "config.json (Expecting property name")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path: Path, capsys, monkeypatch) -> None:
     import timm_layerscale.converter
 

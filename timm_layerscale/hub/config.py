@@ -6,7 +6,8 @@ read that file: ``timm.create_model("local-dir:DIR")`` builds the architecture w
 ``num_classes`` and ``model_args``, and transformers' ``TimmWrapper`` calls
 ``timm.create_model(architecture, num_classes=num_labels, **model_args)``, which fails
 when ``model_args`` repeats ``num_classes``. :func:`read_label_names` reads a class-name
-file for a fine-tuned model's ``label_names``.
+file for a fine-tuned model's ``label_names``; :func:`read_folder_config` reads what a
+source folder's own ``config.json`` says of its classes and tag.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from ..conversion.detect import timm_args
 from ..errors import CheckpointError
 
-__all__ = ["write_config", "read_label_names"]
+__all__ = ["write_config", "read_label_names", "read_folder_config", "pretrained_tags"]
 
 
 def _timm_config(model: Any, model_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def write_config(
     import torch
 
     arch, _, tag = model_name.partition(".")
-    tags = [n.partition(".")[2] for n in timm.list_pretrained(f"{arch}.*")]
+    tags = pretrained_tags(arch)
     if tag and tag not in tags:
         raise CheckpointError(f"{tag!r} is not a pretrained tag of {arch}; choose from: {', '.join(tags) or 'none'}")
     with torch.device("meta"):
@@ -99,6 +100,40 @@ def write_config(
         config["model_args"] = args
     Path(path).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return config
+
+
+def pretrained_tags(arch: str) -> list[str]:
+    """The pretrained tags timm registers for the architecture ``arch``."""
+    import timm
+
+    return [n.partition(".")[2] for n in timm.list_pretrained(f"{arch}.*")]
+
+
+def read_folder_config(source: str | os.PathLike[str]) -> tuple[Any, dict[str, str] | None, Any]:
+    """The class names, their descriptions and the pretrained tag in a source folder's ``config.json``.
+
+    A folder exported by this package or by timm, downloaded from the Hub or written by
+    transformers' ``save_pretrained`` holds one. Other sources (a file, a URL, ``hf-hub:``), a
+    folder without ``config.json`` and the names transformers gives a head it has no names
+    for (``LABEL_0``, ``LABEL_1``, ...) give ``None``.
+
+    Raises:
+        CheckpointError: The folder's ``config.json`` is no JSON object.
+    """
+    path = Path(source) / "config.json"
+    if not (Path(source).is_dir() and path.is_file()):
+        return None, None, None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        tag = config.get("pretrained_cfg", {}).get("tag")
+    except (OSError, ValueError, AttributeError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise CheckpointError(f"cannot read {path} ({reason}); fix it, or move it out of the folder") from None
+    names = config.get("label_names")
+    if not names or names == [f"LABEL_{i}" for i in range(len(names))]:
+        return None, None, tag
+    descriptions = config.get("label_descriptions")
+    return names, descriptions if isinstance(descriptions, dict) else None, tag
 
 
 def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str, str] | None]:

@@ -33,7 +33,7 @@ from ..files.atomic import check_output_folder, clear_folder, hidden_prefix, tem
 from ..files.hub_errors import one_line
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, published_path
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
-from .config import read_label_names, write_config
+from .config import pretrained_tags, read_folder_config, read_label_names, write_config
 from .upload import PushResult, check_repo_id, push_folder
 
 __all__ = ["export_folder", "ExportResult"]
@@ -289,10 +289,13 @@ def export_folder(
             own ``deit3_*``; ViT-5 has no timm architecture.
         label_names: Class names for a fine-tuned head: a list, or a file with one name
             per line (``name<TAB>description`` allowed), a JSON list or a JSON object from
-            class index to name (transformers' ``id2label``). Without them a
-            1000-class model keeps timm's ImageNet labels and other sizes get none.
-        tag: Pretrained tag written into ``config.json`` (default: the architecture's
-            default tag, e.g. ``fb_dist_in1k``).
+            class index to name (transformers' ``id2label``). Without them, the names
+            the source folder's ``config.json`` gives (an exported folder, one saved by
+            transformers' ``save_pretrained``); else a 1000-class model keeps timm's
+            ImageNet labels and other sizes get none.
+        tag: Pretrained tag written into ``config.json`` (default: the source folder's,
+            where the architecture has it, else the architecture's default tag, e.g.
+            ``fb_dist_in1k``).
 
     Returns:
         An :class:`ExportResult`; ``summary()`` prints it.
@@ -313,10 +316,13 @@ def export_folder(
 
     out = Path(out_dir)
     label_file = None
-    descriptions = None
+    folder_names, descriptions, folder_tag = read_folder_config(source)
+    names: Sequence[str] | None = folder_names
     if isinstance(label_names, (str, os.PathLike)):
         label_file = label_names
-        label_names, descriptions = read_label_names(label_file)
+        names, descriptions = read_label_names(label_file)
+    elif label_names is not None:
+        names, descriptions = label_names, None
     for hub_id in (push_to_hub, repo_id):
         if hub_id:
             check_repo_id(hub_id)
@@ -332,13 +338,19 @@ def export_folder(
         # a source that cannot be mapped is not held in memory twice.
         variant, info = load_source(source, model=model, ema=ema)[2:]
         architecture = _architecture(variant, to)
-        config = write_config(
-            f"{architecture}.{tag}" if tag else architecture,
-            tmp / CONFIG_NAME,
-            model_args=model_args(info),
-            label_names=label_names,
-            label_descriptions=descriptions,
-        )
+        written_tag = tag or (folder_tag if folder_tag in pretrained_tags(architecture) else None)
+        try:
+            config = write_config(
+                f"{architecture}.{written_tag}" if written_tag else architecture,
+                tmp / CONFIG_NAME,
+                model_args=model_args(info),
+                label_names=names,
+                label_descriptions=descriptions,
+            )
+        except CheckpointError as e:
+            if tag or names is None or names is not folder_names:
+                raise  # not about the folder's names
+            raise CheckpointError(f"{Path(source) / CONFIG_NAME}: {e}, or pass label_names='FILE'") from None
         conv = convert_checkpoint(source, weights, model=model, to=to, fmt="safetensors", ema=ema, options=options)
         _check_reload(tmp, weights)
         gates = gate_profile(weights)
