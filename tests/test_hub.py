@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from helpers import ROOT, cli
 from timm_layerscale.errors import HubError, OutputExistsError
-from timm_layerscale.files.sources import cached_url_path, resolve_source
+from timm_layerscale.files.sources import cached_url_path, resolve_source, source_config
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.hub.upload import plan_push, push_folder
 from timm_layerscale.parity.tolerance import VerifyOptions
@@ -863,6 +863,28 @@ def test_export_pushed_the_folder(exported) -> None:
     committed = server.commits[0]["files"]
     assert committed == {p.name: p.read_bytes() for p in result.folder.iterdir()}
     assert "my-org/cait_xxs24_224_ls.fb_dist_in1k" in result.summary()
+
+
+def test_export_from_the_hub_keeps_the_repositorys_class_names(exported, hub: FakeHub, tmp_path: Path, monkeypatch):
+    """An ``hf-hub:`` source comes with its repository's ``config.json``: 1000 classes named
+    otherwise than ImageNet's keep their names; the config is read from the cache offline."""
+    from timm_layerscale.hub.config import read_folder_config
+
+    folder = exported[0].folder
+    names = [f"class {i}" for i in range(1000)]
+    weights = (folder / "model.safetensors").read_bytes()
+    config = {**json.loads((folder / "config.json").read_text()), "label_names": names}
+    files = {"model.safetensors": weights, "config.json": json.dumps(config).encode(), "other.bin": b"other"}
+    hub.repos["my-org/named"] = {"branches": {"main": files}, "prs": {}}
+    hub.repos["my-org/bare"] = {"branches": {"main": {"model.safetensors": weights}}, "prs": {}}
+    out = export_folder("hf-hub:my-org/named", tmp_path / "out", plot=False, options=VerifyOptions(num_inputs=1))
+    assert json.loads((out.folder / "config.json").read_text())["label_names"] == names
+    assert source_config("hf-hub:my-org/named/model.safetensors") is not None
+    assert source_config("hf-hub:my-org/named/other.bin") is None  # another file of the repository
+    assert source_config("hf-hub:my-org/bare") is None
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    hub.requests.clear()
+    assert read_folder_config("hf-hub:my-org/named")[0] == names and not hub.requests
 
 
 def test_export_refuses_a_non_empty_folder(exported, tmp_path: Path) -> None:

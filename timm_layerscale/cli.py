@@ -178,13 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--label-names",
         metavar="FILE",
         help="class names of a fine-tuned head: one per line (name<TAB>description allowed), a JSON list "
-        "or a JSON object from class index to name, as id2label (default: a source folder's own, else "
-        "timm's ImageNet names for 1000 classes, none otherwise)",
+        "or a JSON object from class index to name, as id2label (default: a source folder's or Hub "
+        "repository's, else timm's ImageNet names for 1000 classes, none otherwise)",
     )
     p.add_argument(
         "--tag",
-        help="pretrained tag written into config.json (default: a source folder's, else the architecture's, "
-        "e.g. fb_dist_in1k)",
+        help="pretrained tag written into config.json (default: a source folder's or Hub repository's, "
+        "else the architecture's, e.g. fb_dist_in1k)",
     )
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
     p.add_argument("--commit-message", metavar="M", help="commit message of the upload")

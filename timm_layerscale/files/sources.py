@@ -1,7 +1,8 @@
 """Checkpoint sources: a file, a folder, an ``https://`` URL or an ``hf-hub:`` id, made a local file.
 
 :func:`resolve_source` turns any of them into a local file; :func:`download_source` turns an ``https://`` URL or ``hf-hub:ORG/REPO[@REVISION][/FILE]``
-into a local file in a cache (:func:`cached_url_path` says where a URL goes).
+into a local file in a cache (:func:`cached_url_path` says where a URL goes);
+:func:`source_config` finds the ``config.json`` a folder or a Hub repository comes with.
 :func:`check_online` fails at once, with one line, when the network is off, before
 any retry loop starts; :func:`hub_endpoint` is the Hub address every request uses.
 
@@ -32,6 +33,7 @@ __all__ = [
     "public_source",
     "published_path",
     "resolve_source",
+    "source_config",
 ]
 
 #: The weights file of an exported folder.
@@ -66,6 +68,24 @@ def resolve_source(source: str | os.PathLike[str]) -> Path:
                 return path / name
         raise CheckpointError(f"{path} holds neither {' nor '.join(FOLDER_WEIGHTS)}; pass the checkpoint file")
     return path
+
+
+def source_config(source: str | os.PathLike[str]) -> Path | None:
+    """The ``config.json`` that comes with a source: a local folder's, or that of the Hub
+    repository whose weights ``hf-hub:ORG/REPO[@REVISION]`` names (downloaded into the cache);
+    ``None`` for a file, a URL, another file of a repository, or where there is none or it
+    cannot be fetched (the weights' download then says why).
+    """
+    if not str(source).startswith("hf-hub:"):
+        path = Path(source) / "config.json"
+        return path if Path(source).is_dir() and path.is_file() else None
+    repo_id, revision, filename = _parse_hub_spec(os.fspath(source))
+    if filename not in (None, *FOLDER_WEIGHTS):
+        return None
+    try:
+        return _download_from_hub(repo_id, revision, "config.json")
+    except HubError:
+        return None
 
 
 def public_source(source: str | os.PathLike[str]) -> str:

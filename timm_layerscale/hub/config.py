@@ -22,6 +22,7 @@ from typing import Any
 
 from ..conversion.detect import timm_args
 from ..errors import CheckpointError
+from ..files.sources import source_config
 
 __all__ = ["write_config", "read_label_names", "read_folder_config", "pretrained_tags"]
 
@@ -110,25 +111,28 @@ def pretrained_tags(arch: str) -> list[str]:
 
 
 def read_folder_config(source: str | os.PathLike[str]) -> tuple[Any, dict[str, str] | None, Any]:
-    """The class names, their descriptions and the pretrained tag in a source folder's ``config.json``.
+    """The class names, their descriptions and the pretrained tag in the ``config.json`` of a
+    source folder or Hub repository (:func:`~timm_layerscale.files.sources.source_config`).
 
-    A folder exported by this package or by timm, downloaded from the Hub or written by
-    transformers' ``save_pretrained`` holds one. Other sources (a file, a URL, ``hf-hub:``), a
-    folder without ``config.json`` and the names transformers gives a head it has no names
-    for (``LABEL_0``, ``LABEL_1``, ...) give ``None``.
+    A folder exported by this package or by timm, a Hub model repository or a folder written
+    by transformers' ``save_pretrained`` holds one. Other sources (a file, a URL), a folder
+    without ``config.json`` and the names transformers gives a head it has no names for
+    (``LABEL_0``, ``LABEL_1``, ...) give ``None``.
 
     Raises:
-        CheckpointError: The folder's ``config.json`` is no JSON object.
+        CheckpointError: The ``config.json`` is no JSON object.
     """
-    path = Path(source) / "config.json"
-    if not (Path(source).is_dir() and path.is_file()):
+    path = source_config(source)
+    if path is None:
         return None, None, None
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
         tag = config.get("pretrained_cfg", {}).get("tag")
     except (OSError, ValueError, AttributeError) as e:
         reason = getattr(e, "strerror", None) or e
-        raise CheckpointError(f"cannot read {path} ({reason}); fix it, or move it out of the folder") from None
+        raise CheckpointError(
+            f"cannot read {path} ({reason}); fix it, or pass label_names='FILE' and pass tag='TAG'"
+        ) from None
     names = config.get("label_names")
     if not names or names == [f"LABEL_{i}" for i in range(len(names))]:
         return None, None, tag

@@ -290,12 +290,12 @@ def export_folder(
         label_names: Class names for a fine-tuned head: a list, or a file with one name
             per line (``name<TAB>description`` allowed), a JSON list or a JSON object from
             class index to name (transformers' ``id2label``). Without them, the names
-            the source folder's ``config.json`` gives (an exported folder, one saved by
-            transformers' ``save_pretrained``); else a 1000-class model keeps timm's
-            ImageNet labels and other sizes get none.
-        tag: Pretrained tag written into ``config.json`` (default: the source folder's,
-            where the architecture has it, else the architecture's default tag, e.g.
-            ``fb_dist_in1k``).
+            in the ``config.json`` of a source folder (an exported one, one saved by
+            transformers' ``save_pretrained``) or ``hf-hub:`` repository; else a
+            1000-class model keeps timm's ImageNet labels and other sizes get none.
+        tag: Pretrained tag written into ``config.json`` (default: the source folder's or
+            repository's, where the architecture has it, else the architecture's default
+            tag, e.g. ``fb_dist_in1k``).
 
     Returns:
         An :class:`ExportResult`; ``summary()`` prints it.
@@ -315,20 +315,20 @@ def export_folder(
     from ..options import command_line, published_options
 
     out = Path(out_dir)
-    label_file = None
-    folder_names, descriptions, folder_tag = read_folder_config(source)
-    names: Sequence[str] | None = folder_names
-    if isinstance(label_names, (str, os.PathLike)):
-        label_file = label_names
-        names, descriptions = read_label_names(label_file)
-    elif label_names is not None:
-        names, descriptions = label_names, None
     for hub_id in (push_to_hub, repo_id):
         if hub_id:
             check_repo_id(hub_id)
     if _deletes_source(Path(source), out):
         raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
     out = check_output_folder(out, overwrite)
+    label_file = None
+    folder_names, descriptions, folder_tag = (None, None, None) if label_names and tag else read_folder_config(source)
+    names: Sequence[str] | None = folder_names
+    if isinstance(label_names, (str, os.PathLike)):
+        label_file = label_names
+        names, descriptions = read_label_names(label_file)
+    elif label_names is not None:
+        names, descriptions = label_names, None
     repo = repo_id or push_to_hub or _placeholder_repo_id(out.name)
     tmp, created = _make_temporary(out)
     try:
