@@ -38,6 +38,8 @@ __all__ = [
 
 #: The weights file of an exported folder.
 WEIGHTS_NAME = "model.safetensors"
+#: The configuration file of an exported folder or Hub model repository (timm's and transformers').
+CONFIG_NAME = "config.json"
 #: Where a checkpoint folder keeps its weights, in order of preference.
 FOLDER_WEIGHTS = (WEIGHTS_NAME, "pytorch_model.bin")
 #: Prefixes of the URL sources.
@@ -77,13 +79,13 @@ def source_config(source: str | os.PathLike[str]) -> Path | None:
     cannot be fetched (the weights' download then says why).
     """
     if not str(source).startswith("hf-hub:"):
-        path = Path(source) / "config.json"
+        path = Path(source) / CONFIG_NAME
         return path if Path(source).is_dir() and path.is_file() else None
     repo_id, revision, filename = _parse_hub_spec(os.fspath(source))
     if filename not in (None, *FOLDER_WEIGHTS):
         return None
     try:
-        return _download_from_hub(repo_id, revision, "config.json")
+        return _download_from_hub(repo_id, revision, CONFIG_NAME)
     except HubError:
         return None
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import LayerScaleError
-from ..files.sources import URL_PREFIXES, WEIGHTS_NAME
+from ..files.sources import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
 
 __all__ = [
     "build_model_card",
@@ -30,8 +30,7 @@ __all__ = [
     "TEMPLATE_NAME",
 ]
 
-#: The files of an exported folder.
-CONFIG_NAME = "config.json"
+#: The files of an exported folder beside ``CONFIG_NAME`` (``config.json``) and the weights.
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
 

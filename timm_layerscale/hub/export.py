@@ -348,8 +348,8 @@ def export_folder(
                 label_descriptions=descriptions,
             )
         except CheckpointError as e:
-            if tag or names is None or names is not folder_names:
-                raise  # not about the folder's names
+            if tag or folder_names is None or names is not folder_names:
+                raise  # not about names from the source's config.json
             raise CheckpointError(f"{Path(source) / CONFIG_NAME}: {e}, or pass label_names='FILE'") from None
         conv = convert_checkpoint(source, weights, model=model, to=to, fmt="safetensors", ema=ema, options=options)
         _check_reload(tmp, weights)
