@@ -278,6 +278,53 @@ def test_export_onto_a_link_replaces_the_folder_it_leads_to(official, tmp_path, 
     assert "timm-layerscale export XXS24_224.pth link\n" in (real / "README.md").read_text()  # the name typed
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="symbolic links need privileges there")
+def test_convert_onto_a_link_replaces_the_file_it_leads_to(official, tmp_path, capsys):
+    real = tmp_path / "runs" / "model.safetensors"
+    real.parent.mkdir()
+    real.write_bytes(b"old")
+    link = tmp_path / "latest.safetensors"
+    link.symlink_to(real)
+    code, out, err = cli(capsys, "convert", official, link, "--no-verify")
+    assert_one_line_error(code, out, err, f"output {link} exists; pass --overwrite to replace it", stdout="")
+    assert real.read_bytes() == b"old"
+    assert cli(capsys, "convert", official, link, "--overwrite", "--no-verify")[0] == 0
+    assert link.is_symlink() and link.resolve() == real.resolve()  # the link stays, its file is new
+    assert real.read_bytes()[8:10] == b'{"'
+    dangling = tmp_path / "next.safetensors"
+    dangling.symlink_to(real.parent / "next.safetensors")
+    assert cli(capsys, "convert", official, dangling, "--no-verify")[0] == 0  # as open() creates it
+    assert dangling.is_symlink() and (real.parent / "next.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [
+        "latest.safetensors",
+        "model.safetensors",
+        "next.safetensors",
+        "next.safetensors",
+        "runs",
+    ]  # no temporary left in either folder
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert", "SOURCE", "out.safetensors"],
+        ["convert", "SOURCE", "out.pth", "--to", "gamma"],
+        ["inspect", "SOURCE", "--plot", "gates.png"],
+    ],
+    ids=["convert", "to-gamma", "inspect-plot"],
+)
+def test_an_output_that_is_a_pipe_or_a_device_is_never_replaced(official, tmp_path, capsys, argv):
+    # Renaming a finished file onto /dev/null (as root) would replace the device for every process.
+    pipe = tmp_path / argv[3 if argv[0] == "inspect" else 2]
+    os.mkfifo(pipe)
+    argv = [official if a == "SOURCE" else tmp_path / a if a == pipe.name else a for a in argv]
+    code, out, err = cli(capsys, *argv, "--overwrite")
+    message = f"output {pipe} is not a regular file (a device or a pipe); pass a file path"
+    assert_one_line_error(code, out, err, message, stdout="")
+    assert pipe.is_fifo() and [p.name for p in tmp_path.iterdir()] == [pipe.name]
+
+
 def test_a_failed_export_leaves_no_folder_it_created(tmp_path):
     from timm_layerscale.hub.export import export_folder
 

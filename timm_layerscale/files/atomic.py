@@ -174,14 +174,17 @@ def check_output(target: Path, overwrite: bool) -> None:
 
     Raises:
         OutputExistsError: ``target`` exists and ``overwrite`` is false.
-        CheckpointError: ``target`` is a directory, its name is not valid UTF-8, or its folder
-            is missing or not writable.
+        CheckpointError: ``target`` is a directory or another file that is not a regular one (a
+            device such as ``/dev/null``, a pipe), its name is not valid UTF-8, or its folder is
+            missing or not writable.
     """
     check_name(target)
     if target.is_dir():
         raise CheckpointError(
             f"output {target} is a directory; pass a file path such as {target / 'model.safetensors'}"
         )
+    if target.exists() and not target.is_file():  # renaming onto it would replace the device or pipe
+        raise CheckpointError(f"output {target} is not a regular file (a device or a pipe); pass a file path")
     if target.exists() and not overwrite:
         raise OutputExistsError(f"output {target} exists; pass overwrite=True to replace it")
     parent = target.parent
@@ -297,7 +300,8 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
     ``KeyboardInterrupt`` included, it is deleted and ``path`` is left as it was.
     Without ``overwrite`` an existing file is never replaced, even one another process
     wrote meanwhile; either way ``path`` holds one whole file, never a mix. Protects
-    against failure of this process, not against power loss (no ``fsync``).
+    against failure of this process, not against power loss (no ``fsync``). A symbolic
+    link is written through, as ``open`` writes: the file it leads to is replaced, the link stays.
 
     Args:
         path: The final file.
@@ -306,11 +310,14 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
     Raises:
         OutputExistsError: ``path`` exists (checked before writing, and atomically
             when the finished file is put in place) and ``overwrite`` is false.
-        CheckpointError: ``path`` is a directory, its folder is missing or not
-            writable, or writing failed (for example, disk full).
+        CheckpointError: ``path`` is a directory, a device or a pipe, its folder is missing
+            or not writable, or writing failed (for example, disk full).
     """
     target = Path(path)
     check_output(target, overwrite)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+        check_output(target, overwrite)
     remove_stale_temporaries(target)
     tmp, lock = create_temporary(target)
     try:
