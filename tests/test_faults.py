@@ -430,8 +430,15 @@ _REWRITE = {
 }
 
 
-@pytest.mark.parametrize("how,when", [("in-place", "before-checking"), ("replaced", "after-writing")])
-def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypatch, how, when):
+@pytest.mark.parametrize(
+    "how,when,output",
+    [
+        ("in-place", "before-checking", "file"),
+        ("replaced", "after-writing", "file"),
+        ("replaced", "after-writing", "link"),
+    ],
+)
+def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypatch, how, when, output):
     # The rewrite runs while no mapped page of the source is being read: a file truncated under
     # a read of its mapping stops the process with SIGBUS, which no reader of mapped files survives.
     (tmp_path / "other").mkdir()
@@ -459,9 +466,15 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
         monkeypatch.setattr(ckpt_save, "save_state_dict", save_then_rewrite)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
+    if output == "link":  # a link that leads nowhere yet: the file written through it is removed, the link stays
+        (tmp_path / "runs").mkdir()
+        (out_dir / "x.safetensors").symlink_to(tmp_path / "runs" / "x.safetensors")
     code, out, err = cli(capsys, "convert", source, out_dir / "x.safetensors", "--no-verify")
     assert_one_line_error(code, out, err, "changed while it was being read", stdout="")
-    assert names(out_dir) == []
+    if output == "link":
+        assert names(tmp_path / "runs") == [] and (out_dir / "x.safetensors").is_symlink()
+    else:
+        assert names(out_dir) == []
     assert sha256(source) == sha256(other)  # the rewrite did happen
 
 
