@@ -236,6 +236,31 @@ def test_export_and_demo_into_a_mount_point_simulated(source, tmp_path, capsys, 
     _write_into_volume(vol, source, capsys)
 
 
+def test_export_into_a_folder_whose_parent_is_not_writable_simulated(source, tmp_path, capsys, monkeypatch):
+    # /scratch/$USER in a /scratch the user cannot write: no sibling can be made, so the export is
+    # built inside the folder, as in a mount point. Simulated: root may write anywhere.
+    parent = tmp_path / "scratch"
+    out = parent / "user"
+    out.mkdir(parents=True)
+    access, mkdir = os.access, os.mkdir
+
+    def no_write_in_parent(path, mode, **kwargs):
+        return not (Path(path) == parent and mode & os.W_OK) and access(path, mode, **kwargs)
+
+    def refused_in_parent(path, *args, **kwargs):
+        if Path(path).parent == parent:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", no_write_in_parent)
+    monkeypatch.setattr(os, "mkdir", refused_in_parent)
+    for overwrite in ([], ["--overwrite"]):
+        code, _, err = cli(capsys, "export", source, out, "--num-inputs", "1", *overwrite)
+        assert (code, err) == (0, "")
+        assert names(out) == ["README.md", "config.json", "gates.png", "model.safetensors"]
+        assert names(parent) == ["user"]
+
+
 # --- two writers, one output ----------------------------------------------------------------------
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "check_output_folder",
     "clear_folder",
     "create_temporary",
+    "fills_in_place",
     "remove_stale_temporaries",
     "temporary_folder",
 ]
@@ -221,11 +222,18 @@ def check_output_folder(out: Path, overwrite: bool) -> Path:
             f"{out} is or holds the current folder, which replacing it would delete; pass another folder"
         )
     if out.is_dir() and not overwrite:
-        if os.path.ismount(out):  # an export's temporary lies inside: those of killed exports do not count
+        if fills_in_place(out):  # an export's temporary lies inside: those of killed exports do not count
             remove_stale_temporaries(out / out.name)
         if any(out.iterdir()):
             raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     return out
+
+
+def fills_in_place(out: Path) -> bool:
+    """Whether the folder ``out`` must be written from inside: it is a mount point (a container's
+    volume), which no rename can replace, or its parent folder is not writable, so that no sibling
+    can be made."""
+    return out.is_dir() and (os.path.ismount(out) or not os.access(out.absolute().parent, os.W_OK | os.X_OK))
 
 
 def clear_folder(folder: Path, keep: Path | None = None) -> None:

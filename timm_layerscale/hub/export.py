@@ -29,7 +29,7 @@ from typing import Any
 
 from ..conversion.detect import model_args
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
-from ..files.atomic import check_output_folder, clear_folder, hidden_prefix, temporary_folder
+from ..files.atomic import check_output_folder, clear_folder, fills_in_place, hidden_prefix, temporary_folder
 from ..files.hub_errors import one_line
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, published_path
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
@@ -173,7 +173,7 @@ def _deletes_source(source: Path, out: Path) -> bool:
 
 def _make_temporary(out: Path) -> tuple[Path, list[Path]]:
     """Create the missing parents of the export folder ``out``, then the temporary folder next to it
-    (inside it where it is a mount point).
+    (inside it where it is a mount point or its parent is not writable: :func:`~timm_layerscale.files.atomic.fills_in_place`).
 
     Returns:
         The temporary folder, and the parent folders created, deepest first (removed again
@@ -189,7 +189,7 @@ def _make_temporary(out: Path) -> tuple[Path, list[Path]]:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
-        return temporary_folder(out / out.name if os.path.ismount(out) else out), created
+        return temporary_folder(out / out.name if fills_in_place(out) else out), created
     except BaseException:
         _remove_empty(created)
         raise
@@ -208,7 +208,7 @@ def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished folder ``tmp`` onto ``out``. Without ``overwrite`` it only takes the place
     of a missing or empty folder (the rename fails on one holding files, which another writer may
     have made since the export began), so of two exports racing to one folder, one wins. Where
-    ``tmp`` lies inside ``out`` (a mount point, which no rename can replace), its files are moved
+    ``tmp`` lies inside ``out`` (:func:`~timm_layerscale.files.atomic.fills_in_place`), its files are moved
     into ``out`` instead, after ``overwrite`` removed what else ``out`` held."""
     taken = OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     if tmp.parent == out:
