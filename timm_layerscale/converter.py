@@ -297,7 +297,7 @@ def convert_checkpoint(
                 raise LayerScaleError(f"{output} does not read back as written ({detail}); output removed")
         ckpt.check_unchanged(path, identity)  # tensors, verification and sha256 came from one version of the file
     except BaseException:
-        Path(os.path.realpath(output)).unlink(missing_ok=True)  # the file written, not a link leading to it
+        atomic.write_target(output).unlink(missing_ok=True)  # the file written, not a link leading to it
         raise
     from .options import command_line
 

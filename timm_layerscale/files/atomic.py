@@ -40,6 +40,7 @@ __all__ = [
     "fills_in_place",
     "remove_stale_temporaries",
     "temporary_folder",
+    "write_target",
 ]
 
 
@@ -300,6 +301,12 @@ def temporary_folder(target: str | os.PathLike[str]) -> Path:
     return tmp
 
 
+def write_target(path: Path) -> Path:
+    """The file a write to ``path`` replaces: the one a symbolic link leads to (``open`` writes
+    through a link), else ``path`` itself."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; move it onto ``path`` on success.
@@ -321,10 +328,10 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
         CheckpointError: ``path`` is a directory, a device or a pipe, its folder is missing
             or not writable, or writing failed (for example, disk full).
     """
-    target = Path(path)
-    check_output(target, overwrite)
-    if target.is_symlink():
-        target = Path(os.path.realpath(target))
+    typed = Path(path)
+    check_output(typed, overwrite)
+    target = write_target(typed)
+    if target != typed:  # a link: the file it leads to is checked too
         check_output(target, overwrite)
     remove_stale_temporaries(target)
     tmp, lock = create_temporary(target)
