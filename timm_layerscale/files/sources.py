@@ -78,9 +78,11 @@ def source_config(source: str | os.PathLike[str]) -> Path | None:
     ``None`` for a file, a URL, another file of a repository, or where there is none or it
     cannot be fetched (the weights' download then says why).
     """
-    if not str(source).startswith("hf-hub:"):
+    if not is_remote(source):  # a folder, as resolve_source tells sources apart
         path = Path(source) / CONFIG_NAME
-        return path if Path(source).is_dir() and path.is_file() else None
+        return path if path.is_file() else None
+    if os.fspath(source).startswith(URL_PREFIXES):  # a URL names one file
+        return None
     repo_id, revision, filename = _parse_hub_spec(os.fspath(source))
     if filename not in (None, *FOLDER_WEIGHTS):
         return None
