@@ -316,6 +316,39 @@ def test_outputs_take_the_permissions_the_umask_gives(official, tmp_path, capsys
     assert modes and set(modes.values()) == {0o640}, modes
 
 
+@POSIX
+def test_a_replaced_file_or_folder_keeps_its_permissions(official, tmp_path, capsys, few_inputs):
+    """An output that replaces a file (``--overwrite``) or a folder (an empty one, or any with
+    ``--overwrite``) takes that one's permissions, as writing into it would: what the user made
+    private stays private; the umask decides only for what is new."""
+    import stat
+
+    from helpers import cli
+
+    def mode(p: Path) -> int:
+        return stat.S_IMODE(p.stat().st_mode)
+
+    private = tmp_path / "a.safetensors"
+    private.write_bytes(b"old")
+    private.chmod(0o600)
+    assert cli(capsys, "convert", official, private, "--no-verify", "--overwrite")[0] == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    empty.chmod(0o700)
+    assert cli(capsys, "export", official, empty)[0] == 0
+    group = tmp_path / "group"
+    assert cli(capsys, "export", official, group)[0] == 0
+    group.chmod(0o750)
+    assert cli(capsys, "export", official, group, "--overwrite")[0] == 0
+    assert (mode(private), mode(empty), mode(group)) == (0o600, 0o700, 0o750)
+    assert safetensors_contents(private) and (empty / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "empty", "group"]
+    # while it is written, no one else may open it
+    with atomic_output(private, overwrite=True) as tmp:
+        assert mode(tmp) == 0o700
+    assert mode(temporary_folder(group)) == 0o750
+
+
 def test_a_name_as_long_as_a_file_name_may_be(official, tmp_path, capsys, few_inputs):
     """A file name takes up to 255 bytes; the hidden siblings (``.NAME.tmp-PID-HEX``, an export's
     ``.NAME.old-HEX``) must fit too, and a killed writer's temporary is still found by the next."""

@@ -38,6 +38,7 @@ __all__ = [
     "clear_folder",
     "create_temporary",
     "fills_in_place",
+    "keep_mode",
     "remove_stale_temporaries",
     "temporary_folder",
     "write_target",
@@ -249,6 +250,17 @@ def clear_folder(folder: Path, keep: Path | None = None) -> None:
             p.unlink()
 
 
+def keep_mode(new: Path, old: Path, writing: bool = False) -> None:
+    """Give ``new`` the permission bits of ``old``, which it is to replace, as writing into ``old``
+    would keep them: a file or folder made private stays private. While ``writing``, no more than
+    ``new``'s own and the owner's, so that no one else opens it meanwhile. Nothing if ``old`` is gone."""
+    with contextlib.suppress(OSError):
+        mode = stat.S_IMODE(os.stat(old).st_mode)
+        if writing:
+            mode = mode & stat.S_IMODE(os.stat(new).st_mode) | stat.S_IRWXU
+        os.chmod(new, mode)
+
+
 def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
     """Move the finished ``tmp`` onto ``target``; without ``overwrite``, never replace a file.
 
@@ -257,6 +269,7 @@ def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
     and ``os.replace`` are two steps: a short window for another process.
     """
     if overwrite:
+        keep_mode(tmp, target)
         os.replace(tmp, target)
         return
     try:
@@ -296,6 +309,7 @@ def temporary_folder(target: str | os.PathLike[str]) -> Path:
     target = Path(target)
     remove_stale_temporaries(target)
     tmp, lock = create_temporary(target, folder=True)
+    keep_mode(tmp, target, writing=True)
     if lock is not None:
         _FOLDER_LOCKS[tmp] = lock
     return tmp
@@ -317,6 +331,7 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
     wrote meanwhile; either way ``path`` holds one whole file, never a mix. Protects
     against failure of this process, not against power loss (no ``fsync``). A symbolic
     link is written through, as ``open`` writes: the file it leads to is replaced, the link stays.
+    A replaced file's permissions are kept; a new file gets those the umask gives.
 
     Args:
         path: The final file.
@@ -335,6 +350,7 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
         check_output(target, overwrite)
     remove_stale_temporaries(target)
     tmp, lock = create_temporary(target)
+    keep_mode(tmp, target, writing=True)
     try:
         yield tmp
         check_output(target, overwrite)

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..conversion.detect import model_args
 from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
-from ..files.atomic import check_output_folder, clear_folder, fills_in_place, hidden_prefix, temporary_folder
+from ..files.atomic import check_output_folder, clear_folder, fills_in_place, hidden_prefix, keep_mode, temporary_folder
 from ..files.hub_errors import one_line
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, published_path
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
@@ -209,7 +209,8 @@ def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     of a missing or empty folder (the rename fails on one holding files, which another writer may
     have made since the export began), so of two exports racing to one folder, one wins. Where
     ``tmp`` lies inside ``out`` (:func:`~timm_layerscale.files.atomic.fills_in_place`), its files are moved
-    into ``out`` instead, after ``overwrite`` removed what else ``out`` held."""
+    into ``out`` instead, after ``overwrite`` removed what else ``out`` held. A replaced ``out``'s
+    permissions are kept."""
     taken = OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     if tmp.parent == out:
         if not overwrite and any(p != tmp for p in out.iterdir()):
@@ -219,6 +220,7 @@ def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
             os.replace(p, out / p.name)
         tmp.rmdir()
         return
+    keep_mode(tmp, out)
     old = None
     if overwrite and out.exists():
         old = out.parent / f"{hidden_prefix(out)}.old-{secrets.token_hex(4)}"
