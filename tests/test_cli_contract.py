@@ -133,7 +133,8 @@ import contextlib, io, json, runpy, sys
 results = {}
 for argv in (["verify", "a.pth", "b.safetensors", "--num-inputs", "-1"], ["verify", "a", "b", "--atol", "-1"],
              ["convert", "a", "b", "--rtol", "nan"], ["verify", "a", "b", "--num-inputs", "many"],
-             ["export", "a", "b", "--num-inputs", "0"], ["verify", "a", "b", "--batch-size", "0"]):
+             ["export", "a", "b", "--num-inputs", "0"], ["verify", "a", "b", "--batch-size", "0"],
+             ["verify", "a", "b", "--seed", str(2**64)], ["verify", "a", "b", "--seed", "1.5"]):
     sys.argv = ["timm-layerscale", *argv]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -160,10 +161,26 @@ def test_bad_counts_and_tolerances_are_argument_errors_without_importing_torch()
         "--num-inputs many": "argument --num-inputs: expected a whole number >= 0, got 'many'",
         "--num-inputs 0": "argument --num-inputs: 0 leaves no inputs; pass --images FILE ... too",
         "--batch-size 0": "argument --batch-size: must be at least 1, got 0",
+        f"--seed {2**64}": f"argument --seed: must be from -2**63 to 2**64 - 1 (the seeds torch takes), got {2**64}",
+        "--seed 1.5": "argument --seed: expected a whole number, got '1.5'",
     }
     for key, text in expected.items():
         code, err = res[key]
         assert code == 2 and len(err.splitlines()) == 1 and err.startswith(ERROR) and text in err, (key, err)
+
+
+def test_running_out_of_memory_is_one_line(official, tmp_path, capsys):
+    """More seeded images than any machine holds (60 PB) end in one line that says what to do,
+    not an internal error to report. A seed out of torch's range is refused by the options too."""
+    from timm_layerscale.errors import LayerScaleError
+    from timm_layerscale.parity.tolerance import VerifyOptions
+
+    conv = tmp_path / "c.safetensors"
+    assert cli(capsys, "convert", official, conv, "--no-verify")[0] == 0
+    advice = "out of memory; free memory, or verify with a smaller --batch-size or --num-inputs"
+    assert_one_line_error(*cli(capsys, "verify", official, conv, "--num-inputs", "100000000000"), expect=advice)
+    with pytest.raises(LayerScaleError, match=r"seed must be from -2\*\*63 to 2\*\*64 - 1"):
+        VerifyOptions(seed=-(2**63) - 1)
 
 
 def test_library_advice_is_said_as_options_on_the_command_line(tmp_path, capsys, official):

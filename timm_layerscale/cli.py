@@ -267,6 +267,10 @@ def _run(command: Callable[[], int], debug: bool) -> int:
             # The file system refused a path the user chose (permissions, a full disk, /proc).
             error(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
             return EXIT_USER_ERROR
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
+            # Python's, a CUDA device's (torch.OutOfMemoryError) or torch's CPU allocator's
+            error("out of memory; free memory, or verify with a smaller --batch-size or --num-inputs")
+            return EXIT_USER_ERROR
         error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
         return EXIT_INTERNAL_ERROR
 

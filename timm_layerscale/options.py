@@ -15,6 +15,7 @@ __all__ = [
     "OneLineParser",
     "whole_number",
     "tolerance",
+    "seed",
     "add_verify_args",
     "check_inputs",
     "verify_options",
@@ -62,6 +63,17 @@ def tolerance(text: str) -> float:
     return value
 
 
+def seed(text: str) -> int:
+    """argparse type: a seed ``torch.manual_seed`` takes, from -2**63 to 2**64 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be from -2**63 to 2**64 - 1 (the seeds torch takes), got {value}")
+    return value
+
+
 def add_verify_args(p: argparse.ArgumentParser) -> None:
     """The verification options, the same for every command that verifies."""
     g = p.add_argument_group("verification")
@@ -80,7 +92,7 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="seeded random images (default 8; 0 with --images)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of the random images (default 0)")
+    g.add_argument("--seed", type=seed, default=0, help="seed of the random images (default 0)")
     g.add_argument("--images", nargs="+", default=[], metavar="FILE", help="image files added to the inputs")
     g.add_argument("--device", default="cpu", help="run both models on cpu (default) or cuda")
     g.add_argument(

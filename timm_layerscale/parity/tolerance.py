@@ -111,6 +111,8 @@ class VerifyOptions:
             raise LayerScaleError("exact parity takes no tolerance; drop exact or atol/rtol")
         if self.num_inputs < 0 or self.batch_size < 1:
             raise LayerScaleError("num_inputs must be at least 0 and batch_size at least 1")
+        if not -(2**63) <= self.seed < 2**64:
+            raise LayerScaleError(f"seed must be from -2**63 to 2**64 - 1 (the seeds torch takes), got {self.seed}")
         if self.num_inputs == 0 and not self.images:
             raise LayerScaleError("num_inputs=0 leaves no inputs; pass images=[...] too, or num_inputs of at least 1")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
