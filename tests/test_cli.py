@@ -454,6 +454,10 @@ def _write(kind: str, src: Path, light_sd: dict) -> None:
         torch.save({"model": dict(light_sd, **{"module.blocks.5.attn.proj.weight": bad})}, src)
     elif kind == "no-ema":
         torch.save({"model": light_sd}, src)
+    elif kind == "no-weights":
+        torch.save({"state_dict": {}}, src)
+    elif kind == "no-weights-safetensors":
+        safetensors.torch.save_file({}, str(src))
     else:
         raise AssertionError(kind)
 
@@ -481,6 +485,8 @@ BAD_INPUTS = [
     ),
     ("inf", "XXS24_224.pth", [], "--allow-nonfinite"),
     ("no-ema", "XXS24_224.pth", ["--ema"], "no 'model_ema' state dict (wrappers found: model); leave out --ema"),
+    ("no-weights", "XXS24_224.pth", [], "XXS24_224.pth holds no weights (an empty state dict); pass a checkpoint"),
+    ("no-weights-safetensors", "model.safetensors", [], "model.safetensors holds no weights (an empty state dict)"),
     (
         "missing-key",
         "XXS24_224.pth",

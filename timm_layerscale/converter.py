@@ -109,6 +109,8 @@ def _read(path: Path, *, model: str | None, ema: bool) -> tuple[dict[str, torch.
         sd = state_dict_of(ckpt.load_checkpoint(path), ema=ema)
     except RemapError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    if all(isinstance(v, Mapping) and not v for v in sd.values()):  # {} or {'state_dict': {}}
+        raise CheckpointError(f"{path} holds no weights (an empty state dict); pass a checkpoint with weights")
     bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointError(f"{path}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
