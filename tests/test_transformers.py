@@ -240,6 +240,10 @@ def test_re_exporting_a_folder_keeps_its_class_names_and_tag(folders, tmp_path: 
         f"{gamma / 'config.json'}: 9 label names for a model with 10 classes; give one name per class, "
         "or pass --label-names FILE",
     )
+    # A tag given too does not hide where the names came from; an unknown one is said first.
+    err = assert_one_line_error(*cli(capsys, "export", gamma, tmp_path / "out", "--tag", "fb_dist_in1k"))
+    assert f"{gamma / 'config.json'}: 9 label names" in err
+    assert_one_line_error(*cli(capsys, "export", gamma, tmp_path / "out", "--tag", "x"), "'x' is not a pretrained tag")
     (gamma / "config.json").write_text("{")
     assert_one_line_error(*cli(capsys, "export", gamma, tmp_path / "out"), "config.json (Expecting property name")
     assert not (tmp_path / "out").exists()

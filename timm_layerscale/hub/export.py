@@ -340,7 +340,8 @@ def export_folder(
         # a source that cannot be mapped is not held in memory twice.
         variant, info = load_source(source, model=model, ema=ema)[2:]
         architecture = _architecture(variant, to)
-        written_tag = tag or (folder_tag if folder_tag in pretrained_tags(architecture) else None)
+        tags = pretrained_tags(architecture)
+        written_tag = tag or (folder_tag if folder_tag in tags else None)
         try:
             config = write_config(
                 f"{architecture}.{written_tag}" if written_tag else architecture,
@@ -350,7 +351,7 @@ def export_folder(
                 label_descriptions=descriptions,
             )
         except CheckpointError as e:
-            if tag or folder_names is None or names is not folder_names:
+            if folder_names is None or names is not folder_names or (tag and tag not in tags):
                 raise  # not about names from the source's config.json
             raise CheckpointError(f"{Path(source) / CONFIG_NAME}: {e}, or pass label_names='FILE'") from None
         conv = convert_checkpoint(source, weights, model=model, to=to, fmt="safetensors", ema=ema, options=options)
