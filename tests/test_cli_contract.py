@@ -531,7 +531,7 @@ def test_push_offline_fails_before_reading_a_token(tmp_path, capsys, monkeypatch
 
     folder = tmp_path / "f"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text(json.dumps({"architecture": "cait_xxs24_224_ls"}))
     (folder / "model.safetensors").write_bytes(b"x")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: pytest.fail("read the token"), raising=False)

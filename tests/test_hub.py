@@ -441,6 +441,12 @@ def test_push_refuses_a_folder_that_is_not_an_export(hub: FakeHub, tmp_path: Pat
         push_folder(tmp_path / "missing", "my-org/model")
     with pytest.raises(HubError, match=r"notes.txt is a file; pass the exported folder that holds it \(.*stuff\)$"):
         push_folder(tmp_path / "stuff" / "notes.txt", "my-org/model")
+    # a config.json that timm cannot read (edited by hand) is refused before anything is sent
+    (tmp_path / "stuff" / "model.safetensors").write_bytes(b"x")
+    for text in ("{", "[]", '{"num_classes": 3}'):
+        (tmp_path / "stuff" / "config.json").write_text(text)
+        with pytest.raises(HubError, match=r"config.json is not a timm config \(JSON naming its 'architecture'\)"):
+            push_folder(tmp_path / "stuff", "my-org/model")
     assert hub.requests == []
 
 

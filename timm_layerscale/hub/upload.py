@@ -172,12 +172,18 @@ def _folder_files(folder: Path) -> list[tuple[str, int]]:
     return [(name, files[name]) for name in sorted(keep)]
 
 
-def _default_commit_message(folder: Path) -> str:
+def _architecture(folder: Path) -> str:
+    """The ``architecture`` that the folder's ``config.json`` names; one timm cannot read is refused."""
+    config = folder / CONFIG_NAME
     arch = None
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        arch = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")).get("architecture")
-    what = f"{arch} weights" if arch else "model folder"
-    return f"Upload {what} (timm-layerscale {__version__})"
+        arch = json.loads(config.read_text(encoding="utf-8")).get("architecture")
+    if not isinstance(arch, str) or not arch:
+        raise HubError(
+            f"{config} is not a timm config (JSON naming its 'architecture'); "
+            f"export the folder again with: timm-layerscale export SOURCE {folder}"
+        )
+    return arch
 
 
 def push_folder(
@@ -214,7 +220,7 @@ def push_folder(
 
     Raises:
         HubError: Bad repo id or options, a folder that is not an exported model
-            folder (no ``config.json`` or no weights), missing token, 401/403
+            folder (no ``config.json`` naming an architecture, or no weights), missing token, 401/403
             (token), 404 (repository or revision) or network failure; one line
             saying what to do.
     """
@@ -238,11 +244,12 @@ def push_folder(
             f"{path} is not an exported model folder (it needs {CONFIG_NAME} and {WEIGHTS_NAME}); "
             f"create it with: timm-layerscale export SOURCE {path}"
         )
+    arch = _architecture(path)
     plan = PushResult(
         repo_id=repo_id,
         folder=path,
         files=files,
-        commit_message=commit_message or _default_commit_message(path),
+        commit_message=commit_message or f"Upload {arch} weights (timm-layerscale {__version__})",
         private=private,
         revision=None if revision in (None, "main") else revision,
         create_pr=create_pr,
@@ -265,6 +272,6 @@ def plan_push(folder: str | os.PathLike[str], repo_id: str, **options: Any) -> P
 
     Raises:
         HubError: Bad repo id, conflicting options, or a folder that is not an
-            exported model folder (no ``config.json`` or no weights).
+            exported model folder (no ``config.json`` naming an architecture, or no weights).
     """
     return push_folder(folder, repo_id, dry_run=True, **options)
