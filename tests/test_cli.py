@@ -519,6 +519,23 @@ def test_nonfinite_values_convert_with_allow_nonfinite(light_sd, tmp_path, capsy
     assert safetensors.torch.load_file(str(out))["blocks.5.attn.proj.weight"].isnan().sum() == 1
 
 
+def test_a_cast_that_overflows_is_said_before_verification(light_sd, tmp_path, capsys):
+    """A finite weight beyond fp16's range becomes Inf in the cast: one line saying so, not a
+    parity failure with NaN differences (both models would give NaN); bf16 holds it."""
+    src = tmp_path / "big.pth"
+    big = light_sd["module.blocks.5.attn.proj.weight"].clone()
+    big[3, 7] = 1e6
+    torch.save({"model": dict(light_sd, **{"module.blocks.5.attn.proj.weight": big})}, src)
+    out = tmp_path / "out.safetensors"
+    expect = (
+        "'blocks.5.attn.proj.weight' holds values beyond fp16's range (up to 65504), which the cast makes Inf; "
+        "pass --dtype bf16, or leave out --dtype fp16"
+    )
+    assert_one_line_error(*cli(capsys, "convert", src, out, "--dtype", "fp16", "--num-inputs", "1"), expect)
+    assert not out.exists()
+    assert cli(capsys, "convert", src, out, "--dtype", "bf16", "--num-inputs", "1")[0] == 0
+
+
 @pytest.mark.parametrize("fmt", ["zip", "legacy"])
 def test_pickle_that_runs_code_is_refused_and_not_run(fmt, tmp_path, capsys):
     marker = tmp_path / "pwned"

@@ -278,6 +278,12 @@ def convert_checkpoint(
     if verify:
         if torch_dtype is not None:
             target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
+            over = [k for k, v in target.items() if not allow_nonfinite and v.is_floating_point() and v.isinf().any()]
+            if over:  # the source is finite: the cast overflowed
+                raise CheckpointError(
+                    f"{over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
+                    f"which the cast makes Inf; pass dtype='bf16', or leave out dtype={dtype!r}"
+                )
         report = _verified(sd, target, variant, args, options, fold)
     metadata.update(report.metadata() if report is not None else {"parity": "not verified"})
     family = FAMILIES[variant.family]
