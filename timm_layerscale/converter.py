@@ -278,8 +278,8 @@ def convert_checkpoint(
     if verify:
         if torch_dtype is not None:
             target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
-            over = [k for k, v in target.items() if not allow_nonfinite and v.is_floating_point() and v.isinf().any()]
-            if over:  # the source is finite: the cast overflowed
+            # the source is finite (checked above): a non-finite value now is the cast's overflow
+            if not allow_nonfinite and (over := ckpt.nonfinite_tensors(target)):
                 raise CheckpointError(
                     f"{over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
                     f"which the cast makes Inf; pass dtype='bf16', or leave out dtype={dtype!r}"

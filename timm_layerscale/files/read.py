@@ -36,6 +36,7 @@ __all__ = [
     "check_unchanged",
     "file_identity",
     "load_checkpoint",
+    "nonfinite_tensors",
     "parse_dtype",
     "release_pages",
     "sha256_file",
@@ -254,17 +255,12 @@ def check_unchanged(path: str | os.PathLike[str], before: tuple[int, ...] | None
         )
 
 
-def check_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise if any floating-point tensor holds NaN or Inf.
+def nonfinite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors that hold NaN or Inf, in order.
 
     Tensors are checked one at a time in chunks of 2**24 elements, so extra memory
     is bounded by one chunk; pages of memory-mapped tensors are released once checked.
-
-    Args:
-        state_dict: Name to tensor; non-floating tensors are skipped.
-
-    Raises:
-        CheckpointError: Naming the first non-finite tensor and how many there are.
+    Non-floating tensors are skipped.
     """
     bad: list[str] = []
     for name, tensor in state_dict.items():
@@ -279,7 +275,16 @@ def check_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
                 bad.append(name)
                 break
         release_pages(tensor)
-    if bad:
+    return bad
+
+
+def check_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raise if any floating-point tensor holds NaN or Inf (:func:`nonfinite_tensors`).
+
+    Raises:
+        CheckpointError: Naming the first non-finite tensor and how many there are.
+    """
+    if bad := nonfinite_tensors(state_dict):
         raise CheckpointError(
             f"{len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; "
             "check the source checkpoint, or pass allow_nonfinite=True to convert anyway"
