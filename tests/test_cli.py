@@ -521,7 +521,8 @@ def test_nonfinite_values_convert_with_allow_nonfinite(light_sd, tmp_path, capsy
 
 def test_a_cast_that_overflows_is_said_before_verification(light_sd, tmp_path, capsys):
     """A finite weight beyond fp16's range becomes Inf in the cast: one line saying so, not a
-    parity failure with NaN differences (both models would give NaN); bf16 holds it."""
+    parity failure with NaN differences (both models would give NaN), and not an Inf written
+    unchecked without verification; bf16 holds it."""
     src = tmp_path / "big.pth"
     big = light_sd["module.blocks.5.attn.proj.weight"].clone()
     big[3, 7] = 1e6
@@ -532,7 +533,11 @@ def test_a_cast_that_overflows_is_said_before_verification(light_sd, tmp_path, c
         "pass --dtype bf16, or leave out --dtype fp16"
     )
     assert_one_line_error(*cli(capsys, "convert", src, out, "--dtype", "fp16", "--num-inputs", "1"), expect)
+    assert_one_line_error(*cli(capsys, "convert", src, out, "--dtype", "fp16", "--no-verify"), expect)
     assert not out.exists()
+    assert cli(capsys, "convert", src, out, "--dtype", "fp16", "--no-verify", "--allow-nonfinite")[0] == 0
+    assert torch.isinf(safetensors.torch.load_file(out)["blocks.5.attn.proj.weight"]).sum() == 1
+    out.unlink()
     assert cli(capsys, "convert", src, out, "--dtype", "bf16", "--num-inputs", "1")[0] == 0
 
 

@@ -255,8 +255,9 @@ def check_unchanged(path: str | os.PathLike[str], before: tuple[int, ...] | None
         )
 
 
-def nonfinite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors that hold NaN or Inf, in order.
+def nonfinite_tensors(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[str]:
+    """The names of the floating-point tensors that hold NaN or Inf, in order; with ``dtype``,
+    once cast to it (a finite value beyond its range becomes Inf).
 
     Tensors are checked one at a time in chunks of 2**24 elements, so extra memory
     is bounded by one chunk; pages of memory-mapped tensors are released once checked.
@@ -269,6 +270,8 @@ def nonfinite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
         flat = tensor.detach().reshape(-1)
         for i in range(0, flat.numel(), 1 << 24):
             chunk = flat[i : i + (1 << 24)]
+            if dtype is not None and chunk.is_floating_point():
+                chunk = chunk.to(dtype)
             if chunk.dtype.itemsize == 1:  # torch has no isfinite for 8-bit floats; they widen exactly
                 chunk = chunk.to(torch.float32)
             if not torch.isfinite(chunk).all():
