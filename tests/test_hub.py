@@ -839,6 +839,7 @@ def test_export_model_card(exported) -> None:
     assert "Going Deeper With Image Transformers" in text and "@inproceedings{touvron2021cait," in text
     if result.plot is not None:
         assert "](gates.png)" in text
+    assert "`timm-layerscale inspect hf-hub:my-org/cait_xxs24_224_ls.fb_dist_in1k` prints the full table." in text
 
 
 def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Path, monkeypatch, capsys) -> None:

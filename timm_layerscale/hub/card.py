@@ -318,4 +318,4 @@ def _gate_summary(gates: Sequence[Mapping[str, Any]]) -> str:
         else f" over {len(gates)} blocks"
     )
     text = "; ".join(parts) + where + "."
-    return text[0].upper() + text[1:] + " Print the full table with `timm-layerscale inspect hf-hub:...`."
+    return text[0].upper() + text[1:]
