@@ -274,17 +274,16 @@ def convert_checkpoint(
         **{k: str(v) for k, v in args.items()},
         **({"folded_layerscale": "true"} if fold else {}),
     }
+    if verify and torch_dtype is not None:  # verified as written; without verification the writer casts
+        target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
     # the source is finite (checked above): a non-finite value after the cast is its overflow
+    # (a tensor cast above is not cast again)
     if torch_dtype is not None and not allow_nonfinite and (over := ckpt.nonfinite_tensors(target, torch_dtype)):
         raise CheckpointError(
             f"{over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
             f"which the cast makes Inf; pass dtype='bf16', or leave out dtype={dtype!r}"
         )
-    report = None
-    if verify:
-        if torch_dtype is not None:
-            target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
-        report = _verified(sd, target, variant, args, options, fold)
+    report = _verified(sd, target, variant, args, options, fold) if verify else None
     metadata.update(report.metadata() if report is not None else {"parity": "not verified"})
     family = FAMILIES[variant.family]
     official = to == "gamma" and fmt == "pth" and not plain
