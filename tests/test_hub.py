@@ -34,7 +34,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import ROOT, cli
+from helpers import ROOT, assert_one_line_error, cli
 from timm_layerscale.errors import HubError, OutputExistsError
 from timm_layerscale.files.sources import cached_url_path, resolve_source, source_config
 from timm_layerscale.hub.export import export_folder
@@ -448,6 +448,35 @@ def test_push_refuses_a_folder_that_is_not_an_export(hub: FakeHub, tmp_path: Pat
         with pytest.raises(HubError, match=r"config.json is not a timm config \(JSON naming its 'architecture'\)"):
             push_folder(tmp_path / "stuff", "my-org/model")
     assert hub.requests == []
+
+
+def test_push_refuses_a_config_whose_class_count_disagrees(hub: FakeHub, folder: Path, capsys) -> None:
+    """num_classes against the head in model.safetensors, and the class names against num_classes:
+    a folder that timm and transformers refuse to load, or would name wrongly, is not sent."""
+    save_file({"head.weight": torch.zeros(3, 4), "head.bias": torch.zeros(3)}, folder / "model.safetensors")
+    config = {"architecture": "cait_xxs24_224_ls", "num_classes": 3, "pretrained_cfg": {"classifier": "head"}}
+    edits: list[tuple[dict[str, Any], str]] = [
+        (
+            {"num_classes": 1000},
+            "says num_classes 1000, but model.safetensors holds a head of 3 classes, "
+            "so timm and transformers refuse to load it; set num_classes to 3, or export",
+        ),
+        ({"label_names": ["a", "b"]}, "holds 2 class names for num_classes 3, so classes would be named wrongly"),
+        ({"label_names": "abc"}, "holds label_names that are no list for num_classes 3"),
+    ]
+    for edit, match in edits:
+        (folder / "config.json").write_text(json.dumps({**config, **edit}))
+        with pytest.raises(HubError, match=re.escape(match)):
+            push_folder(folder, "my-org/model", dry_run=True)
+    assert_one_line_error(*cli(capsys, "push", folder, "my-org/model", "--dry-run"), "--label-names FILE", stdout="")
+    assert hub.requests == []
+    # counts that agree are sent; a head under another name is read by the config's classifier
+    (folder / "config.json").write_text(json.dumps({**config, "label_names": ["a", "b", "c"]}))
+    assert plan_push(folder, "my-org/model").files
+    save_file({"fc.weight": torch.zeros(5, 4)}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({**config, "pretrained_cfg": {"classifier": "fc"}}))
+    with pytest.raises(HubError, match="holds a head of 5 classes"):
+        plan_push(folder, "my-org/model")
 
 
 def test_plan_skips_temporary_and_git_files(folder: Path) -> None:

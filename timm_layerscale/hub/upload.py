@@ -172,16 +172,43 @@ def _folder_files(folder: Path) -> list[tuple[str, int]]:
     return [(name, files[name]) for name in sorted(keep)]
 
 
+def _head_rows(weights: Path, classifier: str) -> int | None:
+    """Rows of ``classifier``'s weight in a safetensors file's header; None where it has none."""
+    with contextlib.suppress(OSError, ValueError, LookupError, TypeError), weights.open("rb") as f:
+        header = json.loads(f.read(min(int.from_bytes(f.read(8), "little"), 1 << 27)))
+        return int(header[f"{classifier}.weight"]["shape"][0])
+    return None
+
+
 def _architecture(folder: Path) -> str:
-    """The ``architecture`` that the folder's ``config.json`` names; one timm cannot read is refused."""
+    """The ``architecture`` that the folder's ``config.json`` names; one timm cannot read, or
+    whose class count disagrees with the weights' head or with its class names, is refused."""
     config = folder / CONFIG_NAME
-    arch = None
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        arch = json.loads(config.read_text(encoding="utf-8")).get("architecture")
+    data: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(config.read_text(encoding="utf-8"))
+    arch = data.get("architecture") if isinstance(data, dict) else None
     if not isinstance(arch, str) or not arch:
         raise HubError(
             f"{config} is not a timm config (JSON naming its 'architecture'); "
             f"export the folder again with: timm-layerscale export SOURCE {folder}"
+        )
+    classes = data.get("num_classes")
+    pretrained_cfg = data.get("pretrained_cfg")
+    classifier = pretrained_cfg.get("classifier") if isinstance(pretrained_cfg, dict) else None
+    rows = _head_rows(folder / WEIGHTS_NAME, classifier if isinstance(classifier, str) else "head")
+    names = data.get("label_names")
+    if rows is not None and classes is not None and classes != rows:
+        raise HubError(
+            f"{config} says num_classes {classes!r}, but {WEIGHTS_NAME} holds a head of {rows} classes, "
+            f"so timm and transformers refuse to load it; set num_classes to {rows}, or export the "
+            f"folder again with: timm-layerscale export SOURCE {folder}"
+        )
+    if names is not None and classes and (not isinstance(names, list) or len(names) != classes):
+        count = f"{len(names)} class names" if isinstance(names, list) else "label_names that are no list"
+        raise HubError(
+            f"{config} holds {count} for num_classes {classes!r}, so classes would be named wrongly; "
+            f"export the folder again with: timm-layerscale export SOURCE {folder} --label-names FILE"
         )
     return arch
 
@@ -220,7 +247,8 @@ def push_folder(
 
     Raises:
         HubError: Bad repo id or options, a folder that is not an exported model
-            folder (no ``config.json`` naming an architecture, or no weights), missing token, 401/403
+            folder (no ``config.json`` naming an architecture, a class count that disagrees
+            with the weights' head or the class names, or no weights), missing token, 401/403
             (token), 404 (repository or revision) or network failure; one line
             saying what to do.
     """
