@@ -338,6 +338,22 @@ def test_verify_exit_2_for_bad_input(official, converted, tmp_path, capsys):
 # ---- list and demo ----------------------------------------------------------------------
 
 
+def test_json_says_a_user_error_on_stdout_too(official, converted, tmp_path, capsys):
+    """With ``--json`` a script reading stdout gets ``{"ok": false, "error": ...}`` for a user's
+    mistake as for a failed check; the error line on stderr and the exit status are unchanged."""
+    for argv in [
+        ("convert", tmp_path / "nope.pth", tmp_path / "out.safetensors"),
+        ("verify", official, tmp_path / "nope.safetensors"),
+        ("inspect", tmp_path / "nope.pth"),
+        ("push", tmp_path, "my-org/model", "--dry-run"),
+    ]:
+        code, out, err = cli(capsys, *argv, "--json")
+        line = assert_one_line_error(code, out, err)
+        assert _strict_json(out) == {"ok": False, "error": line.removeprefix("timm-layerscale: error: ")}
+        assert cli(capsys, *argv)[1] == ""
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_list(capsys, monkeypatch):
     from timm_layerscale import catalog
     from timm_layerscale.models import cait_ls

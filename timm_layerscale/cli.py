@@ -29,7 +29,17 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ._version import __version__
-from .commands import COMMANDS, EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, PROG, cli_message, error, stoppable, write_out
+from .commands import (
+    COMMANDS,
+    EXIT_INTERNAL_ERROR,
+    EXIT_USER_ERROR,
+    PROG,
+    cli_message,
+    error,
+    print_json,
+    stoppable,
+    write_out,
+)
 from .options import OneLineParser, add_verify_args, check_inputs
 
 __all__ = ["main", "build_parser"]
@@ -248,30 +258,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .progress import disable_progress_bars
 
         disable_progress_bars()
-    return _run(lambda: COMMANDS[args.command](args), args.debug)
+    return _run(lambda: COMMANDS[args.command](args), args.debug, getattr(args, "json", False))
 
 
-def _run(command: Callable[[], int], debug: bool) -> int:
-    """``command()``'s exit status, or that of the error it raised, said in one line (raised with ``debug``)."""
+def _run(command: Callable[[], int], debug: bool, as_json: bool = False) -> int:
+    """``command()``'s exit status, or that of the error it raised, said in one line (raised with
+    ``debug``); with ``as_json``, also as ``{"ok": false, "error": ...}`` on stdout, as a failed check is."""
+
+    def say(message: str) -> None:
+        if as_json:
+            print_json({"ok": False, "error": " ".join(message.split())})
+        error(message)
+
     try:
-        return stoppable(command, error)
+        return stoppable(command, say)
     except Exception as e:
         from .errors import LayerScaleError
 
         if debug:
             raise
         if isinstance(e, LayerScaleError):
-            error(cli_message(str(e)))
+            say(cli_message(str(e)))
             return getattr(e, "exit_code", EXIT_USER_ERROR)
         if isinstance(e, OSError) and e.filename is not None:
             # The file system refused a path the user chose (permissions, a full disk, /proc).
-            error(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
+            say(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
             return EXIT_USER_ERROR
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
             # Python's, a CUDA device's (torch.OutOfMemoryError) or torch's CPU allocator's
-            error("out of memory; free memory, or verify with a smaller --batch-size or --num-inputs")
+            say("out of memory; free memory, or verify with a smaller --batch-size or --num-inputs")
             return EXIT_USER_ERROR
-        error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
+        say(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
         return EXIT_INTERNAL_ERROR
 
 
