@@ -591,6 +591,19 @@ def test_existing_output_without_overwrite(light_sd, tmp_path, capsys):
     assert folder_names(tmp_path) == ["XXS24_224.pth", "out.safetensors"]
 
 
+def test_an_output_ending_in_a_slash_is_refused(light_sd, tmp_path, capsys):
+    """``out.safetensors/`` names a folder, as ``cp`` reads it; a file of that name was written."""
+    src = tmp_path / "XXS24_224.pth"
+    _write("no-ema", src, light_sd)
+    for out in (f"{tmp_path}/out.safetensors/", f"{tmp_path}/out.pth/"):
+        expect = f"output {out} ends in a slash, which names a folder; pass a file path such as {out[:-1]}"
+        assert_one_line_error(*cli(capsys, "convert", src, out, "--no-verify", "--format", "safetensors"), expect)
+        assert_one_line_error(*cli(capsys, "convert", src, out, "--no-verify"), expect)
+    plot = f"{tmp_path}/gates.png/"
+    assert_one_line_error(*cli(capsys, "inspect", src, "--plot", plot), f"such as {plot[:-1]}", stdout="")
+    assert folder_names(tmp_path) == ["XXS24_224.pth"]
+
+
 def test_output_under_a_file_is_refused(light_sd, tmp_path, capsys):
     src = tmp_path / "XXS24_224.pth"
     _write("no-ema", src, light_sd)

@@ -302,6 +302,12 @@ def test_bad_output_locations(tmp_path):
         save_safetensors(tmp_path, {"a": torch.ones(1)}, overwrite=True)
     with pytest.raises(CheckpointError, match="does not exist"):
         save_safetensors(tmp_path / "no" / "x.safetensors", {"a": torch.ones(1)})
+    for save in (save_safetensors, save_pth, save_state_dict):  # a slash at the end names a folder
+        with pytest.raises(CheckpointError, match="ends in a slash, which names a folder"):
+            save(f"{tmp_path}/x.pth/", {"a": torch.ones(1)})
+    with pytest.raises(CheckpointError, match="ends in a slash"), atomic_output(f"{tmp_path}/x.bin/"):
+        pass
+    assert leftovers(tmp_path) == [] and not (tmp_path / "x.pth").exists()
 
 
 @pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="permissions do not bind root")

@@ -300,13 +300,13 @@ def cmd_push(a: argparse.Namespace) -> int:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .files.atomic import check_output
+    from .files.atomic import check_output, file_path
     from .files.sources import public_source
     from .inspection import format_gate_table, gate_profile, plot_format, plot_gates
 
     if a.plot:  # before any output or download
         plot_format(a.plot)
-        check_output(Path(a.plot), a.overwrite)
+        check_output(file_path(a.plot), a.overwrite)
     profile = gate_profile(a.source, model=a.model, ema=a.ema)
     if a.json:
         print_json(profile)

@@ -238,7 +238,7 @@ def convert_checkpoint(
         ParityError: The written file does not match the reference.
     """
     t0 = time.perf_counter()
-    output = Path(output)
+    output = atomic.file_path(output)
     fmt = save.output_format(output, fmt)
     if to not in ("ls", "gamma"):
         raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")

@@ -37,6 +37,7 @@ __all__ = [
     "check_output_folder",
     "clear_folder",
     "create_temporary",
+    "file_path",
     "fills_in_place",
     "keep_mode",
     "remove_stale_temporaries",
@@ -170,6 +171,16 @@ def check_name(path: Path) -> None:
         raise CheckpointError(
             f"{str(path)!r} is not a UTF-8 name, which PyTorch and safetensors cannot open; use a name in UTF-8"
         ) from None
+
+
+def file_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, refused where it ends in a slash: that names a folder,
+    which ``Path`` would drop (``cp`` refuses such a name too)."""
+    if os.fspath(path).endswith(("/", os.sep)):
+        raise CheckpointError(
+            f"output {os.fspath(path)} ends in a slash, which names a folder; pass a file path such as {Path(path)}"
+        )
+    return Path(path)
 
 
 def check_output(target: Path, overwrite: bool) -> None:
@@ -343,7 +354,7 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
         CheckpointError: ``path`` is a directory, a device or a pipe, its folder is missing
             or not writable, or writing failed (for example, disk full).
     """
-    typed = Path(path)
+    typed = file_path(path)
     check_output(typed, overwrite)
     target = write_target(typed)
     if target != typed:  # a link: the file it leads to is checked too

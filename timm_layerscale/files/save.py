@@ -27,7 +27,7 @@ from tqdm.utils import CallbackIOWrapper
 
 from .. import progress
 from ..errors import CheckpointError
-from .atomic import atomic_output, check_output
+from .atomic import atomic_output, check_output, file_path
 from .read import TORCH_SUFFIXES, release_pages
 
 __all__ = ["output_format", "save_pth", "save_safetensors", "save_state_dict"]
@@ -167,7 +167,7 @@ def save_safetensors(
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
         CheckpointError: A key or value cannot be stored, or writing failed.
     """
-    target = Path(path)
+    target = file_path(path)
     check_output(target, overwrite)
     plan = safetensors_plan(tensors, dtype)
     encoded, offsets = safetensors_header(plan, metadata)
@@ -251,7 +251,7 @@ def save_pth(
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
         CheckpointError: A value is not a tensor, or writing failed.
     """
-    check_output(Path(path), overwrite)
+    check_output(file_path(path), overwrite)
     plain = {}
     for name, t in state_dict.items():
         _check_entry(name, t)
