@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -108,9 +109,16 @@ def test_model_name_checks_the_gate_width() -> None:
         gate_profile(xxs, model="cait_xxs24_224_ls")
 
 
-def test_errors_are_one_line(official: dict) -> None:
-    with pytest.raises(LayerScaleError, match="no LayerScale gates"):
+def test_errors_are_one_line(official: dict, tmp_path) -> None:
+    with pytest.raises(LayerScaleError, match=r"^the state dict holds no LayerScale gates"):
         gate_profile({"head.weight": torch.zeros(2, 2)})
+    with pytest.raises(LayerScaleError, match=r"^the state dict holds no weights \(an empty state dict\)"):
+        gate_profile({})
+    # a file is named: which of several an empty one is, not that it has no gates
+    for sd, what in [({}, "no weights (an empty state dict)"), ({"head.weight": torch.zeros(2)}, "no LayerScale")]:
+        torch.save(sd, tmp_path / "ckpt.pth")
+        with pytest.raises(LayerScaleError, match=f"^{re.escape(str(tmp_path / 'ckpt.pth'))} holds {re.escape(what)}"):
+            gate_profile(tmp_path / "ckpt.pth")
     with pytest.raises(LayerScaleError, match="mixes"):
         gate_profile({"blocks.0.gamma_1": torch.ones(2), "blocks.1.ls1.gamma": torch.ones(2)})
     with pytest.raises(LayerScaleError, match="pass ema=True"):

@@ -131,8 +131,13 @@ def gate_profile(
             gates.setdefault(block, {})[which] = original
             layouts.add(layout)
     if not gates:
+        from .files.sources import public_source
+
+        where = "the state dict" if isinstance(source, Mapping) else public_source(source)
+        if not tensors:
+            raise LayerScaleError(f"{where} holds no weights (an empty state dict); pass a checkpoint with weights")
         raise LayerScaleError(
-            "checkpoint holds no LayerScale gates (no gamma_1/gamma_2 or ls1.gamma/ls2.gamma keys); "
+            f"{where} holds no LayerScale gates (no gamma_1/gamma_2 or ls1.gamma/ls2.gamma keys); "
             "pass a LayerScale model's checkpoint (of a folded one, the file from before folding)"
         )
     if len(layouts) > 1:
