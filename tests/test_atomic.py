@@ -349,6 +349,27 @@ def test_a_replaced_file_or_folder_keeps_its_permissions(official, tmp_path, cap
     assert mode(temporary_folder(group)) == 0o750
 
 
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() != 0, reason="only root gives files away")
+def test_what_root_replaces_stays_its_owners(official, tmp_path, capsys, few_inputs):
+    """Root in a container, writing to a user's volume: a file (``--overwrite``) or a folder it
+    replaces keeps that user and group, as writing into it would; a new one is root's."""
+    from helpers import cli
+
+    user = (12345, 23456)
+    file = tmp_path / "a.safetensors"
+    file.write_bytes(b"old")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for p in (file, folder):
+        os.chown(p, *user)
+    assert cli(capsys, "convert", official, file, "--no-verify", "--overwrite")[0] == 0
+    assert cli(capsys, "export", official, folder)[0] == 0
+    assert cli(capsys, "convert", official, tmp_path / "new.pth", "--no-verify")[0] == 0
+    owners = {p.name: (p.stat().st_uid, p.stat().st_gid) for p in tmp_path.iterdir()}
+    assert owners == {"a.safetensors": user, "folder": user, "new.pth": (0, os.getegid())}
+    assert safetensors_contents(file) and (folder / "model.safetensors").is_file()
+
+
 def test_a_name_as_long_as_a_file_name_may_be(official, tmp_path, capsys, few_inputs):
     """A file name takes up to 255 bytes; the hidden siblings (``.NAME.tmp-PID-HEX``, an export's
     ``.NAME.old-HEX``) must fit too, and a killed writer's temporary is still found by the next."""

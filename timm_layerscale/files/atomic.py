@@ -262,13 +262,20 @@ def clear_folder(folder: Path, keep: Path | None = None) -> None:
 
 
 def keep_mode(new: Path, old: Path, writing: bool = False) -> None:
-    """Give ``new`` the permission bits of ``old``, which it is to replace, as writing into ``old``
-    would keep them: a file or folder made private stays private. While ``writing``, no more than
-    ``new``'s own and the owner's, so that no one else opens it meanwhile. Nothing if ``old`` is gone."""
+    """Give ``new`` the permission bits, owner and group of ``old``, which it is to replace, as
+    writing into ``old`` would keep them: a file or folder made private stays private, and one
+    that root replaces (in a container, on a user's volume) stays the user's; where the system
+    refuses the owner or group (only root may give a file away), ``new`` keeps its own. While
+    ``writing``, no more than ``new``'s own bits and the owner's, so that no one else opens it
+    meanwhile. Nothing if ``old`` is gone."""
     with contextlib.suppress(OSError):
-        mode = stat.S_IMODE(os.stat(old).st_mode)
+        before, now = os.stat(old), os.stat(new)
+        if hasattr(os, "chown") and (before.st_uid, before.st_gid) != (now.st_uid, now.st_gid):
+            with contextlib.suppress(OSError):
+                os.chown(new, before.st_uid, before.st_gid)
+        mode = stat.S_IMODE(before.st_mode)
         if writing:
-            mode = mode & stat.S_IMODE(os.stat(new).st_mode) | stat.S_IRWXU
+            mode = mode & stat.S_IMODE(now.st_mode) | stat.S_IRWXU
         os.chmod(new, mode)
 
 
