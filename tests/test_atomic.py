@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import ROOT, dead_pid, safetensors_contents
+from timm_layerscale.errors import CheckpointError
 from timm_layerscale.files import atomic as temporaries
 from timm_layerscale.files.atomic import atomic_output, remove_stale_temporaries, temporary_folder
-from timm_layerscale.files.save import save_safetensors
+from timm_layerscale.files.save import save_safetensors, save_state_dict
 
 POSIX = pytest.mark.skipif(sys.platform == "win32", reason="sends SIGKILL and takes flock")
 
@@ -347,6 +348,40 @@ def test_a_replaced_file_or_folder_keeps_its_permissions(official, tmp_path, cap
     with atomic_output(private, overwrite=True) as tmp:
         assert mode(tmp) == 0o700
     assert mode(temporary_folder(group)) == 0o750
+
+
+@POSIX
+def test_a_link_put_in_place_of_a_temporary_is_not_followed(tmp_path, monkeypatch):
+    """Whoever may write the output's folder can swap a temporary for a link to another file while
+    it is written: its permissions and owner are set through a descriptor that no link leads on."""
+    import stat
+
+    victim = tmp_path / "victim"
+    victim.write_text("someone's")
+    victim.chmod(0o600)
+    old = tmp_path / "old.safetensors"
+    old.write_text("old")
+    old.chmod(0o644)
+    if os.geteuid() == 0:
+        os.chown(old, 12345, 23456)
+    swapped = tmp_path / ".old.safetensors.tmp-1-abcd"
+    swapped.symlink_to(victim)
+    for writing in (True, False):
+        temporaries.keep_mode(swapped, old, writing=writing)
+    st = victim.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, os.geteuid(), os.getegid())
+
+    # nor is it written through: the writers open the temporary without following a link
+    def swap(new: Path, old: Path, writing: bool = False) -> None:
+        new.unlink()
+        new.symlink_to(victim)
+
+    monkeypatch.setattr(temporaries, "keep_mode", swap)
+    for out in (tmp_path / "out.safetensors", tmp_path / "out.pth"):
+        with pytest.raises(CheckpointError, match=f"writing {out} failed"):
+            save_state_dict(out, {"a": torch.ones(2)})
+    assert victim.read_text() == "someone's" and not (tmp_path / "out.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["old.safetensors", swapped.name, "victim"])
 
 
 @pytest.mark.skipif(sys.platform == "win32" or os.geteuid() != 0, reason="only root gives files away")

@@ -206,8 +206,8 @@ def test_plot_marks_the_blocks_whose_gates_are_not_finite(official: dict, tmp_pa
 def test_a_failed_plot_leaves_no_file(official: dict, tmp_path: Path, monkeypatch) -> None:
     from matplotlib.figure import Figure
 
-    def half_written(self, path, **kwargs) -> None:
-        Path(path).write_bytes(b"\x89PNG half")
+    def half_written(self, file, **kwargs) -> None:
+        file.write(b"\x89PNG half")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Figure, "savefig", half_written)

@@ -337,7 +337,7 @@ def plot_gates(
         LayerScaleError: ``rows`` is empty, matplotlib writes no format of that suffix,
             or the file cannot be written.
     """
-    from .files.atomic import atomic_output
+    from .files.atomic import atomic_output, no_follow
 
     fmt = plot_format(path)
     from matplotlib.artist import Artist
@@ -395,6 +395,6 @@ def plot_gates(
     ax.grid(True, which="major", alpha=0.3)
     order = handles[1:] + handles[:1] if ca else handles  # one column per gate (mean, range), then CA
     fig.legend(handles=order, loc="outside lower center", ncol=3, fontsize=9, frameon=False)
-    with atomic_output(out, overwrite) as tmp:
-        fig.savefig(tmp, format=fmt)
+    with atomic_output(out, overwrite) as tmp, open(tmp, "r+b", opener=no_follow) as f:
+        fig.savefig(f, format=fmt)
     return out

@@ -40,6 +40,7 @@ __all__ = [
     "file_path",
     "fills_in_place",
     "keep_mode",
+    "no_follow",
     "remove_stale_temporaries",
     "temporary_folder",
     "write_target",
@@ -173,6 +174,12 @@ def check_name(path: Path) -> None:
         ) from None
 
 
+def no_follow(path: str, flags: int) -> int:
+    """An opener for ``open`` that refuses a link as the last part of ``path``: a temporary that
+    someone who may write its folder swapped for a link to another file is not written through."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
+
+
 def file_path(path: str | os.PathLike[str]) -> Path:
     """``path`` as a :class:`~pathlib.Path`, refused where it ends in a slash: that names a folder,
     which ``Path`` would drop (``cp`` refuses such a name too)."""
@@ -267,16 +274,22 @@ def keep_mode(new: Path, old: Path, writing: bool = False) -> None:
     that root replaces (in a container, on a user's volume) stays the user's; where the system
     refuses the owner or group (only root may give a file away), ``new`` keeps its own. While
     ``writing``, no more than ``new``'s own bits and the owner's, so that no one else opens it
-    meanwhile. Nothing if ``old`` is gone."""
+    meanwhile. Nothing if ``old`` is gone, or where a link has taken ``new``'s place: ``new`` is
+    changed through a descriptor opened without following links, never by name."""
     with contextlib.suppress(OSError):
-        before, now = os.stat(old), os.stat(new)
-        if hasattr(os, "chown") and (before.st_uid, before.st_gid) != (now.st_uid, now.st_gid):
-            with contextlib.suppress(OSError):
-                os.chown(new, before.st_uid, before.st_gid)
-        mode = stat.S_IMODE(before.st_mode)
-        if writing:
-            mode = mode & stat.S_IMODE(now.st_mode) | stat.S_IRWXU
-        os.chmod(new, mode)
+        before = os.stat(old)
+        fd = os.open(new, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        try:
+            now = os.fstat(fd)
+            if hasattr(os, "fchown") and (before.st_uid, before.st_gid) != (now.st_uid, now.st_gid):
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, before.st_uid, before.st_gid)
+            mode = stat.S_IMODE(before.st_mode)
+            if writing:
+                mode = mode & stat.S_IMODE(now.st_mode) | stat.S_IRWXU
+            os.chmod(fd if os.chmod in os.supports_fd else new, mode)
+        finally:
+            os.close(fd)
 
 
 def _publish(tmp: Path, target: Path, overwrite: bool) -> None:

@@ -27,7 +27,7 @@ from tqdm.utils import CallbackIOWrapper
 
 from .. import progress
 from ..errors import CheckpointError
-from .atomic import atomic_output, check_output, file_path
+from .atomic import atomic_output, check_output, file_path, no_follow
 from .read import TORCH_SUFFIXES, release_pages
 
 __all__ = ["output_format", "save_pth", "save_safetensors", "save_state_dict"]
@@ -174,7 +174,7 @@ def save_safetensors(
     offset = offsets[-1] if offsets else 0
     with (
         atomic_output(target, overwrite) as tmp,
-        open(tmp, "r+b") as f,  # not "wb": truncating makes ext4 flush on close
+        open(tmp, "r+b", opener=no_follow) as f,  # not "wb": truncating makes ext4 flush on close
         progress.bar(total=len(encoded) + offset, desc=f"writing {target.name}", unit="B") as bar,
     ):
         f.write(encoded)
@@ -258,7 +258,7 @@ def save_pth(
         t = t.detach()
         plain[name] = _compact(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
     obj = wrap(plain) if wrap is not None else plain
-    with atomic_output(path, overwrite) as tmp, open(tmp, "r+b") as f:
+    with atomic_output(path, overwrite) as tmp, open(tmp, "r+b", opener=no_follow) as f:
         sink = _RecordingWriter(f)
         try:
             total = sum(t.numel() * t.element_size() for t in plain.values())
