@@ -250,7 +250,8 @@ def test_export_json(official, tmp_path, capsys):
     code, stdout, err = cli(capsys, "push", folder, "my-org/model", "--dry-run", "--json")
     assert code == 0 and err == "", err
     plan = json.loads(stdout)
-    assert plan["repo_id"] == "my-org/model" and plan["folder"] == str(folder) and plan["dry_run"] is True
+    assert plan["ok"] is True and plan["repo_id"] == "my-org/model" and plan["folder"] == str(folder)
+    assert plan["dry_run"] is True
     assert plan["files"] == [[name, (folder / name).stat().st_size] for name in folder_names(folder)]
     assert plan["revision"] is None and plan["commit_url"] is None and "Upload" in plan["commit_message"]
 
@@ -296,7 +297,7 @@ def test_verify_exit_1_when_one_weight_differs(official, perturbed, capsys):
     code, stdout, err = cli(capsys, "verify", official, perturbed, "--num-inputs", "1", "--json")
     assert code == 1, err
     rep = json.loads(stdout)
-    assert rep["passed"] is False and rep["bit_exact"] is False and rep["max_abs_diff"] > 0
+    assert rep["ok"] is rep["passed"] is False and rep["bit_exact"] is False and rep["max_abs_diff"] > 0
     loose = rep["max_abs_diff"] * 10
     code, stdout, err = cli(capsys, "verify", official, perturbed, "--num-inputs", "1", "--atol", loose)
     assert code == 1, "a tolerance loosens the output check, never the weight check"

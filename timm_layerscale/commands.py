@@ -223,7 +223,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
     rep = verify_checkpoint(a.source, a.converted, model=a.model, ema=a.ema, options=verify_options(a))
     if a.json:
-        print_json(rep.to_dict())
+        print_json({"ok": rep.passed, **rep.to_dict()})
     else:
         write_out(rep.format_table())
     return EXIT_OK if rep.passed else EXIT_VERIFICATION_FAILED
@@ -291,7 +291,7 @@ def cmd_push(a: argparse.Namespace) -> int:
         dry_run=a.dry_run,
     )
     if a.json:
-        print_json(res.to_dict())
+        print_json({"ok": True, **res.to_dict()})
     else:
         write_out(res.summary())
     return EXIT_OK
