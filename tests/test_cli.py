@@ -256,6 +256,26 @@ def test_export_json(official, tmp_path, capsys):
     assert plan["revision"] is None and plan["commit_url"] is None and "Upload" in plan["commit_message"]
 
 
+def test_the_push_command_an_export_prints_keeps_private(official, tmp_path, capsys):
+    """The ``push`` command that ``export`` prints, after the folder or in the error of a failed
+    upload, keeps ``--private`` and ``--commit-message``: run as printed, it must not create a
+    public repository where a private one was asked for."""
+    folder = tmp_path / "my export"
+    private = ("--private", "--commit-message", "first weights", "--num-inputs", "1")
+    code, stdout, err = cli(capsys, "export", official, folder, *private)
+    assert code == 0, err
+    assert (
+        f"upload with: timm-layerscale push '{folder}' ORG/NAME --private --commit-message 'first weights'\n" in stdout
+    )
+    # The tests run with HF_HUB_OFFLINE set: the upload fails once the folder is written.
+    code, stdout, err = cli(capsys, "export", official, folder, "--overwrite", "--push-to-hub", "my-org/x", *private)
+    line = assert_one_line_error(code, stdout, err, "HF_HUB_OFFLINE")
+    assert line.endswith(
+        f"upload it later with: timm-layerscale push '{folder}' my-org/x --private --commit-message 'first weights')"
+    ), line
+    assert (folder / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize(("command", "out"), [("convert", "x.safetensors"), ("export", "folder")])
 def test_failed_parity_exits_1_and_writes_nothing(command, out, official, tmp_path, capsys, monkeypatch):
     """The report as a table, or with --json as JSON on stdout, and one error line either way."""

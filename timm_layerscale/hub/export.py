@@ -20,7 +20,6 @@ import errno
 import math
 import os
 import secrets
-import shlex
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,6 +64,8 @@ class ExportResult:
         gates: The :func:`~timm_layerscale.inspection.gate_profile` rows.
         architecture: The architecture ``config.json`` names (``cait_s24_224_ls``, or
             timm's ``cait_s24_224`` with ``to="gamma"``).
+        push_command: The ``timm-layerscale push`` command that uploads the folder as the export
+            was asked to (its repository, ``--private``, ``--commit-message``).
     """
 
     folder: Path
@@ -77,6 +78,7 @@ class ExportResult:
     push: PushResult | None = None
     gates: list[dict[str, Any]] = field(default_factory=list)
     architecture: str = ""
+    push_command: str = ""
 
     def summary(self) -> str:
         """Human-readable account for the command line."""
@@ -90,7 +92,7 @@ class ExportResult:
         if self.push is not None:
             lines.append(self.push.summary())
         else:
-            lines.append(f"upload with: timm-layerscale push {shlex.quote(str(self.folder))} {self.repo_id}")
+            lines.append(f"upload with: {self.push_command}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -409,12 +411,13 @@ def export_folder(
         plot_note=plot_note,
         gates=gates,
         architecture=architecture,
+        push_command=command_line(
+            ("timm-layerscale", "push", out, push_to_hub or repo), private=private, commit_message=commit_message
+        ),
     )
     if push_to_hub:
         try:
             result.push = push_folder(out, push_to_hub, private=private, commit_message=commit_message)
         except HubError as e:
-            raise HubError(
-                f"{e} (the folder {out} was written; upload it later with: timm-layerscale push {out} {push_to_hub})"
-            ) from e
+            raise HubError(f"{e} (the folder {out} was written; upload it later with: {result.push_command})") from e
     return result
