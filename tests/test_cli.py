@@ -556,6 +556,25 @@ def test_nonfinite_values_convert_with_allow_nonfinite(light_sd, tmp_path, capsy
     assert safetensors.torch.load_file(str(out))["blocks.5.attn.proj.weight"].isnan().sum() == 1
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nonfinite_weight_converts_and_verifies_with_allow_nonfinite(value, official, tmp_path, capsys):
+    """With allow_nonfinite the parity check still runs: the weight is copied as it is and both
+    models compute NaN (or Inf) in the same places, which is parity; it said the weights differ."""
+    ckpt = torch.load(official, weights_only=True)
+    ckpt["model"]["module.blocks.5.attn.proj.weight"][0, 0] = value
+    src = tmp_path / "nonfinite.pth"
+    torch.save(ckpt, src)
+    out = tmp_path / "nonfinite.safetensors"
+    code, stdout, err = cli(capsys, "convert", src, out, "--allow-nonfinite", "--num-inputs", "2", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)["report"]
+    assert report["passed"] and report["bit_exact"] and report["weights_equal"], report
+    code, stdout, err = cli(capsys, "verify", src, out, "--num-inputs", "2")
+    assert code == 0 and "PASS (bit-exact)" in stdout, err
+    code, stdout, _ = cli(capsys, "verify", official, out, "--num-inputs", "2")
+    assert code == 1 and "FAIL" in stdout
+
+
 def test_a_cast_that_overflows_is_said_before_verification(light_sd, tmp_path, capsys):
     """A finite weight beyond fp16's range becomes Inf in the cast: one line saying so, not a
     parity failure with NaN differences (both models would give NaN), and not an Inf written

@@ -26,8 +26,20 @@ from .tolerance import Tolerance
 __all__ = ["ParityReport", "compare_weights", "compare_models", "attention_path", "versions"]
 
 
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, but for a NaN matching a NaN in the same place (a weight converted with
+    ``allow_nonfinite``, and what it computes)."""
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() and a.shape == b.shape):
+        return False
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+
 def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> tuple[bool, int, str]:
-    """Every tensor of ``got`` ``torch.equal`` to the one of ``expected`` (dtype, shape and values).
+    """Every tensor of ``got`` ``torch.equal`` to the one of ``expected`` (dtype, shape and values;
+    a NaN matches a NaN in the same place).
 
     Returns:
         ``(equal, compared, detail)``: ``detail`` names the first difference, else ``""``.
@@ -38,7 +50,7 @@ def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torc
         return False, 0, f"keys differ (missing {missing[:3]}, unexpected {extra[:3]})"
     for key in sorted(expected):
         a, b = expected[key], got[key]
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+        if a.dtype != b.dtype or a.shape != b.shape or not _equal(a, b):
             return False, len(expected), f"{key} differs from its source"
     return True, len(expected), ""
 
@@ -62,7 +74,8 @@ class ParityReport:
         top1_agreement: Fraction of images with the same top-1 class; ``None`` for a model
             without a classifier (``num_classes=0``), whose outputs are pooled features.
         top5_agreement: Fraction of images with the same top-5 class set; ``None`` likewise.
-        bit_exact: Every output element is identical (``torch.equal``).
+        bit_exact: Every output element is identical (``torch.equal``; NaN or Inf, which only a
+            checkpoint converted with ``allow_nonfinite`` gives, where the reference has the same).
         atol: Absolute tolerance of the check (0 = exact).
         rtol: Relative tolerance of the check (0 = exact).
         tolerance_reason: Why that tolerance applies.
@@ -240,12 +253,13 @@ def compare_models(
     b = torch.cat(outs)
     if a.shape != b.shape:
         raise ValueError(f"output shapes differ: reference {tuple(a.shape)}, converted {tuple(b.shape)}")
-    diff = (a - b).abs()
+    same = torch.isclose(b, a, rtol=0.0, atol=0.0, equal_nan=True)  # NaN or Inf in both (allow_nonfinite)
+    diff = torch.where(same, 0.0, (a - b).abs())
     denom = a.abs()
     rel = torch.where(diff == 0, torch.zeros_like(diff), diff / denom.clamp_min(torch.finfo(torch.float32).tiny))
     a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
     cos = torch.nn.functional.cosine_similarity(a2.double(), b2.double(), dim=1)
-    bit_exact = all(torch.equal(x, y) for x, y in zip(outs_ref, outs, strict=True))
+    bit_exact = bool(same.all())
     top1 = top5 = None
     if getattr(model, "num_classes", None) != 0:  # a backbone's outputs are features, not classes
         k = min(5, a2.shape[1])
@@ -256,7 +270,7 @@ def compare_models(
     if tolerance.exact:
         passed = bit_exact
     else:
-        passed = bool((diff <= tolerance.atol + tolerance.rtol * denom).all())
+        passed = bool(torch.isclose(b, a, rtol=tolerance.rtol, atol=tolerance.atol, equal_nan=True).all())
     if weights is not None:
         passed = passed and weights[0]
     attn = attention_path(reference)
