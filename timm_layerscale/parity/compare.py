@@ -28,13 +28,10 @@ __all__ = ["ParityReport", "compare_weights", "compare_models", "attention_path"
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``torch.equal``, but for a NaN matching a NaN in the same place (a weight converted with
-    ``allow_nonfinite``, and what it computes)."""
+    ``allow_nonfinite``)."""
     if torch.equal(a, b):
         return True
-    if not (a.is_floating_point() and a.shape == b.shape):
-        return False
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+    return a.is_floating_point() and bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
 
 
 def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> tuple[bool, int, str]:
