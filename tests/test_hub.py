@@ -468,7 +468,9 @@ def test_push_refuses_a_config_whose_class_count_disagrees(hub: FakeHub, folder:
         (folder / "config.json").write_text(json.dumps({**config, **edit}))
         with pytest.raises(HubError, match=re.escape(match)):
             push_folder(folder, "my-org/model", dry_run=True)
-    assert_one_line_error(*cli(capsys, "push", folder, "my-org/model", "--dry-run"), "--label-names FILE", stdout="")
+    # the export it asks for replaces this folder, so it must say --overwrite to run as printed
+    again = f"timm-layerscale export SOURCE {folder} --overwrite --label-names FILE"
+    assert_one_line_error(*cli(capsys, "push", folder, "my-org/model", "--dry-run"), again, stdout="")
     assert hub.requests == []
     # counts that agree are sent; a head under another name is read by the config's classifier
     (folder / "config.json").write_text(json.dumps({**config, "label_names": ["a", "b", "c"]}))

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -189,15 +190,13 @@ def _architecture(folder: Path) -> str:
     """The ``architecture`` that the folder's ``config.json`` names; one timm cannot read, or
     whose class count disagrees with the weights' head or with its class names, is refused."""
     config = folder / CONFIG_NAME
+    again = f"export the folder again with: timm-layerscale export SOURCE {shlex.quote(str(folder))} --overwrite"
     data: Any = None
     with contextlib.suppress(OSError, ValueError):
         data = json.loads(config.read_text(encoding="utf-8"))
     arch = data.get("architecture") if isinstance(data, dict) else None
     if not isinstance(arch, str) or not arch:
-        raise HubError(
-            f"{config} is not a timm config (JSON naming its 'architecture'); "
-            f"export the folder again with: timm-layerscale export SOURCE {folder}"
-        )
+        raise HubError(f"{config} is not a timm config (JSON naming its 'architecture'); {again}")
     classes = data.get("num_classes")
     pretrained_cfg = data.get("pretrained_cfg")
     classifier = pretrained_cfg.get("classifier") if isinstance(pretrained_cfg, dict) else None
@@ -206,14 +205,13 @@ def _architecture(folder: Path) -> str:
     if rows is not None and classes is not None and classes != rows:
         raise HubError(
             f"{config} says num_classes {classes!r}, but {WEIGHTS_NAME} holds a head of {rows} classes, "
-            f"so timm and transformers refuse to load it; set num_classes to {rows}, or export the "
-            f"folder again with: timm-layerscale export SOURCE {folder}"
+            f"so timm and transformers refuse to load it; set num_classes to {rows}, or {again}"
         )
     if names is not None and classes and (not isinstance(names, list) or len(names) != classes):
         count = f"{len(names)} class names" if isinstance(names, list) else "label_names that are no list"
         raise HubError(
             f"{config} holds {count} for num_classes {classes!r}, so classes would be named wrongly; "
-            f"export the folder again with: timm-layerscale export SOURCE {folder} --label-names FILE"
+            f"{again} --label-names FILE"
         )
     return arch
 
@@ -269,13 +267,15 @@ def push_folder(
     if path.is_file():
         raise HubError(f"{path} is a file; pass the exported folder that holds it ({path.parent})")
     if not path.is_dir():
-        raise HubError(f"{path} is not a folder; export one first with: timm-layerscale export SOURCE {path}")
+        raise HubError(
+            f"{path} is not a folder; export one first with: timm-layerscale export SOURCE {shlex.quote(str(path))}"
+        )
     files = _folder_files(path)
     names = {name for name, _ in files}
     if CONFIG_NAME not in names or not names & set(FOLDER_WEIGHTS):
         raise HubError(
             f"{path} is not an exported model folder (it needs {CONFIG_NAME} and {WEIGHTS_NAME}); "
-            f"create it with: timm-layerscale export SOURCE {path}"
+            f"create it with: timm-layerscale export SOURCE {shlex.quote(str(path))}"
         )
     arch = _architecture(path)
     plan = PushResult(
