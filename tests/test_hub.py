@@ -1038,6 +1038,15 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
     assert "no output comparison was made" in text
     assert "gates.png" not in text and "## LayerScale gates" not in text
     assert "**Params (M):** 46.9" in text
+    assert ModelCard(text).data.to_dict()["datasets"] == ["imagenet-1k"] and "**Dataset:** imagenet-1k" in text
+    # a fine-tuned head of other classes than the tag's weights claims none of its data; a backbone keeps it
+    for classes, datasets in ((10, None), (0, ["imagenet-1k"])):
+        text = str(
+            build_model_card(
+                conversion, repo_id="org/x", config={**config, "num_classes": classes}, num_params=1, command="c"
+            )
+        )
+        assert ModelCard(text).data.to_dict().get("datasets") == datasets and ("**Dataset:**" in text) == bool(datasets)
     # a bracket or parenthesis in a URL's file name ends neither the link's text nor its address
     import markdown_it
 

@@ -108,6 +108,13 @@ def timm_hub_copy(reference: str | None, tag: str | None) -> str | None:
     return hub_id if hub_id and hub_id.startswith("timm/") else None
 
 
+def _tag_classes(architecture: str, tag: str) -> int | None:
+    """The classes of the weights timm registers for ``architecture`` under ``tag``."""
+    import timm
+
+    return getattr(timm.models.get_pretrained_cfg(f"{architecture}.{tag}"), "num_classes", None)
+
+
 def is_official(source_name: str, sha256: str) -> bool:
     """Whether the source is an official release: its file name has a pinned SHA-256 and the source matches it."""
     from ..families import OFFICIAL_SHA256
@@ -132,6 +139,8 @@ def build_model_card(
     (``cait_s24_224_ls``, ``vit5_*``), or timm's own (``cait_s24_224`` from
     ``export --to gamma``, ``deit3_*``); the card says which package loads it.
     ``base_model`` names timm's Hub copy of the reference's weights where timm has one.
+    ``datasets`` are the tag's (``in1k``: ImageNet-1k), unless the head has other classes than the
+    tag's weights (a fine-tune), which were not trained on them.
     The metadata is read back with ``ModelCard(..., ignore_metadata_errors=False)``.
 
     Args:
@@ -158,10 +167,12 @@ def build_model_card(
     needs_package = architecture != variant.reference
     layout = "gamma" if family == "cait" and not needs_package else "ls"
     pcfg = dict(config.get("pretrained_cfg", {}))
-    tag = pcfg.get("tag")
+    tag = str(pcfg.get("tag") or "")
     full_name = f"{architecture}.{tag}" if tag else architecture
-    datasets = sorted({ds for key, ds in _DATASETS.items() if tag and key in tag}) or None
     classifier = config.get("num_classes") != 0  # 0: a backbone saved without its head
+    # A head of other classes than the tag's weights (a fine-tune) was not trained on the tag's data.
+    trained = bool(tag) and (not classifier or config.get("num_classes") == _tag_classes(architecture, tag))
+    datasets = sorted({ds for key, ds in _DATASETS.items() if trained and key in tag}) or None
     task = "image-classification" if classifier else "image-feature-extraction"
     data = ModelCardData(
         library_name="timm",
