@@ -559,7 +559,7 @@ def test_nonfinite_values_convert_with_allow_nonfinite(light_sd, tmp_path, capsy
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_nonfinite_weight_converts_and_verifies_with_allow_nonfinite(value, official, tmp_path, capsys):
     """With allow_nonfinite the parity check still runs: the weight is copied as it is and both
-    models compute NaN (or Inf) in the same places, which is parity; it said the weights differ."""
+    models compute NaN (or Inf) in the same places, which is parity, not weights that differ."""
     ckpt = torch.load(official, weights_only=True)
     ckpt["model"]["module.blocks.5.attn.proj.weight"][0, 0] = value
     src = tmp_path / "nonfinite.pth"
