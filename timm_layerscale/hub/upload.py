@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from .._version import __version__
 from ..errors import HubError
 from ..files.hub_errors import hub_errors, one_line
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, check_online, hub_endpoint
+from ..options import command_line
 from .card import CONFIG_NAME
 
 __all__ = ["push_folder", "plan_push", "PushResult", "require_token", "check_repo_id"]
@@ -190,7 +190,8 @@ def _architecture(folder: Path) -> str:
     """The ``architecture`` that the folder's ``config.json`` names; one timm cannot read, or
     whose class count disagrees with the weights' head or with its class names, is refused."""
     config = folder / CONFIG_NAME
-    again = f"export the folder again with: timm-layerscale export SOURCE {shlex.quote(str(folder))} --overwrite"
+    export = ("timm-layerscale", "export", "SOURCE", folder)
+    again = f"export the folder again with: {command_line(export, overwrite=True)}"
     data: Any = None
     with contextlib.suppress(OSError, ValueError):
         data = json.loads(config.read_text(encoding="utf-8"))
@@ -211,7 +212,7 @@ def _architecture(folder: Path) -> str:
         count = f"{len(names)} class names" if isinstance(names, list) else "label_names that are no list"
         raise HubError(
             f"{config} holds {count} for num_classes {classes!r}, so classes would be named wrongly; "
-            f"{again} --label-names FILE"
+            f"export the folder again with: {command_line(export, overwrite=True, label_names='FILE')}"
         )
     return arch
 
@@ -266,16 +267,15 @@ def push_folder(
     path = Path(folder)
     if path.is_file():
         raise HubError(f"{path} is a file; pass the exported folder that holds it ({path.parent})")
+    export = command_line(("timm-layerscale", "export", "SOURCE", path))
     if not path.is_dir():
-        raise HubError(
-            f"{path} is not a folder; export one first with: timm-layerscale export SOURCE {shlex.quote(str(path))}"
-        )
+        raise HubError(f"{path} is not a folder; export one first with: {export}")
     files = _folder_files(path)
     names = {name for name, _ in files}
     if CONFIG_NAME not in names or not names & set(FOLDER_WEIGHTS):
         raise HubError(
             f"{path} is not an exported model folder (it needs {CONFIG_NAME} and {WEIGHTS_NAME}); "
-            f"create it with: timm-layerscale export SOURCE {shlex.quote(str(path))}"
+            f"create it with: {export}"
         )
     arch = _architecture(path)
     plan = PushResult(
