@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from timm_layerscale.commands import stoppable, write_out
+from timm_layerscale.commands import stoppable
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.hub.card import timm_hub_copy
 from timm_layerscale.options import OneLineParser, add_verify_args, check_inputs, verify_options
+from timm_layerscale.progress import write_out
 
 __all__ = ["Release", "FAMILIES", "releases", "select", "run_release", "write_summary", "main"]
 

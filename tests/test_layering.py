@@ -3,7 +3,7 @@
 From the bottom: the base (errors, progress bars, LayerScale itself), the building blocks,
 the facts of each family, the pure conversion rules, the file edge, the models, parity,
 inspection and the verification options, the converter that converts, verifies and writes,
-publishing, and the commands on top. Imports inside functions count too.
+publishing, the demo, the commands, and the command line on top. Imports inside functions count too.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ LAYERS = [
     {"inspection", "catalog", "options"},
     {"converter"},
     {"hub"},
-    {"demo", "commands", "cli", "__main__", "__init__"},
+    {"demo"},
+    {"commands"},
+    {"cli", "__main__", "__init__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

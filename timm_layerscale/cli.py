@@ -38,9 +38,9 @@ from .commands import (
     error,
     print_json,
     stoppable,
-    write_out,
 )
 from .options import OneLineParser, add_verify_args, check_inputs
+from .progress import write_out
 
 __all__ = ["main", "build_parser"]
 

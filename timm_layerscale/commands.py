@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import signal
 import sys
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .options import verify_options
+from .progress import write_out
 
 if TYPE_CHECKING:
     from .errors import ParityError
@@ -35,7 +35,6 @@ __all__ = [
     "error",
     "print_json",
     "stoppable",
-    "write_out",
 ]
 
 PROG = "timm-layerscale"
@@ -102,7 +101,7 @@ def stoppable(run: Callable[[], int], say: Callable[[str], object]) -> int:
     as by an exception, so that temporaries and partial outputs are removed on the way out; then
     one line through ``say`` and exit status 130 or 143. SIGTERM is left alone where the calling
     program handles it, or off the main thread. When the reader of the output has left
-    (:func:`write_out`), it ends without a word, as Unix tools do, with status 141."""
+    (:func:`~timm_layerscale.progress.write_out`), it ends without a word, as Unix tools do, with status 141."""
     previous = None
     try:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
@@ -122,32 +121,6 @@ def stoppable(run: Callable[[], int], say: Callable[[str], object]) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def write_out(text: str, end: str = "\n") -> None:
-    """Print ``text`` (and ``end``) on standard output at once, with what waits in its buffer.
-
-    If the output refuses it (its reader has left, as ``| head`` may, or its device is
-    full), standard output is pointed at the null device, so that Python's exit does not
-    fail on it again, and :class:`BrokenPipeError` or a one-line
-    :class:`~timm_layerscale.errors.LayerScaleError` is raised.
-    """
-    try:
-        print(text, end=end, flush=True)
-    except OSError as e:
-        try:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, sys.stdout.fileno())
-            os.close(null)
-        except (OSError, ValueError):  # standard output is no file (a test's capture)
-            pass
-        if isinstance(e, BrokenPipeError):
-            raise
-        from .errors import LayerScaleError
-
-        raise LayerScaleError(
-            f"writing the output failed ({e.strerror}); free space on its device or send it elsewhere"
-        ) from e
 
 
 def print_json(obj: Any) -> None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .commands import write_out
+from .progress import write_out
 
 __all__ = ["run_demo", "write_official_checkpoint"]
 

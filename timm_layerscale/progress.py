@@ -1,4 +1,5 @@
-"""Progress bars for long work (writing a checkpoint, verification's forward passes): tqdm's on stderr.
+"""What the commands show: progress bars for long work (writing a checkpoint, verification's
+forward passes), tqdm's on stderr, and output lines on stdout (:func:`write_out`).
 
 A bar is drawn only when stderr is a terminal and the work lasts longer than
 half a second (``DELAY``), so short runs, pipes, logs and CI stay clean.
@@ -8,10 +9,13 @@ huggingface_hub's download bars and torch.hub's.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
-__all__ = ["bar", "disable_progress_bars", "enabled"]
+from .errors import LayerScaleError
+
+__all__ = ["bar", "disable_progress_bars", "enabled", "write_out"]
 
 #: Seconds of work before a bar appears.
 DELAY = 0.5
@@ -45,3 +49,27 @@ def bar(iterable: Any = None, **options: Any) -> Any:
     if options.get("unit") == "B":
         settings.update(unit_scale=True, unit_divisor=1024)
     return tqdm(iterable, dynamic_ncols=True, **settings, **options)
+
+
+def write_out(text: str, end: str = "\n") -> None:
+    """Print ``text`` (and ``end``) on standard output at once, with what waits in its buffer.
+
+    If the output refuses it (its reader has left, as ``| head`` may, or its device is
+    full), standard output is pointed at the null device, so that Python's exit does not
+    fail on it again, and :class:`BrokenPipeError` or a one-line
+    :class:`~timm_layerscale.errors.LayerScaleError` is raised.
+    """
+    try:
+        print(text, end=end, flush=True)
+    except OSError as e:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+        except (OSError, ValueError):  # standard output is no file (a test's capture)
+            pass
+        if isinstance(e, BrokenPipeError):
+            raise
+        raise LayerScaleError(
+            f"writing the output failed ({e.strerror}); free space on its device or send it elsewhere"
+        ) from e
