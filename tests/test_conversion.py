@@ -400,6 +400,19 @@ def test_verify_names_converted_weights_of_another_model(official, ls_sd, tmp_pa
         verify_checkpoint(torch.load(official, weights_only=True), {**ls_sd, "reg_token": ls_sd["cls_token"]})
 
 
+def test_verify_names_a_source_of_no_known_family(official, converted, tmp_path, capsys):
+    """Of the two files verify reads, the error names the one that does not fit."""
+    from helpers import assert_one_line_error, cli
+
+    other = tmp_path / "resnet.pth"
+    torch.save(timm.create_model("resnet10t", num_classes=10).state_dict(), other)
+    line = assert_one_line_error(*cli(capsys, "verify", other, converted.output), stdout="")
+    assert f"error: {other}: checkpoint does not fit any convertible model" in line
+    assert str(converted.output) not in line
+    code, out, err = cli(capsys, "verify", official, converted.output, "--model", "cait_xxs24_224_lss")
+    assert_one_line_error(code, out, err, "error: unknown model 'cait_xxs24_224_lss'; did you mean")
+
+
 def test_verify_detects_a_perturbed_weight_whatever_the_tolerance(ls_sd, gamma_sd):
     bad = dict(ls_sd)
     bad["blocks_token_only.1.ls2.gamma"] = ls_sd["blocks_token_only.1.ls2.gamma"] + 1e-3

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from ._version import __version__
-from .conversion.detect import Detection, Variant, detect, model_args
+from .conversion.detect import Detection, Variant, detect, get_variant, model_args
 from .conversion.fold import fold_state_dict
 from .conversion.keys import detect_layout, official_checkpoint, state_dict_of, to_gamma
-from .errors import CheckpointError, LayerScaleError, ParityError, RemapError
+from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError
 from .families import FAMILIES, check_rope_buffers, official_rope_buffers
 from .files import atomic, save
 from .files import read as ckpt
@@ -105,6 +105,8 @@ def load_source(
 
 def _read(path: Path, *, model: str | None, ema: bool) -> tuple[dict[str, torch.Tensor], Detection]:
     """Step 2-3: load the file's state dict and detect its variant."""
+    if model:
+        get_variant(model)  # a wrong name is the caller's mistake, not the file's
     try:
         sd = state_dict_of(ckpt.load_checkpoint(path), ema=ema)
     except RemapError as e:
@@ -114,7 +116,10 @@ def _read(path: Path, *, model: str | None, ema: bool) -> tuple[dict[str, torch.
     bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointError(f"{path}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
-    return sd, detect(sd, model)
+    try:
+        return sd, detect(sd, model)
+    except (ArchitectureError, RemapError) as e:  # name the file, as the errors above do
+        raise type(e)(f"{path}: {e}") from None
 
 
 def _to_target(sd: Mapping[str, torch.Tensor], found: Detection, to: str) -> dict[str, torch.Tensor]:

@@ -317,7 +317,7 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
             best = (rank, bad, v)
     if not info:
         info = describe_state_dict(state_dict)
-    found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(state_dict)} keys of no known family"
+    found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(state_dict)} key(s) of no known family"
     if state_dict and all(0 in getattr(v, "shape", (1,)) for v in state_dict.values()):
         raise ArchitectureError(
             "checkpoint holds no weights, every tensor is empty: a DeepSpeed ZeRO-3 file keeps them in other "
@@ -335,5 +335,5 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
     target = f"model {model!r}" if model else "any registered variant"
     raise ArchitectureError(
         f"checkpoint does not fit {target}: found {found}; closest is {best[2].name} "
-        f"({best[1]} mismatched keys); pass model={best[2].name!r} to convert it as that and see the mismatches"
+        f"({best[1]} mismatched keys); pass model={best[2].name!r} to read it as that and see the mismatches"
     )
