@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,9 +94,8 @@ def test_nonfinite_source_refused_then_converted_with_allow_nonfinite(official_s
     sd["blocks.5.attn.proj.weight"][3, 7] = float("nan")
     sd["blocks.9.gamma_1"] = torch.full_like(sd["blocks.9.gamma_1"], float("inf"))
     src = _official_file(tmp_path / "XXS24_224.pth", sd)
-    with pytest.raises(
-        CheckpointError, match=r"^2 tensor\(s\) contain NaN or Inf, first 'blocks\.5\.attn\.proj\.weight';"
-    ):
+    expect = f"{src}: 2 tensor(s) contain NaN or Inf, first 'blocks.5.attn.proj.weight';"
+    with pytest.raises(CheckpointError, match="^" + re.escape(expect)):
         converter.convert_checkpoint(src, tmp_path / "x.safetensors", verify=False)
     assert not (tmp_path / "x.safetensors").exists()
     allowed = converter.convert_checkpoint(src, tmp_path / "y.safetensors", verify=False, allow_nonfinite=True)

@@ -350,7 +350,10 @@ def _hash_and_check(path: Path, sd: Mapping[str, torch.Tensor], allow_nonfinite:
     with ThreadPoolExecutor(1) as pool:
         digest = pool.submit(ckpt.sha256_file, path)
         if not allow_nonfinite:
-            ckpt.check_finite(sd)
+            try:
+                ckpt.check_finite(sd)
+            except CheckpointError as e:
+                raise CheckpointError(f"{path}: {e}") from None
         return digest.result()
 
 
