@@ -958,6 +958,21 @@ def test_export_never_replaces_a_folder_filled_while_it_ran(exported, tmp_path: 
         assert run().folder == out and (out / "model.safetensors").is_file()
 
 
+def test_export_refuses_nan_or_inf_without_the_advice_convert_gives(official, tmp_path: Path, capsys) -> None:
+    """convert lets NaN or Inf through on request; a published folder never holds them, and
+    export has no such option to suggest."""
+    ckpt = torch.load(official, weights_only=True)
+    ckpt["model"]["module.blocks.5.attn.proj.weight"][0, 0] = float("inf")
+    src = tmp_path / "inf.pth"
+    torch.save(ckpt, src)
+    line = assert_one_line_error(*cli(capsys, "export", src, tmp_path / "out"), stdout="")
+    assert line.endswith(
+        f"{src}: 1 tensor(s) contain NaN or Inf, first 'blocks.5.attn.proj.weight'; "
+        "a published model must be finite, check the source checkpoint"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inf.pth"]
+
+
 @pytest.mark.parametrize("option", ["push_to_hub", "repo_id"])
 def test_export_rejects_a_bad_hub_id_before_converting(tmp_path: Path, option: str) -> None:
     bad: dict[str, Any] = {option: "not a/repo id"}

@@ -307,14 +307,16 @@ def export_folder(
     Raises:
         OutputExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
         CheckpointError: ``out_dir`` holds the source file (other than its own weights) or
-            the current folder, the label names do not fit the classifier, the tag is
-            unknown, or ``to`` does not apply to the family; each before converting.
+            the current folder, the source holds NaN or Inf, the label names do not fit the
+            classifier, the tag is unknown, or ``to`` does not apply to the family; each
+            before converting.
         ParityError: The converted model does not match the reference.
         HubError: ``push_to_hub`` or ``repo_id`` is no Hub id (before converting), or download
             or upload failed (the folder is kept when only the upload failed).
         LayerScaleError: Any other problem with the source or the folder.
     """
     from ..converter import convert_checkpoint, load_source
+    from ..files.read import nonfinite_tensors
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line, published_options
 
@@ -338,9 +340,16 @@ def export_folder(
     try:
         weights = tmp / WEIGHTS_NAME
         # The config needs only the variant: its refusals (no gamma architecture, an unknown
-        # tag, a wrong label count) come before converting. The state dict is not kept, so
-        # a source that cannot be mapped is not held in memory twice.
-        variant, info = load_source(source, model=model, ema=ema)[2:]
+        # tag, a wrong label count) come before converting, as does that of NaN or Inf, which
+        # no published model holds (convert's allow_nonfinite does not apply). The state dict
+        # is not kept, so a source that cannot be mapped is not held in memory twice.
+        path, sd, variant, info = load_source(source, model=model, ema=ema)
+        if bad := nonfinite_tensors(sd):
+            raise CheckpointError(
+                f"{path}: {len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; "
+                "a published model must be finite, check the source checkpoint"
+            )
+        del sd
         architecture = _architecture(variant, to)
         tags = pretrained_tags(architecture)
         written_tag = tag or (folder_tag if folder_tag in tags else None)
