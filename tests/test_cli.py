@@ -597,6 +597,13 @@ def test_a_cast_that_overflows_is_said_before_verification(light_sd, tmp_path, c
     assert torch.isinf(safetensors.torch.load_file(out)["blocks.5.attn.proj.weight"]).sum() == 1
     out.unlink()
     assert cli(capsys, "convert", src, out, "--dtype", "bf16", "--num-inputs", "1")[0] == 0
+    # a float64 weight beyond fp32's range: bf16 does not hold it either, so only leaving the cast out helps
+    big64 = {k: v.double() for k, v in light_sd.items()}
+    big64["module.blocks.5.attn.proj.weight"][3, 7] = 1e39
+    torch.save({"model": big64}, src)
+    for dtype in ("fp32", "bf16"):
+        line = assert_one_line_error(*cli(capsys, "convert", src, out, "--dtype", dtype, "--overwrite", "--no-verify"))
+        assert line.endswith(f"which the cast makes Inf; leave out --dtype {dtype}"), line
 
 
 @pytest.mark.parametrize("fmt", ["zip", "legacy"])
