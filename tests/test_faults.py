@@ -476,9 +476,9 @@ def test_source_rewritten_by_another_process(source, tmp_path, capsys, monkeypat
     if when == "before-checking":  # the file is hashed meanwhile, in a second thread, with read()
         real_check = ckpt.check_finite
 
-        def rewrite_then_check(state_dict):
+        def rewrite_then_check(*args, **kwargs):
             rewrite()
-            return real_check(state_dict)
+            return real_check(*args, **kwargs)
 
         monkeypatch.setattr(ckpt, "check_finite", rewrite_then_check)
     else:

@@ -351,10 +351,7 @@ def _hash_and_check(path: Path, sd: Mapping[str, torch.Tensor], allow_nonfinite:
     with ThreadPoolExecutor(1) as pool:
         digest = pool.submit(ckpt.sha256_file, path)
         if not allow_nonfinite:
-            try:
-                ckpt.check_finite(sd)
-            except CheckpointError as e:
-                raise CheckpointError(f"{path}: {e}") from None
+            ckpt.check_finite(sd, path)
         return digest.result()
 
 

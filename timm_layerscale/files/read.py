@@ -281,17 +281,24 @@ def nonfinite_tensors(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype
     return bad
 
 
-def check_finite(state_dict: Mapping[str, torch.Tensor]) -> None:
+def check_finite(
+    state_dict: Mapping[str, torch.Tensor],
+    source: str | os.PathLike[str] | None = None,
+    advice: str = "check the source checkpoint, or pass allow_nonfinite=True to convert anyway",
+) -> None:
     """Raise if any floating-point tensor holds NaN or Inf (:func:`nonfinite_tensors`).
+
+    Args:
+        state_dict: Name to tensor.
+        source: The file the state dict came from, named at the start of the message.
+        advice: What the message tells the caller to do.
 
     Raises:
         CheckpointError: Naming the first non-finite tensor and how many there are.
     """
     if bad := nonfinite_tensors(state_dict):
-        raise CheckpointError(
-            f"{len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; "
-            "check the source checkpoint, or pass allow_nonfinite=True to convert anyway"
-        )
+        where = f"{source}: " if source is not None else ""
+        raise CheckpointError(f"{where}{len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; {advice}")
 
 
 @functools.cache

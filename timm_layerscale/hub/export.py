@@ -316,7 +316,7 @@ def export_folder(
         LayerScaleError: Any other problem with the source or the folder.
     """
     from ..converter import convert_checkpoint, load_source
-    from ..files.read import nonfinite_tensors
+    from ..files.read import check_finite
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line, published_options
 
@@ -344,11 +344,7 @@ def export_folder(
         # no published model holds (convert's allow_nonfinite does not apply). The state dict
         # is not kept, so a source that cannot be mapped is not held in memory twice.
         path, sd, variant, info = load_source(source, model=model, ema=ema)
-        if bad := nonfinite_tensors(sd):
-            raise CheckpointError(
-                f"{path}: {len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; "
-                "a published model must be finite, check the source checkpoint"
-            )
+        check_finite(sd, path, advice="a published model must be finite, check the source checkpoint")
         del sd
         architecture = _architecture(variant, to)
         tags = pretrained_tags(architecture)
