@@ -587,7 +587,7 @@ def test_a_cast_that_overflows_is_said_before_verification(light_sd, tmp_path, c
     torch.save({"model": dict(light_sd, **{"module.blocks.5.attn.proj.weight": big})}, src)
     out = tmp_path / "out.safetensors"
     expect = (
-        "'blocks.5.attn.proj.weight' holds values beyond fp16's range (up to 65504), which the cast makes Inf; "
+        f"{src}: 'blocks.5.attn.proj.weight' holds values beyond fp16's range (up to 65504), which the cast makes Inf; "
         "pass --dtype bf16, or leave out --dtype fp16"
     )
     assert_one_line_error(*cli(capsys, "convert", src, out, "--dtype", "fp16", "--num-inputs", "1"), expect)

@@ -286,7 +286,7 @@ def convert_checkpoint(
     if torch_dtype is not None and not allow_nonfinite and (over := ckpt.nonfinite_tensors(target, torch_dtype)):
         wider = "pass dtype='bf16', or " if torch_dtype == torch.float16 else ""  # bf16 spans fp32's range
         raise CheckpointError(
-            f"{over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
+            f"{path}: {over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
             f"which the cast makes Inf; {wider}leave out dtype={dtype!r}"
         )
     report = _verified(sd, target, variant, args, options, fold) if verify else None
