@@ -6,6 +6,8 @@ import hashlib
 import io
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -191,6 +193,40 @@ def test_check_finite():
     bad["z"] = torch.tensor([float("inf")])
     with pytest.raises(CheckpointError, match=r"2 tensor\(s\).*first 'blocks.0.gamma_1'.*allow_nonfinite=True"):
         check_finite(bad)
+
+
+_NONFINITE_PROBE = """
+import torch
+from timm_layerscale.files.read import nonfinite_tensors
+
+chunk = 1 << 24  # the check's chunk: a value just before, at and after its boundaries
+cases = [(torch.float32, chunk + 40, (0, chunk - 1, chunk, chunk + 39))]
+for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.float8_e5m2, torch.complex64):
+    cases.append((dtype, 4099, (0, 1, 15, 2048, 4097, 4098)))  # vector lanes and the scalar tail
+missed = []
+for dtype, n, places in cases:
+    clean = torch.zeros(n, dtype=dtype)
+    assert nonfinite_tensors({"x": clean}) == [], dtype
+    for place in places:
+        for value in (float("nan"), float("inf"), float("-inf")):
+            x = clean.clone()
+            x[place] = value if not dtype.is_complex else complex(0.0, value)
+            if nonfinite_tensors({"x": x, "ok": clean}) != ["x"]:
+                missed.append(f"{dtype} {value} at {place}/{n}")
+print(missed)
+"""
+
+
+@pytest.mark.parametrize("dispatch", ["native", "default"])
+def test_nonfinite_found_in_every_dtype_and_place_under_each_dispatch(dispatch):
+    """NaN or Inf anywhere in a tensor of any floating dtype is found, wherever the vectorised
+    kernels' lanes, tails and chunk boundaries put it, also under the scalar kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if dispatch != "native":
+        env["ATEN_CPU_CAPABILITY"] = dispatch
+    proc = subprocess.run([sys.executable, "-c", _NONFINITE_PROBE], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
 
 
 _PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
