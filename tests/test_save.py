@@ -84,6 +84,24 @@ def test_multi_key_metadata_matches_up_to_key_order(tmp_path):
     assert list(json.loads(header_bytes(tmp_path / "ours.safetensors"))["__metadata__"]) == ["a", "format", "z"]
 
 
+def test_late_metadata_is_written_into_the_header_before_the_file_is_in_place(tmp_path):
+    """Metadata known only after the tensors are written (a hash computed meanwhile) gives the
+    file written with it from the start; one that would move the data is refused, nothing written."""
+    tensors, out = mixed_state_dict(), tmp_path / "late.safetensors"
+    seen = []
+
+    def late():
+        seen.append(out.exists())
+        return {"sha": "f" * 64}
+
+    save_safetensors(out, tensors, {"format": "pt", "sha": "0" * 64}, late_metadata=late)
+    save_safetensors(tmp_path / "direct.safetensors", tensors, {"format": "pt", "sha": "f" * 64})
+    assert seen == [False] and out.read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="length"):
+        save_safetensors(tmp_path / "x.safetensors", tensors, {"sha": ""}, late_metadata=lambda: {"sha": "f" * 64})
+    assert leftovers(tmp_path) == [] and not (tmp_path / "x.safetensors").exists()
+
+
 _NAMES = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=12).filter(
     lambda s: s != "__metadata__"
 )

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,14 +263,14 @@ def convert_checkpoint(
     sd, found = _read(path, model=model, ema=ema)
     variant, args = found.variant, model_args(found.info)
     layout = detect_layout(sd)
-    sha = _hash_and_check(path, sd, allow_nonfinite)
+    digest = _hash_and_check(path, sd, allow_nonfinite)
     target = _to_target(sd, found, to)
     if fold:  # to == "ls": target is in the ls layout
         target = fold_state_dict(target)
     metadata = {
         "format": "pt",
         "source_file": path.name,
-        "source_sha256": sha,
+        "source_sha256": "0" * 64,  # written in once known: the hash runs on meanwhile
         "source_layout": layout,
         "target_layout": to,
         "architecture": variant.name,
@@ -302,7 +302,9 @@ def convert_checkpoint(
         overwrite=overwrite,
         dtype=torch_dtype,
         wrap=wrap,
+        late_metadata=lambda: {"source_sha256": digest.result()},
     )
+    metadata["source_sha256"] = sha = digest.result()
     try:
         if verify:  # the file holds what was verified
             same, _, detail = compare_weights(target, state_dict_of(ckpt.load_checkpoint(output)))
@@ -346,13 +348,36 @@ def convert_checkpoint(
     )
 
 
-def _hash_and_check(path: Path, sd: Mapping[str, torch.Tensor], allow_nonfinite: bool) -> str:
-    """Step 5: the source file's SHA-256 and, unless allowed, the NaN/Inf check, side by side (hashlib releases the GIL)."""
-    with ThreadPoolExecutor(1) as pool:
-        digest = pool.submit(ckpt.sha256_file, path)
-        if not allow_nonfinite:
-            ckpt.check_finite(sd, path)
-        return digest.result()
+class _Hash(threading.Thread):
+    """A file's SHA-256, computed in a thread of its own (hashlib releases the GIL); a daemon, so
+    that an error or an interruption meanwhile does not wait for it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path, self.digest = path, ""
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.digest = ckpt.sha256_file(self.path)
+        except BaseException as e:
+            self.error = e
+
+    def result(self) -> str:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.digest
+
+
+def _hash_and_check(path: Path, sd: Mapping[str, torch.Tensor], allow_nonfinite: bool) -> _Hash:
+    """Step 5: start hashing the source file, which runs on beside the NaN/Inf check (unless
+    allowed), verification and the write."""
+    digest = _Hash(path)
+    if not allow_nonfinite:
+        ckpt.check_finite(sd, path)
+    return digest
 
 
 def _verified(

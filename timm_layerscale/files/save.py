@@ -143,6 +143,7 @@ def save_safetensors(
     *,
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
+    late_metadata: Callable[[], Mapping[str, str]] | None = None,
 ) -> None:
     """Write ``tensors`` as a safetensors file, streaming one tensor at a time.
 
@@ -162,10 +163,15 @@ def save_safetensors(
         metadata: String to string, stored as the header's ``__metadata__``.
         overwrite: Replace ``path`` if it exists.
         dtype: Cast floating-point tensors to this dtype; others are kept.
+        late_metadata: Called once the tensors are written, before the file is put in place;
+            its entries replace those of ``metadata`` in the header, which is written again
+            where it stands, so they must not change its length (a hash computed meanwhile,
+            in place of as many zeros).
 
     Raises:
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
         CheckpointError: A key or value cannot be stored, or writing failed.
+        ValueError: ``late_metadata`` changed the header's length.
     """
     target = file_path(path)
     check_output(target, overwrite)
@@ -190,6 +196,12 @@ def save_safetensors(
                     bar.update(f.write(data[i : i + _WRITE_CHUNK]))
             del t
             release_pages(source)
+        if late_metadata is not None:
+            final, _ = safetensors_header(plan, {**(metadata or {}), **late_metadata()})
+            if len(final) != len(encoded):
+                raise ValueError("late_metadata must not change the length of the safetensors header")
+            f.seek(0)
+            f.write(final)
 
 
 class _RecordingWriter:
@@ -279,6 +291,7 @@ def save_state_dict(
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
     wrap: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+    late_metadata: Callable[[], Mapping[str, str]] | None = None,
 ) -> None:
     """Write a state dict as safetensors or PyTorch, by ``fmt`` or else the suffix of ``path``.
 
@@ -292,6 +305,8 @@ def save_state_dict(
         dtype: Cast floating-point tensors to this dtype.
         wrap: PyTorch files only: the container the state dict is saved in (see
             :func:`save_pth`); a safetensors file always holds the flat dict.
+        late_metadata: Safetensors files only: metadata known once the tensors are written
+            (see :func:`save_safetensors`).
 
     Raises:
         CheckpointError: Unknown ``fmt`` or suffix, ``wrap`` with safetensors, or
@@ -303,7 +318,7 @@ def save_state_dict(
             raise CheckpointError(
                 "a safetensors file holds a flat state dict; write a .pth file for a wrapped checkpoint"
             )
-        save_safetensors(path, state_dict, metadata, overwrite=overwrite, dtype=dtype)
+        save_safetensors(path, state_dict, metadata, overwrite=overwrite, dtype=dtype, late_metadata=late_metadata)
     else:
         save_pth(path, state_dict, overwrite=overwrite, dtype=dtype, wrap=wrap)
 
