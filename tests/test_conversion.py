@@ -357,6 +357,35 @@ def test_unknown_dtype_is_an_error(official, tmp_path):
 # ---- verification -----------------------------------------------------------------------
 
 
+def test_verified_models_skip_their_random_initialisation_unless_they_compute_buffers() -> None:
+    """Verification's models are built on the meta device (a large model's random initialisation
+    takes seconds) and take fresh copies of the weights; a model with a computed buffer that its
+    state dict does not hold is built for real, so the buffer is computed."""
+    from timm_layerscale.parity.references import build_loaded
+
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.built_on = self.fc.weight.device.type
+
+    class Computed(Plain):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    sd = {"fc.weight": torch.randn(4, 4), "fc.bias": torch.randn(4)}
+    plain, computed = build_loaded(Plain, sd, "plain"), build_loaded(Computed, sd, "computed")
+    assert plain.built_on == "meta" and computed.built_on == "cpu"
+    assert torch.equal(computed.get_buffer("table"), torch.arange(4.0))
+    for model in (plain, computed):
+        assert not model.training
+        for key, tensor in sd.items():
+            loaded = model.state_dict()[key]
+            assert torch.equal(loaded, tensor) and loaded.data_ptr() != tensor.data_ptr()
+            assert loaded.data_ptr() % 64 == 0  # a fresh allocation, whatever the source's alignment
+
+
 def test_verify_takes_state_dicts_and_image_files(gamma_sd, ls_sd, converted, official, tmp_path):
     from PIL import Image
 

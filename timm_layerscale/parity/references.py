@@ -17,7 +17,6 @@ original weights loaded strictly.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -74,18 +73,18 @@ def reference_state_dict(
     return out
 
 
-def build_loaded(
-    build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor], name: str, on_meta: bool = False
-) -> nn.Module:
+def build_loaded(build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor], name: str) -> nn.Module:
     """Build a model with ``build()`` and load ``state_dict`` into it strictly; eval mode.
+
+    The model is built on the meta device, skipping its random initialisation (several
+    seconds for a large model), and takes fresh copies of the tensors
+    (``load_state_dict(assign=True)``). A model with computed buffers that its state dict
+    does not hold is built for real instead, and the tensors are copied into it.
 
     Args:
         build: Makes the model.
         state_dict: Its exact keys and shapes.
         name: The model's name in the error message.
-        on_meta: Build on the meta device and assign fresh copies of the tensors
-            (``load_state_dict(assign=True)``), skipping the random initialisation;
-            only for models without computed (non-persistent) buffers.
 
     Either way the model computes on fresh allocations, as ``timm.create_model(...,
     pretrained=True)`` gives a user, never on tensors mapped from a file: a tensor
@@ -96,7 +95,10 @@ def build_loaded(
     Raises:
         RemapError: Missing, unexpected or mis-shaped keys (all listed in one message).
     """
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
+    with torch.device("meta"):
+        model = build()
+    on_meta = {k for k, _ in model.named_buffers()} <= model.state_dict().keys()
+    if not on_meta:
         model = build()
     check_state_dict(state_dict, model.state_dict(), name)
     if on_meta:
@@ -134,6 +136,4 @@ def build_reference(
 
     if state_dict is None:
         return build()
-    # CaiT holds no computed buffers: it is built on the meta device and takes the weights as they are.
-    sd = reference_state_dict(v, state_dict, **model_args)
-    return build_loaded(build, sd, reference_name(v), on_meta=v.family == "cait")
+    return build_loaded(build, reference_state_dict(v, state_dict, **model_args), reference_name(v))

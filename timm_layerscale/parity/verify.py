@@ -38,9 +38,7 @@ def build_converted(variant: Variant, state_dict: Mapping[str, torch.Tensor], **
     import timm
 
     sd = to_layerscale(state_dict, FAMILIES[variant.family])
-    return build_loaded(
-        lambda: timm.create_model(variant.name, **timm_args(kwargs)), sd, variant.name, on_meta=variant.family == "cait"
-    )
+    return build_loaded(lambda: timm.create_model(variant.name, **timm_args(kwargs)), sd, variant.name)
 
 
 def align_attention(reference: nn.Module, model: nn.Module) -> None:
