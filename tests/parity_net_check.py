@@ -13,7 +13,8 @@ Within one run it varies what a user varies per call:
   attention on and off, ``torch.autocast`` in bf16 and fp16, and channels-last models and
   images (timm's ``--channels-last``).
 
-CaiT and DeiT-III must be ``torch.equal`` to timm's reference in every case. ViT-5's
+CaiT and DeiT-III must be ``torch.equal`` to timm's reference in every case; the ``core`` scope
+samples CaiT only (DeiT-III's converted model is timm's own class). ViT-5's
 reference is an independent implementation: its verification passes within the stated
 tolerance at every offset, ``--exact`` gives one verdict for all of them, and under
 autocast it stays within the tolerance of the autocast dtype.
@@ -264,7 +265,9 @@ class Net:
 def main(workdir: Path, scope: str) -> dict[str, Any]:
     net = Net(workdir)
     full = scope == "full"
-    for family, name in MODELS:
+    # DeiT-III's converted model is timm's own class, so under the other settings that would only
+    # compare timm with itself: it is sampled at the default ones, CaiT under every setting.
+    for family, name in MODELS if full else MODELS[:1]:
         net.matrix(family, name, full)
         routes = ("verify", "file", "local-dir") if full else ("file",)
         net.offsets(family, name, OFFSETS if full else (0, 8), routes)
