@@ -466,6 +466,13 @@ def _write(kind: str, src: Path, light_sd: dict) -> None:
     elif kind == "truncated-pth":
         torch.save({"model": light_sd}, src)
         src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    elif kind == "damaged-pth":  # bytes zeroed inside a tensor: torch.load reads it
+        torch.save({"model": light_sd}, src)
+        data = bytearray(src.read_bytes())
+        stored = bytes(light_sd["module.blocks.5.attn.proj.weight"].untyped_storage())
+        start = data.index(stored)
+        data[start : start + len(stored)] = bytes(len(stored))
+        src.write_bytes(data)
     elif kind == "truncated-safetensors":
         safetensors.torch.save_file(
             {k: plain[k].contiguous() for k in ("cls_token", "pos_embed", "norm.weight")}, str(src)
@@ -506,6 +513,8 @@ BAD_INPUTS = [
     ("empty", "XXS24_224.pth", [], "is empty"),
     ("truncated-pth", "XXS24_224.pth", [], "truncated"),
     ("truncated-safetensors", "model.safetensors", [], "truncated"),
+    ("damaged-pth", "XXS24_224.pth", [], "is corrupt (Bad CRC-32 for file"),
+    ("damaged-pth", "XXS24_224.pth", ["--no-verify"], "download it again"),
     ("text", "XXS24_224.pth", [], "text file"),
     ("resnet", "resnet.pth", [], "does not fit any convertible model"),
     ("missing-key", "XXS24_224.pth", [], "closest is cait_xxs24_224_ls"),

@@ -523,6 +523,19 @@ def test_output_that_is_the_source_is_refused(source, tmp_path, capsys, output, 
     assert {p: sha256(p) for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_a_hash_that_fails_after_the_write_leaves_no_output(source, tmp_path, capsys, monkeypatch, suffix):
+    def failing(path):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(ckpt, "sha256_file", failing)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, out, err = cli(capsys, "convert", source, out_dir / f"x{suffix}", "--no-verify")
+    assert_one_line_error(code, out, err, "Input/output error", stdout="")
+    assert names(out_dir) == []
+
+
 def test_unchanged_source_records_the_hash_of_its_bytes(source, tmp_path):
     result = conversion.convert_checkpoint(source, tmp_path / "x.safetensors", verify=False)
     assert result.source_sha256 == result.metadata["source_sha256"] == sha256(source)

@@ -19,6 +19,7 @@ from helpers import assert_same_tensors, header_bytes, make_tensor, mixed_state_
 from timm_layerscale.errors import CheckpointError
 from timm_layerscale.files.read import (
     LazySafetensors,
+    check_checksums,
     check_finite,
     load_checkpoint,
     parse_dtype,
@@ -135,6 +136,31 @@ def test_load_rejects_missing_and_directory(tmp_path):
         load_checkpoint(tmp_path / "missing.pth")
     with pytest.raises(CheckpointError, match="is a directory"):
         load_checkpoint(tmp_path)
+
+
+def test_checksums_find_a_file_damaged_inside(tmp_path):
+    w = make_tensor((64, 64), torch.float32)
+    torch.save({"w": w}, tmp_path / "good.pth")
+    data = bytearray((tmp_path / "good.pth").read_bytes())
+    start = data.find(w.numpy().tobytes())
+    data[start + 100 : start + 164] = bytes(64)  # zeroed in place: the size and the zip's directory hold
+    (tmp_path / "damaged.pth").write_bytes(data)
+    assert torch.load(tmp_path / "damaged.pth", weights_only=True)["w"].count_nonzero() < w.numel()  # torch loads it
+    check_checksums(tmp_path / "good.pth")
+    with pytest.raises(CheckpointError, match=r"damaged.pth is corrupt \(Bad CRC-32 for file '.*data/0'\); download"):
+        check_checksums(tmp_path / "damaged.pth")
+    save_file({"w": w}, str(tmp_path / "w.safetensors"))
+    check_checksums(tmp_path / "w.safetensors")  # no checksums to check
+
+
+def test_checksums_skip_records_saved_without_one(tmp_path):
+    save = pytest.importorskip("torch.utils.serialization").config.save
+    save.compute_crc32 = False  # a config module: monkeypatch's undo would delete the option
+    try:
+        torch.save({"w": make_tensor((8, 8), torch.float32)}, tmp_path / "nocrc.pth")
+    finally:
+        save.compute_crc32 = True
+    check_checksums(tmp_path / "nocrc.pth")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")

@@ -3,7 +3,7 @@
 A conversion is a sequence of named steps: (1) resolve the source to a local file
 (:func:`~timm_layerscale.files.sources.resolve_source`), (2-3) read its state dict and
 detect the variant (``_read``), (4) remap the keys to the target layout
-(``_to_target``), (5) hash the file and check for NaN/Inf (``_hash_and_check``),
+(``_to_target``), (5) hash the file, check its checksums and NaN/Inf (``_hash_and_check``),
 (6) verify in memory (``_verified``), (7) write atomically
 (:mod:`~timm_layerscale.files.save`) and read back what was written.
 """
@@ -304,8 +304,8 @@ def convert_checkpoint(
         wrap=wrap,
         late_metadata=lambda: {"source_sha256": digest.result()},
     )
-    metadata["source_sha256"] = sha = digest.result()
     try:
+        metadata["source_sha256"] = sha = digest.result()  # after a .pth output is written: an error removes it
         if verify:  # the file holds what was verified
             same, _, detail = compare_weights(target, state_dict_of(ckpt.load_checkpoint(output)))
             if not same:
@@ -372,9 +372,10 @@ class _Hash(threading.Thread):
 
 
 def _hash_and_check(path: Path, sd: Mapping[str, torch.Tensor], allow_nonfinite: bool) -> _Hash:
-    """Step 5: start hashing the source file, which runs on beside the NaN/Inf check (unless
-    allowed), verification and the write."""
+    """Step 5: start hashing the source file, which runs on beside the checks of its zip checksums
+    and for NaN/Inf (unless allowed), verification and the write."""
     digest = _Hash(path)
+    ckpt.check_checksums(path)
     if not allow_nonfinite:
         ckpt.check_finite(sd, path)
     return digest

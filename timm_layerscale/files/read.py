@@ -2,8 +2,8 @@
 
 :func:`load_checkpoint` opens PyTorch files with ``weights_only=True`` and memory-maps
 them, and opens safetensors files lazily (:class:`LazySafetensors`).
-The checks made on what was read live here too: the file's hash and identity, and
-finite values. Bad input raises :class:`~timm_layerscale.errors.CheckpointError` with a
+The checks made on what was read live here too: the file's hash, checksums and identity,
+and finite values. Bad input raises :class:`~timm_layerscale.errors.CheckpointError` with a
 one-line message saying what is wrong and what to do. Writing is in
 :mod:`~timm_layerscale.files.save`.
 """
@@ -19,6 +19,7 @@ import os
 import re
 import struct
 import sys
+import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from .atomic import check_name
 
 __all__ = [
     "LazySafetensors",
+    "check_checksums",
     "check_finite",
     "check_unchanged",
     "file_identity",
@@ -222,6 +224,31 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         while n := f.readinto(buffer):
             digest.update(view[:n])
     return digest.hexdigest()
+
+
+def check_checksums(path: str | os.PathLike[str]) -> None:
+    """Check each record of a PyTorch zip file against its CRC-32, reading the file once more.
+
+    ``torch.load`` does not check them, so a file damaged inside (bytes overwritten or zeroed,
+    not cut short) loads with wrong weights. Records saved without a checksum (CRC 0, as
+    torch writes them when its ``compute_crc32`` option is off) are skipped; other formats
+    carry no checksums and pass.
+
+    Raises:
+        CheckpointError: A record's contents do not match its CRC-32.
+    """
+    with open(path, "rb") as f:
+        if f.read(4) != _ZIP_MAGIC:
+            return
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.CRC:
+                    with z.open(info) as record:  # raises at the end of a record that fails
+                        while record.read(_CHUNK):
+                            pass
+    except zipfile.BadZipFile as e:
+        raise CheckpointError(f"{path} is corrupt ({e}); download it again") from None
 
 
 def file_identity(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
