@@ -354,6 +354,14 @@ def test_verify_exit_2_for_bad_input(official, converted, tmp_path, capsys):
     assert_one_line_error(*cli(capsys, "verify", tmp_path / "nope.pth", converted), "not found")
     assert_one_line_error(*cli(capsys, "verify", official, converted, "--model", "cait_nope"), "unknown model")
     assert_one_line_error(*cli(capsys, "verify", official, converted, "--model", "cait_s24_224_ls"), "mis-shaped")
+    data = bytearray(official.read_bytes())  # damaged inside: torch.load reads it, its checksums do not hold
+    stored = bytes(torch.load(official, weights_only=True)["model"]["module.head.weight"].untyped_storage())
+    start = data.index(stored)
+    data[start : start + 4096] = bytes(4096)
+    (damaged := tmp_path / "XXS24_224.pth").write_bytes(data)
+    for argv in [(damaged, converted), (official, damaged)]:
+        line = assert_one_line_error(*cli(capsys, "verify", *argv), "is corrupt (Bad CRC-32")
+        assert str(damaged) in line
 
 
 # ---- list and demo ----------------------------------------------------------------------

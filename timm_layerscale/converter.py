@@ -165,9 +165,13 @@ def verify_checkpoint(
         src_sd = state_dict_of(source, ema=ema)
         found = detect(src_sd, model)
     else:
-        src_sd, found = _read(resolve_source(source), model=model, ema=ema)
-    conv = converted if isinstance(converted, Mapping) else ckpt.load_checkpoint(resolve_source(converted))
-    conv_sd = state_dict_of(conv)
+        src_sd, found = _read(path := resolve_source(source), model=model, ema=ema)
+        ckpt.check_checksums(path)
+    if isinstance(converted, Mapping):
+        conv_sd = state_dict_of(converted)
+    else:
+        conv_sd = state_dict_of(ckpt.load_checkpoint(path := resolve_source(converted)))
+        ckpt.check_checksums(path)
     try:
         return verify_state_dicts(src_sd, conv_sd, found.variant, model_args=model_args(found.info), options=options)
     except RemapError as e:  # the source fits its model (detection checked it), so the converted weights do not
