@@ -119,6 +119,13 @@ def test_errors_are_one_line(official: dict, tmp_path) -> None:
         torch.save(sd, tmp_path / "ckpt.pth")
         with pytest.raises(LayerScaleError, match=f"^{re.escape(str(tmp_path / 'ckpt.pth'))} holds {re.escape(what)}"):
             gate_profile(tmp_path / "ckpt.pth")
+    torch.save(official, tmp_path / "damaged.pth")  # a gate zeroed inside the file: torch.load reads it
+    data = bytearray((tmp_path / "damaged.pth").read_bytes())
+    start = data.index(bytes(official["model"]["module.blocks.1.gamma_1"].untyped_storage()))
+    data[start : start + 16] = bytes(16)
+    (tmp_path / "damaged.pth").write_bytes(data)
+    with pytest.raises(LayerScaleError, match=r"damaged.pth is corrupt \(Bad CRC-32 for file"):
+        gate_profile(tmp_path / "damaged.pth")
     with pytest.raises(LayerScaleError, match="mixes"):
         gate_profile({"blocks.0.gamma_1": torch.ones(2), "blocks.1.ls1.gamma": torch.ones(2)})
     with pytest.raises(LayerScaleError, match="pass ema=True"):

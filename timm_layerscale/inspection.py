@@ -56,11 +56,12 @@ def gate_stats(gamma: Any) -> dict[str, float]:
 
 def _load_state_dict(source: str | os.PathLike[str], ema: bool) -> Mapping[str, Any]:
     from .conversion.keys import unwrap_state_dict
-    from .files.read import load_checkpoint
+    from .files.read import check_checksums, load_checkpoint
     from .files.sources import resolve_source
 
     path = resolve_source(source)
     checkpoint = load_checkpoint(path)
+    check_checksums(path)
     try:
         return unwrap_state_dict(checkpoint, "model_ema" if ema else None)
     except LayerScaleError as e:
