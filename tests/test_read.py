@@ -138,6 +138,7 @@ def test_load_rejects_missing_and_directory(tmp_path):
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.compat
 def test_checksums_find_a_file_damaged_inside(tmp_path):
     w = make_tensor((64, 64), torch.float32)
     torch.save({"w": w}, tmp_path / "good.pth")
