@@ -149,6 +149,7 @@ def verify_checkpoint(
     Both models run in the converted file's float dtype (the source weights are
     cast to it) on ``options.device``, on seeded images at the model's resolution
     plus any image files; every converted tensor is also compared with its source.
+    A file that is a ``.pth`` (a zip) is first checked against its records' CRC-32s.
 
     Args:
         source: The original checkpoint (file, URL, ``hf-hub:`` id, or a state dict).
@@ -212,7 +213,8 @@ def convert_checkpoint(
     :class:`~timm_layerscale.errors.ParityError` and writes nothing. The result goes into the safetensors
     metadata (``parity``: ``bit-exact``, ``within tolerance`` or ``not verified``, with
     the tolerance). The output is written atomically, then read back and compared
-    with the verified tensors.
+    with the verified tensors. The source is hashed (``source_sha256`` in the metadata)
+    and, if it is a ``.pth`` (a zip), checked against its records' CRC-32s.
 
     ``to="gamma"`` writes what the official training code saves: a ``.pth`` file
     holding ``{'model': {'module.' + key: tensor}}`` for CaiT (the official loader
