@@ -83,6 +83,17 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
 
 
+def damage_inside(path: Path, tensor: torch.Tensor, size: int | None = None, fill: bytes = b"\0") -> None:
+    """Overwrite the first ``size`` bytes (all by default) of ``tensor``'s storage where ``path``,
+    a PyTorch file holding it, stores them: the file keeps its size and its zip's directory, so
+    ``torch.load`` reads it, with other values."""
+    data = bytearray(path.read_bytes())
+    stored = bytes(tensor.untyped_storage())[:size]
+    start = data.index(stored)
+    data[start : start + len(stored)] = (fill * len(stored))[: len(stored)]
+    path.write_bytes(data)
+
+
 def header_bytes(path: Path) -> bytes:
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])

@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 
 import timm_layerscale  # registers the models
-from helpers import ROOT, assert_one_line_error, cli, parity_report
+from helpers import ROOT, assert_one_line_error, cli, damage_inside, parity_report
 from timm_layerscale import converter as conversion
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.detect import get_variant, state_dict_shapes
@@ -354,11 +354,8 @@ def test_verify_exit_2_for_bad_input(official, converted, tmp_path, capsys):
     assert_one_line_error(*cli(capsys, "verify", tmp_path / "nope.pth", converted), "not found")
     assert_one_line_error(*cli(capsys, "verify", official, converted, "--model", "cait_nope"), "unknown model")
     assert_one_line_error(*cli(capsys, "verify", official, converted, "--model", "cait_s24_224_ls"), "mis-shaped")
-    data = bytearray(official.read_bytes())  # damaged inside: torch.load reads it, its checksums do not hold
-    stored = bytes(torch.load(official, weights_only=True)["model"]["module.head.weight"].untyped_storage())
-    start = data.index(stored)
-    data[start : start + 4096] = bytes(4096)
-    (damaged := tmp_path / "XXS24_224.pth").write_bytes(data)
+    shutil.copy(official, damaged := tmp_path / "XXS24_224.pth")  # its checksums do not hold
+    damage_inside(damaged, torch.load(official, weights_only=True)["model"]["module.head.weight"], 4096)
     for argv in [(damaged, converted), (official, damaged)]:
         line = assert_one_line_error(*cli(capsys, "verify", *argv), "is corrupt (Bad CRC-32")
         assert str(damaged) in line
@@ -474,13 +471,9 @@ def _write(kind: str, src: Path, light_sd: dict) -> None:
     elif kind == "truncated-pth":
         torch.save({"model": light_sd}, src)
         src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-    elif kind == "damaged-pth":  # bytes zeroed inside a tensor: torch.load reads it
+    elif kind == "damaged-pth":
         torch.save({"model": light_sd}, src)
-        data = bytearray(src.read_bytes())
-        stored = bytes(light_sd["module.blocks.5.attn.proj.weight"].untyped_storage())
-        start = data.index(stored)
-        data[start : start + len(stored)] = bytes(len(stored))
-        src.write_bytes(data)
+        damage_inside(src, light_sd["module.blocks.5.attn.proj.weight"])
     elif kind == "truncated-safetensors":
         safetensors.torch.save_file(
             {k: plain[k].contiguous() for k in ("cls_token", "pos_embed", "norm.weight")}, str(src)

@@ -13,6 +13,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
+from helpers import damage_inside
 from timm_layerscale import to_layerscale
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.inspection import MissingPlotDependency, format_gate_table, gate_profile, plot_gates
@@ -119,11 +120,8 @@ def test_errors_are_one_line(official: dict, tmp_path) -> None:
         torch.save(sd, tmp_path / "ckpt.pth")
         with pytest.raises(LayerScaleError, match=f"^{re.escape(str(tmp_path / 'ckpt.pth'))} holds {re.escape(what)}"):
             gate_profile(tmp_path / "ckpt.pth")
-    torch.save(official, tmp_path / "damaged.pth")  # a gate zeroed inside the file: torch.load reads it
-    data = bytearray((tmp_path / "damaged.pth").read_bytes())
-    start = data.index(bytes(official["model"]["module.blocks.1.gamma_1"].untyped_storage()))
-    data[start : start + 16] = bytes(16)
-    (tmp_path / "damaged.pth").write_bytes(data)
+    torch.save(official, tmp_path / "damaged.pth")
+    damage_inside(tmp_path / "damaged.pth", official["model"]["module.blocks.1.gamma_1"], 16)
     with pytest.raises(LayerScaleError, match=r"damaged.pth is corrupt \(Bad CRC-32 for file"):
         gate_profile(tmp_path / "damaged.pth")
     with pytest.raises(LayerScaleError, match="mixes"):

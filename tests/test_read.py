@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import assert_same_tensors, header_bytes, make_tensor, mixed_state_dict
+from helpers import assert_same_tensors, damage_inside, header_bytes, make_tensor, mixed_state_dict
 from timm_layerscale.errors import CheckpointError
 from timm_layerscale.files.read import (
     LazySafetensors,
@@ -142,10 +142,8 @@ def test_load_rejects_missing_and_directory(tmp_path):
 def test_checksums_find_a_file_damaged_inside(tmp_path):
     w = make_tensor((64, 64), torch.float32)
     torch.save({"w": w}, tmp_path / "good.pth")
-    data = bytearray((tmp_path / "good.pth").read_bytes())
-    start = data.find(w.numpy().tobytes())
-    data[start + 100 : start + 164] = bytes(64)  # zeroed in place: the size and the zip's directory hold
-    (tmp_path / "damaged.pth").write_bytes(data)
+    torch.save({"w": w}, tmp_path / "damaged.pth")
+    damage_inside(tmp_path / "damaged.pth", w, 64)
     assert torch.load(tmp_path / "damaged.pth", weights_only=True)["w"].count_nonzero() < w.numel()  # torch loads it
     check_checksums(tmp_path / "good.pth")
     with pytest.raises(CheckpointError, match=r"damaged.pth is corrupt \(Bad CRC-32 for file '.*data/0'\); download"):
