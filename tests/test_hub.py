@@ -34,7 +34,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import ROOT, assert_one_line_error, cli
+from helpers import ROOT, assert_one_line_error, cli, damage_inside
 from timm_layerscale.errors import HubError, OutputExistsError
 from timm_layerscale.files.sources import cached_url_path, resolve_source, source_config
 from timm_layerscale.hub.export import export_folder
@@ -971,6 +971,17 @@ def test_export_refuses_nan_or_inf_without_the_advice_convert_gives(official, tm
         "a published model must be finite, check the source checkpoint"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inf.pth"]
+
+
+def test_export_says_a_damaged_file_is_corrupt_before_what_its_values_hold(official, tmp_path: Path, capsys) -> None:
+    """Bytes overwritten inside a tensor can read as NaN; the file's checksums name the cause."""
+    weight = torch.load(official, weights_only=True)["model"]["module.blocks.5.attn.proj.weight"]
+    shutil.copy(official, src := tmp_path / "XXS24_224.pth")
+    damage_inside(src, weight, 64, fill=b"\xff")  # NaN bit patterns
+    assert torch.load(src, weights_only=True)["model"]["module.blocks.5.attn.proj.weight"].isnan().any()
+    line = assert_one_line_error(*cli(capsys, "export", src, tmp_path / "out"), stdout="")
+    assert f"{src} is corrupt (Bad CRC-32 for file" in line and line.endswith("; download it again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["XXS24_224.pth"]
 
 
 @pytest.mark.parametrize("option", ["push_to_hub", "repo_id"])

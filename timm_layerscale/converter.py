@@ -86,7 +86,7 @@ class ConversionResult:
 def load_source(
     source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False
 ) -> tuple[Path, Mapping[str, torch.Tensor], Variant, dict[str, Any]]:
-    """Read a checkpoint and find what it is.
+    """Read a checkpoint, check a ``.pth``'s zip checksums and find what it is.
 
     Args:
         source: Local path, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
@@ -100,6 +100,7 @@ def load_source(
     """
     path = resolve_source(source)
     sd, found = _read(path, model=model, ema=ema)
+    ckpt.check_checksums(path)  # before anything is said of the values: damage can read as NaN
     return path, sd, found.variant, found.info
 
 
@@ -163,18 +164,18 @@ def verify_checkpoint(
         The :class:`~timm_layerscale.parity.compare.ParityReport`.
     """
     if isinstance(source, Mapping):
-        src_sd = state_dict_of(source, ema=ema)
+        src_sd: Mapping[str, torch.Tensor] = state_dict_of(source, ema=ema)
         found = detect(src_sd, model)
+        variant, info = found.variant, found.info
     else:
-        src_sd, found = _read(path := resolve_source(source), model=model, ema=ema)
-        ckpt.check_checksums(path)
+        _, src_sd, variant, info = load_source(source, model=model, ema=ema)
     if isinstance(converted, Mapping):
         conv_sd = state_dict_of(converted)
     else:
         conv_sd = state_dict_of(ckpt.load_checkpoint(path := resolve_source(converted)))
         ckpt.check_checksums(path)
     try:
-        return verify_state_dicts(src_sd, conv_sd, found.variant, model_args=model_args(found.info), options=options)
+        return verify_state_dicts(src_sd, conv_sd, variant, model_args=model_args(info), options=options)
     except RemapError as e:  # the source fits its model (detection checked it), so the converted weights do not
         conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
         src_name = "the source" if isinstance(source, Mapping) else str(source)
