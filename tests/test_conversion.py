@@ -358,10 +358,28 @@ def test_unknown_dtype_is_an_error(official, tmp_path):
 
 
 def test_verified_models_skip_their_random_initialisation_unless_they_compute_buffers() -> None:
-    """Verification's models are built on the meta device (a large model's random initialisation
-    takes seconds) and take fresh copies of the weights; a model with a computed buffer that its
-    state dict does not hold is built for real, so the buffer is computed."""
+    """Verification's models are built on the meta device without running their initialisers (a
+    large model's random initialisation takes seconds, and on meta torch runs some initialisers
+    through slow reference kernels) and take fresh copies of the weights; a model with a computed
+    buffer that its state dict does not hold is built for real, so the buffer is computed."""
+    from torch.overrides import TorchFunctionMode
+
     from timm_layerscale.parity.references import build_loaded
+
+    class InPlaceOnMeta(TorchFunctionMode):
+        """Records the in-place calls on meta tensors that reach it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            target = args[0] if args else kwargs.get("tensor")  # torch.nn.init's functions: a keyword
+            name = getattr(func, "__name__", "")
+            if getattr(target, "is_meta", False) and name.endswith("_") and not name.startswith("__"):
+                self.seen.append(name)
+            return func(*args, **kwargs)
 
     class Plain(torch.nn.Module):
         def __init__(self) -> None:
@@ -375,7 +393,13 @@ def test_verified_models_skip_their_random_initialisation_unless_they_compute_bu
             self.register_buffer("table", torch.arange(4.0), persistent=False)
 
     sd = {"fc.weight": torch.randn(4, 4), "fc.bias": torch.randn(4)}
-    plain, computed = build_loaded(Plain, sd, "plain"), build_loaded(Computed, sd, "computed")
+    with InPlaceOnMeta() as built, torch.device("meta"):
+        Plain()
+    assert "kaiming_uniform_" in built.seen  # nn.Linear's initialiser, which the build below skips
+    with InPlaceOnMeta() as skipped:
+        plain = build_loaded(Plain, sd, "plain")
+    assert skipped.seen == []
+    computed = build_loaded(Computed, sd, "computed")
     assert plain.built_on == "meta" and computed.built_on == "cpu"
     assert torch.equal(computed.get_buffer("table"), torch.arange(4.0))
     for model in (plain, computed):
