@@ -68,7 +68,8 @@ def write_at_offset(src: Path, dst: Path, offset: int) -> Path:
     n = struct.unpack("<Q", raw[:8])[0]
     header = raw[8 : 8 + n].rstrip(b" ")
     header += b" " * ((offset - 8 - len(header)) % 64)
-    dst.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n :])
+    with dst.open("wb") as f:
+        f.writelines([struct.pack("<Q", len(header)), header, memoryview(raw)[8 + n :]])
     return dst
 
 
