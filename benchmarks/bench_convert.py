@@ -10,11 +10,11 @@ page cache, dirty pages flushed):
 - ``timm-layerscale convert SOURCE OUT.safetensors --no-verify``;
 - ``torch.load`` + ``safetensors.torch.save_file``: what a conversion costs without streaming.
 
-Targets for the conversion, medians compared: wall time at most ``import torch`` + 4x
-``cp``; peak RSS at most ``import torch`` + 256 MiB; timm never imported. The tensors of
-its output are also compared byte for byte with ``save_file``'s, once (the order and
-alignment of the data differ: ``timm_layerscale.files.save.safetensors_plan``). The tables go
-to stdout and, as this script's section, into ``benchmarks/RESULTS.md``.
+Targets for the conversion, medians compared: wall time at most ``import torch`` + 6x ``cp`` and
+below ``torch.load`` + ``save_file``'s; peak anonymous memory (``RssAnon``: a mapped source's pages
+are the page cache's) at most ``import torch``'s + 256 MiB; timm never imported. The tensors of its
+output are also compared byte for byte with ``save_file``'s, once (their order in the file differs).
+The tables go to stdout and, as this script's section, into ``benchmarks/RESULTS.md``.
 
 Usage::
 
@@ -162,26 +162,28 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(work, ignore_errors=True)
     w = {k: statistics.median(v) for k, v in wall.items()}
     r = {k: statistics.median(v) for k, v in rss.items()}
-    wall_limit, rss_limit = w[torch_] + 4 * w[cp], r[torch_] + 256
-    met = [w[convert] <= wall_limit, r[convert] <= rss_limit, not timm_imported, same_data]
+    wall_limit, rss_limit = w[torch_] + 6 * w[cp], r[torch_] + 256
+    met = [w[convert] <= wall_limit, w[convert] < w[load_save], r[convert] <= rss_limit, not timm_imported, same_data]
     lines = [
         f"{size / 1e9:.2f} GB official-layout checkpoint; CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; "
         f"median of {repeats} runs of each",
         "",
-        "| command | wall s (median) | wall s (each run) | peak RSS MiB (median) |",
+        "| command | wall s (median) | wall s (each run) | peak RssAnon MiB (median) |",
         "|---|---:|---|---:|",
         *(f"| {k} | {w[k]:.2f} | {' '.join(f'{x:.2f}' for x in wall[k])} | {r[k]:.0f} |" for k in commands),
         "",
         "| target | measured | limit | met |",
         "|---|---:|---:|---|",
-        f"| wall <= import torch + 4x cp | {w[convert]:.2f} s | {wall_limit:.2f} s | {'yes' if met[0] else 'NO'} |",
-        f"| peak RSS <= import torch + 256 MiB | {r[convert]:.0f} MiB | {rss_limit:.0f} MiB | {'yes' if met[1] else 'NO'} |",
-        f"| timm not imported | {'not imported' if met[2] else 'imported'} | | {'yes' if met[2] else 'NO'} |",
-        f"| tensors byte-identical to `save_file`'s | {'identical' if met[3] else 'differs'} | "
-        f"| {'yes' if met[3] else 'NO'} |",
+        f"| wall <= import torch + 6x cp | {w[convert]:.2f} s | {wall_limit:.2f} s | {'yes' if met[0] else 'NO'} |",
+        f"| wall < torch.load + save_file | {w[convert]:.2f} s | {w[load_save]:.2f} s | {'yes' if met[1] else 'NO'} |",
+        f"| peak RssAnon <= import torch + 256 MiB | {r[convert]:.0f} MiB | {rss_limit:.0f} MiB "
+        f"| {'yes' if met[2] else 'NO'} |",
+        f"| timm not imported | {'not imported' if met[3] else 'imported'} | | {'yes' if met[3] else 'NO'} |",
+        f"| tensors byte-identical to `save_file`'s | {'identical' if met[4] else 'differs'} | "
+        f"| {'yes' if met[4] else 'NO'} |",
         "",
         f"time beyond `import torch`: {w[convert] - w[torch_]:.2f} s = {(w[convert] - w[torch_]) / w[cp]:.2f}x cp; "
-        f"memory beyond `import torch`: {r[convert] - r[torch_]:.0f} MiB "
+        f"anonymous memory beyond `import torch`: {r[convert] - r[torch_]:.0f} MiB "
         f"(`torch.load` + `save_file`: {r[load_save] - r[torch_]:.0f} MiB).",
     ]
     print("\n".join(lines))

@@ -7,10 +7,8 @@ import datetime
 import io
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,21 +50,25 @@ def machine() -> str:
 
 
 def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Run ``argv`` in a fresh process; return its wall time (s) and peak resident memory (MiB)."""
-    time_bin = shutil.which("time", path="/usr/bin")
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
-        start = time.perf_counter()
-        if time_bin:
-            subprocess.run([time_bin, "-v", "-o", report.name, *argv], env=env, stdout=subprocess.DEVNULL, check=True)
-            wall = time.perf_counter() - start
-            line = next(x for x in report.read().splitlines() if "Maximum resident set size" in x)
-            return wall, int(line.split(":")[-1]) / 1024
-        process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
-        _, status, usage = os.wait4(process.pid, 0)
-        wall = time.perf_counter() - start
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), argv)
-        return wall, usage.ru_maxrss / 1024
+    """Run ``argv`` in a fresh process; return its wall time (s) and peak anonymous memory (MiB).
+
+    ``RssAnon`` of ``/proc/PID/status``, sampled every millisecond: the program's own memory, without
+    the pages of a memory-mapped file, which belong to the page cache.
+    """
+    start = time.perf_counter()
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+    peak = 0
+    while process.poll() is None:
+        try:
+            with open(f"/proc/{process.pid}/status") as f:
+                peak = max(peak, next((int(line.split()[1]) for line in f if line.startswith("RssAnon:")), 0))
+        except OSError:  # it ended between the poll and the read
+            pass
+        time.sleep(0.001)
+    wall = time.perf_counter() - start
+    if process.returncode != 0:
+        raise subprocess.CalledProcessError(process.returncode, argv)
+    return wall, peak / 1024
 
 
 def write_section(name: str, body: str, command: str, seconds: float, load_before: str) -> None:

@@ -1,12 +1,10 @@
 """Release pipeline for the official checkpoints of every family: CaiT, DeiT-III and ViT-5.
 
-For every release in :func:`releases`: fetch the official file (or take it from
-``--sources``), check its sha256 where one is pinned, convert it, verify it against its
-reference, export a Hub-ready folder ``OUT/<model>.<tag>`` and, with ``--org``, upload
-it to ``ORG/<model>.<tag>``. A summary (``summary.md`` and ``summary.json`` in ``OUT``)
-records, per release: parameters, source sha256, max abs diff, bit-exactness, seconds
-and peak memory. A failing release does not stop the others; failures are listed at
-the end and the exit status is 1.
+For every release in :func:`releases`: fetch the official file (or take it from ``--sources``),
+convert and verify it into a Hub-ready folder ``OUT/<model>.<tag>``, check the source's sha256
+where one is pinned and, with ``--org``, upload it to ``ORG/<model>.<tag>``. ``summary.md`` and
+``summary.json`` in ``OUT`` record each release's parameters, source sha256, max abs diff,
+bit-exactness and seconds. A failing release does not stop the others; the exit status is then 1.
 
 Run from the repository root::
 
@@ -23,8 +21,8 @@ import argparse
 import functools
 import json
 import os
-import resource
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -33,7 +31,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from timm_layerscale.commands import stoppable
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
 from timm_layerscale.hub.card import timm_hub_copy
@@ -71,11 +68,7 @@ class Release:
     @property
     def file(self) -> str:
         """File name of the official release."""
-        return (
-            self.source.rsplit("/", 1)[-1]
-            if self.source.startswith("hf-hub:")
-            else os.path.basename(urlparse(self.source).path)
-        )
+        return os.path.basename(self.source if self.source.startswith("hf-hub:") else urlparse(self.source).path)
 
     @property
     def sha256(self) -> str | None:
@@ -152,42 +145,6 @@ def select(names: Sequence[str] | None, families: Sequence[str] = FAMILIES) -> l
     return [r for r in table if _keys(r) & wanted]
 
 
-class PeakMemory:
-    """Peak resident memory of this process over a ``with`` block, in MiB.
-
-    On Linux the kernel's high-water mark is reset on entry (``/proc/self/clear_refs``)
-    and read on exit (``VmHWM``), which gives the peak of the block itself. Elsewhere
-    it is the peak of the whole process so far (``ru_maxrss``), and :attr:`scope`
-    says so.
-    """
-
-    def __init__(self) -> None:
-        self.mib: float | None = None
-        self.scope = "variant"
-
-    def __enter__(self) -> PeakMemory:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            self.scope = "process"
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.scope == "variant":
-            try:
-                with open("/proc/self/status") as f:
-                    for line in f:
-                        if line.startswith("VmHWM:"):
-                            self.mib = int(line.split()[1]) / 1024
-                            return
-            except OSError:
-                pass
-            self.scope = "process"
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        self.mib = rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
-
-
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     from timm_layerscale.errors import LayerScaleError
@@ -195,25 +152,13 @@ def _one_line(e: BaseException) -> str:
     return text if isinstance(e, (LayerScaleError, PipelineError)) else f"{type(e).__name__}: {text}"
 
 
-def _fetch(rel: Release, sources: Path | None) -> tuple[str, Path]:
-    """The source to convert (as given to the converter) and its local file."""
-    from timm_layerscale.files.sources import resolve_source
-
-    if sources is not None:
-        path = sources / rel.file
-        if not path.is_file():
-            raise PipelineError(f"{rel.file} is not in {sources}; download it from {rel.source}")
-        return str(path), path
-    return rel.source, resolve_source(rel.source)
-
-
-def _check_sha256(rel: Release, path: Path) -> str:
-    from timm_layerscale.files.read import sha256_file
-
-    digest = sha256_file(path)
-    if rel.sha256 is not None and digest != rel.sha256:
-        raise PipelineError(f"{path} has sha256 {digest}, not the pinned {rel.sha256}; delete it and download it again")
-    return digest
+def _source(rel: Release, sources: Path | None) -> str:
+    """The source to convert: the official address, or the file in ``sources``."""
+    if sources is None:
+        return rel.source
+    if not (sources / rel.file).is_file():
+        raise PipelineError(f"{rel.file} is not in {sources}; download it from {rel.source}")
+    return str(sources / rel.file)
 
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
@@ -241,118 +186,74 @@ def run_release(
     overwrite: bool = False,
     options: Any = None,
 ) -> dict[str, Any]:
-    """Fetch, check, convert, verify, export (and push) one checkpoint; never raises for a bad variant.
+    """Fetch, convert, verify, export, check and (with ``org``) push one release; never raises for a bad one.
 
     Returns:
-        The summary row: ``variant``, ``status`` (``ok`` or ``failed``), ``error``,
-        ``params``, ``source_sha256``, ``max_abs_diff``, ``bit_exact``, ``seconds``,
-        ``peak_memory_mib``, ``folder``, ``repo_id`` and ``url``.
+        The summary row: ``variant``, ``status`` (``ok`` or ``failed``), ``error``, ``params``,
+        ``source_sha256``, ``max_abs_diff``, ``bit_exact``, ``seconds``, ``folder``, ``repo_id``, ``url``.
     """
     from timm_layerscale.hub.export import export_folder
+    from timm_layerscale.hub.upload import push_folder
 
-    row: dict[str, Any] = {
-        "variant": rel.model,
-        "tag": rel.tag,
-        "family": rel.family,
-        "reference": rel.reference,
-        "file": rel.file,
-        "status": "failed",
-        "error": None,
-        "params": None,
-        "source_sha256": None,
-        "max_abs_diff": None,
-        "bit_exact": None,
-        "seconds": None,
-        "peak_memory_mib": None,
-        "folder": None,
-        "repo_id": f"{org}/{rel.name}" if org else None,
-        "url": None,
-    }
+    row: dict[str, Any] = dict.fromkeys(
+        ("error", "params", "source_sha256", "max_abs_diff", "bit_exact", "folder", "url")
+    )
+    row.update(
+        variant=rel.model, tag=rel.tag, family=rel.family, reference=rel.reference, file=rel.file, status="failed"
+    )
+    row["repo_id"] = f"{org}/{rel.name}" if org else None
     t0 = time.perf_counter()
-    with PeakMemory() as peak:
-        try:
-            source, path = _fetch(rel, sources)
-            row["source_sha256"] = _check_sha256(rel, path)
-            result = export_folder(
-                source,
-                out / rel.name,
-                model=rel.model,
-                ema=rel.ema,
-                tag=rel.tag,
-                overwrite=overwrite,
-                options=options,
-                push_to_hub=row["repo_id"],
-                private=private,
-                command=_command(rel, out, sources, org, private, options),
+    try:
+        result = export_folder(
+            _source(rel, sources),
+            out / rel.name,
+            model=rel.model,
+            ema=rel.ema,
+            tag=rel.tag,
+            overwrite=overwrite,
+            options=options,
+            repo_id=row["repo_id"],
+            private=private,
+            command=_command(rel, out, sources, org, private, options),
+        )
+        digest, report = result.conversion.source_sha256, result.conversion.report
+        row.update(source_sha256=digest, params=result.num_params, folder=str(result.folder))
+        row.update(max_abs_diff=report.max_abs_diff if report else None, bit_exact=report.bit_exact if report else None)
+        if rel.sha256 is not None and digest != rel.sha256:
+            shutil.rmtree(result.folder, ignore_errors=True)
+            raise PipelineError(
+                f"{rel.file} has sha256 {digest}, not the pinned {rel.sha256}; delete it and download it again"
             )
-            report = result.conversion.report
-            row.update(
-                status="ok",
-                params=result.num_params,
-                folder=str(result.folder),
-                source_sha256=result.conversion.source_sha256,
-                max_abs_diff=report.max_abs_diff if report else None,
-                bit_exact=report.bit_exact if report else None,
-                url=(result.push.commit_url or result.push.repo_url) if result.push else None,
-            )
-        except Exception as e:  # one variant's failure must not stop the others
-            row["error"] = _one_line(e)
+        if org:
+            push = push_folder(result.folder, row["repo_id"], private=private)
+            row["url"] = push.commit_url or push.repo_url
+        row["status"] = "ok"
+    except Exception as e:  # one release's failure must not stop the others
+        row["error"] = _one_line(e)
     row["seconds"] = round(time.perf_counter() - t0, 2)
-    row["peak_memory_mib"] = round(peak.mib, 1) if peak.mib is not None else None
-    row["peak_memory_scope"] = peak.scope
     return row
-
-
-def _fmt(value: Any, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "params":
-        return f"{value / 1e6:.1f}"
-    if kind == "diff":
-        return f"{value:.3g}"
-    if kind == "bool":
-        return "yes" if value else "no"
-    if kind == "float1":
-        return f"{value:.1f}"
-    return str(value)
 
 
 def format_markdown(rows: Sequence[dict[str, Any]], title: str = "Release") -> str:
     """The summary as a markdown table, failures listed below it."""
     push = any(r.get("repo_id") for r in rows)
-    head = [
-        "release",
-        "params (M)",
-        "source sha256",
-        "max abs diff",
-        "bit-exact",
-        "seconds",
-        "peak memory (MiB)",
-        "status",
-    ]
-    if push:
-        head.append("Hub")
-    lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = ["release", "params (M)", "source sha256", "max abs diff", "bit-exact", "seconds", "status"]
+    lines = [f"# {title}", "", "| " + " | ".join(head + ["Hub"] * push) + " |", "|" + "---|" * (len(head) + push)]
     for r in rows:
         cells = [
-            f"`{r['variant']}.{r['tag']}`" if r.get("tag") else f"`{r['variant']}`",
-            _fmt(r["params"], "params"),
+            f"`{r['variant']}.{r['tag']}`",
+            "-" if r["params"] is None else f"{r['params'] / 1e6:.1f}",
             f"`{r['source_sha256']}`" if r["source_sha256"] else "-",
-            _fmt(r["max_abs_diff"], "diff"),
-            _fmt(r["bit_exact"], "bool"),
-            _fmt(r["seconds"], "float1"),
-            _fmt(r["peak_memory_mib"], "float1"),
+            "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}",
+            "-" if r["bit_exact"] is None else "yes" if r["bit_exact"] else "no",
+            f"{r['seconds']:.1f}",
             r["status"],
         ]
-        if push:
-            cells.append(f"[{r['repo_id']}]({r['url']})" if r.get("url") else "-")
+        cells += [f"[{r['repo_id']}]({r['url']})" if r.get("url") else "-"] * push
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
-        lines += ["", "## Failures", ""]
-        lines += [f"- `{r['variant']}`: {r['error']}" for r in failed]
-    if any(r.get("peak_memory_scope") == "process" for r in rows):
-        lines += ["", "Peak memory is the process peak so far (this system cannot reset it per variant)."]
+        lines += ["", "## Failures", "", *(f"- `{r['variant']}`: {r['error']}" for r in failed)]
     return "\n".join(lines) + "\n"
 
 
@@ -416,104 +317,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cached(rel: Release) -> bool:
-    """Whether the official file is in the download cache already."""
-    if rel.source.startswith("hf-hub:"):
-        from huggingface_hub import try_to_load_from_cache
-
-        repo, _, filename = rel.source[len("hf-hub:") :].rpartition("/")
-        return isinstance(try_to_load_from_cache(repo, filename), str)
-    from timm_layerscale.files.sources import cached_url_path
-
-    return cached_url_path(rel.source).is_file()
-
-
-def _preflight(releases: Sequence[Release], sources: Path | None, org: str | None) -> None:
-    """Check, before converting anything, what would make every variant fail: no network, no token.
-
-    Raises:
-        HubError: The official files must be downloaded (or the folders uploaded)
-            and the network is off (``HF_HUB_OFFLINE``, or names do not resolve),
-            or ``org`` is given and no Hub token is set.
-    """
-    from timm_layerscale.files.sources import check_online, hub_endpoint
-    from timm_layerscale.hub.upload import require_token
-
-    missing = [r for r in releases if sources is None and not _cached(r)]
-    for rel in missing[:1]:
-        where = hub_endpoint() if rel.source.startswith("hf-hub:") else rel.source
-        check_online(where, f"downloading {len(missing)} official file(s) such as {rel.file}")
-    if org:
-        check_online(hub_endpoint(), f"uploading to {org}")
-        require_token()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the pipeline; return 0 when every variant succeeded, 1 when any failed, 2 on bad input.
+    """Run the pipeline; return 0 when every release succeeded, 1 when any failed, 2 on bad input,
+    130 when interrupted. Every error line starts with ``python -m convert: error:``."""
+    from timm_layerscale import progress
 
-    Every error line starts with ``python -m convert: error:``; 130 when interrupted, 143 when
-    terminated (the variant being written leaves nothing behind).
-    """
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(args_list)
     check_inputs(parser, args)
-
-    def error(message: str) -> int:
-        print(f"{parser.prog}: error: {message}", file=sys.stderr)
-        return 2
-
-    try:
-        return stoppable(lambda: _run(args, args_list, parser.prog, error), error)
-    except LayerScaleError as e:  # the output refused the summary (a full device)
-        return error(str(e))
-
-
-def _run(args: argparse.Namespace, args_list: list[str], prog: str, error: Any) -> int:
-    try:
-        releases = select(args.only, args.family)
-    except PipelineError as e:
-        return error(str(e))
-    if args.list:
-        write_out(format_table(releases))
-        return 0
-    try:
-        options = verify_options(args)
-    except LayerScaleError as e:
-        return error(str(e))
     sources = Path(args.sources) if args.sources else None
-    if sources is not None and not sources.is_dir():
-        return error(f"--sources {sources} is not a folder")
-    from timm_layerscale.errors import HubError
-
     try:
-        _preflight(releases, sources, args.org)
-    except HubError as e:
-        return error(str(e))
-    out = Path(args.out)
-    from timm_layerscale import progress
-
-    rows = []
-    bar = progress.bar(releases, desc="release", unit="model")
-    for rel in bar:
-        bar.set_postfix_str(rel.name)
-        row = run_release(
-            rel, out, sources=sources, org=args.org, private=args.private, overwrite=args.overwrite, options=options
-        )
-        rows.append(row)
-        done = "ok" if row["status"] == "ok" else f"FAILED: {row['error']}"
-        bar.write(f"{rel.name}: {done} ({row['seconds']:.1f} s)", file=sys.stderr)
-    bar.close()
-    md, js = write_summary(out, rows, args_list)
-    write_out(format_markdown(rows), end="")
-    write_out(f"summary written to {md} and {js}")
+        table = select(args.only, args.family)
+        if args.list:
+            write_out(format_table(table))
+            return 0
+        options = verify_options(args)
+        if sources is not None and not sources.is_dir():
+            raise PipelineError(f"--sources {sources} is not a folder")
+        rows = []
+        with progress.bar(table, desc="release", unit="model") as bar:
+            for rel in bar:
+                bar.set_postfix_str(rel.name)
+                rows.append(
+                    run_release(
+                        rel,
+                        Path(args.out),
+                        sources=sources,
+                        org=args.org,
+                        private=args.private,
+                        overwrite=args.overwrite,
+                        options=options,
+                    )
+                )
+                done = "ok" if rows[-1]["status"] == "ok" else f"FAILED: {rows[-1]['error']}"
+                bar.write(f"{rel.name}: {done} ({rows[-1]['seconds']:.1f} s)", file=sys.stderr)
+        md, js = write_summary(Path(args.out), rows, args_list)
+        write_out(format_markdown(rows), end="")
+        write_out(f"summary written to {md} and {js}")
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of the output left
+        return 141
+    except (LayerScaleError, PipelineError) as e:  # bad options, or the output refused the summary
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
-        print(f"{prog}: error: {len(failed)} of {len(rows)} release(s) failed:", file=sys.stderr)
+        print(f"{parser.prog}: error: {len(failed)} of {len(rows)} release(s) failed:", file=sys.stderr)
         for r in failed:
             print(f"  {r['variant']}.{r['tag']}: {r['error']}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

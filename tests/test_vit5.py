@@ -18,14 +18,13 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import timm_layerscale  # noqa: F401  (registers the models)
-from helpers import DEVICES, TORCH_VERSION, assert_traces_and_scripts, create_model
+from helpers import DEVICES, TORCH_VERSION, assert_traces_and_scripts, create_model, detected
 from timm_layerscale.conversion import keys as remap
-from timm_layerscale.conversion.detect import detect_variant, get_variant
 from timm_layerscale.errors import RemapError
-from timm_layerscale.families import official_rope_buffers, rope_buffers
+from timm_layerscale.families import get_variant, official_rope_buffers, rope_buffers
 from timm_layerscale.models import vit5
 from timm_layerscale.parity import vit5_official
-from timm_layerscale.parity.references import build_reference, reference_name, reference_state_dict
+from timm_layerscale.parity.references import build_reference, reference_name
 
 NAMES = list(vit5.VARIANTS)
 RELEASED = [n for n in NAMES if "xlarge" not in n]
@@ -248,14 +247,10 @@ def test_package_matches_reference_module_within_tolerance(img: int) -> None:
 
 def test_reference_interface_loads_official_and_converted_weights() -> None:
     sd = official_state_dict(384, 12, 6, grid=14, seed=5)
-    ref = build_reference("vit5_small_patch16_224")
-    ref.load_state_dict(reference_state_dict("vit5_small_patch16_224", {"model": sd}), strict=True)
-    converted = remap.to_layerscale(sd, "vit5")
-    again = reference_state_dict("vit5_small_patch16_224", converted)
-    assert again.keys() == sd.keys()
-    assert all(torch.equal(again[k], sd[k]) for k in sd)
-    loaded = build_reference(get_variant("vit5_small_patch16_224"), sd)
-    assert reference_name("vit5_small_patch16_224") == "vit5_official/vit5_small_patch16_224" and not loaded.training
+    loaded = build_reference("vit5_small_patch16_224", remap.to_layerscale(sd, "vit5"))
+    assert loaded.state_dict().keys() == sd.keys() and not loaded.training
+    assert all(torch.equal(loaded.state_dict()[k], sd[k]) for k in sd)
+    assert reference_name(get_variant("vit5_small_patch16_224")) == "vit5_official/vit5_small_patch16_224"
 
 
 # --- rotary tables ----------------------------------------------------------------------------
@@ -335,16 +330,13 @@ def test_layout_matches_official_reference_on_meta(name: str) -> None:
     official = ref.state_dict()
     converted = remap.to_layerscale(official, "vit5")
     remap.check_state_dict(converted, model.state_dict(), name)
-    variant, _ = detect_variant(official)
-    assert variant.name == name
+    assert detected(official).variant.name == name
 
 
 def test_detect_variant_on_official_base_384() -> None:
     with torch.device("meta"):
         sd = vit5_official.build_official_vit5(vit5.VARIANTS["vit5_base_patch16_384"]).state_dict()
-    variant, info = detect_variant({"model": sd})
-    assert variant.name == "vit5_base_patch16_384" and variant.family == "vit5"
-    assert info["registers"] == 4 and info["grid"] == 24
+    assert detected({"model": sd}).variant.name == "vit5_base_patch16_384"
 
 
 # --- pretrained loading -----------------------------------------------------------------------

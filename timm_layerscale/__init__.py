@@ -22,7 +22,7 @@ __all__ = [
     "ConversionResult",
     "convert_checkpoint",
     "verify_checkpoint",
-    "load_source",
+    "read_source",
     "LayerScale",
     "LayerScaleError",
     "cait_init_value",
@@ -46,7 +46,7 @@ _LAZY = {
     "ConversionResult": ".converter",
     "convert_checkpoint": ".converter",
     "verify_checkpoint": ".converter",
-    "load_source": ".converter",
+    "read_source": ".converter",
 }
 
 

@@ -32,7 +32,7 @@ def model_catalog(flops: bool = False) -> list[dict[str, Any]]:
     import timm
     import torch
 
-    from .conversion.detect import get_variant
+    from .families import get_variant
 
     rows = []
     for name in registered_models():

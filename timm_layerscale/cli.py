@@ -1,56 +1,36 @@
-"""Command line: ``timm-layerscale`` (also ``python -m timm_layerscale``).
+"""The command line, ``timm-layerscale`` (also ``python -m timm_layerscale``): each subcommand calls one
+library function and prints its result (``--json`` for JSON). Nothing heavy is imported before a
+subcommand runs, so ``--help`` and argument errors are instant.
 
-A thin argparse front end: each subcommand parses its arguments and calls one
-library function. Nothing heavy is imported until a subcommand runs, so ``--help``
-and argument errors are instant. Every error is one line on stderr starting with
-``timm-layerscale: error:``; ``--debug`` shows the traceback. Exit status, for
-every command:
-
-====  ==========================================================================
-0     success
-1     verification failed: the converted model does not match its reference
-2     user error: bad arguments, unreadable or unsuitable input, existing output,
-      network or Hub failure (the message says what to do)
-3     internal error: a bug; rerun with ``--debug`` and report the traceback
-130   interrupted (Ctrl-C)
-141   the reader of the output left before it was written (``| head``); nothing is said
-143   terminated (SIGTERM: ``kill``, ``timeout``, a batch scheduler's time limit)
-====  ==========================================================================
-
-Interrupted or terminated, a command removes its temporaries and partial outputs on
-the way out.
+Exit status: 0 success; 1 verification failed; 2 user error (bad arguments or input, an existing
+output, a network or Hub failure); 3 internal error; 130 interrupted; 141 the reader of the output
+left (``| head``), said quietly. Every error is one line starting with ``timm-layerscale: error:``.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
+import math
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ._version import __version__
-from .commands import (
-    COMMANDS,
-    EXIT_INTERNAL_ERROR,
-    EXIT_USER_ERROR,
-    PROG,
-    cli_message,
-    error,
-    print_json,
-    stoppable,
-)
-from .options import OneLineParser, add_verify_args, check_inputs
+from .errors import COMMAND_LINE
+from .options import OneLineParser, add_verify_args, check_inputs, verify_options
 from .progress import write_out
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
+PROG = "timm-layerscale"
 EXAMPLES = """\
 exit status: 0 ok, 1 verification failed, 2 user error, 3 internal error.
 
 examples:
   timm-layerscale demo                                  # offline end-to-end run
   timm-layerscale convert S24_224.pth cait_s24_224_ls.safetensors
-  timm-layerscale convert https://dl.fbaipublicfiles.com/deit/XXS24_224.pth xxs24.safetensors
   timm-layerscale convert hf-hub:timm/cait_s24_224.fb_dist_in1k s24_ls.safetensors --dtype bf16
   timm-layerscale verify S24_224.pth cait_s24_224_ls.safetensors --images cat.jpg
   timm-layerscale export S24_224.pth hub/cait_s24_224_ls.fb_dist_in1k
@@ -64,97 +44,63 @@ class _Parser(OneLineParser):
     name = PROG
 
 
-def _add_common(p: argparse.ArgumentParser, top: bool = False, quiet: bool = True) -> None:
-    # Subcommands must not reset a --debug or --quiet given before them.
-    default = False if top else argparse.SUPPRESS
-    p.add_argument("--debug", action="store_true", default=default, help="show the full traceback on errors")
-    if quiet:
-        p.add_argument(
-            "-q",
-            "--quiet",
-            action="store_true",
-            default=default,
-            help="no progress bars (they are shown only when stderr is a terminal)",
-        )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (imports nothing heavy)."""
     parser = _Parser(
         prog=PROG,
-        description="LayerScale models for timm: convert checkpoints between the gamma_1/gamma_2 "
-        "and ls1.gamma layouts, verify output parity, export to the Hugging Face Hub.",
+        description="LayerScale models for timm: convert checkpoints between the gamma_1/gamma_2 and ls1.gamma "
+        "layouts, verify output parity, export to the Hugging Face Hub.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    parser.set_defaults(subcommands=sub.choices)  # for an error that names the subcommand's --help
 
-    def add(name: str, help: str, epilog: str = "", quiet: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(
-            name, help=help, description=help, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
-        )
-        _add_common(p, quiet=quiet)
+    def common(p: argparse.ArgumentParser, default: Any) -> None:  # a subcommand keeps what was given before it
+        p.add_argument("--debug", action="store_true", default=default, help="show the full traceback on errors")
+        p.add_argument("-q", "--quiet", action="store_true", default=default, help="no progress bars")
+
+    common(parser, False)
+
+    def add(name: str, help: str, *args: str, source: bool = False) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(parser=p)
+        common(p, argparse.SUPPRESS)
+        for arg in args:
+            p.add_argument(arg, metavar=arg.upper())
+        if source:
+            p.add_argument("--model", metavar="NAME", help="model name; overrides architecture detection")
+            p.add_argument("--ema", action="store_true", help="take the EMA weights of a training checkpoint")
+        if name not in ("demo",):
+            p.add_argument("--json", action="store_true", help="print the result as JSON")
         return p
 
-    def source_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", metavar="NAME", help="model name; overrides architecture detection")
-        p.add_argument(
-            "--ema",
-            action="store_true",
-            help="take the EMA weights of a training checkpoint ('model_ema', or timm's 'state_dict_ema')",
-        )
-
-    p = add(
-        "convert",
-        "convert a checkpoint between layouts and verify parity",
-        "SOURCE is a local file, an https:// URL or hf-hub:ORG/REPO[/FILE].\n"
-        "example: timm-layerscale convert XXS24_224.pth cait_xxs24_224_ls.safetensors",
-    )
-    p.add_argument("source", metavar="SOURCE")
-    p.add_argument("output", metavar="OUTPUT")
-    source_args(p)
+    p = add("convert", "convert a checkpoint between layouts and verify parity", "source", "output", source=True)
     p.add_argument(
-        "--to",
-        choices=("ls", "gamma"),
-        default="ls",
-        help="target layout (default: ls). gamma writes the official file: a .pth holding "
-        "{'model': {'module.' + key: tensor}} for CaiT, {'model': state_dict} for DeiT-III and ViT-5",
+        "--to", choices=("ls", "gamma"), default="ls", help="target layout (default ls; gamma: the official file)"
     )
     p.add_argument(
-        "--plain", action="store_true", help="with --to gamma: write the bare state dict, without the official wrapper"
+        "--plain", action="store_true", help="with --to gamma: the bare state dict, without the official wrapper"
     )
-    p.add_argument(
-        "--format",
-        dest="fmt",
-        choices=("safetensors", "pth"),
-        help="output format (default: from OUTPUT's suffix: .safetensors, or .pth .pt .bin .ckpt)",
-    )
+    p.add_argument("--format", dest="fmt", choices=("safetensors", "pth"), help="default: from OUTPUT's suffix")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
     p.add_argument("--fold", action="store_true", help="fold LayerScale into the preceding Linear layers")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check")
     p.add_argument("--allow-nonfinite", action="store_true", help="convert even if tensors hold NaN/Inf")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_verify_args(p)
 
     p = add(
         "verify",
-        "compare the reference model on SOURCE with the model loaded from CONVERTED",
-        "exit status: 0 parity holds, 1 it does not, 2 bad input.\n"
-        "example: timm-layerscale verify XXS24_224.pth cait_xxs24_224_ls.safetensors",
+        "compare the reference on SOURCE with the model loaded from CONVERTED",
+        "source",
+        "converted",
+        source=True,
     )
-    p.add_argument("source", metavar="SOURCE")
-    p.add_argument("converted", metavar="CONVERTED")
-    source_args(p)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_verify_args(p)
 
-    p = add("list", "list the registered models, their references and pretrained tags", quiet=False)
+    p = add("list", "list the registered models, their references and pretrained tags")
     p.add_argument("--flops", action="store_true", help="add multiply counts of one forward pass")
-    p.add_argument("--json", action="store_true", help="print as JSON")
 
     p = add("demo", "offline end to end: write an official-layout checkpoint, convert, verify, export, reload")
     p.add_argument("--out", default="demo-out", metavar="DIR", help="output folder (default: demo-out)")
@@ -163,133 +109,236 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(
         "export",
-        "convert, verify and write a Hub-ready folder (weights, config.json, model card)",
-        "example: timm-layerscale export S24_224.pth hub/cait_s24_224_ls.fb_dist_in1k --push-to-hub ORG/cait_s24_224_ls.fb_dist_in1k",
+        "convert, verify and write a Hub-ready folder (weights, config.json, card)",
+        "source",
+        "dir",
+        source=True,
     )
-    p.add_argument("source", metavar="SOURCE")
-    p.add_argument("dir", metavar="DIR")
-    source_args(p)
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--overwrite", action="store_true", help="write into DIR although it holds files, removing them")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder after exporting it")
     p.add_argument(
-        "--repo-id",
-        metavar="ORG/NAME",
-        help="repo id shown in the model card's usage code (default: --push-to-hub, else ORG/<DIR name> "
-        "where that is a valid id, else ORG/NAME)",
+        "--repo-id", metavar="ORG/NAME", help="repo id in the card's usage code (default --push-to-hub or ORG/<DIR>)"
     )
     p.add_argument(
-        "--to",
-        choices=("ls", "gamma"),
-        default="ls",
-        help="ls (default): this package's architecture (cait_*_ls, vit5_*). gamma, for CaiT: timm's own "
-        "cait_* architecture and gamma_1 layout, which timm and transformers load without this package",
+        "--to", choices=("ls", "gamma"), default="ls", help="gamma, for CaiT: timm's own cait_* architecture"
     )
-    p.add_argument(
-        "--label-names",
-        metavar="FILE",
-        help="class names of a fine-tuned head: one per line (name<TAB>description allowed), a JSON list "
-        "or a JSON object from class index to name, as id2label (default: a source folder's or Hub "
-        "repository's, else timm's ImageNet names for 1000 classes, none otherwise)",
-    )
-    p.add_argument(
-        "--tag",
-        help="pretrained tag written into config.json (default: a source folder's or Hub repository's, "
-        "else the architecture's, e.g. fb_dist_in1k)",
-    )
+    p.add_argument("--label-names", metavar="FILE", help="class names of a fine-tuned head: one per line, or JSON")
+    p.add_argument("--tag", help="pretrained tag in config.json (default: the source's, else the architecture's)")
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
     p.add_argument("--commit-message", metavar="M", help="commit message of the upload")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_verify_args(p)
 
     p = add(
         "push",
-        "upload an exported folder to the Hugging Face Hub",
-        "the token comes from 'hf auth login' or HF_TOKEN and is never printed.\n"
-        "example: timm-layerscale push hub/cait_s24_224_ls.fb_dist_in1k ORG/cait_s24_224_ls.fb_dist_in1k --dry-run",
+        "upload an exported folder to the Hugging Face Hub (token from 'hf auth login' or HF_TOKEN)",
+        "dir",
+        "repo_id",
     )
-    p.add_argument("dir", metavar="DIR")
-    p.add_argument("repo_id", metavar="REPO_ID")
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--revision", metavar="R", help="branch to commit to")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
     p.add_argument("--commit-message", metavar="M", help="commit message")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; make no request")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    p = add("inspect", "show the LayerScale gates of a checkpoint, block by block")
-    p.add_argument("source", metavar="SOURCE")
-    source_args(p)
-    p.add_argument(
-        "--plot", metavar="FILE.png", help="draw the gate profile: .png, .svg, .pdf (needs timm-layerscale[plot])"
-    )
+    p = add("inspect", "show the LayerScale gates of a checkpoint, block by block", "source", source=True)
+    p.add_argument("--plot", metavar="FILE.png", help="draw the gate profile: .png, .svg, .pdf (needs matplotlib)")
     p.add_argument("--overwrite", action="store_true", help="replace the --plot file if it exists")
-    p.add_argument("--json", action="store_true", help="print as JSON")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
-    Exit status: 0 ok, 1 verification failed, 2 user error, 3 internal error
-    (130 when interrupted, 141 when the reader of the output has left, 143 when terminated).
-    Every error is one line on stderr starting with ``timm-layerscale: error:``.
-    """
+
+def print_json(obj: Any) -> None:
+    """``obj`` as standard JSON: NaN and infinities, which JSON has no numbers for, as ``null``."""
+    write_out(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
+
+
+def _show(a: argparse.Namespace, fields: dict[str, Any], text: str) -> int:
+    print_json({"ok": True, **fields}) if a.json else write_out(text)
+    return 0
+
+
+def cmd_convert(a: argparse.Namespace) -> int:
+    from .converter import convert_checkpoint
+
+    res = convert_checkpoint(
+        a.source, a.output, model=a.model, to=a.to, fmt=a.fmt, dtype=a.dtype, overwrite=a.overwrite, verify=a.verify,
+        allow_nonfinite=a.allow_nonfinite, ema=a.ema, fold=a.fold, plain=a.plain, options=verify_options(a),
+    )  # fmt: skip
+    fields = {
+        "output": str(res.output),
+        "model": res.variant.name,
+        "family": res.variant.family,
+        "source_sha256": res.source_sha256,
+        "source_layout": res.source_layout,
+        "target_layout": res.target_layout,
+        "container": res.container,
+        "seconds": round(res.seconds, 3),
+        "metadata": res.metadata,
+        "report": res.report.to_dict() if res.report else None,
+    }
+    target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
+    target += ", LayerScale folded into the weights" if a.fold else ""
+    text = f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s"
+    return _show(a, fields, text + (f"\n{res.report.format_table()}" if res.report else ""))
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from .converter import verify_checkpoint
+
+    rep = verify_checkpoint(a.source, a.converted, model=a.model, ema=a.ema, options=verify_options(a))
+    print_json({"ok": rep.passed, **rep.to_dict()}) if a.json else write_out(rep.format_table())
+    return 0 if rep.passed else 1
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    from .catalog import format_catalog, model_catalog
+
+    rows = model_catalog(flops=a.flops)
+    print_json(rows) if a.json else write_out(format_catalog(rows, flops=a.flops))
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    if run_demo(a.out, overwrite=a.overwrite, options=verify_options(a)):
+        return 0
+    _error("the demo's parity check failed; see the report above")
+    return 1
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from .hub.export import export_folder
+
+    res = export_folder(
+        a.source, a.dir, model=a.model, overwrite=a.overwrite, ema=a.ema, options=verify_options(a),
+        push_to_hub=a.push_to_hub, private=a.private, commit_message=a.commit_message, repo_id=a.repo_id,
+        to=a.to, label_names=a.label_names, tag=a.tag,
+    )  # fmt: skip
+    return _show(a, res.to_dict(), res.summary())
+
+
+def cmd_push(a: argparse.Namespace) -> int:
+    from .hub.upload import push_folder
+
+    res = push_folder(
+        a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
+        commit_message=a.commit_message, dry_run=a.dry_run,
+    )  # fmt: skip
+    return _show(a, res.to_dict(), res.summary())
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .files.atomic import output_path
+    from .files.sources import public_source
+    from .inspection import format_gate_table, gate_profile, plot_format, plot_gates
+
+    if a.plot:  # before any output or download
+        plot_format(a.plot)
+        output_path(a.plot, a.overwrite)
+    profile = gate_profile(a.source, model=a.model, ema=a.ema)
+    print_json(profile) if a.json else write_out(format_gate_table(profile))
+    if a.plot:
+        name = Path(public_source(a.source)).name  # a URL's query can hold credentials
+        plot_gates(profile, a.plot, title=f"{name}: LayerScale gates", overwrite=a.overwrite)
+        if not a.json:
+            write_out(f"plot written to {a.plot}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "convert": cmd_convert,
+    "verify": cmd_verify,
+    "list": cmd_list,
+    "demo": cmd_demo,
+    "export": cmd_export,
+    "push": cmd_push,
+    "inspect": cmd_inspect,
+}
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
-        sys.stdout.reconfigure(errors="backslashreplace")  # a name in bytes of no encoding: shown as stderr shows it
+        sys.stdout.reconfigure(errors="backslashreplace")  # a name in bytes of no encoding, as stderr shows it
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
-    except SystemExit as e:  # after --help or --version, whose text may still wait in stdout's buffer
-        code = int(e.code or 0)
+        args = parser.parse_args(argv)
+    except SystemExit:  # after --help or --version, whose text may still wait in stdout's buffer
+        from .errors import LayerScaleError
 
-        def flushed() -> int:
+        try:
             write_out("", end="")
-            return code
-
-        raise SystemExit(_run(flushed, debug=False)) from None
-    if extra:  # said by the subcommand's parser, so the advice is its --help
-        args.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        except BrokenPipeError:
+            return 141
+        except LayerScaleError as e:  # a full device
+            _error(str(e))
+            return 2
+        raise
     if not args.command:
         parser.print_help(sys.stderr)
-        return EXIT_USER_ERROR
+        return 2
     if hasattr(args, "num_inputs"):
-        check_inputs(args.subcommands[args.command], args)
+        check_inputs(args.parser, args)
     if getattr(args, "quiet", False):
         from .progress import disable_progress_bars
 
         disable_progress_bars()
-    return _run(lambda: COMMANDS[args.command](args), args.debug, getattr(args, "json", False))
-
-
-def _run(command: Callable[[], int], debug: bool, as_json: bool = False) -> int:
-    """``command()``'s exit status, or that of the error it raised, said in one line (raised with
-    ``debug``); with ``as_json``, also as ``{"ok": false, "error": ...}`` on stdout, as a failed check is."""
+    as_json = getattr(args, "json", False)
 
     def say(message: str) -> None:
         if as_json:
             print_json({"ok": False, "error": " ".join(message.split())})
-        error(message)
+        _error(message)
 
+    token = COMMAND_LINE.set(True)
     try:
-        return stoppable(command, say)
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    except BrokenPipeError:  # the reader left: end quietly, as Unix tools do
+        return 141
     except Exception as e:
-        from .errors import LayerScaleError
+        from .errors import LayerScaleError, ParityError
 
-        if debug:
+        if args.debug:
             raise
+        if isinstance(e, ParityError):  # its report on stdout, as a passing check's
+            one = " ".join(str(e).split())
+            print_json({"ok": False, "error": one, "report": e.report.to_dict()}) if as_json else write_out(
+                e.report.format_table()
+            )
+            _error(one)
+            return 1
         if isinstance(e, LayerScaleError):
-            say(cli_message(str(e)))
-            return getattr(e, "exit_code", EXIT_USER_ERROR)
-        if isinstance(e, OSError) and e.filename is not None:
-            # The file system refused a path the user chose (permissions, a full disk, /proc).
+            say(str(e))
+            return e.exit_code
+        if isinstance(e, OSError) and e.filename is not None:  # the file system refused a path the user chose
             say(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
-            return EXIT_USER_ERROR
+            return 2
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
-            # Python's, a CUDA device's (torch.OutOfMemoryError) or torch's CPU allocator's
             say("out of memory; free memory, or verify with a smaller --batch-size or --num-inputs")
-            return EXIT_USER_ERROR
+            return 2
         say(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
-        return EXIT_INTERNAL_ERROR
+        return 3
+    finally:
+        COMMAND_LINE.reset(token)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,39 @@
-"""Exceptions for user-facing failures.
+"""Errors a user can cause: each is one line saying what is wrong and what to do.
 
-Every error a user can cause (a bad file, a wrong model name, a failed upload)
-is a :class:`LayerScaleError` whose message is one line saying what is wrong and
-what to do. The command line prints that line and exits with the error's
-:attr:`~LayerScaleError.exit_code`; ``--debug`` shows the traceback.
+The command line prints that line and exits with the error's ``exit_code``; ``--debug`` shows the
+traceback. Advice names an option as the caller passes it (:func:`option`).
 """
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 __all__ = [
-    "LayerScaleError",
-    "CheckpointError",
-    "RemapError",
     "ArchitectureError",
-    "OutputExistsError",
+    "CheckpointError",
     "HubError",
+    "LayerScaleError",
+    "OutputExistsError",
     "ParityError",
+    "RemapError",
+    "option",
 ]
+
+#: Set by the command line while it runs a command.
+COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("timm_layerscale_command_line", default=False)
+
+
+def option(name: str, value: Any = True) -> str:
+    """An option as the caller writes it: ``--name value`` on the command line, ``name=value`` in Python."""
+    if not COMMAND_LINE.get():
+        return f"{name}={value!r}"
+    flag = "--" + {"fmt": "format"}.get(name, name).replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
 
 
 class LayerScaleError(Exception):
-    """Base class of the errors a user can cause; the message is one line.
-
-    Advice in the message is written for Python callers (``pass overwrite=True``);
-    the command line says it as options (``pass --overwrite``).
-
-    Attributes:
-        exit_code: The command line's exit status for this error: 2, a user error
-            (a failed verification is 1).
-    """
+    """Base class of the errors a user can cause (exit status 2 on the command line)."""
 
     exit_code = 2
 
@@ -48,7 +51,7 @@ class ArchitectureError(LayerScaleError):
 
 
 class OutputExistsError(LayerScaleError):
-    """The output path exists and ``--overwrite`` was not given."""
+    """The output exists and overwriting was not asked for."""
 
 
 class HubError(LayerScaleError):
@@ -56,7 +59,7 @@ class HubError(LayerScaleError):
 
 
 class ParityError(LayerScaleError):
-    """The converted model's outputs (or weights) do not match the reference's (exit code 1).
+    """The converted model's outputs or weights do not match the reference's (exit status 1).
 
     Attributes:
         report: The :class:`~timm_layerscale.parity.compare.ParityReport` that failed.

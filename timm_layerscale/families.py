@@ -42,6 +42,7 @@ __all__ = [
     "VIT5_ROPE_THETA",
     "Variant",
     "VARIANTS",
+    "get_variant",
     "variants_of",
     "rope_buffers",
     "official_rope_buffers",
@@ -308,6 +309,25 @@ VARIANTS: tuple[Variant, ...] = (
     _deit3("large", 384, 1024, 24, 16),
     _deit3("huge", 224, 1280, 32, 16, patch=14),
 )
+
+
+def get_variant(name: str) -> Variant:
+    """The variant called ``name`` (a pretrained tag after ``.`` is ignored).
+
+    Raises:
+        ArchitectureError: No convertible model has that name; the message lists close names.
+    """
+    import difflib
+
+    from .errors import ArchitectureError
+
+    base = name.split(".", 1)[0]
+    for v in VARIANTS:
+        if v.name == base:
+            return v
+    close = difflib.get_close_matches(base, [v.name for v in VARIANTS], n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else "run 'timm-layerscale list' to see them"
+    raise ArchitectureError(f"unknown model {name!r}; {hint}")
 
 
 def variants_of(family: str) -> dict[str, Variant]:

@@ -54,20 +54,6 @@ def gate_stats(gamma: Any) -> dict[str, float]:
     return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
 
 
-def _load_state_dict(source: str | os.PathLike[str], ema: bool) -> Mapping[str, Any]:
-    from .conversion.keys import unwrap_state_dict
-    from .files.read import check_checksums, load_checkpoint
-    from .files.sources import resolve_source
-
-    path = resolve_source(source)
-    checkpoint = load_checkpoint(path)
-    check_checksums(path)
-    try:
-        return unwrap_state_dict(checkpoint, "model_ema" if ema else None)
-    except LayerScaleError as e:
-        raise LayerScaleError(f"{path}: {e}") from None
-
-
 def _gate(key: str) -> tuple[str, str, str] | None:
     """``(block, "ls1" or "ls2", layout)`` of a LayerScale key in either layout; ``None`` for other keys."""
     m = GATE_KEY.fullmatch(key)
@@ -117,19 +103,16 @@ def gate_profile(
         LayerScaleError: The checkpoint cannot be read, holds no LayerScale
             gates, or its gates do not fit ``model`` (missing, extra or of another width).
     """
-    from .conversion.keys import strip_prefixes, unwrap_state_dict
+    from .conversion.keys import state_dict_of
+    from .files.read import read_state_dict
 
-    if isinstance(source, Mapping):
-        tensors = unwrap_state_dict(source, "model_ema" if ema else None)
-    else:
-        tensors = _load_state_dict(source, ema)
-    names = strip_prefixes({k: k for k in tensors})  # prefix-free name -> key in ``tensors``
-    gates: dict[str, dict[str, str]] = {}  # block -> {"ls1": key in ``tensors``, "ls2": ...}
+    tensors = state_dict_of(source, ema) if isinstance(source, Mapping) else read_state_dict(source, ema)[1]
+    gates: dict[str, dict[str, str]] = {}  # block -> {"ls1": key, "ls2": key}
     layouts: set[str] = set()
-    for name, original in names.items():
+    for name in tensors:
         if (gate := _gate(name)) is not None:
             block, which, layout = gate
-            gates.setdefault(block, {})[which] = original
+            gates.setdefault(block, {})[which] = name
             layouts.add(layout)
     if not gates:
         from .files.sources import public_source
@@ -176,8 +159,8 @@ def _check_model(have: Mapping[tuple[str, str], int], model: str) -> None:
     import timm
     import torch
 
-    from .conversion.detect import get_variant
     from .errors import ArchitectureError
+    from .families import get_variant
 
     try:
         name = get_variant(model).name
@@ -338,7 +321,7 @@ def plot_gates(
         LayerScaleError: ``rows`` is empty, matplotlib writes no format of that suffix,
             or the file cannot be written.
     """
-    from .files.atomic import atomic_output, no_follow
+    from .files.atomic import atomic_output
 
     fmt = plot_format(path)
     from matplotlib.artist import Artist
@@ -396,6 +379,6 @@ def plot_gates(
     ax.grid(True, which="major", alpha=0.3)
     order = handles[1:] + handles[:1] if ca else handles  # one column per gate (mean, range), then CA
     fig.legend(handles=order, loc="outside lower center", ncol=3, fontsize=9, frameon=False)
-    with atomic_output(out, overwrite) as tmp, open(tmp, "r+b", opener=no_follow) as f:
+    with atomic_output(out, overwrite) as tmp, open(tmp, "xb") as f:
         fig.savefig(f, format=fmt)
     return out

@@ -1,11 +1,5 @@
-"""What the commands show: progress bars for long work (writing a checkpoint, verification's
-forward passes), tqdm's on stderr, and output lines on stdout (:func:`write_out`).
-
-A bar is drawn only when stderr is a terminal and the work lasts longer than
-half a second (``DELAY``), so short runs, pipes, logs and CI stay clean.
-:func:`disable_progress_bars` (the command line's ``--quiet``) turns them off, together with
-huggingface_hub's download bars and torch.hub's.
-"""
+"""What the commands show: tqdm progress bars on stderr, drawn only on a terminal and for work of more
+than half a second, and output lines on stdout (:func:`write_out`)."""
 
 from __future__ import annotations
 
@@ -17,20 +11,18 @@ from .errors import LayerScaleError
 
 __all__ = ["bar", "disable_progress_bars", "enabled", "write_out"]
 
-#: Seconds of work before a bar appears.
+#: Seconds of work before a bar is drawn.
 DELAY = 0.5
-
 _disabled = False
 
 
-def disable_progress_bars(disable: bool = True) -> None:
-    """Turn every progress bar off (this package's, huggingface_hub's and torch.hub's), or on again."""
+def disable_progress_bars() -> None:
+    """Turn every progress bar off: this package's, huggingface_hub's and torch.hub's."""
     global _disabled
-    _disabled = disable
-    from huggingface_hub.utils import disable_progress_bars as off
-    from huggingface_hub.utils import enable_progress_bars as on
+    _disabled = True
+    from huggingface_hub.utils import disable_progress_bars as hub_off
 
-    (off if disable else on)()
+    hub_off()
 
 
 def enabled() -> bool:
@@ -42,23 +34,20 @@ def enabled() -> bool:
 
 
 def bar(iterable: Any = None, **options: Any) -> Any:
-    """A ``tqdm`` bar on stderr, silent unless :func:`enabled`; ``options`` are tqdm's (``total``, ``desc``, ``unit``)."""
+    """A ``tqdm`` bar on stderr, silent unless :func:`enabled`; ``options`` are tqdm's."""
     from tqdm import tqdm
 
-    settings: dict[str, Any] = {"leave": False, "delay": DELAY, "disable": not enabled(), "file": sys.stderr}
     if options.get("unit") == "B":
-        settings.update(unit_scale=True, unit_divisor=1024)
-    return tqdm(iterable, dynamic_ncols=True, **settings, **options)
+        options.update(unit_scale=True, unit_divisor=1024)
+    return tqdm(
+        iterable, leave=False, delay=DELAY, disable=not enabled(), file=sys.stderr, dynamic_ncols=True, **options
+    )
 
 
 def write_out(text: str, end: str = "\n") -> None:
-    """Print ``text`` (and ``end``) on standard output at once, with what waits in its buffer.
-
-    If the output refuses it (its reader has left, as ``| head`` may, or its device is
-    full), standard output is pointed at the null device, so that Python's exit does not
-    fail on it again, and :class:`BrokenPipeError` or a one-line
-    :class:`~timm_layerscale.errors.LayerScaleError` is raised.
-    """
+    """Print ``text`` on standard output at once. If the output refuses it (its reader left, as ``| head``
+    does, or its device is full), standard output is pointed at the null device, so that Python's exit
+    does not fail on it again, and :class:`BrokenPipeError` or a one-line error is raised."""
     try:
         print(text, end=end, flush=True)
     except OSError as e:

@@ -1,8 +1,1 @@
-"""The file edge: reading checkpoints, resolving sources, writing files atomically.
-
-- :mod:`.sources`: a file, folder, ``https://`` URL or ``hf-hub:`` id made a local file (downloads cached);
-- :mod:`.read`: loading checkpoints without running their code, hashes, the NaN/Inf check;
-- :mod:`.save`: streaming safetensors and ``torch.save`` writers;
-- :mod:`.atomic`: temporaries, publishing them, and cleaning up after killed writers;
-- :mod:`.hub_errors`: huggingface_hub's exceptions as one-line messages.
-"""
+"""The file edge: sources (:mod:`.sources`), reading (:mod:`.read`), writing (:mod:`.save`, :mod:`.atomic`)."""

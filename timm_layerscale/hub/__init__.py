@@ -1,14 +1,5 @@
-"""Publishing: export folders, model cards and their config, uploads to the Hugging Face Hub.
-
-- :mod:`~timm_layerscale.hub.upload`: :func:`~timm_layerscale.hub.upload.push_folder` and its plan;
-- :mod:`~timm_layerscale.hub.config`: ``config.json`` and class-name files;
-- :mod:`~timm_layerscale.hub.card`: the model card, rendered from a template;
-- :mod:`~timm_layerscale.hub.export`: :func:`~timm_layerscale.hub.export.export_folder`, the folder
-  ``timm.create_model("hf-hub:...")`` loads.
-
-Downloads and Hub errors are in :mod:`timm_layerscale.files.sources` and
-:mod:`timm_layerscale.files.hub_errors`.
-"""
+"""Publishing: export folders (:mod:`.export`), their ``config.json`` (:mod:`.config`) and model card
+(:mod:`.card`), and uploads to the Hugging Face Hub (:mod:`.upload`)."""
 
 from __future__ import annotations
 

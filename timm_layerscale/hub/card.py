@@ -1,14 +1,6 @@
-"""The model card of an exported folder.
-
-:func:`build_model_card` renders ``card_template.md`` (a Jinja template shipped next
-to this module) through ``huggingface_hub.ModelCard.from_template``: Hub metadata,
-model details, which package loads the folder, the layout, provenance, the parity
-table, a summary of the LayerScale gates, usage code for timm and transformers, and
-the citation. This module computes the values. The card calls the weights the
-official ones only when the source's SHA-256 matches a pinned official release
-(:data:`~timm_layerscale.families.OFFICIAL_SHA256`). Everything here is
-local: nothing is downloaded or sent.
-"""
+"""The model card of an exported folder, rendered from ``card_template.md`` through
+``huggingface_hub.ModelCard.from_template``. It calls the weights official only when the source's
+SHA-256 matches a pinned release (:data:`~timm_layerscale.families.OFFICIAL_SHA256`)."""
 
 from __future__ import annotations
 
@@ -17,25 +9,12 @@ from importlib import resources
 from typing import Any
 
 from .._version import __version__
-from ..errors import LayerScaleError
 from ..files.sources import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
 
-__all__ = [
-    "build_model_card",
-    "timm_hub_copy",
-    "is_official",
-    "CONFIG_NAME",
-    "CARD_NAME",
-    "PLOT_NAME",
-    "TEMPLATE_NAME",
-]
+__all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "timm_hub_copy"]
 
-#: The files of an exported folder beside ``CONFIG_NAME`` (``config.json``) and the weights.
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
-
-#: The model card's template (Jinja), a data file of this package.
-TEMPLATE_NAME = "card_template.md"
 
 #: The paper of each family, as BibTeX; a card cites its own family's paper only.
 BIBTEX = {
@@ -115,13 +94,6 @@ def _tag_classes(architecture: str, tag: str) -> int | None:
     return getattr(timm.models.get_pretrained_cfg(f"{architecture}.{tag}"), "num_classes", None)
 
 
-def is_official(source_name: str, sha256: str) -> bool:
-    """Whether the source is an official release: its file name has a pinned SHA-256 and the source matches it."""
-    from ..families import OFFICIAL_SHA256
-
-    return OFFICIAL_SHA256.get(source_name) == sha256
-
-
 def build_model_card(
     conversion: Any,
     *,
@@ -141,7 +113,6 @@ def build_model_card(
     ``base_model`` names timm's Hub copy of the reference's weights where timm has one.
     ``datasets`` are the tag's (``in1k``: ImageNet-1k), unless the head has other classes than the
     tag's weights (a fine-tune), which were not trained on them.
-    The metadata is read back with ``ModelCard(..., ignore_metadata_errors=False)``.
 
     Args:
         conversion: The :class:`~timm_layerscale.converter.ConversionResult`.
@@ -155,9 +126,6 @@ def build_model_card(
 
     Returns:
         A ``huggingface_hub.ModelCard``; ``str(card)`` is the README text.
-
-    Raises:
-        LayerScaleError: The rendered metadata does not read back as written (a bug).
     """
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -190,7 +158,9 @@ def build_model_card(
         source_file = _md_link(source_name, source)
     else:
         source_file = _md_code(source if source.startswith("hf-hub:") else source_name)
-    if is_official(source_name, sha):
+    from ..families import OFFICIAL_SHA256
+
+    if OFFICIAL_SHA256.get(source_name) == sha:
         weights = f"These are the official weights released with the paper (`{source_name}`, SHA-256 as pinned)"
     else:
         weights = f"The weights come from {_md_code(source_name)} (SHA-256 `{sha}`)"
@@ -209,7 +179,7 @@ def build_model_card(
     reference = report.reference if report is not None else variant.reference
     size = pcfg.get("input_size", (3, variant.img_size, variant.img_size))
     rows = _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS) if layout == "ls" else [_PREFIX_ROW]
-    template = resources.files(__package__).joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    template = resources.files(__package__).joinpath("card_template.md").read_text(encoding="utf-8")
     card = ModelCard.from_template(
         data,
         template_str=template,
@@ -248,22 +218,7 @@ def build_model_card(
         bibtex=BIBTEX.get(family),
         citation=_generic_citation(pcfg),
     )
-    _check_metadata(card, data)
     return card
-
-
-def _check_metadata(card: Any, data: Any) -> None:
-    """Read the card's metadata back strictly and compare it with what was meant."""
-    from huggingface_hub import ModelCard
-    from huggingface_hub.utils import validate_repo_id
-
-    written = ModelCard(str(card), ignore_metadata_errors=False).data.to_dict()
-    if written != data.to_dict():
-        raise LayerScaleError(
-            "the model card's metadata does not read back as written; this is a bug, please report it"
-        )
-    if data.base_model:
-        validate_repo_id(data.base_model)
 
 
 def _md_code(text: str) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..conversion.detect import timm_args
-from ..errors import CheckpointError
+from ..errors import CheckpointError, option
 from ..files.sources import source_config
 
 __all__ = ["write_config", "read_label_names", "read_folder_config", "pretrained_tags"]
@@ -131,7 +131,7 @@ def read_folder_config(source: str | os.PathLike[str]) -> tuple[Any, dict[str, s
     except (OSError, ValueError, AttributeError) as e:
         reason = getattr(e, "strerror", None) or e
         raise CheckpointError(
-            f"cannot read {path} ({reason}); fix it, or pass label_names='FILE' and pass tag='TAG'"
+            f"cannot read {path} ({reason}); fix it, or pass {option('label_names', 'FILE')} and {option('tag', 'TAG')}"
         ) from None
     names = config.get("label_names")
     if not names or names == [f"LABEL_{i}" for i in range(len(names))]:

@@ -1,51 +1,25 @@
-"""Hub-ready folders: convert, verify and write a folder that timm loads as it is.
-
-:func:`export_folder` converts and verifies a checkpoint and writes a folder that
-``timm.create_model("local-dir:DIR", pretrained=True)`` (and, once uploaded,
-``"hf-hub:ORG/NAME"``) loads as it is: ``model.safetensors``, timm's ``config.json``,
-a ``README.md`` model card (written by :mod:`~timm_layerscale.hub.config` and
-:mod:`~timm_layerscale.hub.card`) and, when matplotlib is installed, ``gates.png``. The
-same folder loads in transformers (``AutoModelForImageClassification``, ``AutoModel``,
-``pipeline("image-classification")``) through its ``TimmWrapper``.
-
-This module sends no request itself: a remote source is fetched through
-:func:`~timm_layerscale.files.sources.resolve_source` (by the converter) and ``push_to_hub``
-uploads through :func:`~timm_layerscale.hub.upload.push_folder`.
-"""
+"""Hub-ready folders: ``model.safetensors``, timm's ``config.json``, a ``README.md`` card and ``gates.png``,
+which ``timm.create_model("local-dir:DIR", pretrained=True)`` (``"hf-hub:ORG/NAME"`` once uploaded)
+and transformers' ``TimmWrapper`` load as they are."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import math
 import os
-import secrets
-import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..conversion.detect import model_args
-from ..errors import CheckpointError, HubError, LayerScaleError, OutputExistsError
-from ..files.atomic import check_output_folder, clear_folder, fills_in_place, hidden_prefix, keep_mode, temporary_folder
+from ..errors import CheckpointError, HubError, LayerScaleError, option
+from ..families import Variant
+from ..files.atomic import folder_output
 from ..files.hub_errors import one_line
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, published_path
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
 from .config import pretrained_tags, read_folder_config, read_label_names, write_config
 from .upload import PushResult, check_repo_id, push_folder
 
-__all__ = ["export_folder", "ExportResult"]
-
-
-def _count_params(weights: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    with safe_open(str(weights), framework="pt") as f:
-        for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
-            total += math.prod(f.get_slice(name).get_shape())
-    return total
+__all__ = ["ExportResult", "export_folder"]
 
 
 @dataclass
@@ -54,18 +28,15 @@ class ExportResult:
 
     Attributes:
         folder: The export folder.
-        files: Files in it, sorted.
+        files: Its files, sorted.
         conversion: The :class:`~timm_layerscale.converter.ConversionResult`.
-        repo_id: Hub id written into the card's usage code.
+        repo_id: The Hub id in the card's usage code.
         num_params: Parameters in the weights.
-        plot: The gate plot, or ``None``.
-        plot_note: Why there is no plot, when there is none.
+        architecture: The architecture ``config.json`` names.
+        push_command: The ``timm-layerscale push`` command that uploads the folder as asked.
+        plot: The gate plot, or ``None``; ``plot_note`` says why not.
         push: The upload, with ``push_to_hub``.
         gates: The :func:`~timm_layerscale.inspection.gate_profile` rows.
-        architecture: The architecture ``config.json`` names (``cait_s24_224_ls``, or
-            timm's ``cait_s24_224`` with ``to="gamma"``).
-        push_command: The ``timm-layerscale push`` command that uploads the folder as the export
-            was asked to (its repository, ``--private``, ``--commit-message``).
     """
 
     folder: Path
@@ -73,26 +44,21 @@ class ExportResult:
     conversion: Any
     repo_id: str
     num_params: int
+    architecture: str
+    push_command: str
     plot: Path | None = None
     plot_note: str | None = None
     push: PushResult | None = None
     gates: list[dict[str, Any]] = field(default_factory=list)
-    architecture: str = ""
-    push_command: str = ""
 
     def summary(self) -> str:
-        """Human-readable account for the command line."""
+        """What was written, for the command line."""
         c = self.conversion
         lines = [f"exported {c.source} as {c.variant.name} to {self.folder} in {c.seconds:.1f} s"]
         lines += [f"  {p.name}" for p in self.files]
-        if self.plot_note:
-            lines.append(f"note: {self.plot_note}")
-        if c.report is not None:
-            lines.append(c.report.format_table())
-        if self.push is not None:
-            lines.append(self.push.summary())
-        else:
-            lines.append(f"upload with: {self.push_command}")
+        lines += [f"note: {self.plot_note}"] if self.plot_note else []
+        lines += [c.report.format_table()] if c.report is not None else []
+        lines.append(self.push.summary() if self.push is not None else f"upload with: {self.push_command}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,133 +79,43 @@ class ExportResult:
         }
 
 
-def _check_reload(folder: Path, weights: Path) -> None:
-    """Load the folder as timm does and check that every weight matches the file."""
+def _check_reload(folder: Path, written: Mapping[str, Any]) -> None:
+    """Load the folder as timm does and check that every weight is the one written."""
     import timm
     import torch
-    from safetensors import safe_open
 
     try:
-        model = timm.create_model(f"local-dir:{folder}", pretrained=True)
+        state = timm.create_model(f"local-dir:{folder}", pretrained=True).state_dict()
     except Exception as e:
         raise LayerScaleError(
             f"timm cannot load the exported folder ({one_line(e, 120)}); this is a bug, please report it"
         ) from e
-    state = model.state_dict()
-    with safe_open(str(weights), framework="pt") as f:
-        names = set(f.keys())
-        if names != set(state):
-            raise LayerScaleError(
-                "the exported folder loads with other keys than it holds; this is a bug, please report it"
-            )
-        for name in names:
-            if not torch.equal(state[name], f.get_tensor(name)):
-                raise LayerScaleError(
-                    f"reloaded weight {name!r} differs from the file; this is a bug, please report it"
-                )
+    if state.keys() != written.keys() or not all(torch.equal(state[k], v) for k, v in written.items()):
+        raise LayerScaleError("the exported folder loads other weights than it holds; this is a bug, please report it")
 
 
-def _architecture(variant: Any, to: str) -> str:
+def _architecture(variant: Variant, to: str) -> str:
     """The architecture an export names: the package's model, or timm's own with ``to="gamma"``."""
     if to == "ls":
-        return str(variant.name)
+        return variant.name
     if variant.family == "deit3":
         raise CheckpointError(
-            f"a DeiT-III folder already uses timm's own {variant.name} architecture and layout; leave out to='gamma'"
+            f"a DeiT-III folder already uses timm's own {variant.name} architecture and layout; leave out {option('to', 'gamma')}"
         )
     if variant.reference is None:
         raise CheckpointError(
-            f"timm has no architecture for {variant.name} to load the gamma layout; leave out to='gamma'"
+            f"timm has no architecture for {variant.name} to load the gamma layout; leave out {option('to', 'gamma')}"
         )
-    return str(variant.reference)
+    return variant.reference
 
 
-def _placeholder_repo_id(folder_name: str) -> str:
+def _placeholder_repo_id(name: str) -> str:
     """``ORG/<folder name>`` for the card's usage code, or ``ORG/NAME`` where that is no Hub id."""
     try:
-        check_repo_id(f"ORG/{folder_name}")
+        check_repo_id(f"ORG/{name}")
     except HubError:
         return "ORG/NAME"
-    return f"ORG/{folder_name}"
-
-
-def _deletes_source(source: Path, out: Path) -> bool:
-    """Whether replacing the folder ``out`` deletes the local ``source``: a file inside it other
-    than the weights the export writes again (re-exporting a folder onto itself is allowed)."""
-    if not (source.exists() and out.is_dir()):
-        return False
-    source, folder = source.resolve(), out.resolve()
-    rewritten = source == folder or (source.parent == folder and source.name in FOLDER_WEIGHTS)
-    return source.is_relative_to(folder) and not rewritten
-
-
-def _make_temporary(out: Path) -> tuple[Path, list[Path]]:
-    """Create the missing parents of the export folder ``out``, then the temporary folder next to it
-    (inside it where it is a mount point or its parent is not writable: :func:`~timm_layerscale.files.atomic.fills_in_place`).
-
-    Returns:
-        The temporary folder, and the parent folders created, deepest first (removed again
-        if the export fails).
-    """
-    created = []
-    parent = out.absolute().parent
-    while not parent.exists():
-        created.append(parent)
-        parent = parent.parent
-    try:
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create {out.parent} ({e.strerror or e}); choose another folder") from None
-        return temporary_folder(out / out.name if fills_in_place(out) else out), created
-    except BaseException:
-        _remove_empty(created)
-        raise
-
-
-def _remove_empty(folders: Sequence[Path]) -> None:
-    """Remove folders this export created, deepest first, while they are empty."""
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-
-
-def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Move the finished folder ``tmp`` onto ``out``. Without ``overwrite`` it only takes the place
-    of a missing or empty folder (the rename fails on one holding files, which another writer may
-    have made since the export began), so of two exports racing to one folder, one wins. Where
-    ``tmp`` lies inside ``out`` (:func:`~timm_layerscale.files.atomic.fills_in_place`), its files are moved
-    into ``out`` instead, after ``overwrite`` removed what else ``out`` held. A replaced ``out``'s
-    permissions are kept."""
-    taken = OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
-    if tmp.parent == out:
-        if not overwrite and any(p != tmp for p in out.iterdir()):
-            raise taken
-        clear_folder(out, keep=tmp)
-        for p in tmp.iterdir():
-            os.replace(p, out / p.name)
-        tmp.rmdir()
-        return
-    keep_mode(tmp, out)
-    old = None
-    if overwrite and out.exists():
-        old = out.parent / f"{hidden_prefix(out)}.old-{secrets.token_hex(4)}"
-        os.replace(out, old)
-    elif not overwrite:
-        with contextlib.suppress(OSError):  # an empty folder (a rename cannot replace one on Windows)
-            out.rmdir()
-    try:
-        os.rename(tmp, out)
-    except BaseException as e:
-        if old is not None:
-            os.replace(old, out)
-        if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise taken from None
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    return f"ORG/{name}"
 
 
 def export_folder(
@@ -260,63 +136,43 @@ def export_folder(
     label_names: Sequence[str] | str | os.PathLike[str] | None = None,
     tag: str | None = None,
 ) -> ExportResult:
-    """Convert, verify and write a folder that timm loads as it is, and optionally upload it.
+    """Convert and verify a checkpoint into a folder that timm and transformers load, and optionally upload it.
 
-    The folder holds ``model.safetensors`` (LayerScale-module layout, safetensors
-    metadata ``format=pt`` plus the converter's provenance fields), ``config.json``
-    (timm's format, written by timm's ``save_config_for_hf``, ``model_args`` only where
-    the architecture's defaults differ, so transformers loads it too), ``README.md`` (the
-    model card) and, when matplotlib is installed, ``gates.png``. It is built in a
-    temporary folder next to ``out_dir``, loaded back with
-    ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for
-    weight, and only then moved into place: a failed export leaves nothing behind,
-    not even the parent folders it created.
+    The files are built in a hidden folder inside ``out_dir``, loaded back with
+    ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for weight, and only
+    then moved into ``out_dir``: a failed export leaves what was there.
 
     Args:
-        source: Checkpoint file, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
-        out_dir: The folder to write (parents are created).
-        model: Model name overriding architecture detection.
-        overwrite: Replace ``out_dir`` if it exists and is not empty.
-        push_to_hub: Upload the folder to this ``ORG/NAME`` after writing it.
-        ema: Take the ``'model_ema'`` weights of a training checkpoint.
-        options: Verification options (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`).
+        source: Checkpoint file or folder, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
+        out_dir: The folder to write (made if missing).
+        model: Model name overriding detection.
+        overwrite: Write into a folder that is not empty, removing its other files.
+        push_to_hub: Upload the folder to this ``ORG/NAME`` once written.
+        ema: Take the ``'model_ema'`` weights.
+        options: :class:`~timm_layerscale.parity.tolerance.VerifyOptions`.
         private: With ``push_to_hub``, create the repository as private.
         commit_message: With ``push_to_hub``, the commit message.
-        repo_id: Hub id for the card's usage code (default ``push_to_hub``, else
-            ``ORG/<folder name>``, or ``ORG/NAME`` where the folder name is no Hub name).
+        repo_id: Hub id for the card's usage code (default ``push_to_hub``, else ``ORG/<folder name>``).
         plot: Draw ``gates.png`` when matplotlib is installed.
-        command: Command line recorded in the card (default: the equivalent
-            ``timm-layerscale export`` command, local paths by their names).
-        to: ``"ls"`` (this package's architecture, ``ls1.gamma``) or, for CaiT,
-            ``"gamma"``: timm's own ``cait_*`` architecture and layout, which timm and
-            transformers load without this package. DeiT-III folders always use timm's
-            own ``deit3_*``; ViT-5 has no timm architecture.
-        label_names: Class names for a fine-tuned head: a list, or a file with one name
-            per line (``name<TAB>description`` allowed), a JSON list or a JSON object from
-            class index to name (transformers' ``id2label``). Without them, the names
-            in the ``config.json`` of a source folder (an exported one, one saved by
-            transformers' ``save_pretrained``) or ``hf-hub:`` repository; else a
-            1000-class model keeps timm's ImageNet labels and other sizes get none.
-        tag: Pretrained tag written into ``config.json`` (default: the source folder's or
-            repository's, where the architecture has it, else the architecture's default
-            tag, e.g. ``fb_dist_in1k``).
-
-    Returns:
-        An :class:`ExportResult`; ``summary()`` prints it.
+        command: Command line recorded in the card (default the equivalent ``timm-layerscale export``).
+        to: ``"ls"`` (this package's architecture), or for CaiT ``"gamma"``: timm's own ``cait_*``,
+            which timm and transformers load without this package.
+        label_names: Class names of a fine-tuned head: a list, or a file (one name per line,
+            ``name<TAB>description`` allowed; a JSON list; a JSON object from index to name). Default:
+            those of a source folder's or repository's ``config.json``, else timm's ImageNet labels
+            for 1000 classes.
+        tag: Pretrained tag written into ``config.json`` (default the source's, else the architecture's).
 
     Raises:
         OutputExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
-        CheckpointError: ``out_dir`` holds the source file (other than its own weights) or
-            the current folder, the source holds NaN or Inf, the label names do not fit the
-            classifier, the tag is unknown, or ``to`` does not apply to the family; each
-            before converting.
+        CheckpointError: ``out_dir`` holds the source or the current folder, the source holds NaN or
+            Inf, the labels do not fit the classifier, the tag is unknown, or ``to`` does not apply;
+            each before converting.
         ParityError: The converted model does not match the reference.
-        HubError: ``push_to_hub`` or ``repo_id`` is no Hub id (before converting), or download
-            or upload failed (the folder is kept when only the upload failed).
-        LayerScaleError: Any other problem with the source or the folder.
+        HubError: A bad Hub id (before converting), or the download or upload failed (the folder is
+            kept when only the upload failed).
     """
-    from ..converter import convert_checkpoint, load_source
-    from ..files.read import check_finite
+    from ..converter import convert_checkpoint, read_source
     from ..inspection import MissingPlotDependency, gate_profile, plot_gates
     from ..options import command_line, published_options
 
@@ -324,46 +180,41 @@ def export_folder(
     for hub_id in (push_to_hub, repo_id):
         if hub_id:
             check_repo_id(hub_id)
-    if _deletes_source(Path(source), out):
+    given, folder = Path(source).resolve(), out.resolve()
+    rewritten = given == folder or (given.parent == folder and given.name in FOLDER_WEIGHTS)  # re-exported onto itself
+    if given.exists() and out.is_dir() and given.is_relative_to(folder) and not rewritten:
         raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
-    out = check_output_folder(out, overwrite)
-    label_file = None
+    label_file = label_names if isinstance(label_names, (str, os.PathLike)) else None
     folder_names, descriptions, folder_tag = (None, None, None) if label_names and tag else read_folder_config(source)
-    names: Sequence[str] | None = folder_names
-    if isinstance(label_names, (str, os.PathLike)):
-        label_file = label_names
+    names = folder_names
+    if label_file is not None:
         names, descriptions = read_label_names(label_file)
-    elif label_names is not None:
-        names, descriptions = label_names, None
-    repo = repo_id or push_to_hub or _placeholder_repo_id(out.name)
-    tmp, created = _make_temporary(out)
-    try:
-        weights = tmp / WEIGHTS_NAME
-        # The config needs only the variant: its refusals (no gamma architecture, an unknown
-        # tag, a wrong label count) come before converting, as does that of NaN or Inf, which
-        # no published model holds (convert's allow_nonfinite does not apply). The state dict
-        # is not kept, so a source that cannot be mapped is not held in memory twice.
-        path, sd, variant, info = load_source(source, model=model, ema=ema)
-        check_finite(sd, path, advice="a published model must be finite, check the source checkpoint")
-        del sd
-        architecture = _architecture(variant, to)
+    elif label_names is not None and not isinstance(label_names, os.PathLike):
+        names, descriptions = list(label_names), None
+    repo = repo_id or push_to_hub or _placeholder_repo_id(out.resolve().name)
+    with folder_output(out, overwrite) as tmp:
+        src = read_source(source, model=model, ema=ema)
+        src.check_finite("a published model must be finite, check the source checkpoint")
+        architecture = _architecture(src.variant, to)
         tags = pretrained_tags(architecture)
         written_tag = tag or (folder_tag if folder_tag in tags else None)
         try:
             config = write_config(
                 f"{architecture}.{written_tag}" if written_tag else architecture,
                 tmp / CONFIG_NAME,
-                model_args=model_args(info),
+                model_args=src.detection.model_args,
                 label_names=names,
                 label_descriptions=descriptions,
             )
         except CheckpointError as e:
-            if folder_names is None or names is not folder_names or (tag and tag not in tags):
-                raise  # not about names from the source's config.json
-            raise CheckpointError(f"{Path(source) / CONFIG_NAME}: {e}, or pass label_names='FILE'") from None
-        conv = convert_checkpoint(source, weights, model=model, to=to, fmt="safetensors", ema=ema, options=options)
-        _check_reload(tmp, weights)
-        gates = gate_profile(weights)
+            if names is None or names is not folder_names or (tag and tag not in tags):
+                raise  # not about the names of the source's config.json
+            raise CheckpointError(
+                f"{Path(source) / CONFIG_NAME}: {e}, or pass {option('label_names', 'FILE')}"
+            ) from None
+        conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=to, fmt="safetensors", options=options)
+        _check_reload(tmp, conv.state_dict)
+        gates = gate_profile(conv.state_dict)
         plot_path, plot_note = None, None
         if plot:
             try:
@@ -372,7 +223,7 @@ def export_folder(
                 )
             except MissingPlotDependency as e:
                 plot_note = f"no {PLOT_NAME}: {e}"
-        num_params = _count_params(weights)
+        num_params = sum(t.numel() for t in conv.state_dict.values())
         cmd = command or command_line(
             ("timm-layerscale", "export", published_path(source), published_path(out_dir)),
             published_options(options),
@@ -394,31 +245,21 @@ def export_folder(
             plot=PLOT_NAME if plot_path else None,
         )
         card.save(tmp / CARD_NAME)
-        _swap_into_place(tmp, out, overwrite)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(created)
-        if isinstance(e, OSError):
-            raise CheckpointError(
-                f"writing {out} failed ({e.strerror or e}); nothing was written, free space or choose another folder"
-            ) from None
-        if isinstance(e, CheckpointError) and str(tmp) in str(e):  # name the folder, not its temporary
-            raise CheckpointError(str(e).replace(str(tmp), str(out))) from None
-        raise
-    conv.output = out / WEIGHTS_NAME
+    out = tmp.parent  # the folder itself, through links and ``..``
+    conv.output, conv.state_dict = out / WEIGHTS_NAME, {}
     result = ExportResult(
         folder=out,
         files=sorted(p for p in out.iterdir() if p.is_file()),
         conversion=conv,
         repo_id=repo,
         num_params=num_params,
-        plot=out / PLOT_NAME if plot_path else None,
-        plot_note=plot_note,
-        gates=gates,
         architecture=architecture,
         push_command=command_line(
             ("timm-layerscale", "push", out, push_to_hub or repo), private=private, commit_message=commit_message
         ),
+        plot=out / PLOT_NAME if plot_path else None,
+        plot_note=plot_note,
+        gates=gates,
     )
     if push_to_hub:
         try:

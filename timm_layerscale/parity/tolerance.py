@@ -101,20 +101,20 @@ class VerifyOptions:
     batch_size: int = 4
 
     def __post_init__(self) -> None:
-        from ..errors import LayerScaleError
+        from ..errors import LayerScaleError, option
 
         for name in ("atol", "rtol"):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise LayerScaleError(f"{name} must be a finite number >= 0, got {value}")
         if self.exact and (self.atol or self.rtol):
-            raise LayerScaleError("exact parity takes no tolerance; drop exact or atol/rtol")
+            raise LayerScaleError(f"exact parity takes no tolerance; drop {option('exact')} or the tolerances")
         if self.num_inputs < 0 or self.batch_size < 1:
             raise LayerScaleError("num_inputs must be at least 0 and batch_size at least 1")
         if not -(2**63) <= self.seed < 2**64:
             raise LayerScaleError(f"seed must be from -2**63 to 2**64 - 1 (the seeds torch takes), got {self.seed}")
         if self.num_inputs == 0 and not self.images:
-            raise LayerScaleError("num_inputs=0 leaves no inputs; pass images=[...] too, or num_inputs of at least 1")
+            raise LayerScaleError(f"{option('num_inputs', 0)} leaves no inputs; pass image files too")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise LayerScaleError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         object.__setattr__(self, "images", tuple(self.images))
