@@ -47,16 +47,10 @@ CAIT_TAG = "fb_dist_in1k"
 
 @dataclass(frozen=True)
 class Release:
-    """One official checkpoint, as one Hub repository.
-
-    Attributes:
-        model: The model the folder is exported as (``cait_s24_224_ls``, ``deit3_small_patch16_224``).
-        family: ``cait``, ``deit3`` or ``vit5``.
-        tag: The pretrained tag (``fb_dist_in1k``, ``fb_in22k_ft_in1k``, ``in1k_ema``).
-        source: The official address: an ``https://`` URL or ``hf-hub:ORG/REPO/FILE``.
-        reference: timm's model for the same weights, or ``None`` (ViT-5).
-        ema: Take the file's ``'model_ema'`` weights.
-    """
+    """One official checkpoint as one Hub repository: the model it is exported as (``cait_s24_224_ls``), its
+    family, pretrained tag (``fb_dist_in1k``, ``in1k_ema``), official address (``https://`` URL or
+    ``hf-hub:ORG/REPO/FILE``), timm's model for the same weights (``None`` for ViT-5), and whether to take
+    the file's ``'model_ema'`` weights."""
 
     model: str
     family: str
@@ -88,13 +82,8 @@ class Release:
 
 @functools.cache
 def releases() -> tuple[Release, ...]:
-    """Every official release of the variant table, read from timm's registry.
-
-    CaiT: the ten official files (``CAIT_RELEASE_URL + official_file``). DeiT-III: each
-    pretrained tag timm registers for the variant, from its official URL. ViT-5: each tag
-    this package registers (``in1k``, ``in1k_ema``: the same file, its two sets of weights)
-    from the official Hub repository.
-    """
+    """Every official release: the ten CaiT files, each DeiT-III tag timm registers (from its official URL),
+    and each ViT-5 tag this package registers (``in1k``, ``in1k_ema``: one file's two sets of weights)."""
     import timm
 
     import timm_layerscale  # noqa: F401  (registers the ViT-5 tags)
@@ -147,8 +136,6 @@ def select(names: Sequence[str] | None, families: Sequence[str] = FAMILIES) -> l
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
-    from timm_layerscale.errors import LayerScaleError
-
     return text if isinstance(e, (LayerScaleError, PipelineError)) else f"{type(e).__name__}: {text}"
 
 
@@ -198,10 +185,8 @@ def run_release(
     row: dict[str, Any] = dict.fromkeys(
         ("error", "params", "source_sha256", "max_abs_diff", "bit_exact", "folder", "url")
     )
-    row.update(
-        variant=rel.model, tag=rel.tag, family=rel.family, reference=rel.reference, file=rel.file, status="failed"
-    )
-    row["repo_id"] = f"{org}/{rel.name}" if org else None
+    row.update(variant=rel.model, tag=rel.tag, family=rel.family, reference=rel.reference, file=rel.file)
+    row.update(status="failed", repo_id=f"{org}/{rel.name}" if org else None)
     t0 = time.perf_counter()
     try:
         result = export_folder(
@@ -299,18 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default="release", metavar="DIR", help="output folder (default: release)")
-    p.add_argument(
-        "--family", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to release (default: all)"
-    )
+    p.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families (default: all)")
     p.add_argument("--sources", metavar="DIR", help="take the official .pth files from DIR instead of downloading them")
     p.add_argument("--org", metavar="ORG", help="upload each folder to ORG/<model>.<tag>")
     p.add_argument("--private", action="store_true", help="with --org, create the repositories as private")
-    p.add_argument(
-        "--only",
-        nargs="+",
-        metavar="NAME",
-        help="process only these releases (cait_s24_224, S24_224, deit3_small_patch16_224.fb_in1k, ...)",
-    )
+    p.add_argument("--only", nargs="+", metavar="NAME", help="only these (cait_s24_224, S24_224, NAME.TAG, ...)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output folders")
     p.add_argument("--list", action="store_true", help="print the plan (the selected releases) and exit")
     add_verify_args(p)
@@ -336,20 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if sources is not None and not sources.is_dir():
             raise PipelineError(f"--sources {sources} is not a folder")
         rows = []
+        given = dict(sources=sources, org=args.org, private=args.private, overwrite=args.overwrite, options=options)
         with progress.bar(table, desc="release", unit="model") as bar:
             for rel in bar:
                 bar.set_postfix_str(rel.name)
-                rows.append(
-                    run_release(
-                        rel,
-                        Path(args.out),
-                        sources=sources,
-                        org=args.org,
-                        private=args.private,
-                        overwrite=args.overwrite,
-                        options=options,
-                    )
-                )
+                rows.append(run_release(rel, Path(args.out), **given))
                 done = "ok" if rows[-1]["status"] == "ok" else f"FAILED: {rows[-1]['error']}"
                 bar.write(f"{rel.name}: {done} ({rows[-1]['seconds']:.1f} s)", file=sys.stderr)
         md, js = write_summary(Path(args.out), rows, args_list)

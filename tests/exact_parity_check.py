@@ -23,7 +23,7 @@ from timm.models.cait import TalkingHeadAttn as RefAttn
 import timm_layerscale  # noqa: F401
 from helpers import randomize
 from timm_layerscale import to_layerscale
-from timm_layerscale.layers import BufferedTalkingHeadAttn
+from timm_layerscale.models.cait_ls import BufferedTalkingHeadAttn
 
 SHAPES = [(2, 17, 32, 4), (3, 50, 96, 6), (1, 65, 256, 16), (4, 196, 192, 4)]
 

@@ -735,13 +735,13 @@ def test_interrupted_safetensors_write_leaves_nothing(light_sd, tmp_path, capsys
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     seen: list[int] = []
-    real = conversion.save_state_dict
+    real = conversion.save_safetensors
 
     def save(path, sd, *a, **k):
         # Every tensor is read once, when it is written: stop mid-way.
         return real(path, _InterruptAfter(sd, len(sd) // 2, out_dir, seen), *a, **k)
 
-    monkeypatch.setattr(conversion, "save_state_dict", save)
+    monkeypatch.setattr(conversion, "save_safetensors", save)
     assert_one_line_error(*cli(capsys, "convert", src, out_dir / "out.safetensors"), "interrupted", status=130)
     assert len(seen) == 1 and seen[0] > 10_000_000, "the interruption must hit a half-written temporary file"
     assert folder_names(out_dir) == []
@@ -835,29 +835,6 @@ def test_https_source_goes_through_the_torch_hub_cache(official, tmp_path, torch
     code, _, err = cli(capsys, "convert", url, out, "--no-verify", "--overwrite")
     assert code == 0, err
     assert len(calls) == 1
-
-
-def test_two_urls_ending_in_one_name_are_two_downloads(official, tmp_path, torch_home, capsys, monkeypatch):
-    import torch.hub
-
-    _online(monkeypatch)
-    other = tmp_path / "other.pth"
-    checkpoint = torch.load(official, weights_only=True)
-    checkpoint["model"] = {k: v + 1 if "gamma" in k else v for k, v in checkpoint["model"].items()}
-    torch.save(checkpoint, other)
-    files = {"https://example.org/v1/XXS24_224.pth": official, "https://example.org/v2/XXS24_224.pth": other}
-
-    def download(url, dst, hash_prefix=None, progress=True):
-        shutil.copyfile(files[url], dst)
-
-    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
-    for url, source in files.items():
-        argv = ("convert", url, tmp_path / "x.safetensors", "--no-verify", "--json", "--overwrite")
-        code, stdout, err = cli(capsys, *argv)
-        assert code == 0, err
-        res = json.loads(stdout)
-        assert res["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
-        assert res["metadata"]["source_file"] == "XXS24_224.pth"
 
 
 def test_https_source_offline_is_one_line(tmp_path, torch_home, capsys, monkeypatch):

@@ -27,19 +27,15 @@ import pytest
 import timm
 import torch
 from timm.layers import set_fused_attn, use_fused_attn
+from timm.models.cait import TalkingHeadAttn
 from timm.models.cait import TalkingHeadAttn as RefAttn
 from torch import nn
 
 from helpers import ROOT, TINY_CAIT, TINY_VIT5, images, randomize, tiny_pair
 from kernel_trace import reduction_trace
 from timm_layerscale import to_layerscale
-from timm_layerscale.layers.talking_heads import (
-    FAST_ATTN_RTOL,
-    BufferedTalkingHeadAttn,
-    FastTalkingHeadAttn,
-    TalkingHeadAttn,
-)
-from timm_layerscale.models.cait_ls import CaitLS
+from timm_layerscale.layers.talking_heads import FAST_ATTN_RTOL
+from timm_layerscale.models.cait_ls import BufferedTalkingHeadAttn, CaitLS, FastTalkingHeadAttn
 
 TINY = TINY_CAIT
 #: (B, N, C, H): real sizes, a single image, a single token, a single head.
@@ -70,13 +66,13 @@ def _tokens(B: int, N: int, C: int, dtype: torch.dtype) -> torch.Tensor:
 def buffered_calls(monkeypatch):
     """Shapes the buffered formulation ran on (it falls back to the reference elsewhere)."""
     calls = []
-    original = BufferedTalkingHeadAttn._forward_buffered
+    original = BufferedTalkingHeadAttn._buffered
 
     def spy(self, x):
         calls.append(tuple(x.shape))
         return original(self, x)
 
-    monkeypatch.setattr(BufferedTalkingHeadAttn, "_forward_buffered", spy)
+    monkeypatch.setattr(BufferedTalkingHeadAttn, "_buffered", spy)
     return calls
 
 

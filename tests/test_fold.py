@@ -59,6 +59,33 @@ def test_fold_cait_xxs24_close_and_loads_into_registered_model(pairs):
     target.load_state_dict(ours.state_dict(), strict=True, assign=True)
 
 
+@pytest.mark.parametrize("family", ["cait", "vit5", "deit3"])
+def test_timms_reparameterize_model_folds_as_fold_layerscale(family):
+    """timm's deployment convention (``reparameterize_model``, as ``onnx_export.py --reparam`` calls it) folds
+    this package's blocks through their ``reparameterize()``; ``fold_layerscale`` folds those and timm's
+    DeiT-III blocks by the same rule, to the same tensors."""
+    from timm.utils import reparameterize_model
+
+    if family == "cait":
+        model = tiny_pair()[1]
+    elif family == "vit5":
+        model = randomize(vit5.Vit5(**TINY_VIT5)).eval()
+    else:
+        model = randomize(timm.create_model("deit3_small_patch16_224", img_size=32, depth=2, num_classes=10)).eval()
+    x = images(2, 32)
+    with torch.inference_mode():
+        expected = model(x)
+    folded = fold_layerscale(copy.deepcopy(model))
+    assert not any(isinstance(m, LayerScale) or hasattr(m, "gamma") for m in folded.modules())
+    with torch.inference_mode():
+        assert _max_diff(folded(x), expected) <= 1e-5
+    if family != "deit3":
+        reparameterized = reparameterize_model(model)
+        assert reparameterized.folded_layerscale and not model.folded_layerscale  # a copy, unless inplace
+        assert reparameterized.state_dict().keys() == folded.state_dict().keys()
+        assert all(torch.equal(v, folded.state_dict()[k]) for k, v in reparameterized.state_dict().items())
+
+
 def test_fold_keeps_train_mode_function():
     _, ours = tiny_pair(proj_drop_rate=0.1, drop_path_rate=0.1)
     folded = fold_layerscale(copy.deepcopy(ours))
@@ -88,7 +115,7 @@ def test_fold_without_foldable_linear_fails_and_leaves_model_alone():
     _, ours = tiny_pair()
     ours.get_submodule("blocks.1.mlp").fc2 = nn.Identity()
     before = {k: v.clone() for k, v in ours.state_dict().items()}
-    with pytest.raises(ValueError, match=r"blocks\.1\.ls2.*blocks\.1\.mlp\.fc2.*Identity"):
+    with pytest.raises(ValueError, match=r"blocks\.1: cannot fold ls2 .* at mlp\.fc2, found Identity"):
         fold_layerscale(ours)
     assert isinstance(ours.get_submodule("blocks.0.ls1"), LayerScale)
     after = ours.state_dict()
@@ -96,7 +123,7 @@ def test_fold_without_foldable_linear_fails_and_leaves_model_alone():
 
     _, ours = tiny_pair()
     ours.get_submodule("blocks.0.attn").proj = nn.Linear(32, 16)
-    with pytest.raises(ValueError, match="16 outputs"):
+    with pytest.raises(ValueError, match=r"at attn\.proj, found Linear of 16 outputs"):
         fold_layerscale(ours)
 
 

@@ -86,8 +86,8 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
         ("text.pth", "is a text file"),
         ("text.safetensors", "is a text file"),
         ("lfs.pth", "Git LFS pointer"),
-        ("noise.pth", "not a PyTorch checkpoint"),
-        ("noise.weights", "cannot tell the format"),
+        ("noise.pth", "neither a PyTorch nor a safetensors file"),
+        ("noise.weights", "neither a PyTorch nor a safetensors file"),
     ],
 )
 def test_load_rejects_bad_files(tmp_path, name, message):
@@ -126,14 +126,6 @@ def test_checksums_skip_records_saved_without_one(tmp_path):
     finally:
         save.compute_crc32 = True
     check_checksums(tmp_path / "nocrc.pth")
-
-
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
-def test_load_rejects_a_device_or_a_pipe(tmp_path):
-    os.mkfifo(tmp_path / "pipe.pth")
-    for path in (tmp_path / "pipe.pth", Path(os.devnull)):
-        with pytest.raises(CheckpointError, match="is not a regular file"):
-            load_checkpoint(path)
 
 
 class _Payload:

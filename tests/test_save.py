@@ -26,7 +26,7 @@ from helpers import (
 )
 from timm_layerscale.errors import CheckpointError, OutputExistsError
 from timm_layerscale.files.read import load_checkpoint, nonfinite_tensors, parse_dtype
-from timm_layerscale.files.save import save_pth, save_safetensors, save_state_dict
+from timm_layerscale.files.save import output_format, save_pth, save_safetensors
 
 
 def assert_matches_save_file(tmp: Path, tensors, metadata=None, **kwargs) -> None:
@@ -147,14 +147,19 @@ def test_empty_dict_with_empty_metadata_is_valid(tmp_path):
 # ---------------------------------------------------------------- writing: round trips and dispatch
 
 
+def _save(path, sd, fmt, **kwargs):
+    save = save_pth if output_format(path, fmt) == "pth" else save_safetensors
+    save(path, sd, **kwargs)
+
+
 @pytest.mark.compat
 @pytest.mark.parametrize(
     "suffix, fmt", [(".safetensors", None), (".pth", None), (".pt", None), (".out", "pth"), (".out", "safetensors")]
 )
-def test_save_state_dict_round_trip(tmp_path, suffix, fmt):
+def test_save_round_trip(tmp_path, suffix, fmt):
     sd = {f"t{i}": make_tensor((2, 3), dt, i) for i, dt in enumerate(ALL_DTYPES)}
     path = tmp_path / f"sd{suffix}"
-    save_state_dict(path, sd, {"format": "pt"}, fmt=fmt)
+    _save(path, sd, fmt)
     assert_same_tensors(load_checkpoint(path), sd)
 
 
@@ -163,7 +168,7 @@ def test_save_state_dict_round_trip(tmp_path, suffix, fmt):
 def test_round_trip_with_cast(tmp_path, name, fmt):
     dtype = parse_dtype(name)
     sd = mixed_state_dict()
-    save_state_dict(tmp_path / "c.bin", sd, fmt=fmt, dtype=dtype)
+    _save(tmp_path / "c.bin", sd, fmt, dtype=dtype)
     loaded = dict(load_checkpoint(tmp_path / "c.bin"))
     for k, v in sd.items():
         expected = v.to(dtype) if v.is_floating_point() else v
@@ -177,19 +182,17 @@ def test_save_pth_stores_views_compactly(tmp_path):
     assert torch.equal(load_checkpoint(tmp_path / "v.pth")["row"], big[3])
 
 
-def test_save_state_dict_rejects_unknown_format(tmp_path):
+def test_output_format_rejects_unknown_format(tmp_path):
     with pytest.raises(CheckpointError, match="cannot tell the output format"):
-        save_state_dict(tmp_path / "x.npz", {"a": torch.ones(1)})
+        output_format(tmp_path / "x.npz")
     with pytest.raises(CheckpointError, match="unknown output format"):
-        save_state_dict(tmp_path / "x.pth", {"a": torch.ones(1)}, fmt="onnx")
-    assert list(tmp_path.iterdir()) == []
+        output_format(tmp_path / "x.pth", "onnx")
 
 
 @pytest.mark.parametrize(
     "tensors, metadata",
     [
         ({"a": 3}, None),
-        ({"__metadata__": torch.ones(1)}, None),
         ({"a": torch.empty(2, device="meta")}, None),
         ({"a": torch.ones(2).to_sparse()}, None),
         ({"a": torch.ones(1)}, {"epoch": 3}),
@@ -254,6 +257,23 @@ def test_interrupted_save_pth_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_full_disk_during_save_pth_is_one_line(tmp_path, monkeypatch):
+    class Full:  # the file fills up after the first records
+        def __init__(self, *args):
+            self.written = 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 4096:
+                raise OSError(28, "No space left on device")
+            return len(data)
+
+    monkeypatch.setattr("timm_layerscale.files.save.CallbackIOWrapper", Full)
+    with pytest.raises(CheckpointError, match=r"writing .*x\.pth failed \(No space left on device\)"):
+        save_pth(tmp_path / "x.pth", {"a": torch.ones(10_000)})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_overwrite_refused_before_any_work(tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"keep me")
@@ -261,7 +281,6 @@ def test_overwrite_refused_before_any_work(tmp_path):
     watched = Interrupting({"a": torch.ones(1)}, after=10**9, error=RuntimeError())
     for save in (
         lambda: save_safetensors(out, watched),
-        lambda: save_state_dict(out, watched),
         lambda: save_pth(out, watched),
     ):
         with pytest.raises(OutputExistsError, match="exists; pass overwrite=True to replace it"):
@@ -277,7 +296,7 @@ def test_bad_output_locations(tmp_path):
         save_safetensors(tmp_path, {"a": torch.ones(1)}, overwrite=True)
     with pytest.raises(CheckpointError, match="does not exist"):
         save_safetensors(tmp_path / "no" / "x.safetensors", {"a": torch.ones(1)})
-    for save in (save_safetensors, save_pth, save_state_dict):  # a slash at the end names a folder
+    for save in (save_safetensors, save_pth):  # a slash at the end names a folder
         with pytest.raises(CheckpointError, match="ends in a slash, which names a folder"):
             save(f"{tmp_path}/x.pth/", {"a": torch.ones(1)})
     assert leftovers(tmp_path) == [] and not (tmp_path / "x.pth").exists()

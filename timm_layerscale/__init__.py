@@ -1,10 +1,8 @@
 """LayerScale models for timm, checkpoint conversion between layouts, and parity checks.
 
-Importing this package registers its models with timm, so that
-``timm.create_model("cait_s24_224_ls")`` works. If timm is not imported yet, the
-models are registered the moment it is (right after timm's own import finishes),
-so ``import timm_layerscale`` alone loads neither torch nor timm and the command
-line starts instantly. The public names below are imported on first use.
+Importing the package registers its models with timm (the moment timm is imported, if it is not yet),
+so ``timm.create_model("cait_s24_224_ls")`` works; ``import timm_layerscale`` alone loads neither torch
+nor timm. The public names are imported on first use.
 """
 
 from __future__ import annotations
@@ -64,16 +62,14 @@ def __dir__() -> list[str]:
 
 
 def _register_when_timm_is_imported() -> None:
-    if "timm" in sys.modules:
-        importlib.import_module(".models", __name__)
-        return
     try:
-        import _timm_layerscale_autoload as hook
-    except ImportError:  # the hook module ships with the package; a partial copy registers now
+        from _timm_layerscale_autoload import install
+    except ImportError:  # it ships with the package; a partial copy registers now
+        install = None  # type: ignore[assignment]
+    if "timm" in sys.modules or install is None:
         importlib.import_module(".models", __name__)
-        return
-    # An explicit import registers even where the start-up hook is switched off.
-    hook.install(force=True)
+    else:
+        install(force=True)  # an explicit import registers even where the start-up hook is off
 
 
 _register_when_timm_is_imported()

@@ -22,13 +22,8 @@ def registered_models() -> list[str]:
 
 
 def model_catalog(flops: bool = False) -> list[dict[str, Any]]:
-    """One row per registered model: name, reference twin, params, resolution, init, tags.
-
-    Models are built on the meta device, so this allocates no weights.
-
-    Args:
-        flops: Add ``flops``, the multiplications of one forward pass at batch size 1.
-    """
+    """One row per registered model: name, reference, params, resolution, init value, pretrained tags, and
+    with ``flops`` the multiplications of one forward pass of one image; built on the meta device."""
     import timm
     import torch
 
@@ -48,10 +43,10 @@ def model_catalog(flops: bool = False) -> list[dict[str, Any]]:
             "params": sum(p.numel() for p in model.parameters()),
             "resolution": int(cfg["input_size"][-1]),
             "init_value": variant.init_value,
-            "pretrained": [t for t in timm.list_pretrained(f"{name}.*")],
+            "pretrained": timm.list_pretrained(f"{name}.*"),
         }
         if flops:
-            row["flops"] = int(model.flop_count(batch_size=1)) if hasattr(model, "flop_count") else None
+            row["flops"] = model.flop_count(batch_size=1)
         rows.append(row)
     return rows
 

@@ -1,15 +1,12 @@
-"""Convert and verify, end to end: resolve, read, detect, remap, check, verify, write.
-
-:func:`read_source` makes the first three steps once; :func:`convert_checkpoint` takes its
-:class:`Source` (or reads one) and does the rest, and export and the release pipeline call it.
-"""
+"""Convert and verify: resolve, read and detect once (:func:`read_source`), then remap, check, verify and
+write (:func:`convert_checkpoint`, which export and the release pipeline call)."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +20,9 @@ from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityE
 from .families import FAMILIES, Variant, check_rope_buffers, get_variant, official_rope_buffers
 from .files.atomic import output_path
 from .files.read import check_finite, load_checkpoint, nonfinite_tensors, parse_dtype, read_state_dict, sha256_file
-from .files.save import output_format, save_state_dict
+from .files.save import output_format, save_pth, save_safetensors
 from .files.sources import public_source
+from .options import command_line
 from .parity.compare import ParityReport, compare_weights
 from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_state_dicts
@@ -34,15 +32,8 @@ __all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "v
 
 @dataclass
 class Source:
-    """A checkpoint read and detected once.
-
-    Attributes:
-        given: The source as given (path, URL or ``hf-hub:`` id).
-        path: The local file read.
-        state_dict: Its tensors, unwrapped and prefix-free, in their own layout (memory-mapped).
-        detection: The variant it fits, and its tensors in the ``ls`` layout.
-        finite: Its floating-point tensors were checked for NaN and Inf.
-    """
+    """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped,
+    prefix-free, in their own layout, memory-mapped), its :class:`~timm_layerscale.conversion.detect.Detection`, and whether it was found finite."""
 
     given: str
     path: Path
@@ -50,25 +41,10 @@ class Source:
     detection: Detection
     finite: bool = False
 
-    @property
-    def variant(self) -> Variant:
-        return self.detection.variant
-
-    def check_finite(self, advice: str | None = None) -> None:
-        """Refuse NaN or Inf in one line naming the file and ``advice``; scans once."""
-        if not self.finite:
-            advice = advice or f"check the source checkpoint, or pass {option('allow_nonfinite')} to convert anyway"
-            check_finite(self.state_dict, self.path, advice)
-            self.finite = True
-
 
 def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False) -> Source:
-    """Resolve, read (zip checksums checked) and detect a checkpoint.
-
-    Args:
-        source: Local file or folder, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
-        model: Model name overriding detection.
-        ema: Take the ``'model_ema'`` weights of a training checkpoint.
+    """Resolve, read (zip checksums checked) and detect a local file or folder, ``https://`` URL or
+    ``hf-hub:ORG/REPO[/FILE]``; ``model`` overrides detection, ``ema`` takes the ``'model_ema'`` weights.
 
     Raises:
         LayerScaleError: The source cannot be read or fits no variant; the message names the file.
@@ -84,22 +60,10 @@ def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema
 
 @dataclass
 class ConversionResult:
-    """What :func:`convert_checkpoint` did.
-
-    Attributes:
-        output: The written file.
-        variant: The architecture converted as.
-        model_args: ``num_classes`` / ``img_size`` where they differ from the variant's.
-        source: The source as given, a URL without its credentials (:func:`~timm_layerscale.files.sources.public_source`).
-        source_path: The local file read.
-        source_sha256: Its SHA-256.
-        source_layout, target_layout: ``"gamma"`` or ``"ls"``.
-        metadata: The safetensors metadata.
-        report: The parity report, or ``None`` unverified.
-        seconds: Wall time, verification included.
-        command: A command line that reproduces the conversion.
-        container: ``"plain"``, or the official wrapper (``"{'model': {'module.' + key: tensor}}"``).
-        state_dict: The tensors written (those of the source where unchanged).
+    """What :func:`convert_checkpoint` did: the output, the variant and its ``model_args`` (``num_classes`` /
+    ``img_size`` where they differ), the source as given (a URL without credentials), the file read and its
+    SHA-256, both layouts, the safetensors metadata, the parity report (``None`` unverified), wall seconds, a
+    command line that reproduces it, the container (``"plain"`` or the official wrapper) and the tensors written.
     """
 
     output: Path
@@ -116,28 +80,6 @@ class ConversionResult:
     command: str
     container: str = "plain"
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-
-
-class _Hash(threading.Thread):
-    """A file's SHA-256 in a thread (hashlib releases the GIL), run beside the checks and the write."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(daemon=True)
-        self.path, self.digest = path, ""
-        self.error: OSError | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.digest = sha256_file(self.path)
-        except OSError as e:
-            self.error = e
-
-    def result(self) -> str:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.digest
 
 
 def _target(src: Source, to: str, fold: bool) -> dict[str, torch.Tensor]:
@@ -158,13 +100,10 @@ def _verified(
     report = verify_state_dicts(src.detection, target, options=options, folded=fold)
     if report.passed:
         return report
+    needed = "bit-exact required" if report.atol == report.rtol == 0 else f"atol={report.atol:g}, rtol={report.rtol:g}"
+    what = f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}, {needed})"
     if report.weights_equal is False:
         what = "converted weights differ from the source"
-    else:
-        needed = (
-            "bit-exact required" if report.atol == report.rtol == 0 else f"atol={report.atol:g}, rtol={report.rtol:g}"
-        )
-        what = f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}, {needed})"
     raise ParityError(f"{what}; nothing written", report)
 
 
@@ -186,28 +125,21 @@ def convert_checkpoint(
 ) -> ConversionResult:
     """Convert a checkpoint to the LayerScale-module layout (or back), verify it and write it.
 
-    With ``verify`` the converted weights (cast to ``dtype``) are compared with the source
-    tensor by tensor and the converted model with the reference before anything is written; the
-    verdict goes into the safetensors metadata. The output is written atomically and read back.
-    ``to="gamma"`` writes what the official code saves (``{'model': {'module.' + key: tensor}}`` for
-    CaiT, ``{'model': state_dict}`` for DeiT-III and ViT-5) as a ``.pth``, or the bare state dict
-    with ``plain`` or as safetensors. A source already in the target layout is re-saved.
+    With ``verify`` the converted weights (cast to ``dtype``) are compared with the source tensor by tensor
+    and the converted model with the reference before anything is written, and the file is read back.
+    ``to="gamma"`` as ``.pth`` writes what the official code saves (``{'model': {'module.' + key: tensor}}``
+    for CaiT, ``{'model': state_dict}`` otherwise) unless ``plain``.
 
     Args:
-        source: Local file or folder, ``https://`` URL, ``hf-hub:ORG/REPO[/FILE]``, or a :class:`Source`.
-        output: ``.safetensors`` or ``.pth`` (``.pt``, ``.bin``, ``.ckpt``), or any name with ``fmt``.
-        model: Model name overriding detection.
-        to: ``"ls"`` (``ls1.gamma``) or ``"gamma"`` (``gamma_1``).
-        fmt: ``"safetensors"`` or ``"pth"``.
+        source: File or folder, ``https://`` URL, ``hf-hub:ORG/REPO[/FILE]``, or a :class:`Source`.
+        output: ``.safetensors`` or ``.pth`` (``.pt``, ``.bin``, ``.ckpt``), or any name with ``fmt``
+            (``"safetensors"`` or ``"pth"``).
+        model, ema: A model name overriding detection; take the ``'model_ema'`` weights.
+        to, plain: ``"ls"`` (``ls1.gamma``) or ``"gamma"`` (``gamma_1``); with ``plain`` no official wrapper.
         dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``; default keeps the source's.
-        overwrite: Replace an existing output.
-        verify: Check parity before writing.
-        allow_nonfinite: Convert even if tensors hold NaN or Inf.
-        ema: Take the ``'model_ema'`` weights.
-        fold: Fold every gamma into the linear layer before it (``ls`` only); the output loads into
-            the model built with ``folded_layerscale=True``.
+        overwrite, verify, allow_nonfinite: Replace an existing output; check parity first; accept NaN/Inf.
+        fold: Fold every gamma into the linear layer before it (``ls`` only; load with ``folded_layerscale=True``).
         options: Verification tolerances, inputs and device.
-        plain: With ``to="gamma"``, a ``.pth`` without the official wrapper.
 
     Raises:
         LayerScaleError: Bad options, or an error reading, detecting or writing.
@@ -226,19 +158,19 @@ def convert_checkpoint(
     target_file = output_path(output, overwrite)  # before a download
     torch_dtype = parse_dtype(dtype) if dtype else None
     src = source if isinstance(source, Source) else read_source(source, model=model, ema=ema)
-    _check_not_source(target_file, src.path)
-    digest = _Hash(src.path)
-    if not allow_nonfinite:
-        src.check_finite()
-    variant, args = src.variant, src.detection.model_args
+    if target_file.exists() and target_file.samefile(src.path):  # replacing it would lose the source
+        raise CheckpointError(f"output {output} is the source file itself; choose another output path")
+    digest = ThreadPoolExecutor(1).submit(sha256_file, src.path)  # hashlib releases the GIL: hash meanwhile
+    if not allow_nonfinite and not src.finite:
+        advice = f"check the source checkpoint, or pass {option('allow_nonfinite')} to convert anyway"
+        check_finite(src.state_dict, src.path, advice)
+    variant, args = src.detection.variant, src.detection.model_args
     target = _target(src, to, fold)
     if verify and torch_dtype is not None:  # verified as written; unverified, the writer casts
         target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
     # the source is finite: a non-finite value after the cast is an overflow
     if torch_dtype is not None and not allow_nonfinite and (over := nonfinite_tensors(target, torch_dtype)):
-        wider = (
-            f"pass {option('dtype', 'bf16')}, or " if torch_dtype == torch.float16 else ""
-        )  # bf16 spans fp32's range
+        wider = f"pass {option('dtype', 'bf16')}, or " if torch_dtype == torch.float16 else ""  # fp32's range
         raise CheckpointError(
             f"{src.path}: {over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
             f"which the cast makes Inf; {wider}leave out {option('dtype', dtype)}"
@@ -259,16 +191,13 @@ def convert_checkpoint(
     }
     official = to == "gamma" and fmt == "pth" and not plain
     prefix = FAMILIES[variant.family].official_prefix
-    save_state_dict(
-        output,
-        target,
-        metadata if fmt == "safetensors" else None,
-        fmt=fmt,
-        overwrite=overwrite,
-        dtype=torch_dtype,
-        wrap=(lambda sd: official_checkpoint(sd, variant.family)) if official else None,
-        late_metadata=lambda: {"source_sha256": digest.result()},
-    )
+    wrapped = f"{{{prefix!r} + key: tensor}}" if prefix else "state_dict"
+    if fmt == "pth":
+        wrap = (lambda sd: official_checkpoint(sd, variant.family)) if official else None
+        save_pth(output, target, overwrite=overwrite, dtype=torch_dtype, wrap=wrap)
+    else:
+        late = lambda: {"source_sha256": digest.result()}  # noqa: E731
+        save_safetensors(output, target, metadata, overwrite=overwrite, dtype=torch_dtype, late_metadata=late)
     try:
         metadata["source_sha256"] = digest.result()
         if verify:  # the file holds what was verified
@@ -278,8 +207,6 @@ def convert_checkpoint(
     except BaseException:
         target_file.unlink(missing_ok=True)
         raise
-    from .options import command_line
-
     command = command_line(
         ("timm-layerscale", "convert", public_source(src.given), output),
         options if verify else None,
@@ -307,17 +234,9 @@ def convert_checkpoint(
         report=report,
         seconds=time.perf_counter() - t0,
         command=command,
-        container=(f"{{'model': {{{prefix!r} + key: tensor}}}}" if prefix else "{'model': state_dict}")
-        if official
-        else "plain",
+        container=f"{{'model': {wrapped}}}" if official else "plain",
         state_dict=target,
     )
-
-
-def _check_not_source(output: Path, source: Path) -> None:
-    """Refuse an output that is the source itself: replacing it would lose the source."""
-    if output.exists() and source.exists() and output.samefile(source):
-        raise CheckpointError(f"output {output} is the source file itself; choose another output path")
 
 
 def verify_checkpoint(
@@ -328,18 +247,11 @@ def verify_checkpoint(
     ema: bool = False,
     options: VerifyOptions | None = None,
 ) -> ParityReport:
-    """Compare the reference model on the original weights with the model on the converted ones.
-
-    Both run in the converted weights' float dtype on ``options.device``; every converted tensor is
-    also compared with its source. A ``.pth`` file is first checked against its zip checksums.
-
-    Args:
-        source: The original checkpoint (file, URL, ``hf-hub:`` id, or a state dict).
-        converted: The converted checkpoint (file or state dict), any layout, folded or not.
-        model: Model name overriding detection.
-        ema: Take the source's ``'model_ema'`` weights.
-        options: Tolerances, inputs and device; the default asks for what the family's construction
-            guarantees (:func:`~timm_layerscale.parity.tolerance.resolve_tolerance`).
+    """Compare the reference model on the original weights (file, URL, ``hf-hub:`` id or state dict) with the
+    model on the converted ones (file or state dict, any layout, folded or not), both in the converted weights'
+    float dtype on ``options.device``, and every converted tensor with its source. ``model`` overrides
+    detection, ``ema`` takes the source's ``'model_ema'``; default ``options`` ask for what the family's
+    construction guarantees (:func:`~timm_layerscale.parity.tolerance.resolve_tolerance`).
 
     Raises:
         RemapError: ``converted`` is not a conversion of ``source``.

@@ -44,11 +44,8 @@ def write_official_checkpoint(
 def run_demo(
     out: str | os.PathLike[str] = "demo-out", overwrite: bool = False, seed: int = 0, options: Any = None
 ) -> bool:
-    """Run the demo into the folder ``out``; return whether every parity check held.
-
-    ``options`` (:class:`~timm_layerscale.parity.tolerance.VerifyOptions`) set the verification. The
-    folder is written as an export is (:func:`~timm_layerscale.files.atomic.folder_output`): an error
-    leaves it as it was; a failed check keeps the outputs and their report.
+    """Run the demo into the folder ``out`` (written as an export is: an error leaves it as it was, a failed
+    check keeps the outputs) with ``options`` for the verification; return whether every check held.
 
     Raises:
         OutputExistsError: ``out`` is not empty, without ``overwrite``.
@@ -82,27 +79,13 @@ def run_demo(
         write_out(f"\n{res.report.format_table()}\n")
         write_out("[3/3] loading the results with timm.create_model and comparing with the reference")
         inputs = seeded_inputs(4, 224, seed=seed + 1)
-        for call, name, overlay in (
-            (
-                f"'{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)",
-                MODEL,
-                {"file": str(folder / hub / "model.safetensors")},
-            ),
-            (f"'local-dir:{folder / hub}', pretrained=True", f"local-dir:{folder / hub}", None),
-        ):
+        file, local = {"file": str(folder / hub / "model.safetensors")}, f"local-dir:{folder / hub}"
+        calls = [(f"'{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)", MODEL, file)]
+        for call, name, overlay in [*calls, (f"'{local}', pretrained=True", local, None)]:
             loaded = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay)
-            rep = compare_models(
-                reference,
-                loaded,
-                inputs,
-                reference_name=REFERENCE,
-                model_name=name,
-                family="cait",
-                inputs_desc="4 seeded images",
-            )
-            write_out(
-                f"      timm.create_model({call}): bit-exact: {'yes' if rep.bit_exact else 'no'} (max abs diff {rep.max_abs_diff:.3g})"
-            )
+            rep = compare_models(reference, loaded, inputs, reference_name=REFERENCE, model_name=name, family="cait", inputs_desc="4 seeded images")  # fmt: skip
+            exact = "yes" if rep.bit_exact else "no"
+            write_out(f"      timm.create_model({call}): bit-exact: {exact} (max abs diff {rep.max_abs_diff:.3g})")
             ok = ok and rep.passed
     write_out(f"\ndemo {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; outputs in {folder}/")
     return ok

@@ -1,19 +1,6 @@
-"""What each model family is: key rules, fold targets, variants and their shapes, rotary tables.
-
-These are the facts every other part reads (detection, conversion, the model files,
-the references, the release pipeline, the docs); nothing here does I/O, and nothing
-here imports torch or timm at module level, so reading the tables is instant.
-
-- Key rules: per family, an ordered table of :class:`Rule` s from any accepted layout
-  to the ``ls`` layout (``blocks.N.ls1.gamma``) and back to the official ``gamma``
-  layout (``blocks.N.gamma_1``); :mod:`timm_layerscale.conversion.keys` applies them.
-- :data:`FOLD_TARGETS`: the linear layer each LayerScale folds into.
-- :data:`VARIANTS`: every convertible architecture, one row each; the model files
-  register their models from it, and detection computes the keys and shapes of each
-  variant's state dict from it (:func:`~timm_layerscale.conversion.detect.state_dict_shapes`).
-- ViT-5's rotary tables: the official checkpoints store them as buffers;
-  :func:`official_rope_buffers` computes them, :func:`check_rope_buffers` checks a file's.
-"""
+"""The facts every other part reads, without I/O and without importing torch or timm: each family's key
+rules (to the ``ls`` layout and back, applied by :mod:`timm_layerscale.conversion.keys`), the table of
+convertible variants the model files register and detection reads, and ViT-5's rotary buffers."""
 
 from __future__ import annotations
 
@@ -28,40 +15,29 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "Rule",
-    "Family",
-    "FAMILIES",
-    "KEEP",
-    "register_family",
-    "get_family",
-    "FOLD_TARGETS",
     "CAIT_RELEASE_URL",
     "DEFAULT_NUM_CLASSES",
-    "VIT5_HUB_REPO",
+    "FAMILIES",
+    "GATE_KEY",
     "OFFICIAL_SHA256",
-    "VIT5_ROPE_THETA",
-    "Variant",
     "VARIANTS",
-    "get_variant",
-    "variants_of",
-    "rope_buffers",
-    "official_rope_buffers",
+    "VIT5_HUB_REPO",
+    "Family",
+    "Rule",
+    "Variant",
     "check_rope_buffers",
+    "get_family",
+    "get_variant",
+    "official_rope_buffers",
+    "rope_buffers",
+    "variants_of",
 ]
-
-
-# ---- Key rules ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One key rule: a regular expression and what becomes of a key it matches.
-
-    Attributes:
-        pattern: Regular expression matched against the whole key (``re.fullmatch``).
-        replace: Replacement template (``re`` syntax, ``\\1`` for groups); ``None``
-            drops the key; ``"\\g<0>"`` keeps it unchanged.
-    """
+    """A regular expression matched against a whole key, and its replacement template (``\\1`` for a group;
+    ``KEEP`` keeps the key, ``None`` drops it)."""
 
     pattern: str
     replace: str | None
@@ -81,15 +57,8 @@ KEEP = r"\g<0>"
 
 @dataclass(frozen=True)
 class Family:
-    """The rule tables of one model family.
-
-    Attributes:
-        name: Family name (``"cait"``, ``"vit5"``, ``"deit3"``).
-        to_layerscale: Rules from any accepted source layout to the ``ls`` layout.
-        to_gamma: Rules from the ``ls`` layout back to the official ``gamma`` layout.
-        official_prefix: Prefix of every key in the official training code's files
-            (``"module."`` for CaiT, saved from DistributedDataParallel).
-    """
+    """A family's ordered rules to the ``ls`` layout and back to the official ``gamma`` layout, and the prefix
+    of every key in the official training code's files (``"module."`` for CaiT, saved from DDP)."""
 
     name: str
     to_layerscale: tuple[Rule, ...]
@@ -101,14 +70,8 @@ class Family:
 FAMILIES: dict[str, Family] = {}
 
 
-def register_family(family: Family) -> Family:
-    """Add (or replace) a family's rule tables in :data:`FAMILIES`."""
-    FAMILIES[family.name] = family
-    return family
-
-
 def get_family(name: str) -> Family:
-    """Return the family called ``name``; :class:`~timm_layerscale.errors.RemapError` if there is none."""
+    """The family called ``name``, or :class:`~timm_layerscale.errors.RemapError`."""
     try:
         return FAMILIES[name]
     except KeyError:
@@ -127,20 +90,14 @@ def _family(
     gamma_only: tuple[Rule, ...] = (),
     official_prefix: str = "",
 ) -> Family:
-    """A family whose LayerScale lives in blocks matching ``blocks`` and whose other keys ``keep`` keeps.
-
-    ``ls_only`` and ``gamma_only`` are rules of one direction only (keys one layout
-    has and the other does not).
-    """
+    """Register a family whose gates live in the blocks ``blocks`` matches and whose other keys ``keep`` keeps;
+    ``ls_only`` and ``gamma_only`` hold the keys one layout has and the other does not."""
     gamma, ls = rf"({blocks}\.\d+)\.gamma_([12])", rf"({blocks}\.\d+)\.ls([12])\.gamma"
-    return register_family(
-        Family(
-            name=name,
-            to_layerscale=(Rule(gamma, r"\1.ls\2.gamma"), Rule(ls, KEEP), *ls_only, *keep),
-            to_gamma=(Rule(ls, r"\1.gamma_\2"), Rule(gamma, KEEP), *gamma_only, *keep),
-            official_prefix=official_prefix,
-        )
+    to_ls = (Rule(gamma, r"\1.ls\2.gamma"), Rule(ls, KEEP), *ls_only, *keep)
+    FAMILIES[name] = Family(
+        name, to_ls, (Rule(ls, r"\1.gamma_\2"), Rule(gamma, KEEP), *gamma_only, *keep), official_prefix
     )
+    return FAMILIES[name]
 
 
 # CaiT (official ``cait_models.py``; timm's ``cait_*``): self-attention blocks with
@@ -163,10 +120,8 @@ _family(
     official_prefix="module.",
 )
 
-# ViT-5 (official ``models_vit5.py``): RMSNorm (weight only), QK-norm, no qkv bias,
-# registers, and per-block rotary frequency buffers that the model computes: the
-# ``ls`` layout drops them once they are checked against the computed ones, and a file
-# mapped back to the ``gamma`` layout gets them from :func:`official_rope_buffers`.
+# ViT-5 (official ``models_vit5.py``): RMSNorm, QK-norm, no qkv bias, registers, and per-block rotary
+# buffers the model computes: the ls layout drops them (checked first), the gamma layout gets them back.
 _ROPE_BUFFER = r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs"
 _family(
     "vit5",
@@ -184,9 +139,7 @@ _family(
     gamma_only=(Rule(_ROPE_BUFFER, KEEP),),
 )
 
-# DeiT-III (official ``models_v2.py``, files deit_3_*.pth = {'model': state_dict}; timm's
-# deit3_*): the same keys apart from LayerScale. The position embedding has no
-# class-token slot in both (timm builds deit3 with no_embed_class=True).
+# DeiT-III (official ``models_v2.py``, timm's deit3_*): the same keys apart from LayerScale.
 _family(
     "deit3",
     r"blocks",
@@ -198,17 +151,10 @@ _family(
 )
 
 
-# ---- Folding ------------------------------------------------------------------------
-
-#: A LayerScale key in either layout, by full match: the block, and which gate (``g`` in the
+#: Matches a whole LayerScale key of either layout, giving the block and which gate (``g`` in the
 #: official ``gamma_1``/``gamma_2``, ``l`` in the module layout's ``ls1.gamma``/``ls2.gamma``).
 GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
-#: The linear layer each LayerScale folds into, per block, in every family. ``ls1`` scales
-#: the attention's output projection, ``ls2`` the MLP's second layer.
-FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
 
-
-# ---- Variants -----------------------------------------------------------------------
 
 #: Classifier outputs of every released model (ImageNet-1k).
 DEFAULT_NUM_CLASSES = 1000
@@ -216,32 +162,18 @@ DEFAULT_NUM_CLASSES = 1000
 CAIT_RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
 #: The Hub repository of the official ViT-5 checkpoints.
 VIT5_HUB_REPO = "FengWang3211/ViT-5"
-#: SHA-256 of official release files, by file name. A model card calls weights "the
-#: official weights released with the paper" only when the source matches an entry, and
-#: the release pipeline (``python -m convert``) refuses a file that differs from its pin.
-#: The releases publish no checksums, so an entry is added only after a file fetched
-#: from its official address has been checked; until then cards name the source file
-#: and its SHA-256 (every release summary records them).
+#: The SHA-256 of each official release file by name; a card calls weights official, and the release
+#: pipeline accepts a file, only when it matches. The releases publish none; an entry is added once a file fetched
+#: from its official address has been checked.
 OFFICIAL_SHA256: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A convertible architecture: one row of :data:`VARIANTS`.
-
-    Attributes:
-        name: Model name in timm's registry (``cait_s24_224_ls``).
-        family: Key-rule family (``cait``, ``vit5``, ``deit3``).
-        reference: timm model computing the same function from the official
-            weights (``cait_s24_224``), or ``None`` when timm has none.
-        img_size: Default input resolution (pixels).
-        embed_dim: Width.
-        depth: Number of (self-attention) blocks.
-        num_heads: Attention heads.
-        init_value: LayerScale initial value of the released model (``None``: timm's default).
-        patch_size: Patch size.
-        official_file: File name of the official release, where there is one.
-    """
+    """A convertible architecture, one row of :data:`VARIANTS`: its name in timm's registry, its family, the
+    timm model computing the same function from the official weights (``None``: timm has none), its
+    resolution, width, depth (self-attention blocks), heads, the released LayerScale initial value
+    (``None``: timm's default), patch size, and the official release's file name."""
 
     name: str
     family: str
@@ -257,12 +189,13 @@ class Variant:
     @property
     def model_args(self) -> dict[str, Any]:
         """The keyword arguments the model file builds this variant with."""
-        args: dict[str, Any] = dict(
-            patch_size=self.patch_size, embed_dim=self.embed_dim, depth=self.depth, num_heads=self.num_heads
-        )
-        if self.init_value is not None:
-            args["init_values"] = self.init_value
-        return args
+        args = {
+            "patch_size": self.patch_size,
+            "embed_dim": self.embed_dim,
+            "depth": self.depth,
+            "num_heads": self.num_heads,
+        }
+        return {**args, "init_values": self.init_value} if self.init_value is not None else args
 
 
 def _cait(size: str, img: int, dim: int, depth: int, heads: int, init: float) -> Variant:
@@ -281,8 +214,7 @@ def _deit3(size: str, img: int, dim: int, depth: int, heads: int, patch: int = 1
     return Variant(name, "deit3", name, img, dim, depth, heads, None, patch_size=patch)
 
 
-#: Every convertible architecture, in this order. The LayerScale CaiT models (the released
-#: values of the official checkpoints), ViT-5, then timm's DeiT-III models.
+#: Every convertible architecture, in order the LayerScale CaiT models, ViT-5 and timm's DeiT-III models.
 VARIANTS: tuple[Variant, ...] = (
     _cait("xxs", 224, 192, 24, 4, 1e-5),
     _cait("xxs", 384, 192, 24, 4, 1e-5),
@@ -312,11 +244,7 @@ VARIANTS: tuple[Variant, ...] = (
 
 
 def get_variant(name: str) -> Variant:
-    """The variant called ``name`` (a pretrained tag after ``.`` is ignored).
-
-    Raises:
-        ArchitectureError: No convertible model has that name; the message lists close names.
-    """
+    """The variant called ``name`` (a pretrained tag ignored), or an ArchitectureError listing close names."""
     import difflib
 
     from .errors import ArchitectureError
@@ -335,23 +263,14 @@ def variants_of(family: str) -> dict[str, Variant]:
     return {v.name: v for v in VARIANTS if v.family == family}
 
 
-# ---- ViT-5 rotary tables ------------------------------------------------------------
-
 #: Rotary bases of ViT-5, for the patch tokens and for the register tokens.
 VIT5_ROPE_THETA = (10000.0, 100.0)
 _ROPE_KEY = re.compile(r"blocks\.(\d+)\.attn\.(rope|rope_reg)\.freqs")
 
 
 def rope_buffers(depth: int, head_dim: int, thetas: tuple[float, float] = VIT5_ROPE_THETA) -> dict[str, torch.Tensor]:
-    """The rotary buffers of the official ViT-5 layout, for ``depth`` blocks of heads ``head_dim`` wide.
-
-    The official model keeps each block's frequencies as persistent buffers
-    (``blocks.i.attn.rope.freqs``, ``blocks.i.attn.rope_reg.freqs``), so its
-    ``load_state_dict(strict=True)`` needs them; the package's model computes them.
-
-    Returns:
-        Key to fp32 tensor ``(head_dim // 4,)``, a separate tensor per key.
-    """
+    """The official ViT-5 layout's persistent rotary buffers (``blocks.i.attn.rope.freqs`` and ``rope_reg.freqs``,
+    fp32 ``(head_dim // 4,)`` each), which its strict loading needs and this package's model computes."""
     from .layers.rope import rope_bands
 
     patch, reg = (rope_bands(head_dim, theta) for theta in thetas)
@@ -363,25 +282,15 @@ def rope_buffers(depth: int, head_dim: int, thetas: tuple[float, float] = VIT5_R
 
 
 def official_rope_buffers(variant: Variant | str) -> dict[str, torch.Tensor]:
-    """:func:`rope_buffers` of a ViT-5 variant of :data:`VARIANTS` (or its name; a pretrained tag is ignored)."""
-    if isinstance(variant, str):
-        found = variants_of("vit5").get(variant.split(".", 1)[0])
-        if found is None:
-            raise KeyError(f"unknown ViT-5 model {variant!r}; choose one of: {', '.join(variants_of('vit5'))}")
-        variant = found
-    return rope_buffers(variant.depth, variant.embed_dim // variant.num_heads)
+    """:func:`rope_buffers` of a ViT-5 variant (or its name)."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    return rope_buffers(v.depth, v.embed_dim // v.num_heads)
 
 
 def check_rope_buffers(state_dict: Mapping[str, Any], expected: Mapping[str, torch.Tensor]) -> None:
-    """Check an official ViT-5 state dict's ``*.freqs`` buffers against the computed ``expected`` ones.
-
-    Buffers that are absent are fine (a converted file has none). Equality allows one
-    or two float32 ulps (relative 1e-6), the spread of ``pow`` across builds.
-
-    Raises:
-        RemapError: A buffer has another shape or other values: the checkpoint was made
-            with other rotary settings (theta, head width) than the model computes.
-    """
+    """Raise :class:`~timm_layerscale.errors.RemapError` where a ``*.freqs`` buffer of an official ViT-5 state dict
+    (absent ones are fine) differs from the computed ``expected`` one by more than ``pow``'s spread across
+    builds (relative 1e-6): the checkpoint was made with other rotary settings."""
     found = {k: v for k, v in state_dict.items() if _ROPE_KEY.fullmatch(k)}
     if not found:
         return

@@ -1,16 +1,6 @@
-"""The LayerScale gates of a checkpoint, block by block: a table, JSON and a plot.
-
-LayerScale multiplies each residual branch by a learned per-channel ``gamma``.
-After training, ``|gamma|`` shows how much each block's attention (``ls1``) and
-MLP (``ls2``) branch contributes to the residual stream across depth. This module
-reads the gammas of any checkpoint without building a model: official files
-(``gamma_1``/``gamma_2``) and the module layout (``ls1.gamma``/``ls2.gamma``) alike,
-of any family (CaiT, DeiT-III, ViT-5, timm's ViTs), wrapped or prefixed.
-
-Only the gamma tensors are read; safetensors files are opened lazily, so
-inspecting a large checkpoint costs little memory. Drawing needs matplotlib
-(``pip install 'timm-layerscale[plot]'``), imported only when a plot is asked for.
-"""
+"""The LayerScale gates of any checkpoint, block by block, as a table, JSON or a plot: how much each block's
+attention (``ls1``) and MLP (``ls2``) branch adds to the residual stream across depth. Only the gamma
+tensors are read (the file is memory-mapped), of either layout and any family; no model is built."""
 
 from __future__ import annotations
 
@@ -25,20 +15,18 @@ from .errors import LayerScaleError
 from .families import GATE_KEY
 
 __all__ = [
-    "gate_profile",
-    "format_gate_table",
-    "plot_gates",
-    "gate_stats",
-    "plot_format",
-    "require_matplotlib",
     "MissingPlotDependency",
+    "format_gate_table",
+    "gate_profile",
+    "gate_rows",
+    "gate_stats",
+    "gate_summary",
+    "plot_format",
+    "plot_gates",
 ]
 
-#: A block path ending in its index: ``blocks.3``, ``blocks_token_only.0``, ``stages.1.blocks.2``.
-_BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")
-#: Stages whose blocks are class-attention blocks (CaiT's ``blocks_token_only``).
-_CLASS_ATTN_STAGES = ("blocks_token_only",)
-
+_BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")  # blocks.3, blocks_token_only.0, stages.1.blocks.2
+_CLASS_ATTN_STAGE = "blocks_token_only"  # CaiT's
 _STATS = ("mean", "min", "max")
 
 
@@ -71,7 +59,7 @@ def _position(block: str) -> tuple[str, int]:
 def _stage_order(stage: str) -> tuple[Any, ...]:
     """Class-attention stages last; otherwise natural order (``stages.2`` before ``stages.10``)."""
     parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", stage) if p)
-    return (stage in _CLASS_ATTN_STAGES, parts)
+    return (stage in (_CLASS_ATTN_STAGE,), parts)
 
 
 def gate_profile(
@@ -80,33 +68,33 @@ def gate_profile(
     model: str | None = None,
     ema: bool = False,
 ) -> list[dict[str, Any]]:
-    """The LayerScale gates of a checkpoint, one row per block, in depth order.
-
-    Args:
-        source: A checkpoint file (``.pth``, ``.safetensors``), an exported folder
-            holding ``model.safetensors``, an ``https://`` URL, ``hf-hub:ORG/REPO[/FILE]``,
-            or an in-memory state dict (wrapped or not, with or without ``module.``).
-        model: Name of a registered model; when given, the checkpoint must hold a
-            gate of the model's width for every LayerScale layer that model has, and no other.
-        ema: Read the ``'model_ema'`` weights of a training checkpoint.
-
-    Returns:
-        JSON-ready rows, first the self-attention blocks then the class-attention
-        ones, each a dict: ``depth`` (0-based position across all blocks),
-        ``block`` (key prefix, ``blocks.3``), ``stage``, ``index``,
-        ``class_attn`` (bool), ``dim`` (channels), ``ls1`` and ``ls2`` (the
-        attention and MLP gates: ``{"mean", "min", "max"}`` of ``|gamma|``, or
-        ``None`` when the block has no such gate), and ``layout``
-        (``"gamma"`` or ``"ls"``).
+    """The :func:`gate_rows` of a checkpoint file, an exported folder, an ``https://`` URL,
+    ``hf-hub:ORG/REPO[/FILE]``, or a state dict (wrapped or not, prefixed or not); ``ema`` reads the
+    ``'model_ema'`` weights of a training checkpoint.
 
     Raises:
-        LayerScaleError: The checkpoint cannot be read, holds no LayerScale
-            gates, or its gates do not fit ``model`` (missing, extra or of another width).
+        LayerScaleError: The checkpoint cannot be read, holds no gates, or its gates do not fit ``model``.
     """
     from .conversion.keys import state_dict_of
     from .files.read import read_state_dict
+    from .files.sources import public_source
 
-    tensors = state_dict_of(source, ema) if isinstance(source, Mapping) else read_state_dict(source, ema)[1]
+    if isinstance(source, Mapping):
+        return gate_rows(state_dict_of(source, ema), model=model)
+    return gate_rows(read_state_dict(source, ema)[1], model=model, where=public_source(source))
+
+
+def gate_rows(
+    tensors: Mapping[str, Any], *, model: str | None = None, where: str = "the state dict"
+) -> list[dict[str, Any]]:
+    """The LayerScale gates of a state dict (``where`` names it in errors), one row per block, the
+    self-attention blocks first; with ``model``, its every gate and no other must be there at its width.
+
+    Returns:
+        JSON-ready rows: ``depth`` (position across all blocks), ``block`` (key prefix), ``stage``,
+        ``index``, ``class_attn``, ``dim`` (channels), ``ls1`` and ``ls2`` (``{"mean", "min", "max"}`` of
+        ``|gamma|``, or ``None``) and ``layout`` (``"gamma"`` or ``"ls"``).
+    """
     gates: dict[str, dict[str, str]] = {}  # block -> {"ls1": key, "ls2": key}
     layouts: set[str] = set()
     for name in tensors:
@@ -115,9 +103,6 @@ def gate_profile(
             gates.setdefault(block, {})[which] = name
             layouts.add(layout)
     if not gates:
-        from .files.sources import public_source
-
-        where = "the state dict" if isinstance(source, Mapping) else public_source(source)
         if not tensors:
             raise LayerScaleError(f"{where} holds no weights (an empty state dict); pass a checkpoint with weights")
         raise LayerScaleError(
@@ -142,7 +127,7 @@ def gate_profile(
                 "block": block,
                 "stage": stage,
                 "index": index,
-                "class_attn": stage in _CLASS_ATTN_STAGES,
+                "class_attn": stage in (_CLASS_ATTN_STAGE,),
                 "dim": int(gammas[(block, "ls1" if ls1 is not None else "ls2")].numel()),
                 "ls1": gate_stats(ls1) if ls1 is not None else None,
                 "ls2": gate_stats(ls2) if ls2 is not None else None,
@@ -195,7 +180,7 @@ def _fmt(x: float | None) -> str:
 
 
 def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
-    """The gate profile as an aligned plain-text table.
+    """The gate profile as an aligned table.
 
     One line per block: its key prefix, ``CA`` for class-attention blocks, the
     number of channels, then mean / min / max of ``|gamma|`` for the attention
@@ -217,14 +202,8 @@ def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = Non
             c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ).rstrip()
 
-    out = []
-    if title:
-        out.append(title)
-    out.append(line(header))
-    out.append(line(["-" * w for w in widths]))
-    out += [line(c) for c in body]
-    out.append("")
-    out.append(_footer(rows))
+    out = [title] if title else []
+    out += [line(header), line(["-" * w for w in widths]), *map(line, body), "", _footer(rows)]
     return "\n".join(out)
 
 
@@ -248,6 +227,18 @@ def gate_extremes(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, tup
         if means:
             found.append((which, label, (min(means), max(means))))
     return found
+
+
+def gate_summary(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One markdown sentence on the gates' smallest and largest mean ``|gamma|`` and the blocks counted."""
+    parts = [
+        f"{label} gates (`{which}`) have mean |gamma| from {lo[0]:.3g} (`{lo[1]}`) to {hi[0]:.3g} (`{hi[1]}`)"
+        for which, label, (lo, hi) in gate_extremes(rows)
+    ]
+    ca = sum(1 for r in rows if r.get("class_attn"))
+    where = f"{len(rows) - ca} self-attention and {ca} class-attention blocks" if ca else f"{len(rows)} blocks"
+    text = "; ".join(parts) + f" over {where}."
+    return text[0].upper() + text[1:]
 
 
 def require_matplotlib() -> Any:
@@ -296,30 +287,15 @@ def plot_gates(
     title: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Draw the gate profile across depth and save it (PNG; SVG, PDF and the rest from the suffix).
-
-    The mean ``|gamma|`` of the attention (``ls1``) and MLP (``ls2``) gates of each
-    block is drawn as a line over depth on a log scale, with the per-block
-    min-max range shaded; class-attention blocks sit on a grey band at the end, and a red cross
-    at the top marks a block whose gate holds NaN or infinite values.
-    The figure is 1200 x 675 pixels as a PNG, legible at the width of a model card. The file
-    is written whole or not at all, as a converted checkpoint is.
-
-    Args:
-        rows: Output of :func:`gate_profile`.
-        path: File to write (its folder must exist); its suffix names the format
-            (:func:`plot_format`).
-        title: Figure title; default names the number of blocks.
-        overwrite: Replace ``path`` if it exists.
-
-    Returns:
-        The written path.
+    """Draw the gate profile across depth into ``path``, written whole or not at all; its suffix names the
+    format (:func:`plot_format`). Each gate's mean ``|gamma|`` per block is a line on a log scale with its
+    min-max range shaded; class-attention blocks sit on a grey band, and a red cross marks a gate holding
+    NaN or Inf. 1200 x 675 pixels as a PNG, legible at a model card's width.
 
     Raises:
         MissingPlotDependency: matplotlib is not installed.
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
-        LayerScaleError: ``rows`` is empty, matplotlib writes no format of that suffix,
-            or the file cannot be written.
+        LayerScaleError: ``rows`` is empty, or the format is unknown.
     """
     from .files.atomic import atomic_output
 

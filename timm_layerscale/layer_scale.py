@@ -1,14 +1,6 @@
-"""LayerScale: a learnable per-channel gate on residual-branch outputs.
-
-A transformer block with LayerScale computes, for a token stream ``x`` of shape
-``(B, N, C)``::
-
-    x = x + ls1(attn(norm1(x)))      # ls1(y) = y * gamma_1
-    x = x + ls2(mlp(norm2(x)))       # ls2(y) = y * gamma_2
-
-Reference: Touvron et al., "Going deeper with Image Transformers", ICCV 2021
-(arXiv 2103.17239), section 2.
-"""
+"""LayerScale, a learnable per-channel gate on a residual branch (Touvron et al., "Going deeper with Image
+Transformers", ICCV 2021, arXiv 2103.17239), its initial value by depth, weight-decay groups, and folding
+it into the linear layer before it."""
 
 from __future__ import annotations
 
@@ -18,81 +10,38 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LayerScale", "layer_scale_or_identity", "cait_init_value", "param_groups", "NO_WEIGHT_DECAY_ATTR"]
+__all__ = [
+    "FOLD_TARGETS",
+    "LayerScale",
+    "cait_init_value",
+    "fold_block",
+    "fold_plan",
+    "fold_weights",
+    "param_groups",
+]
 
 #: Attribute set to ``True`` on parameters that must not receive weight decay.
 NO_WEIGHT_DECAY_ATTR = "_no_weight_decay"
-
-
-def _tag_no_weight_decay(param: torch.Tensor | None) -> None:
-    if isinstance(param, torch.Tensor):
-        setattr(param, NO_WEIGHT_DECAY_ATTR, True)
+#: The linear layer each gate of a block folds into: the attention's output projection, the MLP's second layer.
+FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
 
 
 class LayerScale(nn.Module):
-    """Learnable per-channel scaling of a residual branch, ``output = x * gamma``.
-
-    **Operation.** LayerScale is the diagonal linear map ``diag(gamma)`` applied to the
-    output ``f(norm(x))`` of a residual branch before it is added back to the stream::
-
-        x = x + diag(gamma) @ f(norm(x))     # per token
-        out[..., c] = x[..., c] * gamma[c]   # for c in 0 .. C-1: what forward computes
-
-    It has ``C`` parameters, against the ``C^2`` of a full linear layer, and is applied
-    once per residual branch (``ls1`` after attention, ``ls2`` after the MLP).
-
-    **Training dynamics.** With every ``gamma`` small at initialisation, each block
-    starts close to the identity: the residual stream is dominated by the patch
-    embedding and every branch adds only a little, whatever the depth. Gradients still
-    reach every branch (the gate scales them by ``gamma``, it does not block them),
-    and each channel learns its own gate, so branches are switched on channel by channel
-    as training needs them. This is what let CaiT train stably beyond depth 24, where
-    plain pre-norm ViTs (and a scalar gate, as in ReZero or SkipInit) stop improving.
-
-    **Init choices.** ``init_value`` is the value of every element of ``gamma`` after
-    :meth:`reset_parameters`:
-
-    - the paper's rule by depth, :func:`cait_init_value`: 0.1 up to 18 blocks, 1e-5 up
-      to 24, 1e-6 beyond (the models here build with ``init_values="auto"`` to use it);
-    - 1e-4 (the default here), used by DeiT III and ViT-5;
-    - the released CaiT checkpoints: 1e-5 (XXS, XS, S24) and 1e-6 (S36, M36, M48);
-    - 1.0 turns the gate into the identity at the start, for fine-tuning a network
-      trained without LayerScale.
-
-    Weight decay is not applied to ``gamma``: a decayed gate is pulled towards 0,
-    which switches its branch off. The parameter carries ``gamma._no_weight_decay = True``
-    (kept through ``copy.deepcopy``, ``to_empty`` and ``load_state_dict(assign=True)``)
-    and :func:`param_groups` honours it.
-
-    **Shapes and dtypes.** ``gamma`` has shape ``(C,)`` and broadcasts over every
-    leading axis, so inputs of shape ``(B, N, C)``, ``(B, H, W, C)`` or
-    ``(B, T, H, W, C)`` all work. The output has the shape and dtype of the input:
-    a bf16/fp16 input with an fp32 ``gamma`` returns bf16/fp16 (``gamma`` is cast to
-    the input's dtype first, then one elementwise multiply). With ``promote=True`` the
-    multiply follows PyTorch's type promotion instead (``x * gamma``: a bf16 input with
-    an fp32 ``gamma`` gives an fp32 product, rounded once), which is what the official
-    CaiT and ViT-5 blocks (``gamma_1 * x``) and timm's own LayerScale compute. The
-    blocks of this package's models build with ``promote=True``, so under
-    ``torch.autocast`` they compute exactly what their references compute.
-
-    **Cost.** :meth:`flop_count`: one multiplication per element, ``N * C`` for ``N``
-    tokens. For deployment, :func:`~timm_layerscale.conversion.fold.fold_layerscale` folds ``gamma``
-    into the linear layer before it and removes the module.
+    """Learnable per-channel scaling of a residual branch, ``out[..., c] = x[..., c] * gamma[c]``.
 
     Args:
-        dim: Number of channels ``C``; the size of the input's last dimension, >= 1.
-        init_value: Initial value of every element of ``gamma``.
-        promote: Multiply with type promotion (output in the wider of the two dtypes)
-            instead of casting ``gamma`` to the input's dtype.
-        device: Device on which ``gamma`` is created (``"meta"`` allowed).
+        dim: Channels ``C``, the size of the input's last dimension (at least 1).
+        init_value: Every element of ``gamma`` after :meth:`reset_parameters`.
+        promote: Multiply with type promotion (``x * gamma``: a bf16 input and an fp32 ``gamma`` give
+            fp32), as the official blocks and timm's LayerScale do; else ``gamma`` is cast to the input's
+            dtype. The models build with it, so that under autocast they compute what their references compute.
+        device: Device of ``gamma`` (``"meta"`` allowed).
         dtype: dtype of ``gamma``.
 
     Attributes:
-        gamma: The learned gate, an ``nn.Parameter`` of shape ``(C,)``; in a state dict
-            it is ``<module>.gamma`` (``blocks.N.ls1.gamma``), where the official
-            checkpoints keep ``blocks.N.gamma_1``.
-        dim: ``C``.
-        init_value: The value ``gamma`` is reset to.
+        gamma: ``nn.Parameter`` of shape ``(C,)``; ``blocks.N.ls1.gamma`` in a state dict, where the official
+            checkpoints keep ``blocks.N.gamma_1``. It carries ``_no_weight_decay = True``, kept through
+            ``copy.deepcopy``, ``to_empty`` and ``load_state_dict(assign=True)``, which :func:`param_groups` honours.
 
     Raises:
         ValueError: ``dim`` < 1; in ``forward``, an input whose last dimension is not ``dim``.
@@ -137,48 +86,35 @@ class LayerScale(nn.Module):
         """Set every element of ``gamma`` to ``init_value``."""
         with torch.no_grad():
             self.gamma.fill_(self.init_value)
-        self._retag()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Scale the last dimension of ``x`` by ``gamma``.
-
-        Args:
-            x: Tensor of shape ``(..., C)``: ``(B, N, C)`` tokens in a transformer
-                block, ``(B, H, W, C)`` channels-last feature maps; any float dtype.
+        """Scale the last dimension of ``x`` (``(..., C)``: ``(B, N, C)`` tokens, ``(B, H, W, C)`` maps) by ``gamma``.
 
         Returns:
-            Tensor of the same shape, ``out[..., c] = x[..., c] * gamma[c]``; of the
-            input's dtype, or with ``promote`` the promoted dtype of input and ``gamma``.
-
-        Raises:
-            ValueError: ``x.shape[-1] != C``, when run eagerly (in a TorchScript or FX graph
-                the multiply fails instead, unless the last dimension is 1 and broadcasts).
+            The same shape; the input's dtype, or with ``promote`` the promoted dtype of input and ``gamma``.
         """
-        if not torch.jit.is_scripting():  # noqa: SIM102  (TorchScript skips this branch only when the test is alone)
+        if not torch.jit.is_scripting():  # noqa: SIM102  (TorchScript skips the branch only when the test is alone)
             if not isinstance(x, torch.fx.Proxy) and x.shape[-1] != self.dim:  # an FX trace's shapes are symbols
                 raise ValueError(f"LayerScale expected an input whose last dimension is {self.dim}, got {x.shape[-1]}")
         return x * self.gamma if self.promote else x * self.gamma.to(x.dtype)
 
     def flop_count(self, num_tokens: int) -> int:
-        """Multiplications of one forward pass over ``num_tokens`` tokens.
-
-        Args:
-            num_tokens: Number of ``C``-vectors scaled: ``B * N`` for a ``(B, N, C)``
-                input (``B * H * W`` for ``(B, H, W, C)``).
-
-        Returns:
-            ``num_tokens * C``: one multiplication per element, no additions.
-        """
+        """Multiplications of one forward pass over ``num_tokens`` vectors of ``C`` (``B * N`` for ``(B, N, C)``)."""
         return int(num_tokens) * self.dim
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, init_value={self.init_value:g}" + (", promote=True" if self.promote else "")
 
-    # The no-weight-decay tag is a plain attribute of the Parameter object. Operations
-    # that replace the Parameter (deepcopy, to_empty, load_state_dict(assign=True))
-    # create a fresh object without it, so it is restored after each of them.
+    # The tag is an attribute of the Parameter object; what replaces the object (deepcopy, to_empty,
+    # load_state_dict(assign=True)) makes one without it, so each of them puts it back.
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "gamma" and isinstance(value, torch.Tensor):
+            setattr(value, NO_WEIGHT_DECAY_ATTR, True)
+
     def _retag(self) -> None:
-        _tag_no_weight_decay(self._parameters.get("gamma"))
+        if isinstance(gamma := self._parameters.get("gamma"), torch.Tensor):
+            setattr(gamma, NO_WEIGHT_DECAY_ATTR, True)
 
     def _apply(self, fn: Any, recurse: bool = True) -> LayerScale:
         out = super()._apply(fn, recurse)
@@ -193,32 +129,9 @@ class LayerScale(nn.Module):
         super().__setstate__(state)
         self._retag()
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name == "gamma":
-            self._retag()
-
-
-def layer_scale_or_identity(dim: int, init_values: float | None, promote: bool = False, **dd: Any) -> nn.Module:
-    """A :class:`LayerScale` of ``dim`` channels, or ``nn.Identity`` when ``init_values`` is ``None``."""
-    return LayerScale(dim, init_values, promote, **dd) if init_values is not None else nn.Identity()
-
 
 def cait_init_value(depth: int) -> float:
-    """LayerScale initial value for a network of ``depth`` blocks, by the CaiT rule.
-
-    The rule of "Going deeper with Image Transformers": 0.1 for depth up to 18,
-    1e-5 up to 24, 1e-6 beyond. The released CaiT checkpoints used 1e-5 for the
-    XXS36 models; the registered variants keep their released values.
-
-    Args:
-        depth: Total number of blocks (self-attention blocks), >= 1.
-
-    Returns:
-        The initial value of every ``gamma`` element.
-
-    Raises:
-        ValueError: ``depth`` < 1.
+    """The CaiT paper's LayerScale initial value for ``depth`` blocks: 0.1 up to 18, 1e-5 up to 24, 1e-6 beyond.
 
     Example:
         >>> from timm_layerscale import cait_init_value
@@ -227,60 +140,74 @@ def cait_init_value(depth: int) -> float:
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    if depth <= 18:
-        return 0.1
-    if depth <= 24:
-        return 1e-5
-    return 1e-6
-
-
-def _no_decay_names(model: nn.Module) -> set[str]:
-    names: set[str] = set()
-    for prefix, module in model.named_modules():
-        fn = getattr(module, "no_weight_decay", None)
-        if callable(fn) and not isinstance(module, LayerScale):
-            for name in fn():
-                names.add(f"{prefix}.{name}" if prefix else name)
-        if isinstance(module, LayerScale):
-            names.add(f"{prefix}.gamma" if prefix else "gamma")
-    return names
+    return 0.1 if depth <= 18 else 1e-5 if depth <= 24 else 1e-6
 
 
 def param_groups(
-    model: nn.Module,
-    weight_decay: float,
-    no_weight_decay_list: Iterable[str] = (),
+    model: nn.Module, weight_decay: float, no_weight_decay_list: Iterable[str] = ()
 ) -> list[dict[str, Any]]:
-    """Optimizer parameter groups with weight decay off where it does not belong.
+    """Optimizer groups ``[{"params", "weight_decay": 0.0}, {"params", "weight_decay": weight_decay}]``: a
+    trainable parameter is not decayed when tagged ``_no_weight_decay``, a :class:`LayerScale`'s ``gamma``,
+    named by a ``no_weight_decay()`` or in ``no_weight_decay_list``, or one-dimensional or a bias (timm's rule)."""
+    skip = set(no_weight_decay_list)
+    for prefix, module in model.named_modules():
+        names = ["gamma"] if isinstance(module, LayerScale) else getattr(module, "no_weight_decay", lambda: ())()
+        skip |= {f"{prefix}.{name}" if prefix else name for name in names}
+    groups: list[dict[str, Any]] = [{"params": [], "weight_decay": 0.0}, {"params": [], "weight_decay": weight_decay}]
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            decayed = not (
+                getattr(p, NO_WEIGHT_DECAY_ATTR, False) or name in skip or p.ndim <= 1 or name.endswith(".bias")
+            )
+            groups[decayed]["params"].append(p)
+    return groups
 
-    A parameter goes into the no-decay group when any of these holds: it is tagged
-    ``_no_weight_decay = True``; it is the ``gamma`` of a :class:`LayerScale`
-    (found by module type, so an untagged gamma is still caught); its name is
-    returned by ``no_weight_decay()`` of the model or of any submodule (names
-    relative to that submodule); its name is in ``no_weight_decay_list``; or it is
-    one-dimensional or a bias, timm's convention for norms and biases. Frozen
-    parameters (``requires_grad=False``) are left out.
 
-    Args:
-        model: The model whose parameters are grouped.
-        weight_decay: Decay of the decayed group.
-        no_weight_decay_list: Extra parameter names to exempt.
+@torch.no_grad()
+def fold_weights(
+    weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(diag(gamma) W, gamma * b)`` for a linear weight ``(C_out, C_in)``, bias ``(C_out,)`` and gamma
+    ``(C_out,)``: the one folding rule, computed in at least fp32 and rounded once to the layer's dtype."""
+    work = torch.promote_types(weight.dtype, torch.float32)
+    g = gamma.detach().to(weight.device, work)
+    w = (weight.detach().to(work) * g[:, None]).to(weight.dtype)
+    return w, None if bias is None else (bias.detach().to(work) * g).to(bias.dtype)
 
-    Returns:
-        ``[{"params": [...], "weight_decay": 0.0}, {"params": [...], "weight_decay": weight_decay}]``,
-        ready for ``torch.optim.AdamW(groups, ...)``.
+
+def fold_plan(block: nn.Module) -> list[tuple[str, nn.Linear, torch.Tensor]]:
+    """The gates ``ls1`` / ``ls2`` of ``block`` (this package's LayerScale or timm's), each with the linear
+    layer it folds into (``FOLD_TARGETS``) and its ``gamma``.
+
+    Raises:
+        ValueError: A gate without an ``nn.Linear`` of its width there.
     """
-    skip = _no_decay_names(model) | set(no_weight_decay_list)
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
+    from timm.layers import LayerScale as TimmLayerScale  # not at import: timm's import registers the models
+
+    plan: list[tuple[str, nn.Linear, torch.Tensor]] = []
+    for name, (holder, layer) in FOLD_TARGETS.items():
+        gate = block._modules.get(name)
+        if not isinstance(gate, (LayerScale, TimmLayerScale)):
             continue
-        if getattr(param, NO_WEIGHT_DECAY_ATTR, False) or name in skip or param.ndim <= 1 or name.endswith(".bias"):
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    return [
-        {"params": no_decay, "weight_decay": 0.0},
-        {"params": decay, "weight_decay": weight_decay},
-    ]
+        linear = getattr(block._modules.get(holder), layer, None)
+        if not isinstance(linear, nn.Linear) or tuple(gate.gamma.shape) != (linear.out_features,):
+            found = type(linear).__name__ if linear is not None else "nothing"
+            found += f" of {linear.out_features} outputs" if isinstance(linear, nn.Linear) else ""
+            raise ValueError(
+                f"cannot fold {name} (gamma of shape {tuple(gate.gamma.shape)}): expected an nn.Linear of that "
+                f"width at {holder}.{layer}, found {found}"
+            )
+        plan.append((name, linear, gate.gamma))
+    return plan
+
+
+@torch.no_grad()
+def fold_block(block: nn.Module, plan: list[tuple[str, nn.Linear, torch.Tensor]] | None = None) -> None:
+    """Fold the gates of ``block`` into its linear layers in place, each becoming ``nn.Identity``; ``plan`` is
+    :func:`fold_plan`'s."""
+    for name, linear, gamma in fold_plan(block) if plan is None else plan:
+        weight, bias = fold_weights(linear.weight, linear.bias, gamma)
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+        setattr(block, name, nn.Identity())

@@ -32,7 +32,7 @@ __all__ = [
 
 V = TypeVar("V")
 
-#: The EMA weights: the official DeiT / ViT-5 code's name, then timm's train.py's.
+#: The names of the EMA weights, the official DeiT / ViT-5 code's and then timm's train.py's.
 EMA_KEYS = ("model_ema", "state_dict_ema")
 _MAIN_KEYS = ("model", "state_dict", "module")  # DeepSpeed's model-states file uses 'module'
 #: Keys that wrap a state dict inside a training checkpoint, in order of preference.

@@ -1,9 +1,6 @@
-"""Atomic writes: a hidden temporary beside the output, moved onto it with ``os.replace`` when complete.
-
-A temporary is named ``.{name}.tmp-{pid}-{hex}``; the next write of the same output removes the
-temporaries of processes that are gone, and those carrying this process's id that it did not
-open (in a container every run is pid 1).
-"""
+"""Atomic writes: a hidden temporary ``.{name}.tmp-{pid}-{hex}`` beside the output, moved onto it with
+``os.replace`` when complete. The next write of the same output removes the temporaries of processes that
+are gone, and those carrying this process's id that it did not open (in a container every run is pid 1)."""
 
 from __future__ import annotations
 
@@ -30,14 +27,15 @@ def _temporary(folder: Path, name: str) -> Path:
     return tmp
 
 
-def _alive(pid: int) -> bool:
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` is gone; a temporary of this process's own that it did not open is a dead run's."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
         return True
-    return True
+    except OSError:  # another user's process
+        pass
+    return pid == os.getpid()
 
 
 def remove_stale(folder: Path, name: str) -> None:
@@ -45,10 +43,7 @@ def remove_stale(folder: Path, name: str) -> None:
     with contextlib.suppress(OSError):
         for p in list(folder.iterdir()):
             m = _TEMPORARY.fullmatch(p.name)
-            if not m or m["name"] != name or str(p) in _OPEN:
-                continue
-            pid = int(m["pid"])
-            if pid == os.getpid() or not _alive(pid):
+            if m and m["name"] == name and str(p) not in _OPEN and _dead(int(m["pid"])):
                 _remove(p)
 
 
@@ -57,23 +52,18 @@ def _remove(p: Path) -> None:
 
 
 def check_name(path: Path) -> None:
-    """Refuse a name that is not UTF-8, which PyTorch and safetensors cannot open."""
-    try:
-        str(path).encode()
-    except UnicodeEncodeError:
+    """Refuse a name that is not UTF-8 (Python holds its bytes as surrogates), which torch cannot open."""
+    if any("\ud800" <= c <= "\udfff" for c in str(path)):
         raise CheckpointError(
             f"{str(path)!r} is not a UTF-8 name, which PyTorch and safetensors cannot open; use a name in UTF-8"
-        ) from None
+        )
 
 
 def output_path(path: str | os.PathLike[str], overwrite: bool) -> Path:
-    """The file a write to ``path`` replaces (the one a symbolic link leads to), checked before any work.
-
-    Raises:
-        OutputExistsError: It exists and ``overwrite`` is false.
-        CheckpointError: ``path`` ends in a slash, is not UTF-8, is a folder or not a regular file
-            (``os.replace`` onto a device replaces the device), or its folder is missing or not writable.
-    """
+    """The file a write to ``path`` replaces (the one a symbolic link leads to), checked before any work:
+    ``OutputExistsError`` if it exists and not ``overwrite``; ``CheckpointError`` if ``path`` ends in a slash, is
+    not UTF-8, is a folder or not a regular file (``os.replace`` onto a device replaces the device), or its
+    folder is missing or not writable."""
     text = os.fspath(path)
     if text.endswith(("/", os.sep)):  # Path would drop the slash, which names a folder
         raise CheckpointError(
@@ -102,14 +92,10 @@ def _write_error(where: Path, e: OSError) -> CheckpointError:
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` (not yet created) and ``os.replace`` it onto ``path`` on success.
-
-    On any exception, ``KeyboardInterrupt`` included, the temporary is deleted and ``path`` is
-    left as it was. A symbolic link is written through; a replaced file keeps its permission bits.
-
-    Raises:
-        OutputExistsError, CheckpointError: As :func:`output_path`; or the write failed (disk full).
-    """
+    """Yield a temporary path beside ``path`` (not yet created) and ``os.replace`` it onto ``path`` on success;
+    on any exception, ``KeyboardInterrupt`` included, delete it and leave ``path`` as it was. A symbolic link
+    is written through; a replaced file keeps its permission bits. Raises as :func:`output_path`, or
+    :class:`~timm_layerscale.errors.CheckpointError` if the write failed (disk full)."""
     target = output_path(path, overwrite)
     remove_stale(target.parent, target.name)
     tmp = _temporary(target.parent, target.name)
@@ -130,9 +116,9 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
 
 @contextlib.contextmanager
 def folder_output(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty hidden folder inside ``out`` (made if missing); on success ``os.replace`` each
-    entry into ``out`` and, with ``overwrite``, remove what else ``out`` held. On any exception only
-    the temporary goes (and ``out``, if this made it).
+    """Yield an empty hidden folder inside ``out`` (made if missing); on success ``os.replace`` each entry into
+    ``out`` and, with ``overwrite``, remove what else ``out`` held. On any exception only the temporary goes
+    (and ``out``, if this made it).
 
     Raises:
         OutputExistsError: ``out`` holds files (other than dead temporaries) and ``overwrite`` is false.

@@ -20,11 +20,9 @@ def _http_message(status: int | None, action: str, repo_id: str, revision: str |
         return f"{repo_id} was not found or is not accessible ({status}) while {action}; check the repo id, or run 'hf auth login' if it is private"
     if status == 401:
         return f"the Hub rejected the token (401 Unauthorized) while {action}; run 'hf auth login' (or set HF_TOKEN) with a valid token that has write access"
-    if status == 403:
-        return f"the token may not write to {repo_id} (403 Forbidden); use a token with write access to the '{repo_id.split('/', 1)[0]}' namespace ('hf auth login') or check the repo id"
-    if status == 404:
-        what = f"{repo_id} or revision {revision!r}" if revision else repo_id
-        return f"{what} was not found on the Hub (404) while {action}; check the repo id{' and revision' if revision else ''}"
+    if status in (403, 404):
+        what = f"{repo_id} (revision {revision!r})" if revision else repo_id
+        return f"{what} was not found, or the token may not write to it ({status}), while {action}; check the repo id, or use a token with write access ('hf auth login')"
     advice = "retry in a few minutes" if status == 429 or (status or 0) >= 500 else "check the network and retry"
     return f"the Hub answered {status} while {action}; {advice}"
 
@@ -61,14 +59,9 @@ def _message(e: BaseException, action: str, repo_id: str, revision: str | None, 
 
 @contextlib.contextmanager
 def hub_errors(action: str, repo_id: str, *, revision: str | None = None, download: bool = False) -> Iterator[None]:
-    """Raise what huggingface_hub raises in the block as a one-line HubError.
-
-    Args:
-        action: What is done, to follow "while" (``"uploading to ORG/NAME"``).
-        repo_id: The repository.
-        revision: The branch or revision asked for.
-        download: The block reads (401/403/404 mean missing or private) rather than writes (the token).
-    """
+    """Raise what huggingface_hub raises in the block as a one-line HubError about ``action`` (to follow
+    "while": ``"uploading to ORG/NAME"``) on ``repo_id`` at ``revision``; with ``download`` the block reads
+    (401/403/404 mean missing or private) rather than writes (the token)."""
     from ..errors import HubError, LayerScaleError
 
     try:

@@ -1,5 +1,4 @@
-"""Writing state dicts: a streaming safetensors writer and ``torch.save``, both through
-:func:`~timm_layerscale.files.atomic.atomic_output`."""
+"""Writing state dicts through :func:`~timm_layerscale.files.atomic.atomic_output`."""
 
 from __future__ import annotations
 
@@ -18,26 +17,16 @@ from ..errors import CheckpointError, option
 from .atomic import atomic_output, output_path
 from .read import TORCH_SUFFIXES
 
-__all__ = ["output_format", "save_pth", "save_safetensors", "save_state_dict"]
+__all__ = ["output_format", "save_pth", "save_safetensors"]
 
-_WRITE_CHUNK = 16 << 20
-_ST_DTYPES: dict[torch.dtype, str] = {
-    getattr(torch, name): tag
-    for name, tag in [
-        ("float64", "F64"), ("float32", "F32"), ("bfloat16", "BF16"), ("float16", "F16"),
-        ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"),
-        ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("bool", "BOOL"), ("complex64", "C64"),
-        ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-    ]
-    if hasattr(torch, name)
-}  # fmt: skip
+_ST_TAGS = """float64:F64 float32:F32 bfloat16:BF16 float16:F16 int64:I64 int32:I32 int16:I16 int8:I8 uint8:U8
+    uint16:U16 uint32:U32 uint64:U64 bool:BOOL complex64:C64 float8_e4m3fn:F8_E4M3 float8_e5m2:F8_E5M2"""
+_ST_DTYPES = {getattr(torch, n): tag for n, tag in (p.split(":") for p in _ST_TAGS.split()) if hasattr(torch, n)}
 
 
-def _check_entry(name: object, t: object) -> None:
-    if not isinstance(name, str):
-        raise CheckpointError(f"cannot save key {name!r}: names must be strings; rename it")
-    if not isinstance(t, torch.Tensor):
-        raise CheckpointError(f"cannot save {name!r}: it is a {type(t).__name__}, not a tensor; keep only tensors")
+def _check_entry(name: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+        raise CheckpointError(f"cannot save {name!r}: a {type(t).__name__}, not a tensor with data; keep only those")
 
 
 def _header(
@@ -50,17 +39,12 @@ def _header(
     plan = []
     for name, t in tensors.items():
         _check_entry(name, t)
-        if name == "__metadata__" or t.layout != torch.strided or t.device.type == "meta":
-            raise CheckpointError(
-                f"cannot save {name!r} to safetensors; save dense tensors with data under other names"
-            )
         out = dtype if dtype is not None and t.is_floating_point() else t.dtype
         if out not in _ST_DTYPES:
             raise CheckpointError(f"cannot save {name!r}: safetensors does not support {out}; convert it first")
         plan.append((name, out, list(t.shape), out.itemsize * t.numel()))
-    # Whole 64-byte blocks first, then the rest by falling item size: with the header padded to 64
-    # bytes every weight matrix starts on a 64-byte boundary, as fresh allocations do, so a model
-    # assigned the file's mapped tensors computes as on fresh ones; the rest stay item-aligned.
+    # Whole 64-byte blocks first, then the rest by falling item size: with the header padded to 64 bytes every
+    # weight matrix starts on a 64-byte boundary, as fresh allocations do, and the rest are item-aligned.
     plan.sort(key=lambda e: (e[3] % 64 != 0, -e[1].itemsize, e[0]))
     offset = 0
     for name, out, shape, nbytes in plan:
@@ -80,19 +64,13 @@ def save_safetensors(
     dtype: torch.dtype | None = None,
     late_metadata: Callable[[], Mapping[str, str]] | None = None,
 ) -> None:
-    """Write ``tensors`` as a safetensors file one tensor at a time, so peak memory is one tensor.
+    """Write ``tensors`` as a safetensors file one tensor at a time (peak memory: one tensor), floating-point
+    ones cast to ``dtype``, ``metadata`` as the header's ``__metadata__``.
 
-    Every tensor whose size is a multiple of 64 bytes is written first, each on a 64-byte
-    boundary of the file; the format allows no gaps, so the rest are aligned to their item size.
-
-    Args:
-        path: Output file.
-        tensors: Name to tensor (views and shared memory are written as copies).
-        metadata: String to string, the header's ``__metadata__``.
-        overwrite: Replace ``path`` if it exists.
-        dtype: Cast floating-point tensors to this dtype.
-        late_metadata: Called once the tensors are written; its entries replace those of ``metadata``
-            of the same length (a hash computed meanwhile, in place of as many zeros).
+    Every tensor whose size is a multiple of 64 bytes comes first, each on a 64-byte boundary of the file,
+    so that a model assigned the file's mapped tensors computes as on fresh ones; the format allows no
+    gaps, so the rest are aligned to their item size. ``late_metadata`` is called once the tensors are
+    written, for entries that replace as long ones of ``metadata`` (a hash computed meanwhile).
 
     Raises:
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
@@ -100,42 +78,21 @@ def save_safetensors(
     """
     output_path(path, overwrite)
     head, plan = _header(tensors, dtype, metadata)
-    total = len(head) + sum(nbytes for _, _, nbytes in plan)
     with (
         atomic_output(path, overwrite) as tmp,
         open(tmp, "xb") as f,
-        progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar,
+        progress.bar(total=len(head) + sum(n for *_, n in plan), desc=f"writing {Path(path).name}", unit="B") as bar,
     ):
         bar.update(f.write(head))
         for name, out, _ in plan:
-            t = tensors[name].detach().to(device="cpu", dtype=out).contiguous()
-            data = t.reshape(-1).view(torch.uint8).numpy().data
-            for i in range(0, len(data), _WRITE_CHUNK):
-                bar.update(f.write(data[i : i + _WRITE_CHUNK]))
+            data = tensors[name].detach().to(device="cpu", dtype=out).contiguous().reshape(-1).view(torch.uint8)
+            bar.update(f.write(data.numpy().data))
         if late_metadata is not None:
             final, _ = _header(tensors, dtype, {**(metadata or {}), **late_metadata()})
             if len(final) != len(head):
                 raise ValueError("late_metadata must not change the length of the safetensors header")
             f.seek(0)
             f.write(final)
-
-
-class _RecordingWriter:
-    """A file for ``torch.save`` that keeps the ``OSError`` of a failed write, which torch reports without."""
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        try:
-            return self._f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self) -> None:
-        self._f.flush()
 
 
 def save_pth(
@@ -146,13 +103,8 @@ def save_pth(
     dtype: torch.dtype | None = None,
     wrap: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
 ) -> None:
-    """Write a state dict with ``torch.save``, views stored compactly; ``wrap`` makes the saved object
-    (:func:`~timm_layerscale.conversion.keys.official_checkpoint` for the official ``{'model': ...}``).
-
-    Raises:
-        OutputExistsError: ``path`` exists and ``overwrite`` is false.
-        CheckpointError: A value is not a tensor, or writing failed.
-    """
+    """Write a state dict with ``torch.save``, views stored compactly, floating-point tensors cast to ``dtype``;
+    ``wrap`` makes the saved object (the official ``{'model': ...}``). Raises as :func:`save_safetensors`."""
     output_path(path, overwrite)
     plain = {}
     for name, t in state_dict.items():
@@ -162,53 +114,25 @@ def save_pth(
         plain[name] = t if whole else t.clone(memory_format=torch.contiguous_format)
     total = sum(t.nbytes for t in plain.values())
     with atomic_output(path, overwrite) as tmp, open(tmp, "xb") as f:
-        sink = _RecordingWriter(f)
         try:
             with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar:
-                torch.save(
-                    wrap(plain) if wrap else plain, cast(IO[bytes], CallbackIOWrapper(bar.update, sink, "write"))
-                )
-        except RuntimeError:
-            if sink.error is not None:  # disk full: the OS error, not torch's wrapper
-                raise sink.error from None
+                torch.save(wrap(plain) if wrap else plain, cast(IO[bytes], CallbackIOWrapper(bar.update, f, "write")))
+        except RuntimeError as e:  # torch wraps the OSError of a failed write (disk full)
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
             raise
 
 
 def output_format(path: str | os.PathLike[str], fmt: str | None = None) -> str:
-    """``fmt`` if given, else ``'safetensors'`` or ``'pth'`` from the suffix of ``path``.
-
-    Raises:
-        CheckpointError: ``fmt`` is neither, or the suffix names no format.
-    """
-    if fmt is not None:
-        if fmt not in ("safetensors", "pth"):
-            raise CheckpointError(f"unknown output format {fmt!r}; use 'safetensors' or 'pth'")
-        return fmt
+    """``fmt`` if given, else ``'safetensors'`` or ``'pth'`` by the suffix of ``path``; a
+    :class:`~timm_layerscale.errors.CheckpointError` if ``fmt`` is neither or the suffix names no format."""
     suffix = Path(path).suffix.lower()
-    if suffix == ".safetensors" or suffix in TORCH_SUFFIXES:
-        return "safetensors" if suffix == ".safetensors" else "pth"
-    raise CheckpointError(
-        f"cannot tell the output format from the name {Path(path).name!r}; "
-        f"name it .safetensors or .pth, or pass {option('fmt', 'safetensors')}"
-    )
-
-
-def save_state_dict(
-    path: str | os.PathLike[str],
-    state_dict: Mapping[str, torch.Tensor],
-    metadata: dict[str, str] | None = None,
-    *,
-    fmt: str | None = None,
-    overwrite: bool = False,
-    dtype: torch.dtype | None = None,
-    wrap: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
-    late_metadata: Callable[[], Mapping[str, str]] | None = None,
-) -> None:
-    """Write a state dict as safetensors (``metadata``, ``late_metadata``) or PyTorch (``wrap``), by
-    ``fmt`` or else the suffix (:func:`output_format`)."""
-    if output_format(path, fmt) == "pth":
-        save_pth(path, state_dict, overwrite=overwrite, dtype=dtype, wrap=wrap)
-    elif wrap is not None:
-        raise CheckpointError("a safetensors file holds a flat state dict; write a .pth file for a wrapped checkpoint")
-    else:
-        save_safetensors(path, state_dict, metadata, overwrite=overwrite, dtype=dtype, late_metadata=late_metadata)
+    found = fmt or ("safetensors" if suffix == ".safetensors" else "pth" if suffix in TORCH_SUFFIXES else None)
+    if fmt not in (None, "safetensors", "pth"):
+        raise CheckpointError(f"unknown output format {fmt!r}; use 'safetensors' or 'pth'")
+    if found is None:
+        raise CheckpointError(
+            f"cannot tell the output format from the name {Path(path).name!r}; "
+            f"name it .safetensors or .pth, or pass {option('fmt', 'safetensors')}"
+        )
+    return found

@@ -1,24 +1,20 @@
 """Checkpoint sources: a file, a folder, an ``https://`` URL or ``hf-hub:ORG/REPO[@REVISION][/FILE]``, as a
-local file. The only downloads are ``_download_url`` (torch.hub's cache) and ``_download_from_hub``
-(huggingface_hub's); their failures are one-line :class:`~timm_layerscale.errors.HubError` messages."""
+local file; downloads go to torch.hub's or huggingface_hub's cache, failures are one-line ``HubError``."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from ..errors import CheckpointError, HubError
-from ..families import CAIT_RELEASE_URL
 from .hub_errors import hub_errors, one_line
 
 __all__ = ["cached_url_path", "is_remote", "public_source", "published_path", "resolve_source", "source_config"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-#: Where a checkpoint folder keeps its weights, in order of preference.
-FOLDER_WEIGHTS = (WEIGHTS_NAME, "pytorch_model.bin")
+FOLDER_WEIGHTS = (WEIGHTS_NAME, "pytorch_model.bin")  # in order of preference
 URL_PREFIXES = ("https://", "http://")
 REMOTE_PREFIXES = (*URL_PREFIXES, "hf-hub:")
 
@@ -29,9 +25,8 @@ def is_remote(source: str | os.PathLike[str]) -> bool:
 
 
 def resolve_source(source: str | os.PathLike[str]) -> Path:
-    """A local file for ``source``: the file itself; a folder's ``model.safetensors`` or
-    ``pytorch_model.bin``; a URL or ``hf-hub:`` file downloaded once into its cache (``FILE``
-    defaults to the weights names).
+    """A local file for ``source``: the file itself; a folder's ``model.safetensors`` or ``pytorch_model.bin``;
+    a URL or ``hf-hub:`` file (``FILE`` defaults to those names) downloaded once into its cache.
 
     Raises:
         CheckpointError: A folder holds none of the weight files.
@@ -52,8 +47,7 @@ def resolve_source(source: str | os.PathLike[str]) -> Path:
 
 
 def source_config(source: str | os.PathLike[str]) -> Path | None:
-    """The ``config.json`` that comes with a folder or with the Hub repository whose weights
-    ``hf-hub:ORG/REPO`` names; ``None`` for a file, a URL, or where there is none."""
+    """The ``config.json`` beside a folder's or an ``hf-hub:ORG/REPO``'s weights; ``None`` for a file or URL."""
     if not is_remote(source):
         path = Path(source) / CONFIG_NAME
         return path if path.is_file() else None
@@ -81,9 +75,7 @@ def public_source(source: str | os.PathLike[str]) -> str:
 def published_path(path: str | os.PathLike[str]) -> str:
     """``path`` as a published card shows it: remote sources by :func:`public_source`, a local path by its name."""
     path = os.fspath(path)
-    if path.startswith(REMOTE_PREFIXES):
-        return public_source(path)
-    return os.path.basename(os.path.normpath(path)) or path
+    return public_source(path) if path.startswith(REMOTE_PREFIXES) else os.path.basename(os.path.normpath(path)) or path
 
 
 def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
@@ -98,17 +90,12 @@ def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
 
 
 def cached_url_path(url: str) -> Path:
-    """Where a URL's download is kept: torch.hub's ``checkpoints/<name>`` for the official CaiT files
-    (as torch.hub keeps them), a folder named by a hash of the URL for any other."""
+    """Where a URL's download is kept: ``checkpoints/<name>`` in torch.hub's folder, as torch.hub keeps it."""
     import torch.hub
 
-    name = os.path.basename(urlparse(url).path)
-    if not name:
+    if not (name := os.path.basename(urlparse(url).path)):
         raise HubError(f"cannot tell a file name from {public_source(url)}; give the URL of the checkpoint file")
-    folder = Path(torch.hub.get_dir()) / "checkpoints"
-    if url.startswith(CAIT_RELEASE_URL):
-        return folder / name
-    return folder / hashlib.sha256(url.encode()).hexdigest()[:16] / name
+    return Path(torch.hub.get_dir()) / "checkpoints" / name
 
 
 def _download_url(url: str) -> Path:
@@ -128,12 +115,12 @@ def _download_url(url: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         torch.hub.download_url_to_file(url, str(target), progress=progress.enabled())
-    except urllib.error.HTTPError as e:
-        advice = "check the URL" if e.code == 404 else "check the network and retry"
-        raise HubError(f"could not download {shown}: {one_line(e)}; {advice}") from e
-    except (OSError, ValueError) as e:  # URLError is an OSError
-        reason = getattr(e, "reason", None) or e
-        raise HubError(f"could not download {shown}: {one_line(reason)}; check the network and retry") from e
+    except (OSError, ValueError) as e:  # HTTPError and URLError are OSErrors
+        http = isinstance(e, urllib.error.HTTPError)
+        advice = "check the URL" if getattr(e, "code", None) == 404 else "check the network and retry"
+        raise HubError(
+            f"could not download {shown}: {one_line(e if http else getattr(e, 'reason', e))}; {advice}"
+        ) from e
     return target
 
 

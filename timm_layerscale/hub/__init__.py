@@ -3,20 +3,8 @@
 
 from __future__ import annotations
 
-from .card import build_model_card
-from .config import read_label_names, write_config
+from .config import write_config
 from .export import ExportResult, export_folder
-from .upload import PushResult, check_repo_id, plan_push, push_folder, require_token
+from .upload import PushResult, push_folder
 
-__all__ = [
-    "ExportResult",
-    "PushResult",
-    "build_model_card",
-    "check_repo_id",
-    "export_folder",
-    "plan_push",
-    "push_folder",
-    "read_label_names",
-    "require_token",
-    "write_config",
-]
+__all__ = ["ExportResult", "PushResult", "export_folder", "push_folder", "write_config"]

@@ -4,11 +4,12 @@ SHA-256 matches a pinned release (:data:`~timm_layerscale.families.OFFICIAL_SHA2
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
 from .._version import __version__
+from ..families import OFFICIAL_SHA256
 from ..files.sources import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
 
 __all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "timm_hub_copy"]
@@ -87,13 +88,6 @@ def timm_hub_copy(reference: str | None, tag: str | None) -> str | None:
     return hub_id if hub_id and hub_id.startswith("timm/") else None
 
 
-def _tag_classes(architecture: str, tag: str) -> int | None:
-    """The classes of the weights timm registers for ``architecture`` under ``tag``."""
-    import timm
-
-    return getattr(timm.models.get_pretrained_cfg(f"{architecture}.{tag}"), "num_classes", None)
-
-
 def build_model_card(
     conversion: Any,
     *,
@@ -101,32 +95,16 @@ def build_model_card(
     config: Mapping[str, Any],
     num_params: int,
     command: str,
-    gates: Sequence[Mapping[str, Any]] | None = None,
+    gate_summary: str | None = None,
     plot: str | None = None,
-    reload_checked: bool = True,
 ) -> Any:
-    """Build the model card (a huggingface_hub ``ModelCard``) of an exported folder.
-
-    The folder's architecture is ``config["architecture"]``: this package's model
-    (``cait_s24_224_ls``, ``vit5_*``), or timm's own (``cait_s24_224`` from
-    ``export --to gamma``, ``deit3_*``); the card says which package loads it.
-    ``base_model`` names timm's Hub copy of the reference's weights where timm has one.
-    ``datasets`` are the tag's (``in1k``: ImageNet-1k), unless the head has other classes than the
-    tag's weights (a fine-tune), which were not trained on them.
-
-    Args:
-        conversion: The :class:`~timm_layerscale.converter.ConversionResult`.
-        repo_id: Hub id used in the usage code.
-        config: The written ``config.json``.
-        num_params: Number of parameters in the weights.
-        command: The command line that made the folder.
-        gates: :func:`~timm_layerscale.inspection.gate_profile` rows, summarised in the card.
-        plot: File name of the gate plot inside the folder, if one was drawn.
-        reload_checked: The folder was loaded back with ``local-dir:`` and matched.
-
-    Returns:
-        A ``huggingface_hub.ModelCard``; ``str(card)`` is the README text.
-    """
+    """The ``huggingface_hub.ModelCard`` (``str(card)`` is the README) of a folder exported from ``conversion``
+    (a :class:`~timm_layerscale.converter.ConversionResult`) with ``config`` as its ``config.json``, for the Hub id
+    ``repo_id``, made by ``command``, with the :func:`~timm_layerscale.inspection.gate_summary` sentence and
+    the gate plot's file name ``plot``. The card says which package loads ``config["architecture"]``; its
+    ``base_model`` is timm's Hub copy of the reference's weights, if any, and its ``datasets`` are the tag's
+    unless the head has other classes (a fine-tune)."""
+    import timm
     from huggingface_hub import ModelCard, ModelCardData
 
     variant = conversion.variant
@@ -139,7 +117,8 @@ def build_model_card(
     full_name = f"{architecture}.{tag}" if tag else architecture
     classifier = config.get("num_classes") != 0  # 0: a backbone saved without its head
     # A head of other classes than the tag's weights (a fine-tune) was not trained on the tag's data.
-    trained = bool(tag) and (not classifier or config.get("num_classes") == _tag_classes(architecture, tag))
+    tag_classes = tag and getattr(timm.models.get_pretrained_cfg(full_name), "num_classes", None)
+    trained = bool(tag) and (not classifier or config.get("num_classes") == tag_classes)
     datasets = sorted({ds for key, ds in _DATASETS.items() if trained and key in tag}) or None
     task = "image-classification" if classifier else "image-feature-extraction"
     data = ModelCardData(
@@ -158,19 +137,6 @@ def build_model_card(
         source_file = _md_link(source_name, source)
     else:
         source_file = _md_code(source if source.startswith("hf-hub:") else source_name)
-    from ..families import OFFICIAL_SHA256
-
-    if OFFICIAL_SHA256.get(source_name) == sha:
-        weights = f"These are the official weights released with the paper (`{source_name}`, SHA-256 as pinned)"
-    else:
-        weights = f"The weights come from {_md_code(source_name)} (SHA-256 `{sha}`)"
-    if needs_package and family == "vit5":
-        needs = "timm with `timm-layerscale` installed, which registers this architecture (timm has no ViT-5)."
-    elif needs_package:
-        needs = f"timm with `timm-layerscale` installed, which registers `{architecture}`."
-    else:
-        needs = f"timm alone (timm's own `{architecture}`); timm-layerscale is not needed."
-    needs += " transformers loads it through `TimmWrapper`, in the same environment."
     paper = pcfg.get("paper_name")
     ids = str(pcfg.get("paper_ids", ""))
     if paper and ids.startswith("arXiv:"):
@@ -186,14 +152,14 @@ def build_model_card(
         full_name=full_name,
         title=title,
         description=description,
-        weights=weights,
+        official=OFFICIAL_SHA256.get(source_name) == sha,
+        source_name=source_name,
+        source_code=_md_code(source_name),
+        family=family,
         layout=layout,
-        needs=needs,
         needs_package=needs_package,
-        pip="timm-layerscale" if needs_package else "timm",
         architecture=architecture,
-        registered="registered with timm by `import timm_layerscale`" if needs_package else "timm's own architecture",
-        reference=_reference_text(family, reference) if reference else None,
+        reference=reference,
         params_m=f"{num_params / 1e6:.1f}",
         image_size=f"{size[-2]} x {size[-1]}",
         init_value=f"{variant.init_value:g}" if variant.init_value is not None else None,
@@ -211,12 +177,12 @@ def build_model_card(
         weights_name=WEIGHTS_NAME,
         command=command,
         **_parity_values(report),
-        reload_checked=reload_checked,
-        gate_summary=_gate_summary(gates) if gates else None,
+        gate_summary=gate_summary,
         plot=plot,
         repo_id=repo_id,
         bibtex=BIBTEX.get(family),
-        citation=_generic_citation(pcfg),
+        paper_name=pcfg.get("paper_name"),
+        paper_ids=pcfg.get("paper_ids") or "",
     )
     return card
 
@@ -242,46 +208,10 @@ def _parity_values(report: Any) -> dict[str, Any]:
             f"**within tolerance** `|ref - out| <= {report.atol:g} + {report.rtol:g} * |ref|` "
             f"({report.tolerance_reason}); largest difference {report.max_abs_diff:.3g}"
         )
-    weights_check = (
-        "identical" if report.weights_equal else "not compared" if report.weights_equal is None else "DIFFERENT"
-    )
+    weights = {True: "identical", None: "not compared", False: "DIFFERENT"}[report.weights_equal]
     return {
         "table": report.to_markdown(),
         "parity_reference": report.reference,
         "verdict": verdict,
-        "weights_check": weights_check,
+        "weights_check": weights,
     }
-
-
-def _reference_text(family: str, reference: str) -> str:
-    """Name a parity reference honestly: timm's model, or this package's own implementation."""
-    if family == "vit5":
-        name = reference.rsplit("/", 1)[-1]
-        return (
-            f"the official-layout ViT-5 reference implementation of timm-layerscale "
-            f"(`timm_layerscale.parity.vit5_official`, `{name}`; timm has no ViT-5)"
-        )
-    return f"timm's `{reference}`"
-
-
-def _generic_citation(pcfg: Mapping[str, Any]) -> str:
-    paper = pcfg.get("paper_name")
-    ids = pcfg.get("paper_ids") or ""
-    return f"Please cite {paper} ({ids})." if paper and ids else "Please cite the paper that introduced this model."
-
-
-def _gate_summary(gates: Sequence[Mapping[str, Any]]) -> str:
-    from ..inspection import gate_extremes
-
-    parts = [
-        f"{label} gates (`{which}`) have mean |gamma| from {lo[0]:.3g} (`{lo[1]}`) to {hi[0]:.3g} (`{hi[1]}`)"
-        for which, label, (lo, hi) in gate_extremes(gates)
-    ]
-    ca = sum(1 for r in gates if r.get("class_attn"))
-    where = (
-        f" over {len(gates) - ca} self-attention and {ca} class-attention blocks"
-        if ca
-        else f" over {len(gates)} blocks"
-    )
-    text = "; ".join(parts) + where + "."
-    return text[0].upper() + text[1:]

@@ -1,14 +1,5 @@
-"""An exported folder's ``config.json`` and the class names it may carry.
-
-:func:`write_config` writes timm's ``config.json`` with timm's own helper, then keeps
-under ``model_args`` only what the architecture's defaults do not give. Both loaders
-read that file: ``timm.create_model("local-dir:DIR")`` builds the architecture with
-``num_classes`` and ``model_args``, and transformers' ``TimmWrapper`` calls
-``timm.create_model(architecture, num_classes=num_labels, **model_args)``, which fails
-when ``model_args`` repeats ``num_classes``. :func:`read_label_names` reads a class-name
-file for a fine-tuned model's ``label_names``; :func:`read_folder_config` reads what a
-source folder's own ``config.json`` says of its classes and tag.
-"""
+"""An exported folder's ``config.json`` (timm's, read by ``timm.create_model("local-dir:DIR")`` and by
+transformers' ``TimmWrapper``) and the class names it may carry."""
 
 from __future__ import annotations
 
@@ -45,31 +36,16 @@ def write_config(
     label_names: Sequence[str] | None = None,
     label_descriptions: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Write timm's ``config.json`` for a registered model.
+    """Write and return timm's ``config.json`` for ``model_name`` (``cait_s24_224_ls``, or with a pretrained tag
+    timm registers: ``deit3_small_patch16_224.fb_in22k_ft_in1k``), by ``timm.models.save_config_for_hf`` on a
+    meta-device model built with ``model_args`` (``num_classes``, ``img_size``).
 
-    The model is built on the ``meta`` device (no memory, no weights) and passed to
-    ``timm.models.save_config_for_hf``, which records ``architecture``,
-    ``num_classes``, ``num_features`` and the ``pretrained_cfg`` (input size, crop,
-    mean/std, interpolation). ``model_args`` keeps only the arguments whose value
-    differs from the architecture's default, and never ``num_classes`` (the top-level
-    field says it), as timm writes it when a caller passes none; an ``img_size`` is
-    always kept there, and the input size follows it.
-
-    Args:
-        model_name: Registered model name (``cait_s24_224_ls``), optionally with a
-            pretrained tag timm registers for it (``deit3_small_patch16_224.fb_in22k_ft_in1k``).
-        path: The ``config.json`` to write.
-        model_args: Arguments beyond the architecture's: ``num_classes`` (a classifier
-            size that differs from the default), ``img_size`` (another resolution).
-        label_names: One name per class (timm's ``label_names``; transformers' ``id2label``).
-        label_descriptions: Name to description (timm's ``label_descriptions``).
-
-    Returns:
-        The written configuration.
+    Its ``model_args`` keeps only values that differ from the architecture's default and never ``num_classes``
+    (transformers passes ``num_classes=num_labels`` beside them, and a repeat fails); ``img_size`` always
+    stays. ``label_names`` (one per class) and ``label_descriptions`` (by name) are timm's fields.
 
     Raises:
-        CheckpointError: ``label_names`` are not unique, non-empty strings, one per class,
-            or the tag is unknown.
+        CheckpointError: ``label_names`` are not unique, non-empty strings, one per class, or the tag is unknown.
     """
     import timm
     import torch
@@ -111,17 +87,10 @@ def pretrained_tags(arch: str) -> list[str]:
 
 
 def read_folder_config(source: str | os.PathLike[str]) -> tuple[Any, dict[str, str] | None, Any]:
-    """The class names, their descriptions and the pretrained tag in the ``config.json`` of a
-    source folder or Hub repository (:func:`~timm_layerscale.files.sources.source_config`).
-
-    A folder exported by this package or by timm, a Hub model repository or a folder written
-    by transformers' ``save_pretrained`` holds one. Other sources (a file, a URL), a folder
-    without ``config.json`` and the names transformers gives a head it has no names for
-    (``LABEL_0``, ``LABEL_1``, ...) give ``None``.
-
-    Raises:
-        CheckpointError: The ``config.json`` is no JSON object.
-    """
+    """The class names, their descriptions and the pretrained tag in the ``config.json`` beside a source's
+    weights (a folder written by this package, timm or transformers, or a Hub repository); ``None`` for
+    what is missing, and for the names transformers gives a head it has no names for (``LABEL_0``, ...).
+    A ``config.json`` that is no JSON object is a :class:`~timm_layerscale.errors.CheckpointError`."""
     path = source_config(source)
     if path is None:
         return None, None, None
@@ -141,18 +110,10 @@ def read_folder_config(source: str | os.PathLike[str]) -> tuple[Any, dict[str, s
 
 
 def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str, str] | None]:
-    """Read class names: a JSON list of strings, a JSON object from class index to name
-    (transformers' ``id2label``: ``{"0": "tench", "1": "goldfish"}``), or one name per line.
-
-    A line may hold ``name<TAB>description``; the descriptions then become timm's
-    ``label_descriptions``. Blank lines at the end are ignored; names must be unique.
-
-    Returns:
-        The names in class order, and the descriptions by name (``None`` when the file gives none).
-
-    Raises:
-        CheckpointError: The file cannot be read, or its names are empty, not strings or repeated.
-    """
+    """The class names in class order and their descriptions by name (or ``None``) from a JSON list of strings,
+    a JSON object from class index to name (transformers' ``id2label``), or one ``name[<TAB>description]`` per
+    line. A :class:`~timm_layerscale.errors.CheckpointError` if the file cannot be read, or its names are
+    empty, not strings or repeated."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as Windows editors write, is not a name
@@ -190,13 +151,11 @@ def read_label_names(path: str | os.PathLike[str]) -> tuple[list[str], dict[str,
 
 def _check_names(names: Sequence[Any], where: str) -> None:
     """Class names are strings, one per class, none empty and none twice."""
-    wrong = [n for n in names if not isinstance(n, str)]
-    if wrong:
+    if wrong := [n for n in names if not isinstance(n, str)]:
         raise CheckpointError(f"{where} holds {wrong[0]!r}, not a name; give one string per class")
     empty = [i for i, n in enumerate(names) if not n]
     if empty or not names:
         what = f"no name for class {empty[0]}" if empty else "no class names"
         raise CheckpointError(f"{where} holds {what}; write one name per class")
-    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
-    if repeated:
+    if repeated := sorted(n for n, count in Counter(names).items() if count > 1):
         raise CheckpointError(f"{where} names a class twice ({repeated[0]!r}); class names must be unique")

@@ -14,6 +14,7 @@ from ..errors import CheckpointError, HubError, LayerScaleError, option
 from ..families import Variant
 from ..files.atomic import folder_output
 from ..files.hub_errors import one_line
+from ..files.read import check_finite
 from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, published_path
 from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
 from .config import pretrained_tags, read_folder_config, read_label_names, write_config
@@ -24,20 +25,10 @@ __all__ = ["ExportResult", "export_folder"]
 
 @dataclass
 class ExportResult:
-    """What :func:`export_folder` wrote.
-
-    Attributes:
-        folder: The export folder.
-        files: Its files, sorted.
-        conversion: The :class:`~timm_layerscale.converter.ConversionResult`.
-        repo_id: The Hub id in the card's usage code.
-        num_params: Parameters in the weights.
-        architecture: The architecture ``config.json`` names.
-        push_command: The ``timm-layerscale push`` command that uploads the folder as asked.
-        plot: The gate plot, or ``None``; ``plot_note`` says why not.
-        push: The upload, with ``push_to_hub``.
-        gates: The :func:`~timm_layerscale.inspection.gate_profile` rows.
-    """
+    """What :func:`export_folder` wrote: the folder and its files, the
+    :class:`~timm_layerscale.converter.ConversionResult`, the Hub id in the card's usage code, the parameter
+    count, the architecture ``config.json`` names, the ``push`` command that uploads the folder as asked, the
+    gate plot (or ``None``, ``plot_note`` saying why), the upload (with ``push_to_hub``) and the gate rows."""
 
     folder: Path
     files: list[Path]
@@ -112,10 +103,9 @@ def _architecture(variant: Variant, to: str) -> str:
 def _placeholder_repo_id(name: str) -> str:
     """``ORG/<folder name>`` for the card's usage code, or ``ORG/NAME`` where that is no Hub id."""
     try:
-        check_repo_id(f"ORG/{name}")
+        return check_repo_id(f"ORG/{name}")
     except HubError:
         return "ORG/NAME"
-    return f"ORG/{name}"
 
 
 def export_folder(
@@ -138,42 +128,32 @@ def export_folder(
 ) -> ExportResult:
     """Convert and verify a checkpoint into a folder that timm and transformers load, and optionally upload it.
 
-    The files are built in a hidden folder inside ``out_dir``, loaded back with
-    ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for weight, and only
-    then moved into ``out_dir``: a failed export leaves what was there.
+    The files are built in a hidden folder inside ``out_dir`` (made if missing), loaded back with
+    ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for weight, and only then
+    moved into ``out_dir``: a failed export leaves what was there.
 
     Args:
-        source: Checkpoint file or folder, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``.
-        out_dir: The folder to write (made if missing).
-        model: Model name overriding detection.
+        source, model, ema, options: As for :func:`~timm_layerscale.converter.convert_checkpoint`.
         overwrite: Write into a folder that is not empty, removing its other files.
-        push_to_hub: Upload the folder to this ``ORG/NAME`` once written.
-        ema: Take the ``'model_ema'`` weights.
-        options: :class:`~timm_layerscale.parity.tolerance.VerifyOptions`.
-        private: With ``push_to_hub``, create the repository as private.
-        commit_message: With ``push_to_hub``, the commit message.
+        push_to_hub, private, commit_message: Upload the folder to this ``ORG/NAME`` once written.
         repo_id: Hub id for the card's usage code (default ``push_to_hub``, else ``ORG/<folder name>``).
         plot: Draw ``gates.png`` when matplotlib is installed.
         command: Command line recorded in the card (default the equivalent ``timm-layerscale export``).
-        to: ``"ls"`` (this package's architecture), or for CaiT ``"gamma"``: timm's own ``cait_*``,
-            which timm and transformers load without this package.
-        label_names: Class names of a fine-tuned head: a list, or a file (one name per line,
-            ``name<TAB>description`` allowed; a JSON list; a JSON object from index to name). Default:
-            those of a source folder's or repository's ``config.json``, else timm's ImageNet labels
-            for 1000 classes.
+        to: ``"ls"`` (this package's architecture), or for CaiT ``"gamma"``: timm's own ``cait_*``.
+        label_names: Class names of a fine-tuned head, a list or a file
+            (:func:`~timm_layerscale.hub.config.read_label_names`). Default: those of the source's
+            ``config.json``, else timm's ImageNet labels for 1000 classes.
         tag: Pretrained tag written into ``config.json`` (default the source's, else the architecture's).
 
     Raises:
         OutputExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
-        CheckpointError: ``out_dir`` holds the source or the current folder, the source holds NaN or
-            Inf, the labels do not fit the classifier, the tag is unknown, or ``to`` does not apply;
-            each before converting.
+        CheckpointError: ``out_dir`` holds the source or the current folder, the source holds NaN or Inf, the
+            labels do not fit the classifier, the tag is unknown, or ``to`` does not apply; before converting.
         ParityError: The converted model does not match the reference.
-        HubError: A bad Hub id (before converting), or the download or upload failed (the folder is
-            kept when only the upload failed).
+        HubError: A bad Hub id (before converting), or the download or upload failed (the folder is kept).
     """
     from ..converter import convert_checkpoint, read_source
-    from ..inspection import MissingPlotDependency, gate_profile, plot_gates
+    from ..inspection import MissingPlotDependency, gate_rows, gate_summary, plot_gates
     from ..options import command_line, published_options
 
     out = Path(out_dir)
@@ -187,15 +167,16 @@ def export_folder(
     label_file = label_names if isinstance(label_names, (str, os.PathLike)) else None
     folder_names, descriptions, folder_tag = (None, None, None) if label_names and tag else read_folder_config(source)
     names = folder_names
-    if label_file is not None:
-        names, descriptions = read_label_names(label_file)
-    elif label_names is not None and not isinstance(label_names, os.PathLike):
+    if isinstance(label_names, (str, os.PathLike)):
+        names, descriptions = read_label_names(label_names)
+    elif label_names is not None:
         names, descriptions = list(label_names), None
     repo = repo_id or push_to_hub or _placeholder_repo_id(out.resolve().name)
     with folder_output(out, overwrite) as tmp:
         src = read_source(source, model=model, ema=ema)
-        src.check_finite("a published model must be finite, check the source checkpoint")
-        architecture = _architecture(src.variant, to)
+        check_finite(src.state_dict, src.path, "a published model must be finite, check the source checkpoint")
+        src.finite = True
+        architecture = _architecture(src.detection.variant, to)
         tags = pretrained_tags(architecture)
         written_tag = tag or (folder_tag if folder_tag in tags else None)
         try:
@@ -214,13 +195,12 @@ def export_folder(
             ) from None
         conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=to, fmt="safetensors", options=options)
         _check_reload(tmp, conv.state_dict)
-        gates = gate_profile(conv.state_dict)
+        gates = gate_rows(conv.state_dict)
+        summary = gate_summary(gates)
         plot_path, plot_note = None, None
         if plot:
             try:
-                plot_path = plot_gates(
-                    gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates across depth"
-                )
+                plot_path = plot_gates(gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates")
             except MissingPlotDependency as e:
                 plot_note = f"no {PLOT_NAME}: {e}"
         num_params = sum(t.numel() for t in conv.state_dict.values())
@@ -241,7 +221,7 @@ def export_folder(
             config=config,
             num_params=num_params,
             command=cmd,
-            gates=gates,
+            gate_summary=summary,
             plot=PLOT_NAME if plot_path else None,
         )
         card.save(tmp / CARD_NAME)

@@ -1,7 +1,5 @@
-"""Uploads: :func:`push_folder` commits an exported folder to a Hub model repository.
-
-The token is huggingface_hub's (``hf auth login`` or ``HF_TOKEN``); it is never printed, logged or stored.
-"""
+"""Uploads: :func:`push_folder` commits an exported folder to a Hub model repository with huggingface_hub's
+token (``hf auth login`` or ``HF_TOKEN``), which is never printed, logged or stored."""
 
 from __future__ import annotations
 
@@ -17,19 +15,14 @@ from ..errors import HubError, option
 from ..files.hub_errors import hub_errors, one_line
 from ..files.sources import CONFIG_NAME, FOLDER_WEIGHTS, WEIGHTS_NAME
 
-__all__ = ["PushResult", "check_repo_id", "plan_push", "push_folder", "require_token"]
+__all__ = ["PushResult", "check_repo_id", "push_folder", "require_token"]
 
-#: Never uploaded: the temporaries of an interrupted write.
-_UPLOAD_IGNORE = ("**/.*.tmp-*", ".*.tmp-*")
+_UPLOAD_IGNORE = ("**/.*.tmp-*", ".*.tmp-*")  # the temporaries of an interrupted write
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w][\w.-]*")
 
 
 def require_token() -> str:
-    """The Hub token, read locally (no request).
-
-    Raises:
-        HubError: No token is set.
-    """
+    """The Hub token, read locally (no request); :class:`~timm_layerscale.errors.HubError` if none is set."""
     from huggingface_hub import get_token
 
     token = get_token()
@@ -38,8 +31,8 @@ def require_token() -> str:
     return token
 
 
-def check_repo_id(repo_id: str) -> None:
-    """Raise :class:`~timm_layerscale.errors.HubError` unless ``repo_id`` is a Hub model id ``ORG/NAME``."""
+def check_repo_id(repo_id: str) -> str:
+    """``repo_id``; a :class:`~timm_layerscale.errors.HubError` unless it is a Hub model id ``ORG/NAME``."""
     from huggingface_hub.utils import validate_repo_id
 
     if not _REPO_ID.fullmatch(repo_id or ""):
@@ -48,6 +41,7 @@ def check_repo_id(repo_id: str) -> None:
         validate_repo_id(repo_id)
     except ValueError as e:
         raise HubError(f"invalid repo id {repo_id!r} ({one_line(e, 100)}); use ORG/NAME") from None
+    return repo_id
 
 
 def _human_size(n: int) -> str:
@@ -61,20 +55,9 @@ def _human_size(n: int) -> str:
 
 @dataclass
 class PushResult:
-    """An upload: what it sends and, once done, where it went.
-
-    Attributes:
-        repo_id: ``ORG/NAME``.
-        folder: The uploaded folder.
-        files: ``(path in the repository, bytes)`` of every file sent, sorted.
-        commit_message: The commit message.
-        private: A newly created repository is private.
-        revision: The branch committed to (made if missing); ``None`` is ``main``.
-        create_pr: The commit opens a pull request.
-        endpoint: The Hub address.
-        dry_run: Nothing was sent.
-        repo_url, commit_url, pr_url: Set by a real upload.
-    """
+    """An upload: the repository, the folder, ``(path in the repository, bytes)`` of every file sent (sorted),
+    the options (``revision`` ``None`` is ``main``), the Hub address, whether nothing was sent (``dry_run``),
+    and the URLs a real upload sets."""
 
     repo_id: str
     folder: Path
@@ -128,22 +111,14 @@ def push_folder(
     commit_message: str | None = None,
     dry_run: bool = False,
 ) -> PushResult:
-    """Upload an exported folder in one commit (or pull request), creating the repository (``private``
-    applies then) and the ``revision`` branch if missing. Running it again commits nothing unchanged.
-
-    Args:
-        folder: A folder written by :func:`~timm_layerscale.hub.export.export_folder`.
-        repo_id: ``ORG/NAME``.
-        private: Create the repository as private.
-        revision: Branch to commit to (default ``main``).
-        create_pr: Open a pull request against ``main`` instead.
-        commit_message: Default names the architecture.
-        dry_run: Only describe the upload; send nothing and read no token.
+    """Upload a folder written by :func:`~timm_layerscale.hub.export.export_folder` to ``repo_id`` (``ORG/NAME``)
+    in one commit to ``revision`` (default ``main``) or a pull request against ``main`` (``create_pr``),
+    creating the repository (``private`` applies then) and the branch if missing. Running it again commits
+    nothing unchanged. ``dry_run`` only describes the upload: it sends nothing and reads no token.
 
     Raises:
         HubError: A bad repo id or options, a folder without weights or a ``config.json`` naming its
-            architecture, no token, or the Hub refused (401/403 token, 404 repository) or was
-            unreachable; one line saying what to do.
+            architecture, no token, or the Hub refused or was unreachable; one line saying what to do.
     """
     from huggingface_hub import constants
     from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
@@ -153,8 +128,6 @@ def push_folder(
         raise HubError(
             f"a pull request opens against main, not revision {revision!r}; leave out {option('create_pr')} or {option('revision', revision)}"
         )
-    if revision is not None and not revision.strip():
-        raise HubError("revision is empty; name a branch or leave it out")
     path = Path(folder)
     export = f"timm-layerscale export SOURCE {path}"
     if path.is_file():
@@ -212,8 +185,3 @@ def push_folder(
     plan.dry_run = False
     plan.commit_url, plan.pr_url = getattr(info, "commit_url", None), getattr(info, "pr_url", None)
     return plan
-
-
-def plan_push(folder: str | os.PathLike[str], repo_id: str, **options: Any) -> PushResult:
-    """``push_folder(folder, repo_id, dry_run=True, **options)``: check and describe, send nothing."""
-    return push_folder(folder, repo_id, dry_run=True, **options)

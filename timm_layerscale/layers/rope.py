@@ -1,9 +1,5 @@
-"""2-D rotary position embedding on a grid of tokens (ViT-5).
-
-Each attention head's channels are split in two halves, one per grid axis; within a
-half, channel pairs ``(2i, 2i+1)`` are rotated by the angle ``position * freq_i`` with
-``freq_i = theta ** (-2i / (head_dim / 2))``.
-"""
+"""2-D rotary position embedding on a grid of tokens (ViT-5): a head's channels split in two halves, one
+per grid axis, and within a half the pairs ``(2i, 2i+1)`` rotated by ``position * theta ** (-2i / (d / 2))``."""
 
 from __future__ import annotations
 
@@ -14,15 +10,8 @@ __all__ = ["RopeTables", "Vit5RotaryEmbedding", "apply_rope", "rope_bands", "rot
 
 
 def rope_bands(head_dim: int, theta: float) -> torch.Tensor:
-    """Rotary frequencies of one grid axis.
-
-    Args:
-        head_dim: Width of one attention head, a multiple of 4.
-        theta: Base of the frequency progression (ViT-5: 10000 for patches, 100 for registers).
-
-    Returns:
-        fp32 CPU tensor ``(head_dim // 4,)``: ``1 / theta ** (2i / (head_dim // 2))``.
-    """
+    """The frequencies of one grid axis for heads ``head_dim`` wide (a multiple of 4): fp32 ``(head_dim // 4,)``,
+    ``1 / theta ** (2i / (head_dim // 2))`` (ViT-5's theta: 10000 for the patches, 100 for the registers)."""
     if head_dim % 4:
         raise ValueError(f"2-D rotary embedding needs a head width divisible by 4, got {head_dim}")
     half = head_dim // 2
@@ -55,17 +44,10 @@ def _grid_angles(h: int, w: int, ref_grid: tuple[int, int], bands: torch.Tensor)
 
 
 class Vit5RotaryEmbedding(nn.Module):
-    """2-D axial rotary embedding with interleaved pairs and positions scaled to a reference grid.
-
-    Holds no parameters or buffers: the tables are computed from constants on demand
-    (frequencies on the CPU, positions and angles on the target device, as the
-    official code does), so the module works unchanged after a meta-device build.
-
-    Args:
-        head_dim: Width of one attention head ``d`` (a multiple of 4).
-        ref_grid: ``(H_ref, W_ref)``; a grid ``H x W`` gets positions ``r / H * H_ref``.
-        theta: Base of the frequency progression.
-    """
+    """2-D axial rotary embedding of heads ``head_dim`` wide, with interleaved pairs and positions scaled to
+    ``ref_grid`` (a grid ``H x W`` gets positions ``r / H * H_ref``). It holds no parameters or buffers: the
+    tables are computed on demand (frequencies on the CPU, positions and angles on the target device, as the
+    official code does), so it works unchanged after a meta-device build."""
 
     def __init__(self, head_dim: int, ref_grid: tuple[int, int], theta: float = 10000.0) -> None:
         super().__init__()
@@ -74,21 +56,9 @@ class Vit5RotaryEmbedding(nn.Module):
         self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
         self.theta = theta
 
-    def bands(self) -> torch.Tensor:
-        """The per-axis frequencies ``(head_dim // 4,)`` (fp32, CPU)."""
-        return rope_bands(self.head_dim, self.theta)
-
     def get_embed(self, grid: tuple[int, int], device: torch.device | None = None) -> RopeTables:
-        """``(sin, cos)`` tables for a row-major ``H x W`` grid.
-
-        Args:
-            grid: ``(H, W)``.
-            device: Device of the tables.
-
-        Returns:
-            ``(sin, cos)``, each fp32 ``(H * W, head_dim)``.
-        """
-        ang = _grid_angles(grid[0], grid[1], self.ref_grid, self.bands().to(device))
+        """``(sin, cos)`` tables of a row-major ``(H, W)`` grid on ``device``, each fp32 ``(H * W, head_dim)``."""
+        ang = _grid_angles(grid[0], grid[1], self.ref_grid, rope_bands(self.head_dim, self.theta).to(device))
         return ang.sin(), ang.cos()
 
     def extra_repr(self) -> str:

@@ -1,241 +1,233 @@
-"""CaiT with LayerScale modules (``ls1.gamma`` / ``ls2.gamma``).
+"""CaiT with LayerScale modules (``ls1.gamma`` / ``ls2.gamma``), the layout of timm's ViT and DeiT-III.
 
-Paper: Touvron et al., "Going deeper with Image Transformers", ICCV 2021,
-https://arxiv.org/abs/2103.17239
+Paper: Touvron et al., "Going deeper with Image Transformers", ICCV 2021, https://arxiv.org/abs/2103.17239
 
-The architecture and numbers are those of the official CaiT models (and of timm's
-``cait_*``, which reproduces them): talking-heads self-attention blocks followed by
-two class-attention blocks, each residual branch gated by LayerScale. The difference
-is the parameter layout: LayerScale is a :class:`~timm_layerscale.layer_scale.LayerScale` module,
-as in timm's ViT/DeiT-III, instead of raw ``gamma_1`` / ``gamma_2`` parameters.
-Pretrained weights are the official ones (``fb_dist_in1k``), remapped at load time.
-
-Beyond timm's CaiT: ``dynamic_img_size=True`` and pretrained loading at another
-``img_size`` (the position embedding is resampled).
+timm's ``Cait`` built with blocks whose gates are LayerScale modules instead of raw ``gamma_1`` / ``gamma_2``
+parameters; the official weights (``fb_dist_in1k``, https://github.com/facebookresearch/deit) remapped as they
+load. Beyond timm's CaiT: ``dynamic_img_size``, pretrained loading at another ``img_size``,
+``folded_layerscale``, ``attn_impl`` and ``init_values="auto"``.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
-from timm.layers import Mlp, PatchEmbed
+from timm.layers import DropPath, Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint_seq
+from timm.models.cait import Cait, ClassAttn, TalkingHeadAttn
 
 from ..conversion.keys import to_layerscale, unwrap_state_dict
-from ..families import CAIT_RELEASE_URL, DEFAULT_NUM_CLASSES, Variant, variants_of
-from ..layer_scale import cait_init_value
-from ..layers.block import PreNormBlock
-from ..layers.class_attn import ClassAttn, LayerScaleBlockClassAttn
-from ..layers.talking_heads import (
-    ATTN_IMPLS,
-    BufferedTalkingHeadAttn,
-    FastTalkingHeadAttn,
-    TalkingHeadAttn,
-    attention_workspace,
-)
-from ._contract import (
-    TimmContract,
-    block_tail_flops,
+from ..families import CAIT_RELEASE_URL, Variant, variants_of
+from ..layer_scale import LayerScale, cait_init_value, fold_block
+from ..layers.talking_heads import attention_workspace, buffered_attention, eager_inference, fast_attention
+from ._helpers import (
+    add_pos_embed,
     build_variant,
+    check_global_pool,
+    count_flops,
     fit_state_dict,
-    linear_flops,
+    has_no_layerscale,
     pretrained_cfg,
-    self_attention_flops,
+    prune_blocks,
+    reset_head,
+    run_blocks,
+    to_nchw,
 )
 
-__all__ = [
-    "CaitLS",
-    "TalkingHeadAttn",
-    "BufferedTalkingHeadAttn",
-    "FastTalkingHeadAttn",
-    "ClassAttn",
-    "LayerScaleBlock",
-    "LayerScaleBlockClassAttn",
-]
+torch.fx.wrap("add_pos_embed")
 
-InitValues = float | str | None
+__all__ = ["BufferedTalkingHeadAttn", "CaitLS", "FastTalkingHeadAttn", "LayerScaleBlock", "LayerScaleBlockClassAttn"]
 
 
-class LayerScaleBlock(PreNormBlock):
-    """Self-attention block: :class:`~timm_layerscale.layers.block.PreNormBlock` with talking-heads attention by default."""
+class BufferedTalkingHeadAttn(TalkingHeadAttn):
+    """timm's ``TalkingHeadAttn`` whose CPU inference keeps its ``(B, H, N, N)`` tensors in three reused
+    buffers, bit-identical to timm's (:func:`~timm_layerscale.layers.talking_heads.buffered_attention`);
+    elsewhere, and with frozen head mixes (where ``matmul`` takes a stride-dependent path), timm's own."""
 
-    def __init__(
-        self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module] = TalkingHeadAttn, **kwargs: Any
-    ) -> None:
-        super().__init__(dim, num_heads, attn_layer, **kwargs)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if eager_inference(self, x) and self.proj_l.weight.requires_grad and self.proj_w.weight.requires_grad:
+            return self._buffered(x)
+        return super().forward(x)
+
+    @torch.jit.ignore
+    def _buffered(self, x: torch.Tensor) -> torch.Tensor:
+        return buffered_attention(self, x)
 
 
-class CaitLS(TimmContract):
-    """CaiT (Class-Attention in Image Transformers) with LayerScale modules.
+class FastTalkingHeadAttn(TalkingHeadAttn):
+    """timm's ``TalkingHeadAttn`` whose CPU inference mixes the heads with one GEMM each, within
+    :data:`~timm_layerscale.layers.talking_heads.FAST_ATTN_RTOL` of timm's (never bit-exact); elsewhere timm's own."""
 
-    Args:
-        img_size: Input resolution (pixels) the position embedding is built for.
-        patch_size: Patch size (pixels).
-        in_chans: Input channels.
-        num_classes: Classifier outputs; 0 for no classifier.
-        global_pool: ``'token'`` (class token), ``'avg'`` (mean of patch tokens) or ``''``.
-        embed_dim: Token width ``C``.
-        depth: Number of self-attention (talking-heads) blocks.
-        num_heads: Attention heads ``H``; ``C`` must be divisible by it.
-        mlp_ratio: MLP hidden width as a multiple of ``C``.
-        qkv_bias: Bias on the q/k/v projections.
-        drop_rate: Dropout before the classifier.
-        pos_drop_rate: Dropout after adding the position embedding.
-        proj_drop_rate: Dropout after attention projections and MLPs.
-        attn_drop_rate: Dropout on attention weights.
-        drop_path_rate: Stochastic depth rate (the same for every block, as in CaiT).
-        init_values: LayerScale initial value; ``"auto"`` uses :func:`~timm_layerscale.layer_scale.cait_init_value`
-            of ``depth``; ``None`` disables LayerScale (``nn.Identity``).
-        depth_token_only: Number of class-attention blocks.
-        mlp_ratio_token_only: MLP ratio of the class-attention blocks.
-        dynamic_img_size: Accept any input size divisible by the patch size; the
-            position embedding is resampled on the fly.
-        dynamic_img_pad: Pad inputs to a multiple of the patch size.
-        attn_impl: Talking-heads attention implementation (``attn_layer`` overrides it):
-            ``"reference"`` (default; timm's formulation, so never slower than timm),
-            ``"buffered"`` (CPU inference in reused buffers, bit-identical to the
-            reference; faster where fresh large tensors page-fault, e.g. glibc's default
-            allocator) or ``"fast"`` (fewer copies, within
-            :data:`~timm_layerscale.layers.talking_heads.FAST_ATTN_RTOL` of the
-            reference, not bit-exact). All three train identically.
-        folded_layerscale: Build without LayerScale modules (``ls1`` / ``ls2`` are
-            ``nn.Identity``, ``init_values`` is ignored), for weights whose gammas were
-            folded into ``attn.proj`` and ``mlp.fc2``
-            (:func:`~timm_layerscale.conversion.fold.fold_layerscale`).
-        norm_layer: Norm layer; ``None`` for LayerNorm with eps 1e-6.
-        act_layer: MLP activation.
-        block_layer: Self-attention block type.
-        block_layer_token: Class-attention block type.
-        attn_layer: Self-attention type.
-        attn_layer_token_only: Class-attention type.
-        mlp_layer: MLP type.
-        embed_layer: Patch embedding type.
-        device: Device to build on (``"meta"`` allowed).
-        dtype: Parameter dtype.
-    """
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fast(x) if eager_inference(self, x) else super().forward(x)
 
-    if TYPE_CHECKING:  # not at run time: see TimmContract
-        blocks_token_only: nn.ModuleList | None
+    @torch.jit.ignore
+    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+        return fast_attention(self, x)
+
+
+#: ``attn_impl`` values of :class:`CaitLS` and their attention.
+ATTN_IMPLS = {"reference": TalkingHeadAttn, "buffered": BufferedTalkingHeadAttn, "fast": FastTalkingHeadAttn}
+
+
+class LayerScaleBlock(nn.Module):
+    """timm's ``LayerScaleBlock`` (timm's arguments) with LayerScale modules: tokens ``(B, N, C)``,
+    ``x + drop_path(ls1(attn(norm1(x))))``, then ``x + drop_path(ls2(mlp(norm2(x))))``."""
 
     def __init__(
         self,
-        img_size: int | tuple[int, int] = 224,
-        patch_size: int = 16,
-        in_chans: int = 3,
-        num_classes: int = DEFAULT_NUM_CLASSES,
-        global_pool: str = "token",
-        embed_dim: int = 768,
-        depth: int = 12,
-        num_heads: int = 12,
+        dim: int,
+        num_heads: int,
         mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        drop_rate: float = 0.0,
-        pos_drop_rate: float = 0.0,
-        proj_drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.0,
-        init_values: InitValues = 1e-4,
-        depth_token_only: int = 2,
-        mlp_ratio_token_only: float = 4.0,
-        dynamic_img_size: bool = False,
-        dynamic_img_pad: bool = False,
-        folded_layerscale: bool = False,
-        norm_layer: Callable[..., nn.Module] | None = None,
+        qkv_bias: bool = False,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
         act_layer: type[nn.Module] = nn.GELU,
-        block_layer: type[nn.Module] = LayerScaleBlock,
-        block_layer_token: type[nn.Module] = LayerScaleBlockClassAttn,
-        attn_layer: type[nn.Module] | None = None,
-        attn_impl: str = "reference",
-        attn_layer_token_only: type[nn.Module] = ClassAttn,
-        mlp_layer: type[nn.Module] = Mlp,
-        embed_layer: Callable[..., PatchEmbed] = PatchEmbed,
+        norm_layer: Callable[..., nn.Module] = nn.LayerNorm,
+        attn_block: Callable[..., nn.Module] = TalkingHeadAttn,
+        mlp_block: Callable[..., nn.Module] = Mlp,
+        init_values: float | None = 1e-4,
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
+        # Gates multiply with type promotion, as the official ``gamma_1 * x``: autocast runs their arithmetic.
+        gate = (lambda: LayerScale(dim, init_values, promote=True, **dd)) if init_values is not None else nn.Identity
+        self.norm1 = norm_layer(dim, **dd)
+        self.attn = attn_block(
+            dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd
+        )
+        self.ls1 = gate()
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim, **dd)
+        self.mlp = mlp_block(
+            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd
+        )
+        self.ls2 = gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+
+    def reparameterize(self) -> None:
+        """Fold ``ls1`` into ``attn.proj`` and ``ls2`` into ``mlp.fc2``, as ``timm.utils.reparameterize_model`` asks."""
+        fold_block(self)
+
+
+class LayerScaleBlockClassAttn(LayerScaleBlock):
+    """timm's ``LayerScaleBlockClassAttn`` with LayerScale modules: patches ``(B, N, C)`` and the class token
+    ``(B, 1, C)`` to the class token."""
+
+    def __init__(
+        self, dim: int, num_heads: int, attn_block: Callable[..., nn.Module] = ClassAttn, **kwargs: Any
+    ) -> None:
+        super().__init__(dim, num_heads, attn_block=attn_block, **kwargs)
+
+    def forward(self, x: torch.Tensor, x_cls: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        u = torch.cat((x_cls, x), dim=1)
+        x_cls = x_cls + self.drop_path(self.ls1(self.attn(self.norm1(u))))
+        return x_cls + self.drop_path(self.ls2(self.mlp(self.norm2(x_cls))))
+
+
+class CaitLS(Cait):
+    """CaiT (Class-Attention in Image Transformers) with LayerScale modules.
+
+    Takes timm's ``Cait`` arguments (``img_size``, ``embed_dim``, ``depth``, ``num_heads``, ``block_layers``,
+    ``attn_block``, ``mlp_block``, ...) with this package's blocks as defaults, and:
+
+    Args:
+        init_values: LayerScale initial value; ``"auto"``: :func:`~timm_layerscale.layer_scale.cait_init_value`
+            of ``depth``; ``None``: no LayerScale.
+        dynamic_img_size: Take any input size divisible by the patch size, the position embedding resampled.
+        dynamic_img_pad: Pad inputs to a multiple of the patch size.
+        folded_layerscale: Build without LayerScale modules, for weights whose gates were folded into
+            ``attn.proj`` and ``mlp.fc2``; pretrained weights are folded as they load.
+        attn_impl: Talking-heads attention, where ``attn_block`` is not given: ``"reference"`` (timm's),
+            ``"buffered"`` (CPU inference in reused buffers, bit-identical) or ``"fast"`` (fewer copies,
+            within a tolerance). All three train as timm's.
+    """
+
+    __jit_unused_properties__: typing.ClassVar[list[str]] = ["folded_layerscale"]  # not compiled by TorchScript
+
+    def __init__(
+        self,
+        *,
+        init_values: float | str | None = 1e-4,
+        dynamic_img_size: bool = False,
+        dynamic_img_pad: bool = False,
+        folded_layerscale: bool = False,
+        attn_impl: str = "reference",
+        attn_block: Callable[..., nn.Module] | None = None,
+        patch_layer: Callable[..., nn.Module] = PatchEmbed,
+        **kwargs: Any,
+    ) -> None:
         if init_values == "auto":
-            init_values = cait_init_value(depth)
+            init_values = cait_init_value(kwargs.get("depth", 12))
         elif isinstance(init_values, str):
             raise ValueError(f"init_values must be a number, 'auto' or None, got {init_values!r}")
-        if folded_layerscale:
-            init_values = None
-        norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
-        if attn_layer is None:
-            if attn_impl not in ATTN_IMPLS:
-                raise ValueError(f"attn_impl must be one of {', '.join(map(repr, ATTN_IMPLS))}, got {attn_impl!r}")
-            attn_layer = ATTN_IMPLS[attn_impl]
+        if attn_block is None and attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {', '.join(map(repr, ATTN_IMPLS))}, got {attn_impl!r}")
+        check_global_pool(kwargs.get("global_pool", "token"))
+        patch = {
+            "dynamic_img_pad": dynamic_img_pad,
+            **({"strict_img_size": False, "output_fmt": "NHWC"} if dynamic_img_size else {}),
+        }
+        kwargs.setdefault("block_layers", LayerScaleBlock)
+        kwargs.setdefault("block_layers_token", LayerScaleBlockClassAttn)
+        args: dict[str, Any] = {
+            "attn_block": attn_block or ATTN_IMPLS[attn_impl],
+            "patch_layer": partial(patch_layer, **patch),
+        }
+        super().__init__(init_values=None if folded_layerscale else init_values, **args, **kwargs)  # type: ignore[arg-type]
+        self.dynamic_img_size = dynamic_img_size
+        self.init_values = None if folded_layerscale else init_values
+        self.num_prefix_tokens = 1  # timm 1.0.26 does not set it
 
-        self._build_stem(
-            img_size,
-            patch_size,
-            in_chans,
-            num_classes,
-            global_pool,
-            embed_dim,
-            init_values,
-            folded_layerscale,
-            dynamic_img_size,
-            dynamic_img_pad,
-            embed_layer,
-            **dd,
-        )
-        self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
-        self.pos_embed = nn.Parameter(torch.empty(1, self.patch_embed.num_patches, embed_dim, **dd))
-        self.pos_drop = nn.Dropout(p=pos_drop_rate)
+    @property
+    def folded_layerscale(self) -> bool:
+        return has_no_layerscale(self)
 
-        block_args = dict(
-            dim=embed_dim,
-            num_heads=num_heads,
-            qkv_bias=qkv_bias,
-            init_values=init_values,
-            act_layer=act_layer,
-            norm_layer=norm_layer,
-            mlp_layer=mlp_layer,
-            **dd,
-        )
-        self.blocks = nn.Sequential(
-            *[
-                block_layer(
-                    mlp_ratio=mlp_ratio,
-                    proj_drop=proj_drop_rate,
-                    attn_drop=attn_drop_rate,
-                    drop_path=drop_path_rate,
-                    attn_layer=attn_layer,
-                    **block_args,
-                )
-                for _ in range(depth)
-            ]
-        )
-        self.blocks_token_only = nn.ModuleList(
-            [
-                block_layer_token(mlp_ratio=mlp_ratio_token_only, attn_layer=attn_layer_token_only, **block_args)
-                for _ in range(depth_token_only)
-            ]
-        )
-        self._build_head(depth, patch_size, drop_rate, norm_layer, **dd)
+    def _patch_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        x = self.patch_embed(x)
+        fixed: tuple[int, int] = self.patch_embed.grid_size  # type: ignore[assignment]
+        grid = (x.shape[1], x.shape[2]) if self.dynamic_img_size else fixed
+        return add_pos_embed(x, self.pos_embed, fixed, self.dynamic_img_size), grid
 
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Callable[[str], float]:
-        def _matcher(name: str) -> float:
-            if name.startswith(("cls_token", "pos_embed", "patch_embed")):
-                return 0
-            if name.startswith("blocks."):
-                return int(name.split(".")[1]) + 1
-            if name.startswith("blocks_token_only."):
-                # class-attention blocks share groups with the last self-attention blocks
-                offset = len(self.blocks) - len(self.blocks_token_only or ()) + 1
-                return int(name.split(".")[1]) + offset
-            if name.startswith("norm."):
-                return len(self.blocks)
-            return float("inf")
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:  # dynamic_img_size, and the shared buffers
+        x = self.pos_drop(self._patch_tokens(x)[0])
+        if torch.jit.is_scripting():
+            x = self.blocks(x)
+        elif self.grad_checkpointing:
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            with attention_workspace():
+                x = self.blocks(x)
+        return self.norm(self.forward_cls(x))
 
-        return _matcher
+    def forward_cls(self, x: torch.Tensor) -> torch.Tensor:  # timm 1.0.26 has none
+        """Patch tokens ``(B, N, C)`` through the class-attention blocks, the class token prepended: ``(B, 1 + N, C)``."""
+        if self.cls_token is None or self.blocks_token_only is None:  # pruned with the head
+            return x
+        cls_tokens = self.cls_token.expand(x.shape[0], -1, -1)
+        for blk in self.blocks_token_only:
+            cls_tokens = blk(x, cls_tokens)
+        return torch.cat((cls_tokens, x), dim=1)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:  # timm 1.0.26 pools from token 1
+        if self.global_pool == "avg":
+            x = x[:, self.num_prefix_tokens :].mean(dim=1)
+        elif self.global_pool == "token":
+            x = x[:, 0]
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
 
     def forward_intermediates(
         self,
@@ -245,118 +237,58 @@ class CaitLS(TimmContract):
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
-    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
-        """Forward pass that also returns the outputs of selected self-attention blocks.
-
-        Args:
-            x: Images ``(B, C_in, H_img, W_img)``.
-            indices: Last ``n`` blocks if an int, all if ``None``, else these block indices.
-            norm: Apply the final norm to each intermediate.
-            stop_early: Stop after the last requested block (needs ``intermediates_only``).
-            output_fmt: ``'NCHW'`` (``(B, C, H, W)`` patch grids) or ``'NLC'`` (``(B, N, C)``).
-            intermediates_only: Return only the intermediates.
-
-        Returns:
-            The intermediates, or ``(final_tokens (B, 1 + N, C), intermediates)``.
-        """
-        self._check_output_fmt(output_fmt)
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:  # dynamic_img_size
+        """timm's ``forward_intermediates``: the outputs of the self-attention blocks ``indices`` selects (the
+        last ``n`` for an int), as ``(B, C, H, W)`` (``'NCHW'``) or ``(B, N, C)`` (``'NLC'``)."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         x, grid = self._patch_tokens(x)
-        with attention_workspace():
-            x, intermediates = self._collect_intermediates(self.pos_drop(x), indices, norm, stop_early)
+        x, intermediates = run_blocks(self, self.pos_drop(x), indices, norm, stop_early)
         if output_fmt == "NCHW":
-            intermediates = self._to_nchw(intermediates, grid)
+            intermediates = to_nchw(intermediates, grid)
         if intermediates_only:
             return intermediates
-        if self.blocks_token_only is not None:
-            x = self.forward_cls(x)
-        x = self.norm(x)
-        return x, intermediates
+        return self.norm(self.forward_cls(x)), intermediates
 
-    def _prune_head(self) -> None:
-        self.blocks_token_only = None
-        self.cls_token = None
-        self.num_prefix_tokens = 0
-        self.reset_classifier(0, "")
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:  # timm 1.0.26 keeps the class token and an empty list of blocks
+        take = prune_blocks(self, indices, prune_norm)
+        if prune_head:
+            self.blocks_token_only, self.cls_token, self.num_prefix_tokens = None, None, 0  # type: ignore[assignment]
+            self.reset_classifier(0, "")
+        return take
 
-    def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the class token through the class-attention blocks and prepend it.
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        reset_head(self, num_classes, global_pool)  # timm 1.0.26 builds the head on the default device, in train mode
 
-        Args: x: patch tokens ``(B, N, C)``. Returns: ``(B, 1 + N, C)``.
-        """
-        assert self.cls_token is not None and self.blocks_token_only is not None, (
-            "the class token was pruned (prune_intermediate_layers)"
-        )
-        cls_tokens = self.cls_token.expand(x.shape[0], -1, -1)
-        for blk in self.blocks_token_only:
-            cls_tokens = blk(x, cls_tokens)
-        return torch.cat((cls_tokens, x), dim=1)
+    @torch.jit.ignore
+    def group_matcher(
+        self, coarse: bool = False
+    ) -> Callable[[str], float]:  # timm's fails once blocks_token_only is pruned
+        def matcher(name: str) -> float:
+            if name.startswith(("cls_token", "pos_embed", "patch_embed")):
+                return 0
+            if name.startswith("blocks."):
+                return int(name.split(".")[1]) + 1
+            if name.startswith("blocks_token_only."):  # beside the last self-attention blocks
+                return int(name.split(".")[1]) + len(self.blocks) - len(self.blocks_token_only or ()) + 1
+            return len(self.blocks) if name.startswith("norm.") else float("inf")
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, C_in, H, W)`` to normalised tokens ``(B, 1 + N, C)``, class token first."""
-        x = self.pos_drop(self._patch_tokens(x)[0])
-        if torch.jit.is_scripting():
-            x = self.blocks(x)
-        elif self.grad_checkpointing:
-            x = checkpoint_seq(self.blocks, x)
-        else:
-            with attention_workspace():
-                x = self.blocks(x)
-        if self.blocks_token_only is not None:
-            x = self.forward_cls(x)
-        return self.norm(x)
+        return matcher
 
+    @torch.jit.ignore
     def flop_count(self, batch_size: int = 1) -> int:
-        """Multiplications of one forward pass at the model's ``img_size``.
-
-        Multiply-only convention, as :meth:`~timm_layerscale.layer_scale.LayerScale.flop_count`: a multiply-add
-        counts 1 (``torch.utils.flop_counter.FlopCounterMode`` counts it 2). Counted:
-        the patch-embedding conv; every linear layer (``qkv``, ``proj``, the MLPs, the
-        class-attention ``q`` / ``k`` / ``v`` / ``proj`` and the classifier); ``q @ k^T``
-        and ``attn @ v`` (``N^2 C`` each in a self-attention block, ``(1 + N) C`` in a
-        class-attention block); the talking-heads mixes ``proj_l`` and ``proj_w``
-        (``H^2`` per entry of the ``N x N`` logits); LayerScale (``tokens * C`` per
-        module; none when ``folded_layerscale``). Not counted: norms, softmax, GELU,
-        the attention scale, bias, residual and position-embedding additions. Inputs
-        of another size (``dynamic_img_size``) are not accounted for.
-
-        Args:
-            batch_size: Images per forward pass.
-
-        Returns:
-            The count for ``batch_size`` images.
-        """
-        n = self.patch_embed.num_patches
-        total = 0
-        for blk in self.blocks:
-            total += self_attention_flops(blk.attn, n) + _talking_heads_flops(blk.attn, n) + block_tail_flops(blk, n)
-        for blk in self.blocks_token_only or ():
-            total += _class_attention_flops(blk.attn, n) + block_tail_flops(blk, 1)
-        return self._flop_total(total, batch_size)
-
-
-def _talking_heads_flops(attn: Any, tokens: int) -> int:
-    """The ``proj_l`` and ``proj_w`` head mixes: ``H^2`` per entry of the ``N x N`` logits."""
-    return 2 * tokens * tokens * attn.num_heads * attn.num_heads
-
-
-def _class_attention_flops(attn: Any, patches: int) -> int:
-    """``q`` and ``proj`` of the class token, ``k`` and ``v`` of all ``1 + N`` tokens, ``q @ k^T`` and ``attn @ v``."""
-    n = patches + 1
-    total = linear_flops(attn.q, 1) + linear_flops(attn.k, n) + linear_flops(attn.v, n) + linear_flops(attn.proj, 1)
-    return total + 2 * n * attn.num_heads * attn.head_dim
+        """Multiplications of one forward pass at the model's ``img_size``
+        (:func:`~timm_layerscale.models._helpers.count_flops`)."""
+        return count_flops(self, batch_size)
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: CaitLS) -> dict[str, torch.Tensor]:
-    """Turn any CaiT checkpoint into this model's layout.
-
-    Accepts the official file (``{'model': {'module.' + key: ...}}``), timm's
-    ``cait_*`` state dict (``gamma_1``/``gamma_2``) and the ``ls`` layout. The
-    position embedding is resampled when the checkpoint's grid differs from the
-    model's (pretrained loading at another ``img_size``). For a model built with
-    ``folded_layerscale=True`` the gammas are folded into ``attn.proj`` and ``mlp.fc2``
-    (:func:`timm_layerscale.conversion.fold.fold_state_dict`).
-    """
-    return fit_state_dict(to_layerscale(unwrap_state_dict(state_dict), "cait"), model, fold=model.folded_layerscale)
+    """Any CaiT checkpoint in this model's layout: the official file (``{'model': {'module.' + key: ...}}``),
+    timm's ``cait_*`` state dict or the ``ls`` layout, ``pos_embed`` resampled to the model's grid and the gates
+    folded for a ``folded_layerscale`` model."""
+    return fit_state_dict(to_layerscale(unwrap_state_dict(state_dict), "cait"), model)
 
 
 #: The registered variants (:data:`timm_layerscale.families.VARIANTS`).
@@ -377,55 +309,55 @@ def _cfg(v: Variant) -> dict[str, Any]:
 default_cfgs = generate_default_cfgs({f"{name}.fb_dist_in1k": _cfg(v) for name, v in VARIANTS.items()})
 
 
-def _make(name: str, pretrained: bool, kwargs: dict[str, Any]) -> CaitLS:
+def _create(name: str, pretrained: bool, kwargs: dict[str, Any]) -> CaitLS:
     return build_variant(CaitLS, checkpoint_filter_fn, VARIANTS[name], pretrained, kwargs)
 
 
 @register_model
 def cait_xxs24_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_xxs24_224_ls", pretrained, kwargs)
+    return _create("cait_xxs24_224_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_xxs24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_xxs24_384_ls", pretrained, kwargs)
+    return _create("cait_xxs24_384_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_xxs36_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_xxs36_224_ls", pretrained, kwargs)
+    return _create("cait_xxs36_224_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_xxs36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_xxs36_384_ls", pretrained, kwargs)
+    return _create("cait_xxs36_384_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_xs24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_xs24_384_ls", pretrained, kwargs)
+    return _create("cait_xs24_384_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_s24_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_s24_224_ls", pretrained, kwargs)
+    return _create("cait_s24_224_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_s24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_s24_384_ls", pretrained, kwargs)
+    return _create("cait_s24_384_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_s36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_s36_384_ls", pretrained, kwargs)
+    return _create("cait_s36_384_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_m36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_m36_384_ls", pretrained, kwargs)
+    return _create("cait_m36_384_ls", pretrained, kwargs)
 
 
 @register_model
 def cait_m48_448_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _make("cait_m48_448_ls", pretrained, kwargs)
+    return _create("cait_m48_448_ls", pretrained, kwargs)

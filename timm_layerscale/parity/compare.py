@@ -1,14 +1,4 @@
-"""Output parity between a reference model and a converted one, and its report.
-
-The reference is the model that computes the released function from the original
-weights: timm's ``cait_*`` for the LayerScale CaiT family (timm's CaiT equals the
-official code bit for bit with fused attention off), timm's ``deit3_*`` for DeiT-III,
-and an independent official-layout implementation for ViT-5. Both models see the
-same inputs; the report states how far apart their outputs are, and whether every
-converted weight equals its source tensor.
-
-The tolerances are :mod:`.tolerance`'s; the inputs and seeded weights :mod:`.inputs`'.
-"""
+"""Output parity between a reference and a converted model, weight parity, and the report of both."""
 
 from __future__ import annotations
 
@@ -23,24 +13,19 @@ from torch import nn
 from .._version import __version__
 from .tolerance import Tolerance
 
-__all__ = ["ParityReport", "compare_weights", "compare_models", "attention_path", "versions"]
+__all__ = ["ParityReport", "attention_path", "compare_models", "compare_weights", "versions"]
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal``, but for a NaN matching a NaN in the same place (a weight converted with
-    ``allow_nonfinite``)."""
+    """``torch.equal``, a NaN matching a NaN in the same place (a weight converted with ``allow_nonfinite``)."""
     if torch.equal(a, b):
         return True
     return a.is_floating_point() and bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
 
 
 def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> tuple[bool, int, str]:
-    """Every tensor of ``got`` ``torch.equal`` to the one of ``expected`` (dtype, shape and values;
-    a NaN matches a NaN in the same place).
-
-    Returns:
-        ``(equal, compared, detail)``: ``detail`` names the first difference, else ``""``.
-    """
+    """``(equal, compared, detail)``: whether every tensor of ``got`` equals ``expected``'s (dtype, shape, values),
+    how many were compared, and the first difference."""
     if expected.keys() != got.keys():
         missing = sorted(set(expected) - set(got))
         extra = sorted(set(got) - set(expected))
@@ -57,30 +42,19 @@ class ParityReport:
     """How closely a converted model reproduces its reference.
 
     Attributes:
-        reference: Name of the reference model.
-        model: Name of the converted model.
-        family: Model family.
-        inputs: What the inputs were.
-        num_inputs: Number of input images.
-        dtype: dtype of both models and the inputs.
-        device: Device both models ran on.
-        attention: Attention path both models took.
+        reference, model, family, inputs: What was compared on what.
+        num_inputs, dtype, device, attention: The images, and how both models ran.
         max_abs_diff: Largest ``|ref - out|`` over all outputs (logits, or a backbone's features).
         max_rel_diff: Largest ``|ref - out| / |ref|`` (0 where both are 0).
-        cosine_min: Smallest per-image cosine similarity of the logit vectors.
-        top1_agreement: Fraction of images with the same top-1 class; ``None`` for a model
-            without a classifier (``num_classes=0``), whose outputs are pooled features.
-        top5_agreement: Fraction of images with the same top-5 class set; ``None`` likewise.
-        bit_exact: Every output element is identical (``torch.equal``; NaN or Inf, which only a
-            checkpoint converted with ``allow_nonfinite`` gives, where the reference has the same).
-        atol: Absolute tolerance of the check (0 = exact).
-        rtol: Relative tolerance of the check (0 = exact).
-        tolerance_reason: Why that tolerance applies.
+        cosine_min: Smallest per-image cosine similarity of the outputs.
+        top1_agreement, top5_agreement: Fractions of images with the same top-1 class and top-5 set;
+            ``None`` for a model without a classifier.
+        bit_exact: Every output element is identical (NaN or Inf where the reference has the same).
+        atol, rtol, tolerance_reason: The check's tolerance (both 0: bit-exact) and why it applies.
         weights_equal: Every converted tensor equals its source tensor (``None``: not compared).
-        weights_compared: Number of tensors compared.
-        passed: The check held: the weights are equal (where compared) and the outputs
-            bit-exact when both tolerances are 0, else ``|ref - out| <= atol + rtol * |ref|``.
-        versions: Package, timm, torch and Python versions.
+        weights_compared: How many were compared.
+        passed: The weights are equal (where compared) and the outputs within the tolerance.
+        versions: This package's, timm's, torch's and Python's.
     """
 
     reference: str
@@ -107,13 +81,12 @@ class ParityReport:
 
     @property
     def verdict(self) -> str:
-        """``"bit-exact"``, ``"within tolerance"`` or ``"failed"``."""
         if not self.passed:
             return "failed"
         return "bit-exact" if self.bit_exact else "within tolerance"
 
     def metadata(self) -> dict[str, str]:
-        """The parity result as string pairs for a safetensors header."""
+        """The result as string pairs for a safetensors header."""
         return {
             "parity": self.verdict,
             "parity_reference": self.reference,
@@ -122,29 +95,19 @@ class ParityReport:
             "parity_max_abs_diff": f"{self.max_abs_diff:.6g}",
             "parity_atol": f"{self.atol:g}",
             "parity_rtol": f"{self.rtol:g}",
-            "parity_weights": "equal"
-            if self.weights_equal
-            else "not compared"
-            if self.weights_equal is None
-            else "differ",
+            "parity_weights": {True: "equal", False: "differ", None: "not compared"}[self.weights_equal],
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
         return asdict(self)
 
     def _rows(self) -> list[tuple[str, str]]:
         tol = "exact equality" if self.atol == 0 and self.rtol == 0 else f"atol={self.atol:g}, rtol={self.rtol:g}"
         if self.tolerance_reason:
             tol += f" ({self.tolerance_reason})"
-        if self.weights_equal is None:
-            weights = "not compared"
-        else:
-            weights = (
-                f"{self.weights_compared} tensors {'equal to' if self.weights_equal else 'NOT equal to'} the source"
-            )
+        weights = f"{self.weights_compared} tensors {'equal to' if self.weights_equal else 'NOT equal to'} the source"
         return [
-            ("weights", weights),
+            ("weights", "not compared" if self.weights_equal is None else weights),
             ("reference", self.reference),
             ("converted", self.model),
             ("inputs", self.inputs),
@@ -164,20 +127,19 @@ class ParityReport:
         ]
 
     def format_table(self) -> str:
-        """The report as an aligned two-column plain-text table."""
+        """The report as an aligned two-column table."""
         rows = self._rows()
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
     def to_markdown(self) -> str:
-        """The report as a markdown table."""
         lines = ["| check | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in self._rows()]
         return "\n".join(lines)
 
 
 def versions() -> dict[str, str]:
-    """Versions that decide the numbers: this package, timm, torch, Python."""
+    """The versions that decide the numbers: this package's, timm's, torch's, Python's."""
     import timm
 
     return {
@@ -191,13 +153,9 @@ def versions() -> dict[str, str]:
 def attention_path(model: nn.Module) -> str:
     """Which attention implementation a model's attention layers take."""
     flags = {bool(m.fused_attn) for m in model.modules() if hasattr(m, "fused_attn")}
-    if not flags:
-        return "manual (softmax(q k^T) v)"
     if flags == {True}:
         return "fused (scaled_dot_product_attention)"
-    if flags == {False}:
-        return "manual (softmax(q k^T) v)"
-    return "mixed: fused where timm fuses, manual talking-heads"
+    return "mixed: fused where timm fuses, manual talking-heads" if len(flags) > 1 else "manual (softmax(q k^T) v)"
 
 
 @torch.no_grad()
@@ -216,25 +174,19 @@ def compare_models(
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     progress: Callable[[Iterable[torch.Tensor]], Iterable[torch.Tensor]] | None = None,
 ) -> ParityReport:
-    """Run both models on the same inputs and measure how far apart the outputs are.
-
-    Both models are put in eval mode; inputs are cast to the reference's dtype and
-    moved to its device.
+    """Run both models (in eval mode) on ``inputs`` ``(K, C, H, W)``, cast to the reference's dtype and
+    device, ``batch_size`` at a time, and measure how far apart their outputs are.
 
     Args:
-        reference: Model computing the released function from the original weights.
+        reference: The model that computes the released function from the original weights.
         model: The converted model.
-        inputs: Images ``(K, C, H, W)``.
-        reference_name, model_name, family, inputs_desc: Labels for the report.
+        inputs: The images.
+        reference_name, model_name, family, inputs_desc: Labels of the report.
         batch_size: Images per forward pass.
-        tolerance: What the check accepts; ``None`` asks for bit-exact equality.
+        tolerance: What the check accepts; ``None``: bit-exact equality.
         weights: :func:`compare_weights` of the converted weights against the source, if made.
-        forward: ``forward(model, x) -> output``; defaults to ``model(x)``.
-        progress: Wraps the iterable of input batches, for a progress bar
-            (:func:`timm_layerscale.progress.bar`); default none.
-
-    Returns:
-        The :class:`ParityReport`.
+        forward: ``forward(model, x)``; default ``model(x)``.
+        progress: Wraps the batches, for a progress bar.
     """
     forward = forward or (lambda m, x: m(x))
     reference.eval()
@@ -246,14 +198,12 @@ def compare_models(
         x = chunk.to(device=device, dtype=dtype)
         outs_ref.append(forward(reference, x).float().cpu())
         outs.append(forward(model, x).float().cpu())
-    a = torch.cat(outs_ref)
-    b = torch.cat(outs)
+    a, b = torch.cat(outs_ref), torch.cat(outs)
     if a.shape != b.shape:
         raise ValueError(f"output shapes differ: reference {tuple(a.shape)}, converted {tuple(b.shape)}")
     same = torch.isclose(b, a, rtol=0.0, atol=0.0, equal_nan=True)  # NaN or Inf in both (allow_nonfinite)
     diff = torch.where(same, 0.0, (a - b).abs())
-    denom = a.abs()
-    rel = torch.where(diff == 0, torch.zeros_like(diff), diff / denom.clamp_min(torch.finfo(torch.float32).tiny))
+    rel = torch.where(diff == 0, torch.zeros_like(diff), diff / a.abs().clamp_min(torch.finfo(torch.float32).tiny))
     a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
     cos = torch.nn.functional.cosine_similarity(a2.double(), b2.double(), dim=1)
     bit_exact = bool(same.all())
@@ -264,12 +214,8 @@ def compare_models(
         pairs = zip(a2.topk(k, 1).indices, b2.topk(k, 1).indices, strict=True)
         top5 = sum(set(x.tolist()) == set(y.tolist()) for x, y in pairs) / a2.shape[0]
     tolerance = tolerance or Tolerance(0.0, 0.0, "")
-    if tolerance.exact:
-        passed = bit_exact
-    else:
-        passed = bool(torch.isclose(b, a, rtol=tolerance.rtol, atol=tolerance.atol, equal_nan=True).all())
-    if weights is not None:
-        passed = passed and weights[0]
+    close = bit_exact or bool(torch.isclose(b, a, rtol=tolerance.rtol, atol=tolerance.atol, equal_nan=True).all())
+    passed = (bit_exact if tolerance.exact else close) and (weights is None or weights[0])
     attn = attention_path(reference)
     if attention_path(model) != attn:
         attn = f"reference: {attn}; converted: {attention_path(model)}"

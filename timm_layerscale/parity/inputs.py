@@ -11,34 +11,17 @@ from torch import nn
 __all__ = ["seed_parameters_", "seeded_inputs", "image_inputs"]
 
 
-def _is_gamma(name: str) -> bool:
-    return name.endswith(("gamma", "gamma_1", "gamma_2"))
-
-
 @torch.no_grad()
 def seed_parameters_(model: nn.Module, seed: int = 0, gamma_std: float = 0.1) -> nn.Module:
-    """Fill every parameter with seeded random values, in place (buffers are kept).
-
-    The values make every branch matter: LayerScale gammas ~ N(0, gamma_std) (not
-    the 1e-5 init, which hides differences), matrices ~ N(0, 1/fan_in), norm
-    weights ~ 1 + N(0, 0.1), biases and embeddings ~ N(0, 0.1). One generator fills
-    the parameters in order, so the values depend on ``seed`` and on the names, shapes
-    and order of all parameters; to fill two models alike whose names map onto each
-    other (``gamma_1`` / ``ls1.gamma``), seed one and load its weights into the other
-    through :func:`~timm_layerscale.conversion.keys.to_layerscale`.
-
-    Args:
-        model: Any module; parameters on any device and floating dtype.
-        seed: Seed of the generator.
-        gamma_std: Standard deviation of the LayerScale gammas.
-
-    Returns:
-        ``model``.
-    """
+    """Fill every parameter of ``model`` with seeded random values in place, buffers kept, so that every
+    branch matters: gammas ~ N(0, ``gamma_std``) (the 1e-5 init hides differences), matrices
+    ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1), biases and embeddings ~ N(0, 0.1). The values depend
+    on the seed and the parameters' names, shapes and order; to fill two layouts alike, seed one and
+    load its weights into the other. Returns ``model``."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         shape = p.shape
-        if _is_gamma(name):
+        if name.endswith(("gamma", "gamma_1", "gamma_2")):
             v = torch.randn(shape, generator=gen) * gamma_std
         elif p.ndim >= 2 and not name.endswith(("pos_embed", "cls_token", "reg_token")):
             fan_in = math.prod(shape[1:])
@@ -52,22 +35,14 @@ def seed_parameters_(model: nn.Module, seed: int = 0, gamma_std: float = 0.1) ->
 
 
 def seeded_inputs(num_inputs: int, img_size: int | Sequence[int], seed: int = 0, in_chans: int = 3) -> torch.Tensor:
-    """Seeded N(0, 1) images, the scale of normalised photographs.
-
-    Returns:
-        Tensor ``(num_inputs, in_chans, H, W)`` in fp32.
-    """
+    """Seeded N(0, 1) images ``(num_inputs, in_chans, H, W)`` in fp32, the scale of normalised photographs."""
     h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(num_inputs, in_chans, h, w, generator=gen)
 
 
 def image_inputs(paths: Iterable[str], model: nn.Module) -> torch.Tensor:
-    """Load image files through timm's data config and eval transforms for ``model``.
-
-    Returns:
-        Tensor ``(len(paths), 3, H, W)``.
-    """
+    """Image files ``(len(paths), 3, H, W)`` through timm's data config and eval transforms for ``model``."""
     from PIL import Image
     from timm.data import create_transform, resolve_data_config
 

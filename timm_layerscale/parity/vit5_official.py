@@ -1,25 +1,13 @@
-"""ViT-5 in the official checkpoint layout, written from the published math in plain PyTorch.
+"""ViT-5 in the official checkpoint layout, written from the published math (Wang et al., arXiv 2602.08071)
+in plain PyTorch: the parity reference of the ``vit5`` family, since timm has none.
 
-Paper: Wang et al., "ViT-5: Vision Transformers for the Mid-2020s", arXiv 2602.08071.
-
-timm has no ViT-5, so this module is the parity reference of the ``vit5`` family: it
-loads an official state dict with ``load_state_dict(..., strict=True)`` (the keys are
-the official ones: ``blocks.N.gamma_1`` / ``gamma_2``, ``blocks.N.attn.rope.freqs`` /
-``rope_reg.freqs`` buffers, ``reg_token``, ...) and computes the official forward pass
-operation for operation:
-
-1. patch embedding (16 x 16 conv), plus the learned ``pos_embed`` on patch tokens only;
-2. tokens ``[cls, patches..., registers...]``;
-3. each block: ``x + gamma_1 * attn(RMSNorm(x))``, then ``x + gamma_2 * mlp(RMSNorm(x))``;
-4. attention: ``qkv`` (no bias) split into heads ``(B, N, H, d)``; RMSNorm of q and k per
-   head; 2-D rotary embedding of the patch tokens (positions ``i / n * n_train`` on the
-   ``n x n`` patch grid, ``theta = 10000``) and of the registers (2 x 2 grid,
-   ``theta = 100``), class token untouched; ``softmax(q k^T / sqrt(d)) v``; ``proj``;
-5. final RMSNorm, class token, linear head.
-
-RMSNorm computes in fp32 and multiplies the weight after casting back, as the official
-code does. It shares only the rotary frequency table and pair rotation (:mod:`timm_layerscale.layers.rope`)
-with :mod:`timm_layerscale.models.vit5`.
+It loads an official state dict strictly (``blocks.N.gamma_1``, the ``rope.freqs`` / ``rope_reg.freqs``
+buffers, ``reg_token``) and computes the official forward pass operation for operation: the patch
+embedding plus ``pos_embed``; tokens ``[cls, patches..., registers...]``; per block
+``x + gamma_1 * attn(RMSNorm(x))`` then ``x + gamma_2 * mlp(RMSNorm(x))``, where attention RMS-normalises q
+and k per head, rotates the patches' (positions ``i / n * n_train``, theta 10000) and the registers' (a 2 x 2
+grid, theta 100) and computes ``softmax(q k^T / sqrt(d)) v``; the final RMSNorm, the class token and the
+head. It shares only the frequency table and the pair rotation with :mod:`timm_layerscale.models.vit5`.
 """
 
 from __future__ import annotations
@@ -37,7 +25,8 @@ __all__ = ["Vit5Official", "build_official_vit5"]
 
 
 class RMSNorm(nn.Module):
-    """``weight * (x / sqrt(mean(x^2) + eps))``, the mean over the last dimension, in fp32."""
+    """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dimension, computed in fp32 and the weight
+    multiplied after casting back, as the official code does."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -53,15 +42,8 @@ class RMSNorm(nn.Module):
 
 
 class VisionRope(nn.Module):
-    """2-D rotary embedding of tokens on a square grid, frequencies in a persistent ``freqs`` buffer.
-
-    Args:
-        dim: Half the head width: each axis gets ``dim / 2`` frequencies
-            ``theta ** (-2i / dim)``, each used for one pair of channels.
-        pt_seq_len: Side of the training grid; a grid of side ``n`` gets positions
-            ``arange(n) / n * pt_seq_len``.
-        theta: Base of the frequency progression.
-    """
+    """2-D rotary embedding of the tokens of a square grid of side ``n`` (positions ``arange(n) / n *
+    pt_seq_len``); ``dim`` is half the head width, the frequencies a persistent ``freqs`` buffer."""
 
     def __init__(self, dim: int, pt_seq_len: int, theta: float = 10000) -> None:
         super().__init__()
@@ -70,7 +52,7 @@ class VisionRope(nn.Module):
         self.pt_seq_len = pt_seq_len
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x: ``(B, n * n, H, d)``, tokens of an ``n x n`` grid in row-major order."""
+        """Tokens ``(B, n * n, H, d)`` of the grid, in row-major order, rotated."""
         side = math.isqrt(x.shape[1])
         if side * side != x.shape[1]:
             raise ValueError(f"rotary embedding expects a square grid of tokens, got {x.shape[1]}")
@@ -156,20 +138,8 @@ class PatchEmbed(nn.Module):
 
 
 class Vit5Official(nn.Module):
-    """ViT-5 with the official parameter names and forward pass.
-
-    Args:
-        img_size: Input resolution; fixes the patch grid and the rotary training grid.
-        patch_size: Patch size.
-        in_chans: Input channels.
-        num_classes: Classifier outputs (0: no classifier, the class token is returned).
-        embed_dim: Token width.
-        depth: Number of blocks.
-        num_heads: Attention heads.
-        num_registers: Register tokens (a square number), appended after the patches.
-        reg_theta: Rotary base of the registers.
-        init_values: Initial LayerScale value.
-    """
+    """ViT-5 with the official parameter names and forward pass; the arguments are those of
+    :class:`~timm_layerscale.models.vit5.Vit5` (``num_registers`` register tokens, a square number)."""
 
     def __init__(
         self,
@@ -211,12 +181,7 @@ class Vit5Official(nn.Module):
 
 
 def build_official_vit5(variant: Variant, **kwargs: Any) -> Vit5Official:
-    """The official-layout model of a ViT-5 variant, random weights.
-
-    Args:
-        variant: A ``vit5`` row of :data:`~timm_layerscale.families.VARIANTS`.
-        **kwargs: Overrides of :class:`Vit5Official` arguments (``num_classes``, ...).
-    """
+    """The official-layout model of a ViT-5 variant with random weights; ``kwargs`` override its arguments."""
     args: dict[str, Any] = dict(
         img_size=variant.img_size,
         patch_size=variant.patch_size,
