@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from .conversion.keys import official_checkpoint, state_dict_of, to_gamma
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
 from .families import FAMILIES, Variant, check_rope_buffers, get_variant, official_rope_buffers
 from .files.atomic import output_path
-from .files.read import check_finite, load_checkpoint, nonfinite_tensors, parse_dtype, read_state_dict, sha256_file
+from .files.read import check_checksums, check_finite, nonfinite_tensors, parse_dtype, read_state_dict, sha256_file
 from .files.save import output_format, save_pth, save_safetensors
 from .files.sources import public_source
 from .options import command_line
@@ -29,21 +29,31 @@ from .parity.verify import verify_state_dicts
 
 __all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "verify_checkpoint"]
 
+_POOL = ThreadPoolExecutor(2)  # hashlib and zlib release the GIL: a source is hashed and checked meanwhile
+
 
 @dataclass
 class Source:
     """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped,
-    prefix-free, in their own layout, memory-mapped), its :class:`~timm_layerscale.conversion.detect.Detection`, and whether it was found finite."""
+    prefix-free, in their own layout, memory-mapped), their
+    :class:`~timm_layerscale.conversion.detect.Detection`, whether they were found finite, and the zip
+    checksums being checked in a thread."""
 
     given: str
     path: Path
     state_dict: dict[str, torch.Tensor]
     detection: Detection
     finite: bool = False
+    intact: Future[None] | None = None
+
+    def check(self) -> None:
+        """Wait for the zip checksums; a :class:`~timm_layerscale.errors.CheckpointError` if one fails."""
+        if self.intact is not None:
+            self.intact.result()
 
 
 def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False) -> Source:
-    """Resolve, read (zip checksums checked) and detect a local file or folder, ``https://`` URL or
+    """Resolve, read (zip checksums checked meanwhile) and detect a local file or folder, ``https://`` URL or
     ``hf-hub:ORG/REPO[/FILE]``; ``model`` overrides detection, ``ema`` takes the ``'model_ema'`` weights.
 
     Raises:
@@ -51,9 +61,10 @@ def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema
     """
     if model:
         get_variant(model)  # a wrong name is the caller's mistake, not the file's
-    path, sd = read_state_dict(source, ema)
+    path, sd = read_state_dict(source, ema, checksums=False)
+    intact = _POOL.submit(check_checksums, path)
     try:
-        return Source(os.fspath(source), path, sd, detect(sd, model))
+        return Source(os.fspath(source), path, sd, detect(sd, model), intact=intact)
     except (ArchitectureError, RemapError) as e:
         raise type(e)(f"{path}: {e}") from None
 
@@ -160,10 +171,14 @@ def convert_checkpoint(
     src = source if isinstance(source, Source) else read_source(source, model=model, ema=ema)
     if target_file.exists() and target_file.samefile(src.path):  # replacing it would lose the source
         raise CheckpointError(f"output {output} is the source file itself; choose another output path")
-    digest = ThreadPoolExecutor(1).submit(sha256_file, src.path)  # hashlib releases the GIL: hash meanwhile
+    digest = _POOL.submit(sha256_file, src.path)
     if not allow_nonfinite and not src.finite:
         advice = f"check the source checkpoint, or pass {option('allow_nonfinite')} to convert anyway"
-        check_finite(src.state_dict, src.path, advice)
+        try:
+            check_finite(src.state_dict, src.path, advice)
+        except CheckpointError:
+            src.check()  # damage inside the file can read as NaN: say that first
+            raise
     variant, args = src.detection.variant, src.detection.model_args
     target = _target(src, to, fold)
     if verify and torch_dtype is not None:  # verified as written; unverified, the writer casts
@@ -192,51 +207,37 @@ def convert_checkpoint(
     official = to == "gamma" and fmt == "pth" and not plain
     prefix = FAMILIES[variant.family].official_prefix
     wrapped = f"{{{prefix!r} + key: tensor}}" if prefix else "state_dict"
+
+    def late() -> dict[str, str]:  # once the tensors are written, before the output is put in place
+        src.check()
+        return {"source_sha256": digest.result()}
+
     if fmt == "pth":
+        src.check()
         wrap = (lambda sd: official_checkpoint(sd, variant.family)) if official else None
         save_pth(output, target, overwrite=overwrite, dtype=torch_dtype, wrap=wrap)
     else:
-        late = lambda: {"source_sha256": digest.result()}  # noqa: E731
         save_safetensors(output, target, metadata, overwrite=overwrite, dtype=torch_dtype, late_metadata=late)
     try:
         metadata["source_sha256"] = digest.result()
         if verify:  # the file holds what was verified
-            same, _, detail = compare_weights(target, state_dict_of(load_checkpoint(target_file)))
+            same, _, detail = compare_weights(target, read_state_dict(target_file)[1])
             if not same:
                 raise LayerScaleError(f"{output} does not read back as written ({detail}); output removed")
     except BaseException:
         target_file.unlink(missing_ok=True)
         raise
     command = command_line(
-        ("timm-layerscale", "convert", public_source(src.given), output),
-        options if verify else None,
-        model=model,
-        to=None if to == "ls" else to,
+        ("timm-layerscale", "convert", public_source(src.given), output), options if verify else None,
+        model=model, to=None if to == "ls" else to, dtype=dtype, overwrite=overwrite or None, no_verify=not verify,
         format=None if fmt == "safetensors" and Path(output).suffix == ".safetensors" else fmt,
-        dtype=dtype,
-        overwrite=overwrite or None,
-        no_verify=not verify,
-        allow_nonfinite=allow_nonfinite,
-        ema=ema,
-        fold=fold,
-        plain=plain,
-    )
+        allow_nonfinite=allow_nonfinite, ema=ema, fold=fold, plain=plain,
+    )  # fmt: skip
     return ConversionResult(
-        output=Path(output),
-        variant=variant,
-        model_args=args,
-        source=public_source(src.given),
-        source_path=src.path,
-        source_sha256=metadata["source_sha256"],
-        source_layout=src.detection.layout,
-        target_layout=to,
-        metadata=metadata,
-        report=report,
-        seconds=time.perf_counter() - t0,
-        command=command,
-        container=f"{{'model': {wrapped}}}" if official else "plain",
-        state_dict=target,
-    )
+        Path(output), variant, args, public_source(src.given), src.path, metadata["source_sha256"],
+        src.detection.layout, to, metadata, report, time.perf_counter() - t0, command,
+        container=f"{{'model': {wrapped}}}" if official else "plain", state_dict=target,
+    )  # fmt: skip
 
 
 def verify_checkpoint(
@@ -259,7 +260,8 @@ def verify_checkpoint(
     if isinstance(source, Mapping):
         found = detect(state_dict_of(source, ema=ema), model)
     else:
-        found = read_source(source, model=model, ema=ema).detection
+        (src := read_source(source, model=model, ema=ema)).check()
+        found = src.detection
     conv_sd = state_dict_of(converted) if isinstance(converted, Mapping) else read_state_dict(converted)[1]
     try:
         return verify_state_dicts(found, conv_sd, options=options)

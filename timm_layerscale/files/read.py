@@ -118,9 +118,11 @@ def check_checksums(path: str | os.PathLike[str]) -> None:
         raise CheckpointError(f"{path} is corrupt ({e}); download it again") from None
 
 
-def read_state_dict(source: str | os.PathLike[str], ema: bool = False) -> tuple[Path, dict[str, Any]]:
+def read_state_dict(
+    source: str | os.PathLike[str], ema: bool = False, checksums: bool = True
+) -> tuple[Path, dict[str, Any]]:
     """``(path, state_dict)``: the local file of ``source`` and its tensors (unwrapped, prefixes stripped,
-    lazy where the format allows), its checksums checked.
+    lazy where the format allows), its zip checksums checked unless not ``checksums``.
 
     Raises:
         CheckpointError: As :func:`load_checkpoint`, or the file holds no weights or values that are not
@@ -133,10 +135,10 @@ def read_state_dict(source: str | os.PathLike[str], ema: bool = False) -> tuple[
         raise CheckpointError(f"{path}: {e}") from None
     if all(isinstance(v, Mapping) and not v for v in sd.values()):  # {} or {'state_dict': {}}
         raise CheckpointError(f"{path} holds no weights (an empty state dict); pass a checkpoint with weights")
-    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
-    if bad:
+    if bad := [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]:
         raise CheckpointError(f"{path}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
-    check_checksums(path)  # before anything is said of the values: damage can read as NaN
+    if checksums:
+        check_checksums(path)  # before anything is said of the values: damage can read as NaN
     return path, sd
 
 
@@ -173,8 +175,7 @@ def nonfinite_tensors(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype
 
 
 def check_finite(state_dict: Mapping[str, torch.Tensor], source: str | os.PathLike[str], advice: str) -> None:
-    """Raise :class:`~timm_layerscale.errors.CheckpointError` naming ``source``, the first tensor holding
-    NaN or Inf and how many do, and ``advice``."""
+    """Refuse NaN or Inf in one line naming ``source``, the first such tensor, how many there are and ``advice``."""
     if bad := nonfinite_tensors(state_dict):
         raise CheckpointError(f"{source}: {len(bad)} tensor(s) contain NaN or Inf, first {bad[0]!r}; {advice}")
 

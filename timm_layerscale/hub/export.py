@@ -174,6 +174,7 @@ def export_folder(
     repo = repo_id or push_to_hub or _placeholder_repo_id(out.resolve().name)
     with folder_output(out, overwrite) as tmp:
         src = read_source(source, model=model, ema=ema)
+        src.check()  # damage inside the file can read as NaN: say that first
         check_finite(src.state_dict, src.path, "a published model must be finite, check the source checkpoint")
         src.finite = True
         architecture = _architecture(src.detection.variant, to)
