@@ -27,28 +27,6 @@ def tiny_cait_kwargs() -> dict:
     return dict(TINY_CAIT)
 
 
-@pytest.fixture(scope="module")
-def pairs():
-    """Cached ``(timm's, ours)`` model pairs by ``(name, fused_attn)``; copy before changing one."""
-    from timm.layers import set_fused_attn, use_fused_attn
-
-    from helpers import model_pair
-
-    cache: dict = {}
-
-    def get(name: str, fused: bool = True):
-        if (name, fused) not in cache:
-            initial = use_fused_attn()
-            set_fused_attn(fused)
-            try:
-                cache[name, fused] = model_pair(name)
-            finally:
-                set_fused_attn(initial)
-        return cache[name, fused]
-
-    return get
-
-
 @pytest.fixture
 def fused_attn():
     """Run a test with timm's fused attention on, then off; restore the default."""
@@ -66,11 +44,7 @@ def fused_attn():
 
 @pytest.fixture(scope="session")
 def official(tmp_path_factory) -> Path:
-    """The session's one real-size checkpoint in the official CaiT layout.
-
-    timm's ``cait_xxs24_224`` with seeded random weights (every parameter, gammas of
-    std 0.1), saved as the official training code does: ``{'model': {'module.' + k: v}}``.
-    """
+    """The session's one real-size checkpoint in the official CaiT layout."""
     from timm_layerscale.demo import write_official_checkpoint
 
     path = tmp_path_factory.mktemp("official") / "XXS24_224.pth"

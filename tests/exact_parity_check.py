@@ -1,10 +1,4 @@
-"""Exact-parity checks of the buffered CaiT attention, run in a fresh interpreter.
-
-``tests/test_exact_attention.py`` runs this file under several CPU kernel dispatches
-(``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``, ``ONEDNN_MAX_CPU_ISA``), which
-are read once at start-up. It prints one JSON object: the active ATen capability and,
-per check, whether the outputs were ``torch.equal``.
-"""
+"""Exact-parity checks of the buffered CaiT attention, run in a fresh interpreter."""
 
 from __future__ import annotations
 

@@ -30,20 +30,8 @@ DEVICES = [
 #: The prefix of every error line of the command line.
 ERROR = "timm-layerscale: error: "
 
-ALL_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.float8_e4m3fn,
-]
+ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16]
+ALL_DTYPES += [torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn]
 
 
 def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -154,13 +142,7 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 def assert_one_line_error(
     code: int, out: str, err: str, expect: str = "", status: int = 2, stdout: str | None = None
 ) -> str:
-    """A user-facing failure: exit ``status``, one ``error:`` line naming ``expect``, no traceback.
-
-    ``stdout``, when given, is what standard output must hold (``""``: nothing).
-
-    Returns:
-        The error line.
-    """
+    """A user-facing failure: exit ``status``, one ``error:`` line naming ``expect``, no traceback."""
     assert code == status, (code, out, err)
     assert "Traceback" not in err and "Traceback" not in out
     lines = err.splitlines()
@@ -210,20 +192,6 @@ TINY_VIT5: dict[str, Any] = dict(img_size=32, patch_size=8, embed_dim=64, depth=
 def images(n: int, size: int, seed: int = 1) -> torch.Tensor:
     """``n`` seeded random images of ``size`` x ``size``."""
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
-
-
-def model_pair(name: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """timm's model and ours with the same random weights (built on meta: no init cost)."""
-    import timm
-
-    from timm_layerscale import to_layerscale
-
-    ref = timm.create_model(name, device="meta", **kwargs).to_empty(device="cpu")
-    randomize(ref).eval()
-    ours = timm.create_model(name + "_ls", device="meta", **kwargs).eval()
-    state = {k: v.clone() for k, v in to_layerscale(ref.state_dict(), "cait").items()}
-    ours.load_state_dict(state, strict=True, assign=True)
-    return ref, ours
 
 
 def tiny_pair(attn_impl: str = "reference", **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -287,12 +255,7 @@ def assert_traces_and_scripts(
     """timm's FX feature extractor, ``torch.jit.script``, the script of the FX graph and
     ``torch.export`` give the eval-mode ``model``'s eager outputs, on ``x``'s device (both modules
     are moved there). With ``dynamic_batch`` the program is exported with a dynamic batch size
-    (and, from torch 2.8, height and width for a ``dynamic_img_size`` model) and also run at other ones.
-
-    Exactly: all run the same ATen calls on the same operands (TorchScript with graph
-    optimisations off, so nothing is fused). ``features`` is the same architecture built
-    with ``features_only=True, feature_cls="fx", out_indices=(1,)``.
-    """
+    (and, from torch 2.8, height and width for a ``dynamic_img_size`` model) and also run at other ones."""
     import warnings
 
     import timm

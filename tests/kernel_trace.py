@@ -1,14 +1,4 @@
-"""Record the ATen calls of a forward pass, to compare two formulations kernel by kernel.
-
-Two computations are bit-identical on every machine when every reduction is the same
-ATen call on operands of the same shape, strides and dtype (values follow by
-induction when the inputs are equal). :func:`reduction_trace` lists those calls; data
-movement (views, copies) and ``out=`` / in-place variants are free to differ, so they
-are left out or normalised. Elementwise calls are kept by name only: each rounds once
-per element whatever the layout, so their order is what has to agree. :func:`compiled_graph`
-gives the ATen graphs ``torch.compile`` makes of a forward pass or a training step, for the same
-comparison of two compiled models: one graph, one generated code.
-"""
+"""Record the ATen calls of a forward pass, to compare two formulations kernel by kernel."""
 
 from __future__ import annotations
 
@@ -21,58 +11,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Calls that only move or describe data.
-DATA_MOVEMENT = frozenset(
-    {
-        "view",
-        "_unsafe_view",
-        "_reshape_alias",
-        "reshape",
-        "permute",
-        "transpose",
-        "t",
-        "expand",
-        "select",
-        "slice",
-        "unsqueeze",
-        "squeeze",
-        "as_strided",
-        "alias",
-        "detach",
-        "clone",
-        "copy",
-        "contiguous",
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "new_empty",
-        "cat",
-        "lift_fresh",
-        "unbind",
-        "split",
-    }
-)
+DATA_MOVEMENT = frozenset({
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "permute", "transpose", "t", "expand", "select", "slice",
+    "unsqueeze", "squeeze", "as_strided", "alias", "detach", "clone", "copy", "contiguous", "empty", "empty_like",
+    "empty_strided", "new_empty", "cat", "lift_fresh", "unbind", "split"
+})  # fmt: skip
 
 #: Reductions: operands must agree in shape, strides and dtype.
-REDUCTIONS = frozenset(
-    {
-        "mm",
-        "bmm",
-        "addmm",
-        "baddbmm",
-        "matmul",
-        "_softmax",
-        "native_layer_norm",
-        "convolution",
-        "_convolution",
-        "mkldnn_convolution",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "mean",
-        "sum",
-        "_fused_rms_norm",
-        "rms_norm",
-        "linalg_vector_norm",
-    }
-)
+REDUCTIONS = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "matmul", "_softmax", "native_layer_norm", "convolution", "_convolution",
+    "mkldnn_convolution", "_scaled_dot_product_flash_attention_for_cpu", "mean", "sum", "_fused_rms_norm",
+    "rms_norm", "linalg_vector_norm"
+})  # fmt: skip
 
 #: Reductions whose CPU kernel runs on ``input.contiguous()``: only the values reach it.
 CONTIGUOUS_INPUT = frozenset({"_softmax"})
@@ -117,20 +67,7 @@ def reduction_trace(fn: Callable[[], Any]) -> list[tuple]:
 def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | None = None, dynamic: bool = False) -> Any:
     """The ATen graphs ``torch.compile`` makes of ``model(x)`` for inductor to generate code
     from (decomposed as inductor decomposes, a training step split into forward and backward
-    as inductor splits it), in a form in which two models' graphs can be compared.
-
-    Without ``loss``, the inference graph: the names of its outputs. With ``loss``, a training
-    step (``loss(model(x)).backward()``, which fills the parameters' ``.grad``): the forward
-    graph's outputs and, as a sorted list, each input with its gradient from the backward graph.
-    A name stands for the whole computation behind a value, so two graphs give the same names
-    when they make the same calls on the same values, in whatever order independent calls
-    come: an input is named by its shape and values (a parameter of one model matches the
-    equal one of the other, whatever their names and order), a call by its operator, its
-    operands' names with a multiply's sorted (``a * b`` rounds as ``b * a``), and, for a
-    random one, its place among the random calls (the order they draw in). ``dynamic``: the
-    graph for any batch size, which dynamo compiles once a second batch size arrives (the batch
-    size is then an input of the graph, named as such).
-    """
+    as inductor splits it), in a form in which two models' graphs can be compared."""
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table

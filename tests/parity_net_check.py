@@ -1,32 +1,4 @@
-"""The parity net: what varies between users, sampled in one fresh interpreter.
-
-``tests/test_parity_net.py`` runs this file once per process-wide setting (thread count,
-CPU kernel dispatch, fp32 matmul precision), each in a fresh interpreter because those are
-read at start-up or hold for the whole process.
-Within one run it varies what a user varies per call:
-
-* where the weights lie: the converted file rewritten with its data at every 8-byte
-  offset mod 64 (padded metadata), loaded by ``verify``, by ``timm.create_model(...,
-  pretrained=True, pretrained_cfg_overlay=dict(file=...))`` and from an exported folder
-  through ``local-dir:``;
-* batch size (1, 2, 3, 5), ``inference_mode`` / ``no_grad`` / autograd on, timm's fused
-  attention on and off, ``torch.autocast`` in bf16 and fp16, and channels-last models and
-  images (timm's ``--channels-last``).
-
-CaiT and DeiT-III must be ``torch.equal`` to timm's reference in every case; the ``core`` scope
-samples CaiT only (DeiT-III's converted model is timm's own class). ViT-5's
-reference is an independent implementation: its verification passes within the stated
-tolerance at every offset, ``--exact`` gives one verdict for all of them, and under
-autocast it stays within the tolerance of the autocast dtype.
-
-Usage: ``python tests/parity_net_check.py WORKDIR {full,core} {default,THREADS} [DEVICE [PRECISION]]``
-(``DEVICE`` ``cpu`` by default, or ``cuda``; ``PRECISION`` is given to
-``torch.set_float32_matmul_precision``, ``highest`` by default; a missing WORKDIR is made
-with :func:`prepare`); prints one JSON object: the ATen capability (the GPU's name on CUDA),
-the thread count and fp32 matmul precision, per
-exact case the largest absolute difference (0.0 where the outputs are ``torch.equal``, else at
-least 1e-45), and ViT-5's verdicts.
-"""
+"""The parity net: what varies between users, sampled in one fresh interpreter."""
 
 from __future__ import annotations
 
@@ -59,11 +31,7 @@ BATCHES = (1, 2, 3, 5)
 
 
 def write_at_offset(src: Path, dst: Path, offset: int) -> Path:
-    """Copy a safetensors file with its header padded so that its data starts at ``offset`` mod 64.
-
-    The tensors' bytes and the header's JSON are unchanged; the header ends in spaces,
-    the padding safetensors itself writes.
-    """
+    """Copy a safetensors file with its header padded so that its data starts at ``offset`` mod 64."""
     raw = src.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
     header = raw[8 : 8 + n].rstrip(b" ")
@@ -203,11 +171,7 @@ class Net:
                 shutil.rmtree(tmp)
 
     def matrix(self, family: str, name: str, full: bool) -> None:
-        """Fused attention on and off, each with batch sizes, grad modes and autocast dtypes.
-
-        CaiT also runs its opt-in ``attn_impl="buffered"`` path on the fp32 cases (it steps
-        aside for the reference formulation under autocast).
-        """
+        """Fused attention on and off, each with batch sizes, grad modes and autocast dtypes."""
         cases = [("inference_mode", "fp32", b, False) for b in BATCHES] + [("inference_mode", "bf16", 1, False)]
         if full:
             cases += [("no_grad", "fp32", 1, False), ("grad", "fp32", 3, False), ("inference_mode", "bf16", 3, False)]
@@ -228,10 +192,10 @@ class Net:
                     self.compare(case, ref, buffered, batch, mode, dtype, channels_last)
 
     def vit5(self) -> None:
-        """ViT-5 at every offset: within the stated tolerance, and one ``--exact`` verdict."""
+        """ViT-5 aligned and not: within the stated tolerance, and one ``--exact`` verdict."""
         from timm_layerscale.converter import verify_checkpoint
 
-        for off in OFFSETS:
+        for off in (0, 8):
             tmp = self.workdir / f"vit5-off{off}.safetensors"
             write_at_offset(self.workdir / "vit5.safetensors", tmp, off)
             try:

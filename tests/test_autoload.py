@@ -1,12 +1,4 @@
-"""Model names resolve in any program that imports timm, with no ``import timm_layerscale``.
-
-Each check runs in a fresh interpreter of a scratch virtual environment that holds this
-project installed either from a wheel or in editable mode. The scratch environments
-reach torch, timm and the build tools through a path-only ``.pth`` file naming this
-interpreter's site-packages, so nothing large is installed again; path lines do not run
-that directory's own start-up files. The project is copied first, so that building it
-leaves nothing behind in the working tree.
-"""
+"""Model names resolve in any program that imports timm, with no ``import timm_layerscale``."""
 
 import json
 import os
@@ -86,11 +78,7 @@ def _clean_environ(home: Path) -> dict:
         for k, v in os.environ.items()
         if k in _KEPT or not k.startswith(("PYTHON", "TIMM_LAYERSCALE_", "VIRTUAL_ENV"))
     }
-    environ.update(
-        HF_HUB_OFFLINE="1",
-        HF_HOME=str(home / "hf"),
-        OMP_NUM_THREADS="1",
-    )
+    environ.update(HF_HUB_OFFLINE="1", HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1")
     return environ
 
 
@@ -315,21 +303,14 @@ STARTUP_STATE = (
 )
 
 
-def test_wheel_ships_startup_files_at_its_root(wheel):
+def test_wheel_ships_startup_files_at_its_root_and_the_package_data(wheel):
     import zipfile
 
     with zipfile.ZipFile(wheel) as zf:
         for name, text in STARTUP_FILES.items():
             assert zf.read(name).decode() == text
-        assert f"{HOOK}.py" in zf.namelist()
-
-
-def test_wheel_ships_the_package_data(wheel):
-    import zipfile
-
-    with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-    assert {"timm_layerscale/hub/card_template.md", "timm_layerscale/py.typed"} <= names
+    assert f"{HOOK}.py" in names and {"timm_layerscale/hub/card_template.md", "timm_layerscale/py.typed"} <= names
     assert not any("__pycache__" in n or n.startswith(("tests/", "convert/", "benchmarks/")) for n in names)
 
 
@@ -352,11 +333,6 @@ def test_startup_files_installed_and_entry_point_resolves(installed):
 def test_startup_imports_neither_torch_nor_timm(installed, flags):
     state = json.loads(installed.eval(STARTUP_STATE, *flags))
     assert state == {"torch": False, "timm": False, "timm_layerscale": False, HOOK: True, "watching": True}
-
-
-def test_no_site_means_no_hook(wheel_env):
-    state = json.loads(wheel_env.eval(STARTUP_STATE, "-S"))
-    assert state[HOOK] is False and state["watching"] is False
 
 
 @pytest.mark.parametrize("value", OFF_VALUES)
@@ -401,16 +377,3 @@ def test_failing_registration_warns_once_and_leaves_timm_alone(timm_runs):
     warning = "timm-layerscale models are not registered with timm (RuntimeError: registration broke halfway)"
     assert proc.stderr.count(warning) == 1, proc.stderr
     assert "RuntimeWarning" in proc.stderr
-
-
-@pytest.mark.slow
-def test_spawned_child_resolves_names(wheel_env):
-    code = textwrap.dedent(
-        f"""
-        import multiprocessing as mp
-        from timm.models import is_model
-        with mp.get_context("spawn").Pool(1) as pool:
-            print(pool.apply(is_model, ("{MODEL}",)))
-        """
-    )
-    assert wheel_env.eval(code) == "True"

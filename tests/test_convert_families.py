@@ -11,7 +11,6 @@ import torch
 
 import timm_layerscale  # noqa: F401
 from timm_layerscale.cli import main
-from timm_layerscale.conversion.keys import to_gamma
 from timm_layerscale.families import get_variant
 from timm_layerscale.files.read import load_checkpoint
 from timm_layerscale.parity import vit5_official
@@ -115,22 +114,3 @@ def test_vit5_ema_and_gamma_round_trip(vit5_training_dict, tmp_path):
             assert torch.equal(restored[k], v), k
     ref = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
     ref.load_state_dict(restored, strict=True)
-
-
-@pytest.mark.compat
-def test_deit3_official_file_converts_bit_exact(tmp_path, capsys):
-    ref = timm.create_model("deit3_small_patch16_224")
-    seed_parameters_(ref, seed=3)
-    official = {"model": to_gamma(ref.state_dict(), "deit3")}
-    src = tmp_path / "deit_3_small_224_1k.pth"
-    torch.save(official, src)
-    out = tmp_path / "deit3_small.safetensors"
-    assert main(["convert", str(src), str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "deit3_small_patch16_224" in text and "bit-exact              yes" in text
-    model = timm.create_model(
-        "deit3_small_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(out))
-    ).eval()
-    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(model(x), ref.eval()(x))

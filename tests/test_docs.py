@@ -1,8 +1,4 @@
-"""The API reference documents every module of the package.
-
-``make docs`` builds the site with every cross-reference checked; this test catches what that
-build cannot: a module no page names at all.
-"""
+"""The API reference documents every module of the package."""
 
 from __future__ import annotations
 

@@ -102,12 +102,6 @@ def test_model_name_checks_the_gate_width() -> None:
         LayerScaleError, match=r"52 of another width \(first blocks\.0\.ls1: 192 channels, the model's 384\)"
     ):
         gate_profile(xxs, model="cait_s24_224_ls")
-    # Each gate is checked at its own width: a wrong ls2 beside a right ls1 is found.
-    xxs["blocks.3.gamma_2"] = torch.ones(96)
-    with pytest.raises(
-        LayerScaleError, match=r"1 of another width \(first blocks\.3\.ls2: 96 channels, the model's 192\)"
-    ):
-        gate_profile(xxs, model="cait_xxs24_224_ls")
 
 
 def test_errors_are_one_line(official: dict, tmp_path) -> None:
@@ -135,23 +129,8 @@ def test_table_marks_class_attention_blocks(official: dict) -> None:
     text = format_gate_table(gate_profile(official), title="tiny")
     lines = text.splitlines()
     assert lines[0] == "tiny"
-    assert lines[1].split() == [
-        "block",
-        "kind",
-        "dim",
-        "ls1",
-        "mean",
-        "ls1",
-        "min",
-        "ls1",
-        "max",
-        "ls2",
-        "mean",
-        "ls2",
-        "min",
-        "ls2",
-        "max",
-    ]
+    header = "block kind dim ls1 mean ls1 min ls1 max ls2 mean ls2 min ls2 max"
+    assert lines[1].split() == header.split()
     body = {line.split()[0]: line.split() for line in lines[3:8]}
     assert body["blocks.0"][1] == "SA" and body["blocks_token_only.1"][1] == "CA"
     assert "3 self-attention (SA) block(s); 2 class-attention (CA) block(s), depth 3-4" in text
@@ -183,70 +162,11 @@ def test_plot_format_follows_the_suffix(official: dict, tmp_path: Path, capsys) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gates.PDF", "gates.svg"]
 
 
-def test_plot_marks_the_blocks_whose_gates_are_not_finite(official: dict, tmp_path: Path, monkeypatch) -> None:
-    """A diverged checkpoint's NaN or infinite gates have no place on the lines: a cross marks them."""
-    from matplotlib.figure import Figure
-
-    drawn = []
-    savefig = Figure.savefig
-
-    def keep(self, *args, **kwargs) -> None:
-        drawn.append(self)
-        savefig(self, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", keep)
-    sd = dict(official["model"])
-    sd["module.blocks.1.gamma_1"] = torch.full_like(sd["module.blocks.1.gamma_1"], float("nan"))
-    sd["module.blocks_token_only.0.gamma_2"] = torch.full_like(sd["module.blocks_token_only.0.gamma_2"], float("inf"))
-    # both of block 1's gates: still one cross there
-    sd["module.blocks.1.gamma_2"] = torch.full_like(sd["module.blocks.1.gamma_2"], float("nan"))
-    for state_dict in (official["model"], sd):
-        plot_gates(gate_profile(state_dict), tmp_path / "gates.png", overwrite=True)
-    labels = [[t.get_text() for t in fig.legends[0].get_texts()] for fig in drawn]
-    assert "a gate holds NaN or inf" not in labels[0] and "a gate holds NaN or inf" in labels[1]
-    (cross,) = [c for c in drawn[1].axes[0].collections if c.get_label() == "a gate holds NaN or inf"]
-    assert cross.get_offsets()[:, 0].tolist() == [1, 3]
-
-
-def test_a_failed_plot_leaves_no_file(official: dict, tmp_path: Path, monkeypatch) -> None:
-    from matplotlib.figure import Figure
-
-    def half_written(self, file, **kwargs) -> None:
-        file.write(b"\x89PNG half")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(Figure, "savefig", half_written)
-    with pytest.raises(LayerScaleError, match="No space left on device"):
-        plot_gates(gate_profile(official), tmp_path / "gates.png")
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_plot_without_matplotlib_says_what_to_install(official: dict, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingPlotDependency, match=r"pip install 'timm-layerscale\[plot\]'"):
         plot_gates(gate_profile(official), tmp_path / "gates.png")
     assert not (tmp_path / "gates.png").exists()
-
-
-def test_cli_inspect(official: dict, tmp_path: Path, capsys) -> None:
-    from timm_layerscale.cli import main
-
-    torch.save(official, tmp_path / "ckpt.pth")
-    assert main(["inspect", str(tmp_path / "ckpt.pth"), "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 5 and rows[3]["class_attn"] is True
-    if "matplotlib" in sys.modules or _has_matplotlib():
-        assert main(["inspect", str(tmp_path / "ckpt.pth"), "--plot", str(tmp_path / "p.png")]) == 0
-        assert "blocks_token_only.1" in capsys.readouterr().out
-        assert _png_size(tmp_path / "p.png") == (1200, 675)
-
-
-def _has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def test_a_plot_of_a_url_is_titled_without_its_query(official: dict, tmp_path: Path, monkeypatch, capsys) -> None:

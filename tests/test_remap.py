@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import timm_layerscale  # noqa: F401
@@ -43,14 +42,6 @@ def test_round_trip_real_tensors_bit_for_bit():
         assert back.keys() == sd.keys()
         for k in sd:
             assert back[k].dtype == dtype and torch.equal(back[k], sd[k])
-
-
-def test_idempotent_and_accepts_both_layouts():
-    sd = {"blocks.0.gamma_1": 1, "blocks_token_only.1.gamma_2": 2, "cls_token": 3}
-    ls = to_layerscale(sd)
-    assert ls == {"blocks.0.ls1.gamma": 1, "blocks_token_only.1.ls2.gamma": 2, "cls_token": 3}
-    assert to_layerscale(ls) == ls
-    assert to_gamma(sd) == sd
 
 
 def test_prefixes_and_wrappers():
@@ -118,36 +109,6 @@ def test_mismatch_report_lists_missing_unexpected_misshaped():
 
 
 _SUFFIXES = st.sampled_from(
-    [
-        "gamma_1",
-        "gamma_2",
-        "norm1.weight",
-        "norm2.bias",
-        "attn.proj.weight",
-        "mlp.fc1.bias",
-        "mlp.fc2.weight",
-    ]
+    ["gamma_1", "gamma_2", "norm1.weight", "norm2.bias", "attn.proj.weight", "mlp.fc1.bias", "mlp.fc2.weight"]
 )
 _TOKEN_SUFFIXES = st.sampled_from(["gamma_1", "gamma_2", "attn.q.weight", "attn.v.bias", "norm1.weight"])
-_KEYS = st.one_of(
-    st.builds(lambda i, s: f"blocks.{i}.{s}", st.integers(0, 60), _SUFFIXES),
-    st.builds(
-        lambda i, s: f"blocks.{i}.attn.{s}",
-        st.integers(0, 60),
-        st.sampled_from(["qkv.weight", "proj_l.bias", "proj_w.weight"]),
-    ),
-    st.builds(lambda i, s: f"blocks_token_only.{i}.{s}", st.integers(0, 3), _TOKEN_SUFFIXES),
-    st.sampled_from(["cls_token", "pos_embed", "patch_embed.proj.weight", "norm.bias", "head.weight"]),
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(_KEYS, unique=True, max_size=40), st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod."]))
-def test_round_trip_property(keys, prefix):
-    sd = {prefix + k: object() for k in keys}
-    ls = to_layerscale(sd)
-    assert len(ls) == len(sd)
-    assert not any(k.endswith(("gamma_1", "gamma_2")) for k in ls)
-    back = to_gamma(ls)
-    assert back == {k[len(prefix) :]: v for k, v in sd.items()}
-    assert to_layerscale(back) == ls

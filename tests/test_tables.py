@@ -49,15 +49,6 @@ def test_model_table_is_the_variant_table() -> None:
         assert row[5] == _tags(v.name), row
 
 
-def test_vit5_table_is_the_variant_table() -> None:
-    rows = _table("| model | resolution | params (M) | ImageNet-1k top-1")
-    ours = [v for v in VARIANTS if v.family == "vit5"]
-    assert [r[0] for r in rows] == [v.name for v in ours]
-    for row, v in zip(rows, ours, strict=True):
-        assert (int(row[1]), row[2]) == (v.img_size, _params_m(v)), row
-        assert (row[3] == "(no released weights)") == (v.official_file is None), row
-
-
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_computed_shapes_are_the_built_models(v: Variant) -> None:
     import torch

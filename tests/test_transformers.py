@@ -1,12 +1,4 @@
-"""Exported folders where people load models: transformers' TimmWrapper, plain timm, the Hub card.
-
-One module-scoped set of exports from seeded official-layout files: CaiT (``ls`` and
-``--to gamma``), DeiT-III, ViT-5 and a fine-tuned CaiT with 10 named classes. Each is
-loaded with ``AutoModelForImageClassification``, ``AutoModel`` and
-``pipeline("image-classification")`` and compared with ``timm.create_model("local-dir:...")``
-on the same folder; the folders in timm's own architectures load in a fresh interpreter
-with the package's start-up hook off.
-"""
+"""Exported folders where people load models: transformers' TimmWrapper, plain timm, the Hub card."""
 
 from __future__ import annotations
 
@@ -86,18 +78,6 @@ def test_transformers_loads_the_folder_with_timms_logits_and_features(folders, k
         # the file's weight matrices start on 64-byte boundaries
         assert torch.equal(classifier(pixel_values=x[:1]).logits, reference(x[:1]))
     assert classifier.config.num_labels == expected.shape[-1] == config["num_classes"]
-
-
-def test_pipeline_names_imagenet_classes_and_fine_tuned_ones(folders) -> None:
-    from PIL import Image
-    from transformers import pipeline
-
-    image = Image.fromarray((torch.rand(224, 224, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
-    imagenet = pipeline("image-classification", model=str(folders["cait"]))
-    top = imagenet(image, top_k=1000)
-    assert len(top) == 1000 and "tench, Tinca tinca" in {r["label"] for r in top}
-    tuned = pipeline("image-classification", model=str(folders["tuned"]))
-    assert {r["label"] for r in tuned(image, top_k=10)} == set(LABELS)
 
 
 def test_a_backbone_without_a_head_is_a_feature_extractor_everywhere(folders) -> None:
@@ -249,31 +229,6 @@ def test_re_exporting_a_folder_keeps_its_class_names_and_tag(folders, tmp_path: 
     assert not (tmp_path / "out").exists()
 
 
-def test_a_wrong_label_count_is_one_error_and_writes_nothing(official, tmp_path: Path, capsys, monkeypatch) -> None:
-    import timm_layerscale.converter
-
-    def no_conversion(*args: object, **kwargs: object) -> None:
-        raise AssertionError("converted before refusing")
-
-    monkeypatch.setattr(timm_layerscale.converter, "convert_checkpoint", no_conversion)
-    labels = tmp_path / "labels.json"
-    labels.write_text(json.dumps(["a", "b", "c"]))
-    with pytest.raises(CheckpointError, match="3 label names for a model with 1000 classes; give one name per class"):
-        export_folder(official, tmp_path / "out", label_names=labels, plot=False)
-    assert_one_line_error(
-        *cli(capsys, "export", official, tmp_path / "out", "--label-names", labels),
-        "3 label names for a model with 1000 classes",
-    )
-    with pytest.raises(CheckpointError, match="'nope' is not a pretrained tag of cait_xxs24_224_ls"):
-        export_folder(official, tmp_path / "out", tag="nope", plot=False)
-    (tmp_path / "dup.txt").write_text("a\nb\na\n")
-    assert_one_line_error(
-        *cli(capsys, "export", official, tmp_path / "out", "--label-names", tmp_path / "dup.txt"),
-        "names a class twice ('a')",
-    )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.txt", "labels.json"]
-
-
 @pytest.mark.parametrize(
     ("model", "message"),
     [
@@ -296,24 +251,6 @@ def test_gamma_is_for_cait_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(CheckpointError, match=message):
         export_folder(source, tmp_path / "out", to="gamma", plot=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pth"]
-
-
-def test_a_taken_folder_is_refused_before_the_source_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import timm_layerscale.converter
-    from timm_layerscale.errors import OutputExistsError
-
-    taken = tmp_path / "out"
-    taken.mkdir()
-    (taken / "notes.txt").write_text("mine")
-
-    def no_read(*args: object, **kwargs: object) -> None:
-        raise AssertionError("read the source before refusing")
-
-    monkeypatch.setattr(timm_layerscale.converter, "read_source", no_read)
-    monkeypatch.setattr(timm_layerscale.converter, "convert_checkpoint", no_read)
-    with pytest.raises(OutputExistsError):
-        export_folder(tmp_path / "deit_3_small_224_1k.pth", taken, to="gamma", plot=False)
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "out"]
 
 
 def test_timms_own_architectures_load_without_the_package(folders) -> None:

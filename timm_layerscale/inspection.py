@@ -68,9 +68,8 @@ def gate_profile(
     model: str | None = None,
     ema: bool = False,
 ) -> list[dict[str, Any]]:
-    """The :func:`gate_rows` of a checkpoint file, an exported folder, an ``https://`` URL,
-    ``hf-hub:ORG/REPO[/FILE]``, or a state dict (wrapped or not, prefixed or not); ``ema`` reads the
-    ``'model_ema'`` weights of a training checkpoint.
+    """The :func:`gate_rows` of a checkpoint file, an exported folder, an ``https://`` URL, ``hf-hub:`` id or a
+    state dict (wrapped or not, prefixed or not); ``ema`` reads a training checkpoint's ``'model_ema'``.
 
     Raises:
         LayerScaleError: The checkpoint cannot be read, holds no gates, or its gates do not fit ``model``.
@@ -121,19 +120,12 @@ def gate_rows(
     for depth, block in enumerate(blocks):
         stage, index = positions[block]
         ls1, ls2 = gammas.get((block, "ls1")), gammas.get((block, "ls2"))
-        out.append(
-            {
-                "depth": depth,
-                "block": block,
-                "stage": stage,
-                "index": index,
-                "class_attn": stage in (_CLASS_ATTN_STAGE,),
-                "dim": int(gammas[(block, "ls1" if ls1 is not None else "ls2")].numel()),
-                "ls1": gate_stats(ls1) if ls1 is not None else None,
-                "ls2": gate_stats(ls2) if ls2 is not None else None,
-                "layout": layout,
-            }
-        )
+        out.append({
+            "depth": depth, "block": block, "stage": stage, "index": index, "class_attn": stage == _CLASS_ATTN_STAGE,
+            "dim": int(gammas[(block, "ls1" if ls1 is not None else "ls2")].numel()),
+            "ls1": gate_stats(ls1) if ls1 is not None else None, "ls2": gate_stats(ls2) if ls2 is not None else None,
+            "layout": layout,
+        })  # fmt: skip
     if model is not None:
         _check_model({gate: int(gamma.numel()) for gate, gamma in gammas.items()}, model)
     return out
@@ -172,21 +164,12 @@ def _check_model(have: Mapping[tuple[str, str], int], model: str) -> None:
 
 
 def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isnan(x):
-        return "nan"
-    return f"{x:.3e}"
+    return "-" if x is None else "nan" if math.isnan(x) else f"{x:.3e}"
 
 
 def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
-    """The gate profile as an aligned table.
-
-    One line per block: its key prefix, ``CA`` for class-attention blocks, the
-    number of channels, then mean / min / max of ``|gamma|`` for the attention
-    gate (``ls1``) and the MLP gate (``ls2``). A footer gives the depth range of
-    each kind of block and the blocks with the smallest and largest mean gates.
-    """
+    """The gate profile as an aligned table: per block its key prefix, ``CA`` or ``SA``, the channels and
+    mean / min / max ``|gamma|`` of ``ls1`` and ``ls2``; a footer names the extreme blocks."""
     header = ["block", "kind", "dim", "ls1 mean", "ls1 min", "ls1 max", "ls2 mean", "ls2 min", "ls2 max"]
     body = []
     for r in rows:
@@ -251,12 +234,8 @@ def require_matplotlib() -> Any:
 
 
 def plot_format(path: str | os.PathLike[str]) -> str:
-    """The format :func:`plot_gates` writes to ``path``, from its suffix (``png`` without one).
-
-    Raises:
-        MissingPlotDependency: matplotlib is not installed.
-        LayerScaleError: matplotlib writes no such format.
-    """
+    """The format :func:`plot_gates` writes to ``path``, from its suffix (``png`` without one); a
+    :class:`MissingPlotDependency` without matplotlib, a ``LayerScaleError`` for a format it does not write."""
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

@@ -134,7 +134,7 @@ def build_model_card(
     title, description = _FAMILY_TEXT.get(family, (family, "a Vision Transformer with LayerScale"))
     source, source_name, sha = conversion.source, conversion.source_path.name, conversion.source_sha256
     if source.startswith(URL_PREFIXES):  # without credentials: ConversionResult.source
-        source_file = _md_link(source_name, source)
+        source_file = f"[{source_name}]({source})"
     else:
         source_file = _md_code(source if source.startswith("hf-hub:") else source_name)
     paper = pcfg.get("paper_name")
@@ -189,12 +189,6 @@ def build_model_card(
 
 def _md_code(text: str) -> str:
     return "`" + text.replace("`", "'") + "`"
-
-
-def _md_link(text: str, url: str) -> str:
-    """A markdown link that neither its text (a ``]``) nor its address (a ``)``, a space) ends early."""
-    text = "".join("\\" + c if c in "\\[]" else c for c in text)
-    return f"[{text}]({url.replace('(', '%28').replace(')', '%29').replace(' ', '%20')})"
 
 
 def _parity_values(report: Any) -> dict[str, Any]:
