@@ -47,7 +47,7 @@ autodoc_inherit_docstrings = False
 # build); the standard library's and torch's are not linked, the build reads no inventories.
 nitpicky = True
 nitpick_ignore_regex = [
-    ("py:class", r"(torch|timm|pathlib|os|collections\.abc|argparse|contextlib|typing)\..+"),
+    ("py:class", r"(torch|timm|pathlib|os|collections\.abc|argparse|contextlib|typing|concurrent\.futures)\..+"),
     ("py:class", r"timm_layerscale\..+\.[VM]"),  # TypeVars of signatures
     ("py:class", r"dict\[str"),  # a dataclass field's default_factory, split by the signature parser
 ]
