@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import os
 import re
 import shlex
-import subprocess
-import sys
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,56 +185,27 @@ def run_command(line: str) -> None:
         assert code == 0, f"{line!r} exited {code}:\n{out.getvalue()[-2000:]}\n{err.getvalue()[-2000:]}"
 
 
-_DRIVER = r"""
-import ast, sys, time, traceback
-source = open(sys.argv[1], encoding="utf-8").read()
-lines = source.splitlines()
-marker = __import__("re").compile(r"#\s*\[network\]")
-namespace = {"__name__": "__main__"}
-for stmt in ast.parse(source).body:
-    text = "\n".join(lines[stmt.lineno - 1 : stmt.end_lineno])
-    network = any(marker.search(line) for line in lines[stmt.lineno - 1 : stmt.end_lineno])
-    code = compile(ast.Module([stmt], []), sys.argv[1], "exec")
-    t0 = time.perf_counter()
-    try:
-        exec(code, namespace)
-    except Exception as e:
-        if not network:
-            traceback.print_exc()
-            sys.exit(f"README statement failed: {text}")
-        message = f"{type(e).__name__}: {e}"
-        # huggingface_hub's errors for "no network and not cached", or this package's one line.
-        offline = (
-            type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
-            or "HF_HUB_OFFLINE" in message
-            or (isinstance(e, OSError) and "offline mode" in message)
-        )
-        if not offline:
-            sys.exit(f"[network] statement failed, but not because it is offline: {text}\n{message}")
-        if time.perf_counter() - t0 >= FAST:
-            sys.exit(f"[network] statement took {time.perf_counter() - t0:.1f} s to fail offline: {text}")
-    else:
-        if network:
-            sys.exit(f"[network] statement succeeded offline; remove the mark: {text}")
-"""
-
-
-def run_python(block: Block, workdir: Path, env: dict[str, str]) -> None:
-    script = workdir / f"readme_block_{block.line}.py"
-    script.write_text(block.code, encoding="utf-8")
-    driver = workdir / "readme_driver.py"
-    driver.write_text(f"FAST = {FAST}\n" + textwrap.dedent(_DRIVER), encoding="utf-8")
-    full_env = dict(os.environ, **env)
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, str(driver), str(script)],
-        cwd=workdir,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"{block.id}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+def run_python(block: Block) -> None:
+    """Each top-level statement in turn, in this process (the working folder and the offline environment
+    set), in a namespace of the block's own."""
+    lines, namespace = block.code.splitlines(), {"__name__": "__main__"}
+    for stmt in ast.parse(block.code).body:
+        text = "\n".join(lines[stmt.lineno - 1 : stmt.end_lineno])
+        network = any(NETWORK.search(line) for line in lines[stmt.lineno - 1 : stmt.end_lineno])
+        t0 = time.perf_counter()
+        try:
+            exec(compile(ast.Module([stmt], []), block.id, "exec"), namespace)
+        except Exception as e:
+            if not network:
+                raise AssertionError(f"{block.id}: README statement failed: {text}") from e
+            message = f"{type(e).__name__}: {e}"
+            # huggingface_hub's errors for "no network and not cached", or this package's one line.
+            offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+            offline |= "HF_HUB_OFFLINE" in message or (isinstance(e, OSError) and "offline mode" in message)
+            assert offline, f"[network] statement failed, but not because it is offline: {text}\n{message}"
+            assert time.perf_counter() - t0 < FAST, f"[network] statement took too long to fail offline: {text}"
+        else:
+            assert not network, f"[network] statement succeeded offline; remove the mark: {text}"
 
 
 def test_the_readme_has_blocks_of_both_kinds():
@@ -262,6 +231,6 @@ def test_readme_block_runs_as_written(block: Block, workdir: Path, offline_env: 
             if line.strip():
                 run_command(line)
     elif block.language == "python":
-        run_python(block, workdir, offline_env)
+        run_python(block)
     else:
         pytest.fail(f"{block.id}: no rule to run a {block.language or 'plain'!r} block; give it a language")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import get_device_dtype, resample_abs_pos_embed
+from timm.layers import resample_abs_pos_embed
 from timm.models import build_model_with_cfg
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
@@ -72,8 +72,9 @@ def reset_head(model: Any, num_classes: int, global_pool: str | None) -> None:
             raise ValueError("token pooling needs the class token, which was pruned")
         model.global_pool = global_pool
     model.num_classes = num_classes
+    p = next(model.parameters())
     model.head = (
-        nn.Linear(model.num_features, num_classes, **get_device_dtype(model)) if num_classes > 0 else nn.Identity()
+        nn.Linear(model.num_features, num_classes, device=p.device, dtype=p.dtype) if num_classes > 0 else nn.Identity()
     )
     model.head.train(model.training)
 
