@@ -17,27 +17,32 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-import timm  # noqa: E402
-import torch  # noqa: E402
-from timm.models import model_entrypoint  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-import timm_layerscale  # noqa: E402,F401  (registers the models)
 
 TOLERANCE = 0.01
 
 
 def registered_models() -> list[str]:
     """Every model name this package registers with timm."""
+    import timm
+    from timm.models import model_entrypoint
+
+    import timm_layerscale  # noqa: F401  (registers the models)
+
     return sorted(n for n in timm.list_models() if model_entrypoint(n).__module__.startswith("timm_layerscale."))
 
 
 def counted_multiplies(model: torch.nn.Module, input_size: tuple) -> float:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
     with FlopCounterMode(display=False) as counter:
         model(torch.empty(1, *input_size, device="meta"))
     return counter.get_total_flops() / 2
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="accepted for the runner; the run is quick anyway")
     parser.parse_args(argv)
+    import timm  # after the arguments: --help needs no torch
+
     lines = [
         "| model | input | flop_count (G mult) | FlopCounterMode / 2 (G) | difference | within 1% |",
         "|---|---|---:|---:|---:|---|",

@@ -64,6 +64,16 @@ def reduction_trace(fn: Callable[[], Any]) -> list[tuple]:
     return rec.calls
 
 
+def compiled_reference(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, timm's model compiled by inductor; skipped where inductor cannot build it (``ATEN_CPU_CAPABILITY=default``)."""
+    import pytest
+
+    try:
+        return fn(*args)
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        pytest.skip(f"inductor cannot compile timm's own model here: {str(e).splitlines()[0][:200]}")
+
+
 def compiled_graph(model: torch.nn.Module, x: torch.Tensor, loss: Callable | None = None, dynamic: bool = False) -> Any:
     """The ATen graphs ``torch.compile`` makes of ``model(x)`` for inductor to generate code
     from (decomposed as inductor decomposes, a training step split into forward and backward

@@ -41,7 +41,7 @@ def write_at_offset(src: Path, dst: Path, offset: int) -> Path:
     return dst
 
 
-#: Where both models run: ``sys.argv[4]`` when given.
+#: Where both models run: ``sys.argv[2]``.
 DEVICE = "cpu"
 
 
@@ -98,43 +98,36 @@ class Net:
         self.workdir = workdir
         self.results: dict[str, float] = {}
         self.verdicts: dict[str, bool] = {}
-
-    def record(self, case: str, value: float) -> None:
-        self.results[case] = value
+        self.built: dict[tuple[str, bool], dict[str, torch.nn.Module]] = {}
 
     def compare(
         self,
-        case: str,
+        cases: dict[str, torch.nn.Module],
         ref: torch.nn.Module,
-        model: torch.nn.Module,
         batch: int,
         mode: str,
         dtype: str,
         channels_last: bool = False,
     ) -> None:
+        """Each model of ``cases`` (case name -> model) against one forward pass of ``ref``."""
         x = images(batch)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-            ref, model = (copy.deepcopy(m).to(memory_format=torch.channels_last) for m in (ref, model))
+            ref = copy.deepcopy(ref).to(memory_format=torch.channels_last)
         with grad_mode(mode), autocast(dtype):
-            expected, got = ref(x), model(x)
-        self.record(case, diff(expected, got))
+            expected = ref(x)
+            for case, model in cases.items():
+                if channels_last:
+                    model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+                self.results[case] = diff(expected, model(x))
 
     def reference(self, family: str, name: str) -> torch.nn.Module:
         """timm's reference model (``cait_*``, ``deit3_*``) on the official file, loaded from the zip."""
         from timm_layerscale.conversion.keys import to_layerscale
         from timm_layerscale.files.read import read_state_dict
 
-        return build_reference(name, to_layerscale(read_state_dict(self.official(family))[1], family)).to(DEVICE)
-
-    def official(self, family: str) -> Path:
-        return self.workdir / f"{family}.pth"
-
-    def converted(self, family: str) -> Path:
-        return self.workdir / f"{family}.safetensors"
-
-    def exported(self, family: str) -> Path:
-        return self.workdir / f"{family}-export"
+        sd = read_state_dict(self.workdir / f"{family}.pth")[1]
+        return build_reference(name, to_layerscale(sd, family)).to(DEVICE)
 
     def from_file(self, name: str, file: Path, **kwargs: Any) -> torch.nn.Module:
         overlay = dict(file=str(file))
@@ -147,28 +140,39 @@ class Net:
         """Each route at each offset of the converted data, at batch size 1 (a one-row GEMM in class attention)."""
         from timm_layerscale.converter import verify_checkpoint
 
-        ref = self.reference(family, name)
+        ref = self.models(family, name, True)["ref"]
         for off in offsets:
             tmp = self.workdir / f"off{off}"
             tmp.mkdir(exist_ok=True)
             try:
-                file = write_at_offset(self.converted(family), tmp / "model.safetensors", off)
+                file = write_at_offset(self.workdir / f"{family}.safetensors", tmp / "model.safetensors", off)
                 if "verify" in routes:
                     options = VerifyOptions(num_inputs=1, batch_size=1, device=DEVICE)
-                    report = verify_checkpoint(self.official(family), file, options=options)
-                    self.record(f"{family} verify offset {off}", 0.0 if report.bit_exact else report.max_abs_diff)
+                    report = verify_checkpoint(self.workdir / f"{family}.pth", file, options=options)
+                    self.results[f"{family} verify offset {off}"] = 0.0 if report.bit_exact else report.max_abs_diff
+                models = {}
                 if "file" in routes:
-                    model = self.from_file(name, file)
-                    self.compare(f"{family} create_model(file) offset {off}", ref, model, 1, "inference_mode", "fp32")
+                    models[f"{family} create_model(file) offset {off}"] = self.from_file(name, file)
                 if "local-dir" in routes:
-                    folder = self.exported(family)
-                    shutil.copy(folder / "config.json", tmp / "config.json")
-                    write_at_offset(folder / "model.safetensors", tmp / "model.safetensors", off)
-                    self.compare(
-                        f"{family} local-dir offset {off}", ref, self.from_folder(tmp), 1, "inference_mode", "fp32"
-                    )
+                    folder, export = tmp / "folder", self.workdir / f"{family}-export"
+                    folder.mkdir()
+                    shutil.copy(export / "config.json", folder / "config.json")
+                    write_at_offset(export / "model.safetensors", folder / "model.safetensors", off)
+                    models[f"{family} local-dir offset {off}"] = self.from_folder(folder)
+                self.compare(models, ref, 1, "inference_mode", "fp32")
             finally:
                 shutil.rmtree(tmp)
+
+    def models(self, family: str, name: str, fused: bool) -> dict[str, torch.nn.Module]:
+        """timm's reference, the converted model and (CaiT) its buffered attention, built once per process."""
+        key, file = (family, fused), self.workdir / f"{family}.safetensors"
+        if key not in self.built:
+            with fused_attention(fused):
+                built = {"ref": self.reference(family, name), "": self.from_file(name, file)}
+                if family == "cait":
+                    built["buffered "] = self.from_file(name, file, attn_impl="buffered")
+            self.built[key] = built
+        return self.built[key]
 
     def matrix(self, family: str, name: str, full: bool) -> None:
         """Fused attention on and off, each with batch sizes, grad modes and autocast dtypes."""
@@ -178,18 +182,15 @@ class Net:
             cases += [("grad", "bf16", 1, False), ("inference_mode", "fp16", 1, False), ("grad", "fp16", 2, False)]
             cases += [("inference_mode", "fp32", 3, True), ("inference_mode", "bf16", 2, True)]
         for fused in (True, False):
-            with fused_attention(fused):
-                ref = self.reference(family, name)
-                model = self.from_file(name, self.converted(family))
-                buffered = (
-                    self.from_file(name, self.converted(family), attn_impl="buffered") if family == "cait" else None
-                )
+            built = self.models(family, name, fused)
             for mode, dtype, batch, channels_last in cases:
                 setting = f"{mode} {dtype} b{batch}" + (" channels_last" if channels_last else "")
-                self.compare(f"{family} fused_attn={fused} {setting}", ref, model, batch, mode, dtype, channels_last)
-                if buffered is not None and dtype == "fp32":
-                    case = f"{family} buffered fused_attn={fused} {setting}"
-                    self.compare(case, ref, buffered, batch, mode, dtype, channels_last)
+                models = {  # the buffered attention is an fp32 inference path
+                    f"{family} {kind}fused_attn={fused} {setting}": m
+                    for kind, m in built.items()
+                    if kind != "ref" and (kind == "" or dtype == "fp32")
+                }
+                self.compare(models, built["ref"], batch, mode, dtype, channels_last)
 
     def vit5(self) -> None:
         """ViT-5 aligned and not: within the stated tolerance, and one ``--exact`` verdict."""
@@ -231,8 +232,9 @@ class Net:
                 self.verdicts[f"vit5 autocast {dtype} {mode} within tolerance"] = ok
 
 
-def main(workdir: Path, scope: str) -> dict[str, Any]:
-    net = Net(workdir)
+def run(net: Net, scope: str) -> dict[str, Any]:
+    """One setting's cases: ``full`` samples the three families, ``core`` CaiT's matrix and two offsets."""
+    net.results, net.verdicts = {}, {}
     full = scope == "full"
     # DeiT-III's converted model is timm's own class, so under the other settings that would only
     # compare timm with itself: it is sampled at the default ones, CaiT under every setting.
@@ -243,7 +245,6 @@ def main(workdir: Path, scope: str) -> dict[str, Any]:
     if full:
         net.vit5()
     return {
-        "capability": torch.cuda.get_device_name() if DEVICE == "cuda" else torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "fp32_matmul_precision": torch.get_float32_matmul_precision(),
         "results": net.results,
@@ -251,11 +252,19 @@ def main(workdir: Path, scope: str) -> dict[str, Any]:
     }
 
 
+def main(workdir: Path, settings: list[str]) -> dict[str, Any]:
+    """Each of ``settings`` (``SCOPE:THREADS:PRECISION``, THREADS ``default`` or a count) in turn, in this
+    interpreter: the models are built once, the thread count and matmul precision set per setting."""
+    net, default_threads, runs = Net(workdir), torch.get_num_threads(), {}
+    for setting in settings:
+        scope, threads, precision = setting.split(":")
+        torch.set_num_threads(default_threads if threads == "default" else int(threads))
+        torch.set_float32_matmul_precision(precision)
+        runs[setting] = run(net, scope)
+    capability = torch.cuda.get_device_name() if DEVICE == "cuda" else torch.backends.cpu.get_cpu_capability()
+    return {"capability": capability, "runs": runs}
+
+
 if __name__ == "__main__":
-    if sys.argv[3] != "default":
-        torch.set_num_threads(int(sys.argv[3]))
-    DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
-    if len(sys.argv) > 5:
-        torch.set_float32_matmul_precision(sys.argv[5])
-    work = Path(sys.argv[1])
-    print(json.dumps(main(work if work.exists() else prepare(work), sys.argv[2])))
+    work, DEVICE = Path(sys.argv[1]), sys.argv[2]
+    print(json.dumps(main(work if work.exists() else prepare(work), sys.argv[3:])))

@@ -115,7 +115,9 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory):
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         _point_at(mp, hub.url, root)
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            code = main(["--sources", str(sources), "--out", str(out), "--org", "my-org", "--only", *ONLY])
+            code = main(
+                ["--sources", str(sources), "--out", str(out), "--org", "my-org", "--num-inputs", "1", "--only", *ONLY]
+            )
     return code, out, sources, hub, stdout.getvalue(), stderr.getvalue()
 
 

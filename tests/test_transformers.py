@@ -19,6 +19,8 @@ from timm_layerscale.hub.export import export_folder
 from timm_layerscale.parity.tolerance import VerifyOptions
 
 LABELS = [f"class {i}" for i in range(10)]
+#: One seeded input: what these tests need of an export is its folder and its reload check.
+ONE = VerifyOptions(num_inputs=1)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def folders(tmp_path_factory, official) -> dict[str, Path]:
         "resized": (fine_tuned(official, root / "ft256.pth", num_classes=None, img_size=256), {}),
     }
     return {
-        key: export_folder(src, root / key, plot=False, repo_id=f"org/{key}", **kw).folder
+        key: export_folder(src, root / key, plot=False, repo_id=f"org/{key}", **{"options": ONE, **kw}).folder
         for key, (src, kw) in jobs.items()
     }
 
@@ -168,7 +170,7 @@ def test_a_fine_tune_begun_in_transformers_exports_again(folders, tmp_path: Path
     model(pixel_values=x, labels=torch.arange(2)).loss.backward()
     optimizer.step()
     model.eval().save_pretrained(tmp_path / "saved")
-    again = export_folder(tmp_path / "saved", tmp_path / "again", plot=False, repo_id="org/again").folder
+    again = export_folder(tmp_path / "saved", tmp_path / "again", plot=False, repo_id="org/again", options=ONE).folder
     config = json.loads((again / "config.json").read_text())
     assert config.get("label_names") == (list(names.values()) if named else None)
     reloaded: Any = timm.create_model(f"local-dir:{again}", pretrained=True).eval()
@@ -200,17 +202,19 @@ def test_re_exporting_a_folder_keeps_its_class_names_and_tag(folders, tmp_path: 
     import shutil
 
     tuned = json.loads((folders["tuned"] / "config.json").read_text())
-    gamma = export_folder(folders["tuned"], tmp_path / "gamma", to="gamma", plot=False).folder
+    gamma = export_folder(folders["tuned"], tmp_path / "gamma", to="gamma", plot=False, options=ONE).folder
     config = json.loads((gamma / "config.json").read_text())
     assert config["architecture"] == "cait_xxs24_224"
     assert config["label_names"] == LABELS and config["label_descriptions"] == tuned["label_descriptions"]
     deit3 = tmp_path / "deit3"
     shutil.copytree(folders["deit3"], deit3)
-    export_folder(deit3, deit3, overwrite=True, tag="fb_in22k_ft_in1k", plot=False)
-    export_folder(deit3, deit3, overwrite=True, plot=False)
+    export_folder(deit3, deit3, overwrite=True, tag="fb_in22k_ft_in1k", plot=False, options=ONE)
+    export_folder(deit3, deit3, overwrite=True, plot=False, options=ONE)
     config = json.loads((deit3 / "config.json").read_text())
     assert config["pretrained_cfg"]["tag"] == "fb_in22k_ft_in1k" and "label_names" not in config
-    given = export_folder(gamma, tmp_path / "given", label_names=[f"n{i}" for i in range(10)], plot=False).folder
+    given = export_folder(
+        gamma, tmp_path / "given", label_names=[f"n{i}" for i in range(10)], plot=False, options=ONE
+    ).folder
     assert json.loads((given / "config.json").read_text())["label_names"][0] == "n0"
     # Names that do not fit the weights: one line naming the file, nothing written.
     config = json.loads((gamma / "config.json").read_text())
@@ -249,7 +253,7 @@ def test_gamma_is_for_cait_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(timm_layerscale.converter, "convert_checkpoint", no_conversion)
     with pytest.raises(CheckpointError, match=message):
-        export_folder(source, tmp_path / "out", to="gamma", plot=False)
+        export_folder(source, tmp_path / "out", to="gamma", plot=False, options=ONE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pth"]
 
 
@@ -312,11 +316,11 @@ def test_a_pinned_sha256_makes_the_card_say_official(official, tmp_path: Path, m
     source = tmp_path / "XXS24_224.pth"
     shutil.copyfile(official, source)
     monkeypatch.setitem(families.OFFICIAL_SHA256, "XXS24_224.pth", sha256_file(source))
-    result = export_folder(source, tmp_path / "out", plot=False)
+    result = export_folder(source, tmp_path / "out", plot=False, options=ONE)
     text = (result.folder / "README.md").read_text()
     assert "These are the official weights released with the paper (`XXS24_224.pth`, SHA-256 as pinned)" in text
     monkeypatch.setitem(families.OFFICIAL_SHA256, "XXS24_224.pth", "0" * 64)
-    again = export_folder(source, tmp_path / "out", plot=False, overwrite=True)
+    again = export_folder(source, tmp_path / "out", plot=False, overwrite=True, options=ONE)
     assert "official weights" not in (again.folder / "README.md").read_text()
 
 

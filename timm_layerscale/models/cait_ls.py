@@ -195,6 +195,10 @@ class CaitLS(Cait):
     def folded_layerscale(self) -> bool:
         return has_no_layerscale(self)
 
+    def _init_weights(self, m: nn.Module) -> None:  # a meta build has no values to draw (timm's draws take seconds)
+        if not any(p.is_meta for p in m.parameters(recurse=False)):
+            super()._init_weights(m)
+
     def _patch_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         x = self.patch_embed(x)
         fixed: tuple[int, int] = self.patch_embed.grid_size  # type: ignore[assignment]
