@@ -1,10 +1,9 @@
 """Release pipeline for the official checkpoints of every family: CaiT, DeiT-III and ViT-5.
 
 For every release in :func:`releases`: fetch the official file (or take it from ``--sources``),
-convert and verify it into a Hub-ready folder ``OUT/<model>.<tag>``, check the source's sha256
-where one is pinned and, with ``--org``, upload it to ``ORG/<model>.<tag>``. ``summary.md`` and
-``summary.json`` in ``OUT`` record each release's parameters, source sha256, max abs diff,
-bit-exactness and seconds. A failing release does not stop the others; the exit status is then 1.
+convert and verify it into a Hub-ready folder ``OUT/<model>.<tag>`` and, with ``--org``, upload it
+to ``ORG/<model>.<tag>``. ``summary.md`` and ``summary.json`` in ``OUT`` record each release's
+parameters, source sha256, max abs diff, bit-exactness and seconds. A failing release does not stop the others; the exit status is then 1.
 
 Run from the repository root::
 
@@ -22,7 +21,6 @@ import functools
 import json
 import os
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -32,7 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from timm_layerscale.errors import LayerScaleError
-from timm_layerscale.families import CAIT_RELEASE_URL, OFFICIAL_SHA256, VARIANTS
+from timm_layerscale.families import CAIT_RELEASE_URL, VARIANTS
 from timm_layerscale.hub.card import timm_hub_copy
 from timm_layerscale.options import OneLineParser, add_verify_args, check_inputs, verify_options
 from timm_layerscale.progress import write_out
@@ -63,11 +61,6 @@ class Release:
     def file(self) -> str:
         """File name of the official release."""
         return os.path.basename(self.source if self.source.startswith("hf-hub:") else urlparse(self.source).path)
-
-    @property
-    def sha256(self) -> str | None:
-        """Pinned SHA-256 of the official file (:data:`OFFICIAL_SHA256`), or ``None`` when unknown."""
-        return OFFICIAL_SHA256.get(self.file)
 
     @property
     def timm_hub_id(self) -> str | None:
@@ -106,7 +99,7 @@ def releases() -> tuple[Release, ...]:
 
 
 class PipelineError(Exception):
-    """A variant cannot be processed (missing source, checksum mismatch)."""
+    """A variant cannot be processed (a missing source, an unknown name)."""
 
 
 def _keys(rel: Release) -> set[str]:
@@ -204,11 +197,6 @@ def run_release(
         digest, report = result.conversion.source_sha256, result.conversion.report
         row.update(source_sha256=digest, params=result.num_params, folder=str(result.folder))
         row.update(max_abs_diff=report.max_abs_diff if report else None, bit_exact=report.bit_exact if report else None)
-        if rel.sha256 is not None and digest != rel.sha256:
-            shutil.rmtree(result.folder, ignore_errors=True)
-            raise PipelineError(
-                f"{rel.file} has sha256 {digest}, not the pinned {rel.sha256}; delete it and download it again"
-            )
         if org:
             push = push_folder(result.folder, row["repo_id"], private=private)
             row["url"] = push.commit_url or push.repo_url
@@ -263,11 +251,9 @@ def write_summary(out: Path, rows: Sequence[dict[str, Any]], argv: Sequence[str]
 
 def format_table(table: Sequence[Release]) -> str:
     """The plan as plain text (``--list``): one line per release."""
-    rows = [("release", "official source", "timm Hub id", "sha256")]
-    rows += [
-        (r.name + (" (EMA)" if r.ema else ""), r.source, r.timm_hub_id or "-", r.sha256 or "not pinned") for r in table
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    rows = [("release", "official source", "timm Hub id")]
+    rows += [(r.name + (" (EMA)" if r.ema else ""), r.source, r.timm_hub_id or "-") for r in table]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 

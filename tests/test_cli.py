@@ -794,3 +794,15 @@ def test_push_offline_fails_before_reading_a_token(tmp_path, capsys, monkeypatch
     assert_one_line_error(
         *cli(capsys, "push", folder, "org/name"), status=2, expect="HF_HUB_OFFLINE is set, so uploading to org/name"
     )
+
+
+def test_a_failure_after_reading_exits_without_waiting_for_the_checksums(official, tmp_path):
+    """The source's checksums run in the background; a command that fails meanwhile exits at once."""
+    script = (
+        "import sys, time\nfrom timm_layerscale import cli, converter\n"
+        "converter.check_checksums = lambda path: time.sleep(900)\n"
+        f"sys.exit(cli.main(['convert', {str(official)!r}, {str(tmp_path / 'out.safetensors')!r}, "
+        "'--model', 'cait_s24_224_ls']))"
+    )
+    p = _python("-c", script)  # a wait for the checksums would pass its time-out
+    assert p.returncode == 2 and "mis-shaped" in p.stderr, p.stderr

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from helpers import assert_one_line_error, cli, damage_inside
 from timm_layerscale.errors import HubError, OutputExistsError
-from timm_layerscale.files.sources import cached_url_path, resolve_source
+from timm_layerscale.files.sources import cached_url_path, resolve_source, source_config
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.hub.upload import push_folder
 from timm_layerscale.parity.tolerance import VerifyOptions
@@ -476,6 +476,21 @@ def test_resolve_source_downloads_a_url_once_and_says_when_it_is_wrong(tmp_path:
             assert not cached_url_path(base + "/modle.pth").exists()
         finally:
             server.shutdown()
+
+
+def test_a_hub_config_json_is_none_only_where_the_hub_says_not_found(hub: FakeHub, monkeypatch) -> None:
+    """A repository without ``config.json`` exports without class names; a refusal or a server error says so."""
+    import huggingface_hub.file_download
+
+    monkeypatch.setattr(huggingface_hub.file_download, "_DEFAULT_RETRY_ON_STATUS_CODES", ())  # no back-off
+    hub.repos["my-org/st"] = {"branches": {"main": {"model.safetensors": b"safe"}}, "prs": {}}
+    assert source_config("hf-hub:my-org/st") is None
+    for status, expect in ((403, "not found or is not accessible (403)"), (500, "the Hub answered 500")):
+        hub.fail["config.json"] = status
+        with pytest.raises(HubError, match=re.escape(expect)):
+            source_config("hf-hub:my-org/st")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert source_config("hf-hub:my-org/st") is None  # offline, nothing cached
 
 
 @pytest.mark.compat

@@ -300,28 +300,10 @@ def test_cards_say_which_package_loads_the_folder_and_where_weights_come_from(fo
     assert "stored in timm's own layout for `deit3_small_patch16_224` (LayerScale modules" in cards["deit3"].text
     assert "stored in timm's own layout for `cait_xxs24_224` (the original raw" in cards["cait_gamma"].text
     assert "**LayerScale-module layout** of [timm-layerscale]" in cards["cait"].text
-    # Seeded files match no pinned release: the card names the file and its SHA-256, and no "official".
+    # The card names the source file and its SHA-256.
     for card in cards.values():
-        assert "official weights" not in card.text
         assert "The weights come from `" in card.text and "(SHA-256 `" in card.text
     assert "(class names in `config.json`)" in cards["tuned"].text
-
-
-def test_a_pinned_sha256_makes_the_card_say_official(official, tmp_path: Path, monkeypatch) -> None:
-    import shutil
-
-    from timm_layerscale import families
-    from timm_layerscale.files.read import sha256_file
-
-    source = tmp_path / "XXS24_224.pth"
-    shutil.copyfile(official, source)
-    monkeypatch.setitem(families.OFFICIAL_SHA256, "XXS24_224.pth", sha256_file(source))
-    result = export_folder(source, tmp_path / "out", plot=False, options=ONE)
-    text = (result.folder / "README.md").read_text()
-    assert "These are the official weights released with the paper (`XXS24_224.pth`, SHA-256 as pinned)" in text
-    monkeypatch.setitem(families.OFFICIAL_SHA256, "XXS24_224.pth", "0" * 64)
-    again = export_folder(source, tmp_path / "out", plot=False, overwrite=True, options=ONE)
-    assert "official weights" not in (again.folder / "README.md").read_text()
 
 
 def test_a_tag_is_written_and_an_unknown_one_refused(tmp_path: Path) -> None:

@@ -4,11 +4,13 @@ write (:func:`convert_checkpoint`, which export and the release pipeline call)."
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -29,7 +31,22 @@ from .parity.verify import verify_state_dicts
 
 __all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "verify_checkpoint"]
 
-_POOL = ThreadPoolExecutor(2)  # hashlib and zlib release the GIL: a source is hashed and checked meanwhile
+T = TypeVar("T")
+
+
+def _background(fn: Callable[[Path], T], path: Path) -> Future[T]:
+    """``fn(path)`` in a daemon thread (hashlib and zlib release the GIL, so a source is hashed and checked while
+    it converts), whose result the Future holds; a process that fails early exits without waiting for it."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(path))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 @dataclass
@@ -62,7 +79,7 @@ def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema
     if model:
         get_variant(model)  # a wrong name is the caller's mistake, not the file's
     path, sd = read_state_dict(source, ema, checksums=False)
-    intact = _POOL.submit(check_checksums, path)
+    intact = _background(check_checksums, path)
     try:
         return Source(os.fspath(source), path, sd, detect(sd, model), intact=intact)
     except (ArchitectureError, RemapError) as e:
@@ -171,7 +188,7 @@ def convert_checkpoint(
     src = source if isinstance(source, Source) else read_source(source, model=model, ema=ema)
     if target_file.exists() and target_file.samefile(src.path):  # replacing it would lose the source
         raise CheckpointError(f"output {output} is the source file itself; choose another output path")
-    digest = _POOL.submit(sha256_file, src.path)
+    digest = _background(sha256_file, src.path)
     if not allow_nonfinite and not src.finite:
         advice = f"check the source checkpoint, or pass {option('allow_nonfinite')} to convert anyway"
         try:

@@ -19,7 +19,6 @@ __all__ = [
     "DEFAULT_NUM_CLASSES",
     "FAMILIES",
     "GATE_KEY",
-    "OFFICIAL_SHA256",
     "VARIANTS",
     "VIT5_HUB_REPO",
     "Family",
@@ -162,10 +161,6 @@ DEFAULT_NUM_CLASSES = 1000
 CAIT_RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
 #: The Hub repository of the official ViT-5 checkpoints.
 VIT5_HUB_REPO = "FengWang3211/ViT-5"
-#: The SHA-256 of each official release file by name; a card calls weights official, and the release
-#: pipeline accepts a file, only when it matches. The releases publish none; an entry is added once a file fetched
-#: from its official address has been checked.
-OFFICIAL_SHA256: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ def _message(e: BaseException, action: str, repo_id: str, revision: str | None, 
     )
     from huggingface_hub.utils import httpx  # its HTTP client: httpx2 from 2.0, httpx in 1.x
 
+    if isinstance(e, LocalEntryNotFoundError) and isinstance(e.__cause__, HfHubHTTPError):  # online, refused
+        e = e.__cause__
     if isinstance(e, OfflineModeIsEnabled) or (isinstance(e, LocalEntryNotFoundError) and constants.is_offline_mode()):
         return f"HF_HUB_OFFLINE is set, so {action} is not possible (nothing cached); unset HF_HUB_OFFLINE and retry"
     if isinstance(e, GatedRepoError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from ..errors import CheckpointError, HubError
@@ -47,7 +48,12 @@ def resolve_source(source: str | os.PathLike[str]) -> Path:
 
 
 def source_config(source: str | os.PathLike[str]) -> Path | None:
-    """The ``config.json`` beside a folder's or an ``hf-hub:ORG/REPO``'s weights; ``None`` for a file or URL."""
+    """The ``config.json`` beside a folder's or an ``hf-hub:ORG/REPO``'s weights; ``None`` for a file or URL, a
+    repository without one, and offline where none is cached.
+
+    Raises:
+        HubError: The Hub refused the request (token, gated repository, server error) or is unreachable.
+    """
     if not is_remote(source):
         path = Path(source) / CONFIG_NAME
         return path if path.is_file() else None
@@ -56,10 +62,7 @@ def source_config(source: str | os.PathLike[str]) -> Path | None:
     repo_id, revision, filename = _parse_hub_spec(os.fspath(source))
     if filename not in (None, *FOLDER_WEIGHTS):
         return None
-    try:
-        return _download_from_hub(repo_id, revision, CONFIG_NAME)
-    except HubError:
-        return None
+    return _download_from_hub(repo_id, revision, CONFIG_NAME, missing_ok=True)
 
 
 def public_source(source: str | os.PathLike[str]) -> str:
@@ -124,8 +127,10 @@ def _download_url(url: str) -> Path:
     return target
 
 
-def _download_from_hub(repo_id: str, revision: str | None, filename: str | None) -> Path:
-    from huggingface_hub import hf_hub_download
+def _download_from_hub(repo_id: str, revision: str | None, filename: str | None, missing_ok: bool = False) -> Any:
+    """The cached path of the first of ``filename`` (default :data:`FOLDER_WEIGHTS`) the repository has; with
+    ``missing_ok``, ``None`` where the Hub says it has none, or offline where none is cached."""
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
     what = f"hf-hub:{repo_id}" + (f"@{revision}" if revision else "")
@@ -136,6 +141,9 @@ def _download_from_hub(repo_id: str, revision: str | None, filename: str | None)
                 return Path(hf_hub_download(repo_id, name, revision=revision))
             except (RemoteEntryNotFoundError, LocalEntryNotFoundError) as e:
                 missing = e
+        offline = isinstance(missing, LocalEntryNotFoundError) and constants.is_offline_mode()
+        if missing_ok and (offline or isinstance(missing, RemoteEntryNotFoundError)):
+            return None
         if not isinstance(missing, RemoteEntryNotFoundError):  # offline or unreachable, nothing cached
             raise missing
     raise HubError(f"{what} has no file {' or '.join(candidates)}; name the file: hf-hub:{repo_id}/FILE")

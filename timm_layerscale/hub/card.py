@@ -1,6 +1,5 @@
 """The model card of an exported folder, rendered from ``card_template.md`` through
-``huggingface_hub.ModelCard.from_template``. It calls the weights official only when the source's
-SHA-256 matches a pinned release (:data:`~timm_layerscale.families.OFFICIAL_SHA256`)."""
+``huggingface_hub.ModelCard.from_template``."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from importlib import resources
 from typing import Any
 
 from .._version import __version__
-from ..families import OFFICIAL_SHA256
 from ..files.sources import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
 
 __all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "timm_hub_copy"]
@@ -152,8 +150,6 @@ def build_model_card(
         full_name=full_name,
         title=title,
         description=description,
-        official=OFFICIAL_SHA256.get(source_name) == sha,
-        source_name=source_name,
         source_code=_md_code(source_name),
         family=family,
         layout=layout,
