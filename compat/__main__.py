@@ -4,8 +4,8 @@ The matrix crosses the oldest and the newest supported timm with the oldest and 
 supported torch (each with the torchvision release made for it). Every cell gets its own
 virtual environment under ``.compat/NAME``, created with this interpreter and filled from
 the package index: exactly the pinned torch, torchvision, timm, huggingface_hub and safetensors
-(the last two at their oldest supported releases in every cell), then this project in editable
-mode with its ``test`` extra. In it, ``pytest -m "compat and not slow"`` runs the tests marked
+(the last two at their oldest supported releases, in the newest cell at the newest tested, which
+a fresh install gets), then this project in editable mode with its ``test`` extra. In it, ``pytest -m "compat and not slow"`` runs the tests marked
 ``@pytest.mark.compat``. The pins are passed to pip as its constraints file (``PIP_CONSTRAINT``),
 which replaces any constraints file of the machine's pip configuration for these installs only.
 
@@ -52,13 +52,14 @@ class Cell:
     timm: str
     torch: str
     torchvision: str
+    libraries: tuple[tuple[str, str], ...] = ()
 
     def pins(self) -> list[str]:
         return [
             f"torch=={self.torch}",
             f"torchvision=={self.torchvision}",
             f"timm=={self.timm}",
-            *(f"{name}=={version}" for name, version in LIBRARY_OLDEST.items()),
+            *(f"{name}=={version}" for name, version in self.libraries),
         ]
 
 
@@ -68,18 +69,19 @@ class Cell:
 #: carry an argparse.Namespace).
 #: torchvision is the release made for each torch (0.29.2 requires torch>=2.14).
 TIMM_OLDEST, TIMM_NEWEST = "1.0.26", "1.0.31"
-#: Every cell runs the oldest supported huggingface_hub and safetensors (make test's environment gets
-#: the newest): huggingface_hub 1.0 to 1.2 lack ``constants.is_offline_mode``, and 1.31 is the oldest
-#: transformers 5 accepts; safetensors 0.7.0 is the first that writes and reads complex tensors.
-LIBRARY_OLDEST = {"huggingface_hub": "1.31.0", "safetensors": "0.7.0"}
-LIBRARIES = ", ".join(f"{name} {version}" for name, version in LIBRARY_OLDEST.items())
+#: The oldest supported huggingface_hub and safetensors: huggingface_hub 1.0 to 1.2 lack
+#: ``constants.is_offline_mode``, and 1.31 is the oldest transformers 5 accepts; safetensors 0.7.0 is the
+#: first that writes and reads complex tensors. The newest cell runs the newest tested, which a fresh
+#: install gets (huggingface_hub 2.x, whose HTTP client is httpx2).
+LIBRARY_OLDEST = (("huggingface_hub", "1.31.0"), ("safetensors", "0.7.0"))
+LIBRARY_NEWEST = (("huggingface_hub", "2.4.0"), ("safetensors", "0.8.0"))
 TORCH_OLDEST, TORCH_NEWEST = ("2.5.1", "0.20.1"), ("2.15.0", "0.29.2")
 
 CELLS = [
-    Cell("oldest", TIMM_OLDEST, *TORCH_OLDEST),
-    Cell("timm-oldest", TIMM_OLDEST, *TORCH_NEWEST),
-    Cell("torch-oldest", TIMM_NEWEST, *TORCH_OLDEST),
-    Cell("newest", TIMM_NEWEST, *TORCH_NEWEST),
+    Cell("oldest", TIMM_OLDEST, *TORCH_OLDEST, LIBRARY_OLDEST),
+    Cell("timm-oldest", TIMM_OLDEST, *TORCH_NEWEST, LIBRARY_OLDEST),
+    Cell("torch-oldest", TIMM_NEWEST, *TORCH_OLDEST, LIBRARY_OLDEST),
+    Cell("newest", TIMM_NEWEST, *TORCH_NEWEST, LIBRARY_NEWEST),
 ]
 
 
@@ -242,14 +244,15 @@ def run_cell(cell: Cell, fresh: bool, remove: bool) -> Outcome:
 
 def table(outcomes: list[Outcome]) -> str:
     rows = [
-        "| timm | torch | torchvision | result | passed | failed | skipped | install s | tests s |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| timm | torch | torchvision | huggingface_hub | safetensors | result | passed | failed | skipped "
+        "| install s | tests s |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for o in outcomes:
-        v = o.versions or {}
-        c = o.counts
+        v, c, libs = o.versions or {}, o.counts, dict(o.cell.libraries)
         rows.append(
             f"| {v.get('timm', o.cell.timm)} | {v.get('torch', o.cell.torch)} | {v.get('torchvision', o.cell.torchvision)} "
+            f"| {v.get('huggingface_hub', libs['huggingface_hub'])} | {v.get('safetensors', libs['safetensors'])} "
             f"| {o.status} | {c.get('passed', 0)} | {c.get('failed', 0) + c.get('error', 0)} | {c.get('skipped', 0)} "
             f"| {'' if o.install_s is None else f'{o.install_s:.0f}'} | {'' if o.test_s is None else f'{o.test_s:.0f}'} |"
         )
@@ -261,8 +264,7 @@ def write_results(outcomes: list[Outcome], path: Path) -> None:
     text = (
         "# Compatibility matrix\n\n"
         f"`python -m compat` (`make test-compat`) on {datetime.date.today().isoformat()}: "
-        f"{cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}, {LIBRARIES} in every "
-        "row. Each row is a fresh "
+        f"{cpu_model()}, {os.cpu_count()} CPUs, Linux, Python {python}. Each row is a fresh "
         f'environment running `pytest -m "{PYTEST_MARKERS}"`; install time includes downloads.\n\n'
         + table(outcomes)
         + "\n"
@@ -289,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     cells = [c for c in CELLS if not args.only or c.name in args.only]
     if args.list:
         for c in cells:
-            print(f"{c.name:13} timm {c.timm:7} torch {c.torch:7} torchvision {c.torchvision:7} {LIBRARIES}")
+            libs = ", ".join(f"{name} {version}" for name, version in c.libraries)
+            print(f"{c.name:13} timm {c.timm:7} torch {c.torch:7} torchvision {c.torchvision:7} {libs}")
         return 0
     t0 = time.perf_counter()
     outcomes = [run_cell(c, args.fresh, args.remove) for c in cells]

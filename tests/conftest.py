@@ -53,6 +53,19 @@ def official(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def tiny_variants(monkeypatch) -> tuple:
+    """The tiny registered variants of every family (``tests/tiny_models.py``) in the variant table."""
+    import tiny_models
+    from timm_layerscale import families
+    from timm_layerscale.conversion import detect
+
+    table = (*families.VARIANTS, *tiny_models.TINY)
+    monkeypatch.setattr(families, "VARIANTS", table)
+    monkeypatch.setattr(detect, "VARIANTS", table)
+    return tiny_models.TINY
+
+
+@pytest.fixture
 def few_inputs(monkeypatch):
     """Verification inside ``convert_checkpoint`` (and the commands) on 1 input instead of 8."""
     import dataclasses
@@ -60,9 +73,9 @@ def few_inputs(monkeypatch):
     from timm_layerscale import converter
     from timm_layerscale.parity.tolerance import VerifyOptions
 
-    real = converter.verify_state_dicts
+    real = converter.verify_outputs
 
     def one_input(*args, options=None, **kwargs):
         return real(*args, options=dataclasses.replace(options or VerifyOptions(), num_inputs=1), **kwargs)
 
-    monkeypatch.setattr(converter, "verify_state_dicts", one_input)
+    monkeypatch.setattr(converter, "verify_outputs", one_input)

@@ -124,14 +124,6 @@ def run_python_into(stdout: int, *args: str) -> subprocess.CompletedProcess[str]
         os.close(stdout)
 
 
-def dead_pid() -> int:
-    """The id of a process that has ended."""
-    p = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
-    )
-    return int(p.stdout)
-
-
 def cli(capsys, *argv) -> tuple[int, str, str]:
     """Run ``timm-layerscale ARGV`` in this process: exit status, stdout, stderr."""
     code = main([str(a) for a in argv])

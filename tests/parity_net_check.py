@@ -19,15 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timm
 from timm.layers import set_fused_attn
 
-from timm_layerscale.parity.references import build_reference
-from timm_layerscale.parity.tolerance import VIT5_TOLERANCE, VerifyOptions
+from timm_layerscale.parity.references import load_model
+from timm_layerscale.parity.tolerance import VerifyOptions, independent_bound
 
 #: (family, converted model) at the sizes the net samples; the references are timm's
 #: ``cait_xxs24_224`` and ``deit3_small_patch16_224``.
 MODELS = [("cait", "cait_xxs24_224_ls"), ("deit3", "deit3_small_patch16_224")]
 VIT5 = "vit5_small_patch16_224"
-OFFSETS = range(0, 64, 8)
-BATCHES = (1, 2, 3, 5)
+OFFSETS = range(0, 64, 8)  # where the converted data starts, mod 64 (the full scope's verify route takes 0 and 8)
+BATCHES = (1, 2, 3, 5)  # the full scope's; the core scope samples 1 and 3
 
 
 def write_at_offset(src: Path, dst: Path, offset: int) -> Path:
@@ -123,11 +123,9 @@ class Net:
 
     def reference(self, family: str, name: str) -> torch.nn.Module:
         """timm's reference model (``cait_*``, ``deit3_*``) on the official file, loaded from the zip."""
-        from timm_layerscale.conversion.keys import to_layerscale
         from timm_layerscale.files.read import read_state_dict
 
-        sd = read_state_dict(self.workdir / f"{family}.pth")[1]
-        return build_reference(name, to_layerscale(sd, family)).to(DEVICE)
+        return load_model(name, "gamma", read_state_dict(self.workdir / f"{family}.pth")[1]).to(DEVICE)
 
     def from_file(self, name: str, file: Path, **kwargs: Any) -> torch.nn.Module:
         overlay = dict(file=str(file))
@@ -146,7 +144,7 @@ class Net:
             tmp.mkdir(exist_ok=True)
             try:
                 file = write_at_offset(self.workdir / f"{family}.safetensors", tmp / "model.safetensors", off)
-                if "verify" in routes:
+                if "verify" in routes and off in (0, 8):  # it computes on fresh copies: 8 mod 16 stands for all
                     options = VerifyOptions(num_inputs=1, batch_size=1, device=DEVICE)
                     report = verify_checkpoint(self.workdir / f"{family}.pth", file, options=options)
                     self.results[f"{family} verify offset {off}"] = 0.0 if report.bit_exact else report.max_abs_diff
@@ -175,15 +173,16 @@ class Net:
         return self.built[key]
 
     def matrix(self, family: str, name: str, full: bool) -> None:
-        """Fused attention on and off, each with batch sizes, grad modes and autocast dtypes."""
-        cases = [("inference_mode", "fp32", b, False) for b in BATCHES] + [("inference_mode", "bf16", 1, False)]
+        """Fused attention on with batch sizes, grad modes and autocast dtypes; off with the batch sizes."""
+        batches = BATCHES if full else (1, 3)
+        cases = [("inference_mode", "fp32", b, False) for b in batches] + [("inference_mode", "bf16", 1, False)]
         if full:
             cases += [("no_grad", "fp32", 1, False), ("grad", "fp32", 3, False), ("inference_mode", "bf16", 3, False)]
             cases += [("grad", "bf16", 1, False), ("inference_mode", "fp16", 1, False), ("grad", "fp16", 2, False)]
             cases += [("inference_mode", "fp32", 3, True), ("inference_mode", "bf16", 2, True)]
         for fused in (True, False):
             built = self.models(family, name, fused)
-            for mode, dtype, batch, channels_last in cases:
+            for mode, dtype, batch, channels_last in cases if fused else cases[: len(batches) + 1]:
                 setting = f"{mode} {dtype} b{batch}" + (" channels_last" if channels_last else "")
                 models = {  # the buffered attention is an fp32 inference path
                     f"{family} {kind}fused_attn={fused} {setting}": m
@@ -196,7 +195,7 @@ class Net:
         """ViT-5 aligned and not: within the stated tolerance, and one ``--exact`` verdict."""
         from timm_layerscale.converter import verify_checkpoint
 
-        for off in (0, 8):
+        for off in (8,):  # verification computes on fresh copies, at any offset of the file
             tmp = self.workdir / f"vit5-off{off}.safetensors"
             write_at_offset(self.workdir / "vit5.safetensors", tmp, off)
             try:
@@ -209,16 +208,13 @@ class Net:
         self.vit5_autocast()
 
     def vit5_autocast(self) -> None:
-        """ViT-5 against its reference under bf16 and fp16 autocast, within :data:`VIT5_TOLERANCE`."""
-        import timm
-
+        """ViT-5 against its reference under bf16 and fp16 autocast, within the independent bound of that dtype."""
         from timm_layerscale.conversion.keys import to_layerscale
         from timm_layerscale.files.read import read_state_dict
-        from timm_layerscale.parity.references import build_loaded
 
-        sd = to_layerscale(read_state_dict(self.workdir / "vit5.pth")[1], "vit5")
-        ref = build_reference(VIT5, sd).to(DEVICE)
-        model = build_loaded(lambda: timm.create_model(VIT5), sd, VIT5).to(DEVICE)
+        sd = read_state_dict(self.workdir / "vit5.pth")[1]
+        ref = load_model(VIT5, "gamma", sd).to(DEVICE)
+        model = load_model(VIT5, "ls", to_layerscale(sd, "vit5")).to(DEVICE)
         for m in model.modules():  # the reference attends by hand
             if hasattr(m, "fused_attn"):
                 setattr(m, "fused_attn", False)  # noqa: B010
@@ -227,8 +223,8 @@ class Net:
             for mode in ("inference_mode", "grad"):
                 with grad_mode(mode), autocast(dtype):
                     expected, got = ref(x), model(x)
-                atol, rtol = VIT5_TOLERANCE[expected.dtype]
-                ok = torch.allclose(got.float(), expected.float(), atol=atol, rtol=rtol)
+                bound = independent_bound(12, 384, expected.dtype)  # ViT-5 small
+                ok = torch.allclose(got.float(), expected.float(), atol=bound, rtol=bound)
                 self.verdicts[f"vit5 autocast {dtype} {mode} within tolerance"] = ok
 
 
@@ -239,7 +235,7 @@ def run(net: Net, scope: str) -> dict[str, Any]:
     # DeiT-III's converted model is timm's own class, so under the other settings that would only
     # compare timm with itself: it is sampled at the default ones, CaiT under every setting.
     for family, name in [m for m in MODELS if full or m[0] == "cait"]:
-        net.matrix(family, name, full)
+        net.matrix(family, name, full and family == "cait")  # DeiT-III's matrix compares timm's class with itself
         routes = ("verify", "file", "local-dir") if full else ("file",)
         net.offsets(family, name, OFFSETS if full else (0, 8), routes)
     if full:

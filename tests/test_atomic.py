@@ -7,47 +7,46 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import ROOT, dead_pid, leftovers
+from helpers import ROOT, leftovers
 from timm_layerscale.errors import CheckpointError, OutputExistsError
+from timm_layerscale.files import atomic
 from timm_layerscale.files.atomic import atomic_output, folder_output
-from timm_layerscale.files.save import save_safetensors
-
-ONE = {"a": torch.ones(3)}
 
 
-def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
-    """A process killed mid-write leaves its temporary; the next write of that output removes it."""
-    out = tmp_path / "model.safetensors"
+def _holder(out: Path, folder: bool = False) -> subprocess.Popen:
+    """Another process writing ``out`` (a file, or a folder), holding its temporary until it is killed."""
+    writer = "folder_output(Path(sys.argv[1]))" if folder else "atomic_output(Path(sys.argv[1]))"
     script = (
-        "import os, sys; from pathlib import Path; from timm_layerscale.files.atomic import atomic_output\n"
-        "with atomic_output(Path(sys.argv[1])) as tmp:\n    tmp.write_bytes(b'half'); os._exit(9)\n"
+        f"import sys, time; from pathlib import Path; from timm_layerscale.files.atomic import {writer.split('(')[0]}\n"
+        f"with {writer} as tmp:\n    print(tmp, flush=True); time.sleep(60)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    assert subprocess.run([sys.executable, "-c", script, str(out)], env=env).returncode == 9
-    (left,) = leftovers(tmp_path)
-    other = tmp_path / ".other.safetensors.tmp-1-beef"  # another output's: not this one's to remove
-    other.write_bytes(b"")
-    save_safetensors(out, ONE)
-    assert leftovers(tmp_path) == [other.name] and left.startswith(".model.safetensors.tmp-")
+    p = subprocess.Popen([sys.executable, "-c", script, str(out)], env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline()  # its temporary exists and is locked
+    return p
 
 
-def test_which_temporaries_count_as_dead(tmp_path):
-    """Gone processes' temporaries, and this pid's that this process did not open (every run in a
-    container is pid 1), are removed; a live process's and this process's open one are kept."""
-    out = tmp_path / "x.bin"
-    names = {pid: f".x.bin.tmp-{pid}-abcd" for pid in (dead_pid(), os.getpid(), os.getppid())}
-    for name in names.values():
-        (tmp_path / name).write_bytes(b"")
-    with atomic_output(out) as tmp:
-        tmp.write_bytes(b"mine")
-        with atomic_output(tmp_path / "x.bin", overwrite=True) as again:  # a second writer of this process
-            again.write_bytes(b"again")
-        assert tmp.exists()
-    assert leftovers(tmp_path) == [names[os.getppid()]] and out.read_bytes() == b"mine"
+@pytest.mark.parametrize("folder", [False, True])
+def test_a_living_writers_temporary_is_kept_and_a_dead_ones_removed(tmp_path, folder):
+    """Two real processes: the lock of a writer that is alive keeps its temporary; once it is killed, the kernel
+    drops the lock and the next write removes it, and no other output's. No lock file is left beside the output."""
+    out, unrelated = tmp_path / ("export" if folder else "x.bin"), tmp_path / ".other.bin.tmp-beef"
+    unrelated.write_bytes(b"")
+    other = _holder(out, folder)
+    try:
+        with folder_output(out, overwrite=True) if folder else atomic_output(out, overwrite=True) as tmp:
+            (tmp / "a.txt").write_text("mine") if folder else tmp.write_bytes(b"mine")
+        assert len(leftovers(tmp_path)) == 2  # the other writer's, still held, and another output's
+    finally:
+        other.kill()
+        other.wait()
+    with folder_output(out, overwrite=True) if folder else atomic_output(out, overwrite=True) as tmp:
+        (tmp / "a.txt").write_text("again") if folder else tmp.write_bytes(b"again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, unrelated.name])
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
@@ -114,22 +113,59 @@ def test_a_folder_is_filled_whole_or_left_as_it_was(tmp_path):
     with pytest.raises(KeyboardInterrupt), folder_output(out, overwrite=True) as tmp:
         (tmp / "a.txt").write_text("2")
         raise KeyboardInterrupt
-    assert (out / "a.txt").read_text() == "1" and leftovers(out) == []
+    assert (out / "a.txt").read_text() == "1" and leftovers(out.parent) == []
     with folder_output(out, overwrite=True) as tmp:  # files this write does not make go at the end
         (tmp / "b.txt").write_text("2")
     assert sorted(p.name for p in out.iterdir()) == ["b.txt"]
 
 
-def test_a_folder_holding_only_dead_temporaries_counts_as_empty(tmp_path):
+_STEP = """
+import os, shutil, sys
+from pathlib import Path
+from timm_layerscale.files import atomic
+step, calls = int(sys.argv[2]), []
+def stop(real):
+    def call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            {stop}
+        return real(*args, **kwargs)
+    return call
+atomic.os.replace = stop(os.replace)
+atomic.shutil.rmtree = stop(shutil.rmtree)
+with atomic.folder_output(Path(sys.argv[1]), overwrite=True) as tmp:
+    (tmp / "model.safetensors").write_text("new")
+    (tmp / "config.json").write_text("new")
+"""
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["interrupted", "killed"])
+@pytest.mark.parametrize("step", [1, 2, 3], ids=["before-aside", "before-in-place", "before-old-removed"])
+def test_an_interruption_at_each_step_of_the_swap_leaves_a_whole_export(tmp_path, step, kill):
+    """Interrupted (Ctrl-C) or killed before each rename of the swap and before the old folder is removed: the
+    folder is the complete old or the complete new export, at once or after the next write's recovery."""
     out = tmp_path / "export"
     out.mkdir()
-    (out / f".export.tmp-{dead_pid()}-abcd").mkdir()
-    with folder_output(out) as tmp:
-        (tmp / "a.txt").write_text("1")
-    assert sorted(p.name for p in out.iterdir()) == ["a.txt"]
+    for name in ("model.safetensors", "config.json", "README.md"):
+        (out / name).write_text("old")
+    script = _STEP.replace("{stop}", "os._exit(9)" if kill else "raise KeyboardInterrupt")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", script, str(out), str(step)], env=env, capture_output=True)
+    assert run.returncode != 0
+    if kill:
+        atomic.remove_stale(tmp_path, out.name)  # what the next write of the folder does first
+    files = {p.name: p.read_text() for p in out.iterdir()}
+    new = step == 3  # the new export was in place before the old one's removal began
+    assert files == ({"model.safetensors": "new", "config.json": "new"} if new else dict.fromkeys(files, "old"))
+    assert len(files) == (2 if new else 3) and leftovers(tmp_path) == []
+
+
+def test_folders_that_are_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="is a file"), folder_output(tmp_path / "file"):
         pass
+    out = tmp_path / "export"
+    out.mkdir()
     cwd = os.getcwd()
     os.chdir(out)
     try:

@@ -129,7 +129,7 @@ def test_convert_prints_the_parity_table(official, tmp_path, capsys, few_inputs)
     assert f"as {MODEL}" in stdout and "(gamma layout)" in stdout and "(ls layout)" in stdout
     rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in stdout.splitlines()[1:] if "  " in line}
     assert rows["bit-exact"] == "yes" and rows["result"] == "PASS (bit-exact)"
-    assert rows["weights"].endswith("tensors equal to the source")
+    assert rows["weights"].endswith("tensors of the converted file equal to the source's")
     assert rows["reference"] == REFERENCE and rows["converted"] == MODEL
     assert folder_names(tmp_path) == ["xxs24.safetensors"]
 
@@ -228,7 +228,7 @@ def test_the_push_command_an_export_prints_keeps_private(official, tmp_path, cap
 def test_failed_parity_exits_1_and_writes_nothing(command, out, official, tmp_path, capsys, monkeypatch):
     """The report as a table, or with --json as JSON on stdout, and one error line either way."""
     failing = parity_report(False, REFERENCE, MODEL)
-    monkeypatch.setattr(conversion, "verify_state_dicts", lambda *a, **k: failing)
+    monkeypatch.setattr(conversion, "verify_outputs", lambda *a, **k: failing)
     work = tmp_path / "work"
     work.mkdir()
     code, stdout, err = cli(capsys, command, official, work / out)
@@ -263,11 +263,12 @@ def test_verify_exit_1_when_one_weight_differs(official, perturbed, capsys):
     assert code == 1, err
     rep = json.loads(stdout)
     assert rep["ok"] is rep["passed"] is False and rep["bit_exact"] is False and rep["max_abs_diff"] > 0
+    assert rep["weights_equal"] is False and rep["weights_compared"] == 476  # every tensor of the file
     loose = rep["max_abs_diff"] * 10
     code, stdout, err = cli(capsys, "verify", official, perturbed, "--num-inputs", "1", "--atol", loose)
     assert code == 1, "a tolerance loosens the output check, never the weight check"
     assert any(line.split() == ["bit-exact", "no"] for line in stdout.splitlines())
-    assert any("NOT equal to the source" in line for line in stdout.splitlines())
+    assert any("NOT all equal to the source's" in line for line in stdout.splitlines())
 
 
 def _strict_json(text: str) -> Any:
@@ -510,7 +511,7 @@ def test_interrupted_verification_removes_the_output(official, tmp_path, capsys,
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(conversion, "verify_state_dicts", interrupted)
+    monkeypatch.setattr(conversion, "verify_outputs", interrupted)
     assert_one_line_error(*cli(capsys, "convert", official, tmp_path / "x.safetensors"), "interrupted", status=130)
     assert folder_names(tmp_path) == []
 

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from importlib.metadata import requires
+from importlib.metadata import requires, version
 
 from packaging.requirements import Requirement
+from packaging.version import Version
 
-from compat.__main__ import CELLS, LIBRARY_OLDEST, TIMM_NEWEST, TIMM_OLDEST, TORCH_NEWEST, TORCH_OLDEST, _counts
+from compat.__main__ import (
+    CELLS,
+    LIBRARY_NEWEST,
+    LIBRARY_OLDEST,
+    TIMM_NEWEST,
+    TIMM_OLDEST,
+    TORCH_NEWEST,
+    TORCH_OLDEST,
+    _counts,
+)
 
 
 def test_declared_floors_are_the_oldest_tested_releases():
@@ -15,14 +25,18 @@ def test_declared_floors_are_the_oldest_tested_releases():
     declared = {r.name: str(r.specifier) for r in map(Requirement, requirements) if not r.marker}
     assert declared["timm"] == f">={TIMM_OLDEST}"
     assert declared["torch"] == f">={TORCH_OLDEST[0]}"
-    for name, version in LIBRARY_OLDEST.items():
-        assert declared[name] == f">={version}"
+    for name, oldest in LIBRARY_OLDEST:
+        assert declared[name] == f">={oldest}"
 
 
 def test_matrix_crosses_both_ends_of_both_ranges():
     pairs = {(c.timm, c.torch, c.torchvision) for c in CELLS}
     assert pairs == {(t, *v) for t in (TIMM_OLDEST, TIMM_NEWEST) for v in (TORCH_OLDEST, TORCH_NEWEST)}
     assert len({c.name for c in CELLS}) == len(CELLS) == 4
+    newest = next(c for c in CELLS if (c.timm, c.torch) == (TIMM_NEWEST, TORCH_NEWEST[0]))
+    assert newest.libraries == LIBRARY_NEWEST and all(c.libraries == LIBRARY_OLDEST for c in CELLS if c is not newest)
+    # the newest cell runs what a fresh install (make test's environment) gets: huggingface_hub 2.x, safetensors 0.8
+    assert all(Version(version(name)) >= Version(newest) for name, newest in LIBRARY_NEWEST)
 
 
 def test_counts_read_the_pytest_summary(tmp_path):

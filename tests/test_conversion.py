@@ -108,7 +108,7 @@ def test_safetensors_metadata(converted, official):
     assert meta["source_layout"] == "gamma"
     assert meta["architecture"] == MODEL
     assert __version__ in meta["converter"]
-    assert meta["parity"] == "bit-exact" and meta["parity_weights"] == "equal"
+    assert meta["parity"] == "bit-exact" and meta["parity_weights"] == "476 tensors equal to the source's"
     assert (meta["parity_atol"], meta["parity_rtol"], meta["parity_max_abs_diff"]) == ("0", "0", "0")
     assert meta["parity_reference"] == REFERENCE and meta["parity_dtype"] == "float32"
 
@@ -351,19 +351,6 @@ def test_verify_names_converted_weights_of_another_model(official, ls_sd, tmp_pa
     assert str(e.value).endswith("; pass the weights converted from it")
     with pytest.raises(RemapError, match=r"^the converted state dict is not a conversion of the source: "):
         verify_checkpoint(torch.load(official, weights_only=True), {**ls_sd, "reg_token": ls_sd["cls_token"]})
-
-
-def test_verify_detects_a_perturbed_weight_whatever_the_tolerance(ls_sd, gamma_sd):
-    bad = dict(ls_sd)
-    bad["blocks_token_only.1.ls2.gamma"] = ls_sd["blocks_token_only.1.ls2.gamma"] + 1e-3
-    rep = verify_checkpoint(gamma_sd, bad, options=VerifyOptions(num_inputs=1))
-    assert not rep.passed and not rep.bit_exact and rep.max_abs_diff > 0
-    assert rep.weights_equal is False and rep.weights_compared == len(ls_sd)
-    # A tolerance loosens the output check, never the weight check.
-    loose = verify_checkpoint(gamma_sd, bad, options=VerifyOptions(num_inputs=1, atol=10 * rep.max_abs_diff))
-    assert (loose.atol, loose.rtol) == (10 * rep.max_abs_diff, 0) and loose.max_abs_diff <= loose.atol
-    assert not loose.passed and loose.weights_equal is False
-    assert "NOT equal" in loose.format_table()
 
 
 def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, few_inputs):

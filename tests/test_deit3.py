@@ -11,7 +11,7 @@ import timm_layerscale  # noqa: F401
 from timm_layerscale.conversion import keys as remap
 from timm_layerscale.errors import RemapError
 from timm_layerscale.families import get_variant
-from timm_layerscale.parity.references import build_reference, reference_name
+from timm_layerscale.parity.references import build_reference, load_model, model_name
 
 NAME = "deit3_small_patch16_224"
 
@@ -108,8 +108,8 @@ def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:
 
 
 def test_reference_interface(deit3_small) -> None:
-    loaded = build_reference(NAME, deit3_small.state_dict())
-    assert reference_name(get_variant(NAME)) == NAME and not loaded.training and build_reference(NAME).training
+    loaded = load_model(NAME, "gamma", remap.to_gamma(deit3_small.state_dict(), "deit3"))  # through timm's filter
+    assert model_name(get_variant(NAME), "gamma") == NAME and not loaded.training and build_reference(NAME).training
     x = images(2)
     with torch.no_grad():
         assert torch.equal(loaded(x), deit3_small(x))

@@ -18,7 +18,7 @@ from timm_layerscale.errors import RemapError
 from timm_layerscale.families import get_variant, official_rope_buffers
 from timm_layerscale.models import vit5
 from timm_layerscale.parity import vit5_official
-from timm_layerscale.parity.references import build_reference, reference_name
+from timm_layerscale.parity.references import load_model, model_name
 
 NAMES = list(vit5.VARIANTS)
 RELEASED = [n for n in NAMES if "xlarge" not in n]
@@ -204,23 +204,25 @@ def test_package_matches_reference_module_within_tolerance(img: int) -> None:
 
 def test_reference_interface_loads_official_and_converted_weights() -> None:
     sd = official_state_dict(384, 12, 6, grid=14, seed=5)
-    loaded = build_reference("vit5_small_patch16_224", remap.to_layerscale(sd, "vit5"))
+    loaded = load_model("vit5_small_patch16_224", "gamma", sd)  # the official file's own tensors
     assert loaded.state_dict().keys() == sd.keys() and not loaded.training
     assert all(torch.equal(loaded.state_dict()[k], sd[k]) for k in sd)
-    assert reference_name(get_variant("vit5_small_patch16_224")) == "vit5_official/vit5_small_patch16_224"
+    assert model_name(get_variant("vit5_small_patch16_224"), "gamma") == "vit5_official/vit5_small_patch16_224"
+    converted = load_model("vit5_small_patch16_224", "ls", remap.to_layerscale(sd, "vit5"))  # this package's model
+    assert model_name(get_variant("vit5_small_patch16_224"), "ls") == "vit5_small_patch16_224"
+    assert converted.state_dict().keys() == remap.to_layerscale(sd, "vit5").keys() and not converted.training
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_official_freqs_equal_computed_tables(name: str) -> None:
-    computed = official_rope_buffers(name)
-    official = {
-        k: v
-        for k, v in vit5_official.build_official_vit5(vit5.VARIANTS[name]).state_dict().items()
-        if k.endswith(".freqs")
-    }
+    computed, v = official_rope_buffers(name), vit5.VARIANTS[name]
+    with torch.device("meta"):
+        keys = [k for k in vit5_official.build_official_vit5(v).state_dict() if k.endswith(".freqs")]
+    one = vit5_official.Attention(v.embed_dim, v.num_heads, v.img_size // v.patch_size, 4, 100)  # every block's
+    official = {k: one.state_dict()[k.split(".", 3)[3]] for k in keys}
     assert computed.keys() == official.keys()
     assert all(torch.equal(computed[k], official[k]) for k in computed)
-    depth, hd = vit5.VARIANTS[name].depth, vit5.VARIANTS[name].embed_dim // vit5.VARIANTS[name].num_heads
+    depth, hd = v.depth, v.embed_dim // v.num_heads
     assert len(computed) == 2 * depth
     exact = PATCH_THETA ** -(torch.arange(hd // 4, dtype=torch.float64) / (hd // 4))
     torch.testing.assert_close(computed["blocks.0.attn.rope.freqs"].double(), exact, rtol=1e-6, atol=0)

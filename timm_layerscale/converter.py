@@ -4,40 +4,47 @@ write (:func:`convert_checkpoint`, which export and the release pipeline call)."
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 import torch
 
 from ._version import __version__
 from .conversion.detect import Detection, detect
 from .conversion.fold import fold_state_dict
-from .conversion.keys import official_checkpoint, state_dict_of, to_gamma
+from .conversion.keys import detect_layout, official_checkpoint, state_dict_of, to_gamma, to_layerscale
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
-from .families import FAMILIES, Variant, check_rope_buffers, get_variant, official_rope_buffers
+from .families import FAMILIES, Variant, check_rope_buffers, get_family, get_variant, official_rope_buffers
 from .files.atomic import output_path
-from .files.read import check_checksums, check_finite, nonfinite_tensors, parse_dtype, read_state_dict, sha256_file
+from .files.read import (
+    check_checksums,
+    check_finite,
+    load_checkpoint,
+    nonfinite_tensors,
+    parse_dtype,
+    read_state_dict,
+    sha256_file,
+)
 from .files.save import output_format, save_pth, save_safetensors
 from .files.sources import public_source
 from .options import command_line
 from .parity.compare import ParityReport, compare_weights
 from .parity.tolerance import VerifyOptions
-from .parity.verify import verify_state_dicts
+from .parity.verify import verify_outputs
 
 __all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "verify_checkpoint"]
 
-T = TypeVar("T")
 
-
-def _background(fn: Callable[[Path], T], path: Path) -> Future[T]:
+def _background(fn: Callable[[Path], Any], path: Path) -> Future[Any]:
     """``fn(path)`` in a daemon thread (hashlib and zlib release the GIL, so a source is hashed and checked while
     it converts), whose result the Future holds; a process that fails early exits without waiting for it."""
-    future: Future[T] = Future()
+    future: Future[Any] = Future()
 
     def run() -> None:
         try:
@@ -51,10 +58,9 @@ def _background(fn: Callable[[Path], T], path: Path) -> Future[T]:
 
 @dataclass
 class Source:
-    """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped,
-    prefix-free, in their own layout, memory-mapped), their
-    :class:`~timm_layerscale.conversion.detect.Detection`, whether they were found finite, and the zip
-    checksums being checked in a thread."""
+    """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped, prefix-free,
+    in their own layout, memory-mapped), their :class:`~timm_layerscale.conversion.detect.Detection`, whether they
+    were found finite, the zip checksums being checked in a thread, and whether ``'model_ema'`` was read."""
 
     given: str
     path: Path
@@ -62,6 +68,7 @@ class Source:
     detection: Detection
     finite: bool = False
     intact: Future[None] | None = None
+    ema: bool = False
 
     def check(self) -> None:
         """Wait for the zip checksums; a :class:`~timm_layerscale.errors.CheckpointError` if one fails."""
@@ -81,7 +88,7 @@ def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema
     path, sd = read_state_dict(source, ema, checksums=False)
     intact = _background(check_checksums, path)
     try:
-        return Source(os.fspath(source), path, sd, detect(sd, model), intact=intact)
+        return Source(os.fspath(source), path, sd, detect(sd, model), intact=intact, ema=ema)
     except (ArchitectureError, RemapError) as e:
         raise type(e)(f"{path}: {e}") from None
 
@@ -110,29 +117,44 @@ class ConversionResult:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
-def _target(src: Source, to: str, fold: bool) -> dict[str, torch.Tensor]:
-    """The converted tensors in layout ``to``, folded with ``fold`` (the source's own tensors otherwise)."""
-    found = src.detection
-    rope = official_rope_buffers(found.variant) if found.variant.family == "vit5" else None
+def _target(tensors: Mapping[str, torch.Tensor], found: Detection, to: str, fold: bool) -> dict[str, torch.Tensor]:
+    """A source's tensors (in their own layout) mapped by the family's rules to layout ``to``, folded with ``fold``."""
+    family = found.variant.family
+    rope = official_rope_buffers(found.variant) if family == "vit5" else None
     if rope is not None:  # a file's rotary buffers must be those the model computes
-        check_rope_buffers(src.state_dict, rope)
+        check_rope_buffers(tensors, rope)
+    ls = to_layerscale(tensors, family)
     if to == "ls":
-        return fold_state_dict(found.state_dict) if fold else dict(found.state_dict)
-    return {**to_gamma(found.state_dict, found.variant.family), **(rope or {})}  # the official loader wants them
+        return fold_state_dict(ls) if fold else ls
+    return {**to_gamma(ls, family), **(rope or {})}  # the official loader wants them
 
 
-def _verified(
-    src: Source, target: Mapping[str, torch.Tensor], options: VerifyOptions | None, fold: bool
-) -> ParityReport:
-    """The parity report of ``target``; a failed check raises and nothing is written."""
-    report = verify_state_dicts(src.detection, target, options=options, folded=fold)
-    if report.passed:
-        return report
+def cast_tensors(
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, family: str
+) -> dict[str, torch.Tensor]:
+    """The cast step: the family's :meth:`~timm_layerscale.families.Family.cast` of the converted tensors."""
+    return get_family(family).cast(tensors, dtype)
+
+
+def _failed(report: ParityReport, weights: str | None = None) -> ParityError:
+    """The error of a failed check: the outputs, or with ``weights`` (the first difference) the written file."""
     needed = "bit-exact required" if report.atol == report.rtol == 0 else f"atol={report.atol:g}, rtol={report.rtol:g}"
     what = f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}, {needed})"
-    if report.weights_equal is False:
-        what = "converted weights differ from the source"
-    raise ParityError(f"{what}; nothing written", report)
+    what = f"the written file differs from the source ({weights})" if weights else what
+    return ParityError(f"{what}; nothing written", report)
+
+
+def _check_written(
+    written: Path, src: Source, to: str, fold: bool, dtype: torch.dtype | None, report: ParityReport
+) -> None:
+    """The one weight comparison: the written file, read back, against the source file's tensors read on their own,
+    mapped by the rules and cast as requested; a difference is a :class:`ParityError` (the file is not kept)."""
+    expected = _target(read_state_dict(src.path, src.ema, checksums=False)[1], src.detection, to, fold)
+    expected = get_family(src.detection.variant.family).cast(expected, dtype)  # the request, not the cast step
+    same, count, detail = compare_weights(expected, state_dict_of(load_checkpoint(written)))
+    report.add_weights(same, count)
+    if not same:
+        raise _failed(report, detail)
 
 
 def convert_checkpoint(
@@ -153,10 +175,10 @@ def convert_checkpoint(
 ) -> ConversionResult:
     """Convert a checkpoint to the LayerScale-module layout (or back), verify it and write it.
 
-    With ``verify`` the converted weights (cast to ``dtype``) are compared with the source tensor by tensor
-    and the converted model with the reference before anything is written, and the file is read back.
-    ``to="gamma"`` as ``.pth`` writes what the official code saves (``{'model': {'module.' + key: tensor}}``
-    for CaiT, ``{'model': state_dict}`` otherwise) unless ``plain``.
+    With ``verify`` the converted model runs against the reference before anything is written, each reading its
+    tensors through the loader native to its layout, in fp32 (:func:`~timm_layerscale.parity.verify.verify_outputs`);
+    the written file, read back before it is put in place, must equal the source's tensors mapped and cast as asked.
+    ``to="gamma"`` as ``.pth`` writes what the official code saves unless ``plain``.
 
     Args:
         source: File or folder, ``https://`` URL, ``hf-hub:ORG/REPO[/FILE]``, or a :class:`Source`.
@@ -171,7 +193,8 @@ def convert_checkpoint(
 
     Raises:
         LayerScaleError: Bad options, or an error reading, detecting or writing.
-        ParityError: The converted model does not match the reference (nothing written).
+        ParityError: The converted model does not match the reference, or the written file the source (nothing
+            written).
     """
     t0 = time.perf_counter()
     fmt = output_format(output, fmt)
@@ -197,9 +220,9 @@ def convert_checkpoint(
             src.check()  # damage inside the file can read as NaN: say that first
             raise
     variant, args = src.detection.variant, src.detection.model_args
-    target = _target(src, to, fold)
-    if verify and torch_dtype is not None:  # verified as written; unverified, the writer casts
-        target = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in target.items()}
+    target = _target(src.state_dict, src.detection, to, fold)
+    if verify:  # verified as written; unverified, the writer casts
+        target = cast_tensors(target, torch_dtype, variant.family)
     # the source is finite: a non-finite value after the cast is an overflow
     if torch_dtype is not None and not allow_nonfinite and (over := nonfinite_tensors(target, torch_dtype)):
         wider = f"pass {option('dtype', 'bf16')}, or " if torch_dtype == torch.float16 else ""  # fp32's range
@@ -207,7 +230,12 @@ def convert_checkpoint(
             f"{src.path}: {over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
             f"which the cast makes Inf; {wider}leave out {option('dtype', dtype)}"
         )
-    report = _verified(src, target, options, fold) if verify else None
+    found, tensors = src.detection, src.state_dict
+    report = (
+        verify_outputs(found, tensors, target, to, dtype=torch_dtype, folded=fold, options=options) if verify else None
+    )
+    if report is not None and not report.passed:
+        raise _failed(report)
     metadata = {
         "format": "pt",
         "source_file": src.path.name,
@@ -220,7 +248,10 @@ def convert_checkpoint(
         **{k: str(v) for k, v in args.items()},
         **({"folded_layerscale": "true"} if fold else {}),
         **(report.metadata() if report is not None else {"parity": "not verified"}),
+        # put in place only once the written file, read back, equals the source (_check_written)
+        **({"parity_weights": f"{len(target)} tensors equal to the source's"} if report is not None else {}),
     }
+    keep = {k for k in target if re.fullmatch(FAMILIES[variant.family].computed, k)}  # never cast
     official = to == "gamma" and fmt == "pth" and not plain
     prefix = FAMILIES[variant.family].official_prefix
     wrapped = f"{{{prefix!r} + key: tensor}}" if prefix else "state_dict"
@@ -229,21 +260,19 @@ def convert_checkpoint(
         src.check()
         return {"source_sha256": digest.result()}
 
+    def check(written: Path) -> None:  # the written file, before it is put in place
+        metadata["source_sha256"] = digest.result()
+        if report is not None:
+            _check_written(written, src, to, fold, torch_dtype, report)
+
     if fmt == "pth":
         src.check()
         wrap = (lambda sd: official_checkpoint(sd, variant.family)) if official else None
-        save_pth(output, target, overwrite=overwrite, dtype=torch_dtype, wrap=wrap)
+        save_pth(output, target, overwrite=overwrite, dtype=torch_dtype, keep=keep, wrap=wrap, check=check)
     else:
-        save_safetensors(output, target, metadata, overwrite=overwrite, dtype=torch_dtype, late_metadata=late)
-    try:
-        metadata["source_sha256"] = digest.result()
-        if verify:  # the file holds what was verified
-            same, _, detail = compare_weights(target, read_state_dict(target_file)[1])
-            if not same:
-                raise LayerScaleError(f"{output} does not read back as written ({detail}); output removed")
-    except BaseException:
-        target_file.unlink(missing_ok=True)
-        raise
+        save_safetensors(
+            output, target, metadata, overwrite=overwrite, dtype=torch_dtype, keep=keep, late_metadata=late, check=check
+        )
     command = command_line(
         ("timm-layerscale", "convert", public_source(src.given), output), options if verify else None,
         model=model, to=None if to == "ls" else to, dtype=dtype, overwrite=overwrite or None, no_verify=not verify,
@@ -266,22 +295,31 @@ def verify_checkpoint(
     options: VerifyOptions | None = None,
 ) -> ParityReport:
     """Compare the reference model on the original weights (file, URL, ``hf-hub:`` id or state dict) with the
-    model on the converted ones (file or state dict, any layout, folded or not), both in the converted weights'
-    float dtype on ``options.device``, and every converted tensor with its source. ``model`` overrides
-    detection, ``ema`` takes the source's ``'model_ema'``; default ``options`` ask for what the family's
-    construction guarantees (:func:`~timm_layerscale.parity.tolerance.resolve_tolerance`).
+    model on the converted ones (file or state dict, either layout, folded or not), as :func:`convert_checkpoint`
+    does, and every converted tensor with the source's mapped by the rules. ``model`` overrides detection, ``ema``
+    takes the source's ``'model_ema'``.
 
     Raises:
         RemapError: ``converted`` is not a conversion of ``source``.
     """
     if isinstance(source, Mapping):
-        found = detect(state_dict_of(source, ema=ema), model)
+        tensors = state_dict_of(source, ema=ema)
+        found = detect(tensors, model)
     else:
         (src := read_source(source, model=model, ema=ema)).check()
-        found = src.detection
+        tensors, found = src.state_dict, src.detection
     conv_sd = state_dict_of(converted) if isinstance(converted, Mapping) else read_state_dict(converted)[1]
+    folded = detect_layout(conv_sd) == "none"  # the source has gates (detection found them): these were folded
+    layout = "ls" if folded else detect_layout(conv_sd)
+    floating = {v.dtype for v in conv_sd.values() if v.is_floating_point()}
+    dtype = floating.pop() if len(floating) == 1 else None
     try:
-        return verify_state_dicts(found, conv_sd, options=options)
+        report = verify_outputs(found, tensors, conv_sd, layout, dtype=dtype, folded=folded, options=options)
+        expected = {
+            k: v.to(conv_sd[k].dtype) if k in conv_sd else v for k, v in _target(tensors, found, layout, folded).items()
+        }
+        report.add_weights(*compare_weights(expected, conv_sd)[:2])
+        return report
     except RemapError as e:  # the source fits its model (detection checked it), so the converted weights do not
         conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
         src_name = "the source" if isinstance(source, Mapping) else str(source)

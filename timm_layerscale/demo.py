@@ -71,7 +71,7 @@ def run_demo(
         except ParityError as e:
             write_out(f"\n{e.report.format_table()}\n      {e}")
             res = None
-    folder = tmp.parent  # the folder itself, through links and ``..``
+    folder = folder.resolve()  # the folder itself, through links and ``..``
     ok = res is not None and res.report is not None and res.report.passed
     if res is not None and res.report is not None:
         write_out(f"      detected {res.variant.name}; source sha256 {res.source_sha256[:16]}...; {res.seconds:.1f} s")

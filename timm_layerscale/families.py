@@ -56,13 +56,20 @@ KEEP = r"\g<0>"
 
 @dataclass(frozen=True)
 class Family:
-    """A family's ordered rules to the ``ls`` layout and back to the official ``gamma`` layout, and the prefix
-    of every key in the official training code's files (``"module."`` for CaiT, saved from DDP)."""
+    """A family's ordered rules to the ``ls`` layout and back to the official ``gamma`` layout, the prefix
+    of every key in the official training code's files (``"module."`` for CaiT, saved from DDP), and the keys of
+    the buffers a layout computes from constants (ViT-5's rotary frequencies), which stay fp32 in every file."""
 
     name: str
     to_layerscale: tuple[Rule, ...]
     to_gamma: tuple[Rule, ...]
     official_prefix: str = ""
+    computed: str = "(?!)"  # matches no key
+
+    def cast(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """``tensors`` with every floating-point one as ``dtype`` (``None``: as they are), but computed buffers."""
+        keep = re.compile(self.computed).fullmatch
+        return {k: v.to(dtype) if dtype and v.is_floating_point() and not keep(k) else v for k, v in tensors.items()}
 
 
 #: The rule tables of every family, by name.
@@ -88,14 +95,14 @@ def _family(
     ls_only: tuple[Rule, ...] = (),
     gamma_only: tuple[Rule, ...] = (),
     official_prefix: str = "",
+    computed: str = "(?!)",
 ) -> Family:
     """Register a family whose gates live in the blocks ``blocks`` matches and whose other keys ``keep`` keeps;
     ``ls_only`` and ``gamma_only`` hold the keys one layout has and the other does not."""
     gamma, ls = rf"({blocks}\.\d+)\.gamma_([12])", rf"({blocks}\.\d+)\.ls([12])\.gamma"
     to_ls = (Rule(gamma, r"\1.ls\2.gamma"), Rule(ls, KEEP), *ls_only, *keep)
-    FAMILIES[name] = Family(
-        name, to_ls, (Rule(ls, r"\1.gamma_\2"), Rule(gamma, KEEP), *gamma_only, *keep), official_prefix
-    )
+    to_gamma = (Rule(ls, r"\1.gamma_\2"), Rule(gamma, KEEP), *gamma_only, *keep)
+    FAMILIES[name] = Family(name, to_ls, to_gamma, official_prefix, computed)
     return FAMILIES[name]
 
 
@@ -136,6 +143,7 @@ _family(
     ),
     ls_only=(Rule(_ROPE_BUFFER, None),),
     gamma_only=(Rule(_ROPE_BUFFER, KEEP),),
+    computed=_ROPE_BUFFER,
 )
 
 # DeiT-III (official ``models_v2.py``, timm's deit3_*): the same keys apart from LayerScale.

@@ -334,6 +334,6 @@ def plot_gates(
     ax.grid(True, which="major", alpha=0.3)
     order = handles[1:] + handles[:1] if ca else handles  # one column per gate (mean, range), then CA
     fig.legend(handles=order, loc="outside lower center", ncol=3, fontsize=9, frameon=False)
-    with atomic_output(out, overwrite) as tmp, open(tmp, "xb") as f:
+    with atomic_output(out, overwrite) as tmp, open(tmp, "wb") as f:
         fig.savefig(f, format=fmt)
     return out

@@ -1,10 +1,14 @@
-"""Atomic writes: a hidden temporary ``.{name}.tmp-{pid}-{hex}`` beside the output, moved onto it with
-``os.replace`` when complete. The next write of the same output removes the temporaries of processes that
-are gone, and those carrying this process's id that it did not open (in a container every run is pid 1)."""
+"""Atomic writes: a hidden temporary ``.{name}.tmp-{hex}`` beside the output, renamed onto it when complete. Its
+writer holds an exclusive ``flock`` on it; the kernel drops a dead writer's lock (in any container on the host), so
+the next write of the output removes the temporaries it can lock. A folder is built beside the old one and swapped
+in by renames (the old one aside as ``.{name}.old-{hex}``, then removed), so that an interruption leaves the
+complete old or new folder, or after a kill between the renames the old one aside, which the next write moves back.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
@@ -17,38 +21,43 @@ from ..errors import CheckpointError, OutputExistsError, option
 
 __all__ = ["atomic_output", "check_name", "folder_output", "output_path", "remove_stale"]
 
-_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)-[0-9a-f]+")
-_OPEN: set[str] = set()  # the temporaries this process is writing
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]+")
 
 
-def _temporary(folder: Path, name: str) -> Path:
-    tmp = folder / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    _OPEN.add(str(tmp))
-    return tmp
+def _hidden(folder: Path, name: str, kind: str = "tmp") -> Path:
+    return folder / f".{name}.{kind}-{secrets.token_hex(4)}"
 
 
-def _dead(pid: int) -> bool:
-    """Whether process ``pid`` is gone; a temporary of this process's own that it did not open is a dead run's."""
+def _lock(path: Path) -> int | None:
+    """An open descriptor of ``path`` (a file or a folder) holding its exclusive lock; ``None`` while another holds it."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's process
-        pass
-    return pid == os.getpid()
-
-
-def remove_stale(folder: Path, name: str) -> None:
-    """Remove the temporaries of ``folder / name`` that killed writers left behind."""
-    with contextlib.suppress(OSError):
-        for p in list(folder.iterdir()):
-            m = _TEMPORARY.fullmatch(p.name)
-            if m and m["name"] == name and str(p) not in _OPEN and _dead(int(m["pid"])):
-                _remove(p)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _remove(p: Path) -> None:
     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def remove_stale(folder: Path, name: str) -> None:
+    """Remove the temporaries of ``folder / name`` that no living writer holds; move back the old folder a killed
+    swap left aside where ``name`` itself is missing, and remove it where the new one is in place."""
+    with contextlib.suppress(OSError):
+        for p in sorted(folder.iterdir(), key=lambda p: p.name):
+            m = _TEMPORARY.fullmatch(p.name)
+            if not m or m["name"] != name or (fd := _lock(p)) is None:
+                continue
+            try:
+                if m["kind"] == "old" and not (folder / name).exists():
+                    os.replace(p, folder / name)
+                else:
+                    _remove(p)
+            finally:
+                os.close(fd)
 
 
 def check_name(path: Path) -> None:
@@ -92,14 +101,17 @@ def _write_error(where: Path, e: OSError) -> CheckpointError:
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` (not yet created) and ``os.replace`` it onto ``path`` on success;
+    """Yield a temporary file beside ``path`` (created empty, locked) and ``os.replace`` it onto ``path`` on success;
     on any exception, ``KeyboardInterrupt`` included, delete it and leave ``path`` as it was. A symbolic link
     is written through; a replaced file keeps its permission bits. Raises as :func:`output_path`, or
     :class:`~timm_layerscale.errors.CheckpointError` if the write failed (disk full)."""
     target = output_path(path, overwrite)
     remove_stale(target.parent, target.name)
-    tmp = _temporary(target.parent, target.name)
+    tmp = _hidden(target.parent, target.name)
+    fd = None
     try:
+        tmp.touch(exist_ok=False)
+        fd = _lock(tmp)
         yield tmp
         with contextlib.suppress(OSError):  # as cp keeps them
             os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
@@ -111,17 +123,18 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
             raise _write_error(target, e) from None
         raise
     finally:
-        _OPEN.discard(str(tmp))
+        if fd is not None:
+            os.close(fd)
 
 
 @contextlib.contextmanager
 def folder_output(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty hidden folder inside ``out`` (made if missing); on success ``os.replace`` each entry into
-    ``out`` and, with ``overwrite``, remove what else ``out`` held. On any exception only the temporary goes
-    (and ``out``, if this made it).
+    """Yield an empty temporary folder beside ``out``; on success swap it in (the old ``out`` moved aside, the new
+    one renamed into place, the old one removed). An exception before the swap removes only the temporary; during
+    it, the old folder is moved back, or where the new one is in place already, the old one removed.
 
     Raises:
-        OutputExistsError: ``out`` holds files (other than dead temporaries) and ``overwrite`` is false.
+        OutputExistsError: ``out`` holds files and ``overwrite`` is false.
         CheckpointError: ``out`` is a file, not UTF-8, or is or holds the current folder.
     """
     check_name(out)
@@ -132,27 +145,31 @@ def folder_output(out: Path, overwrite: bool = False) -> Iterator[Path]:
         raise CheckpointError(
             f"{out} is or holds the current folder, which replacing it would delete; pass another folder"
         )
-    remove_stale(real, real.name)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(real.parent, real.name)
     if real.is_dir() and not overwrite and any(real.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass {option('overwrite')} to replace it")
-    created = not real.exists()
-    tmp = _temporary(real, real.name)
+    tmp, old = _hidden(real.parent, real.name), _hidden(real.parent, real.name, "old")
+    locks: list[int | None] = []
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
+        locks.append(_lock(tmp))
         yield tmp
-        written = {p.name for p in tmp.iterdir()}
-        for p in real.iterdir():
-            if (overwrite or p.name in written) and not _TEMPORARY.fullmatch(p.name):
-                _remove(p)  # what this export replaces, and with overwrite an earlier export's other files
-        for p in tmp.iterdir():
-            os.replace(p, real / p.name)
-        tmp.rmdir()
+        if real.is_dir():
+            os.chmod(tmp, stat.S_IMODE(real.stat().st_mode))
+            locks.append(_lock(real))  # the lock follows the folder aside
+            os.replace(real, old)
+        os.replace(tmp, real)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created:
-            shutil.rmtree(real, ignore_errors=True)
+        if old.exists() and not real.exists():
+            os.replace(old, real)  # back before the new one was in place
+        for p in (tmp, old):
+            shutil.rmtree(p, ignore_errors=True)
         if isinstance(e, OSError):
             raise _write_error(out, e) from None
         raise
     finally:
-        _OPEN.discard(str(tmp))
+        for fd in locks:
+            if fd is not None:
+                os.close(fd)

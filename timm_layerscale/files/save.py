@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -30,7 +30,10 @@ def _check_entry(name: str, t: object) -> None:
 
 
 def _header(
-    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, metadata: Mapping[str, str] | None
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    metadata: Mapping[str, str] | None,
+    keep: Collection[str] = (),
 ) -> tuple[bytes, list[tuple[str, torch.dtype, int]]]:
     """The header (length, JSON, padding to 64 bytes) and the write order: names, output dtypes, sizes."""
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -39,7 +42,7 @@ def _header(
     plan = []
     for name, t in tensors.items():
         _check_entry(name, t)
-        out = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        out = dtype if dtype is not None and t.is_floating_point() and name not in keep else t.dtype
         if out not in _ST_DTYPES:
             raise CheckpointError(f"cannot save {name!r}: safetensors does not support {out}; convert it first")
         plan.append((name, out, list(t.shape), out.itemsize * t.numel()))
@@ -62,37 +65,40 @@ def save_safetensors(
     *,
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
+    keep: Collection[str] = (),
     late_metadata: Callable[[], Mapping[str, str]] | None = None,
+    check: Callable[[Path], None] | None = None,
 ) -> None:
     """Write ``tensors`` as a safetensors file one tensor at a time (peak memory: one tensor), floating-point
-    ones cast to ``dtype``, ``metadata`` as the header's ``__metadata__``.
+    ones but those named in ``keep`` cast to ``dtype``, ``metadata`` as the header's ``__metadata__``.
 
     Every tensor whose size is a multiple of 64 bytes comes first, each on a 64-byte boundary of the file,
     so that a model assigned the file's mapped tensors computes as on fresh ones; the format allows no
     gaps, so the rest are aligned to their item size. ``late_metadata`` is called once the tensors are
-    written, for entries that replace as long ones of ``metadata`` (a hash computed meanwhile).
+    written, for entries that replace as long ones of ``metadata`` (a hash computed meanwhile); ``check`` with
+    the complete file's temporary path, before it is put in place (an exception leaves ``path`` as it was).
 
     Raises:
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
         CheckpointError: A key or value cannot be stored, or writing failed.
     """
     output_path(path, overwrite)
-    head, plan = _header(tensors, dtype, metadata)
-    with (
-        atomic_output(path, overwrite) as tmp,
-        open(tmp, "xb") as f,
-        progress.bar(total=len(head) + sum(n for *_, n in plan), desc=f"writing {Path(path).name}", unit="B") as bar,
-    ):
-        bar.update(f.write(head))
-        for name, out, _ in plan:
-            data = tensors[name].detach().to(device="cpu", dtype=out).contiguous().reshape(-1).view(torch.uint8)
-            bar.update(f.write(data.numpy().data))
-        if late_metadata is not None:
-            final, _ = _header(tensors, dtype, {**(metadata or {}), **late_metadata()})
-            if len(final) != len(head):
-                raise ValueError("late_metadata must not change the length of the safetensors header")
-            f.seek(0)
-            f.write(final)
+    head, plan = _header(tensors, dtype, metadata, keep)
+    total = len(head) + sum(n for *_, n in plan)
+    with atomic_output(path, overwrite) as tmp:
+        with open(tmp, "wb") as f, progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar:
+            bar.update(f.write(head))
+            for name, out, _ in plan:
+                data = tensors[name].detach().to(device="cpu", dtype=out).contiguous().reshape(-1).view(torch.uint8)
+                bar.update(f.write(data.numpy().data))
+            if late_metadata is not None:
+                final, _ = _header(tensors, dtype, {**(metadata or {}), **late_metadata()}, keep)
+                if len(final) != len(head):
+                    raise ValueError("late_metadata must not change the length of the safetensors header")
+                f.seek(0)
+                f.write(final)
+        if check is not None:
+            check(tmp)
 
 
 def save_pth(
@@ -101,26 +107,32 @@ def save_pth(
     *,
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
+    keep: Collection[str] = (),
     wrap: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+    check: Callable[[Path], None] | None = None,
 ) -> None:
-    """Write a state dict with ``torch.save``, views stored compactly, floating-point tensors cast to ``dtype``;
-    ``wrap`` makes the saved object (the official ``{'model': ...}``). Raises as :func:`save_safetensors`."""
+    """Write a state dict with ``torch.save``, views stored compactly, cast as :func:`save_safetensors` casts;
+    ``wrap`` makes the saved object (the official ``{'model': ...}``). ``check`` and errors as there."""
     output_path(path, overwrite)
     plain = {}
     for name, t in state_dict.items():
         _check_entry(name, t)
-        t = t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()
+        t = t.detach().to(dtype) if dtype is not None and t.is_floating_point() and name not in keep else t.detach()
         whole = t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
         plain[name] = t if whole else t.clone(memory_format=torch.contiguous_format)
     total = sum(t.nbytes for t in plain.values())
-    with atomic_output(path, overwrite) as tmp, open(tmp, "xb") as f:
-        try:
-            with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar:
-                torch.save(wrap(plain) if wrap else plain, cast(IO[bytes], CallbackIOWrapper(bar.update, f, "write")))
-        except RuntimeError as e:  # torch wraps the OSError of a failed write (disk full)
-            if isinstance(e.__context__, OSError):
-                raise e.__context__ from None
-            raise
+    with atomic_output(path, overwrite) as tmp:
+        with open(tmp, "wb") as f:
+            try:
+                with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar:
+                    saved = wrap(plain) if wrap else plain
+                    torch.save(saved, cast(IO[bytes], CallbackIOWrapper(bar.update, f, "write")))
+            except RuntimeError as e:  # torch wraps the OSError of a failed write (disk full)
+                if isinstance(e.__context__, OSError):
+                    raise e.__context__ from None
+                raise
+        if check is not None:
+            check(tmp)
 
 
 def output_format(path: str | os.PathLike[str], fmt: str | None = None) -> str:

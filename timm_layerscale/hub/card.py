@@ -198,7 +198,8 @@ def _parity_values(report: Any) -> dict[str, Any]:
             f"**within tolerance** `|ref - out| <= {report.atol:g} + {report.rtol:g} * |ref|` "
             f"({report.tolerance_reason}); largest difference {report.max_abs_diff:.3g}"
         )
-    weights = {True: "identical", None: "not compared", False: "DIFFERENT"}[report.weights_equal]
+    count = f"{report.weights_compared} tensors of the written file equal to the source's"
+    weights = {True: count, None: "not compared", False: "DIFFERENT"}[report.weights_equal]
     return {
         "table": report.to_markdown(),
         "parity_reference": report.reference,

@@ -128,9 +128,9 @@ def export_folder(
 ) -> ExportResult:
     """Convert and verify a checkpoint into a folder that timm and transformers load, and optionally upload it.
 
-    The files are built in a hidden folder inside ``out_dir`` (made if missing), loaded back with
+    The files are built in a hidden folder beside ``out_dir``, loaded back with
     ``timm.create_model("local-dir:...", pretrained=True)`` and compared weight for weight, and only then
-    moved into ``out_dir``: a failed export leaves what was there.
+    swapped in for ``out_dir`` with renames: a failed or interrupted export leaves what was there.
 
     Args:
         source, model, ema, options: As for :func:`~timm_layerscale.converter.convert_checkpoint`.
@@ -226,7 +226,7 @@ def export_folder(
             plot=PLOT_NAME if plot_path else None,
         )
         card.save(tmp / CARD_NAME)
-    out = tmp.parent  # the folder itself, through links and ``..``
+    out = folder  # the folder itself, through links and ``..``
     conv.output, conv.state_dict = out / WEIGHTS_NAME, {}
     result = ExportResult(
         folder=out,

@@ -43,7 +43,7 @@ class ParityReport:
 
     Attributes:
         reference, model, family, inputs: What was compared on what.
-        num_inputs, dtype, device, attention: The images, and how both models ran.
+        num_inputs, dtype, device, attention: The images, the converted weights' dtype, device and attention.
         max_abs_diff: Largest ``|ref - out|`` over all outputs (logits, or a backbone's features).
         max_rel_diff: Largest ``|ref - out| / |ref|`` (0 where both are 0).
         cosine_min: Smallest per-image cosine similarity of the outputs.
@@ -51,10 +51,10 @@ class ParityReport:
             ``None`` for a model without a classifier.
         bit_exact: Every output element is identical (NaN or Inf where the reference has the same).
         atol, rtol, tolerance_reason: The check's tolerance (both 0: bit-exact) and why it applies.
-        weights_equal: Every converted tensor equals its source tensor (``None``: not compared).
-        weights_compared: How many were compared.
-        passed: The weights are equal (where compared) and the outputs within the tolerance.
-        versions: This package's, timm's, torch's and Python's.
+        weights_equal, weights_compared: Every tensor of the converted file equals the source's (``None``: not
+            compared); how many.
+        passed: The outputs are within the tolerance and the weights equal (where compared).
+        compute_dtype, versions: What both models computed in; this package's, timm's, torch's, Python's versions.
     """
 
     reference: str
@@ -77,7 +77,13 @@ class ParityReport:
     tolerance_reason: str = ""
     weights_equal: bool | None = None
     weights_compared: int = 0
+    compute_dtype: str = "float32"
     versions: dict[str, str] = field(default_factory=dict)
+
+    def add_weights(self, equal: bool, compared: int) -> None:
+        """Record the weight comparison: every one of ``compared`` tensors equal, or not (the check then fails)."""
+        self.weights_equal, self.weights_compared = equal, compared
+        self.passed = self.passed and equal
 
     @property
     def verdict(self) -> str:
@@ -105,13 +111,13 @@ class ParityReport:
         tol = "exact equality" if self.atol == 0 and self.rtol == 0 else f"atol={self.atol:g}, rtol={self.rtol:g}"
         if self.tolerance_reason:
             tol += f" ({self.tolerance_reason})"
-        weights = f"{self.weights_compared} tensors {'equal to' if self.weights_equal else 'NOT equal to'} the source"
+        weights = f"{self.weights_compared} tensors of the converted file {'equal to' if self.weights_equal else 'NOT all equal to'} the source's"
         return [
             ("weights", "not compared" if self.weights_equal is None else weights),
             ("reference", self.reference),
             ("converted", self.model),
             ("inputs", self.inputs),
-            ("dtype / device", f"{self.dtype} / {self.device}"),
+            ("dtype / device", f"{self.dtype} weights, computed in {self.compute_dtype} / {self.device}"),
             ("attention", self.attention),
             ("max abs diff", f"{self.max_abs_diff:.3g}"),
             ("max rel diff", f"{self.max_rel_diff:.3g}"),
@@ -170,7 +176,7 @@ def compare_models(
     inputs_desc: str,
     batch_size: int = 4,
     tolerance: Tolerance | None = None,
-    weights: tuple[bool, int, str] | None = None,
+    weights_dtype: str | None = None,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     progress: Callable[[Iterable[torch.Tensor]], Iterable[torch.Tensor]] | None = None,
 ) -> ParityReport:
@@ -184,7 +190,7 @@ def compare_models(
         reference_name, model_name, family, inputs_desc: Labels of the report.
         batch_size: Images per forward pass.
         tolerance: What the check accepts; ``None``: bit-exact equality.
-        weights: :func:`compare_weights` of the converted weights against the source, if made.
+        weights_dtype: The converted weights' dtype, for the report (default the models').
         forward: ``forward(model, x)``; default ``model(x)``.
         progress: Wraps the batches, for a progress bar.
     """
@@ -215,7 +221,7 @@ def compare_models(
         top5 = sum(set(x.tolist()) == set(y.tolist()) for x, y in pairs) / a2.shape[0]
     tolerance = tolerance or Tolerance(0.0, 0.0, "")
     close = bit_exact or bool(torch.isclose(b, a, rtol=tolerance.rtol, atol=tolerance.atol, equal_nan=True).all())
-    passed = (bit_exact if tolerance.exact else close) and (weights is None or weights[0])
+    passed = bit_exact if tolerance.exact else close
     attn = attention_path(reference)
     if attention_path(model) != attn:
         attn = f"reference: {attn}; converted: {attention_path(model)}"
@@ -225,7 +231,7 @@ def compare_models(
         family=family,
         inputs=inputs_desc,
         num_inputs=int(inputs.shape[0]),
-        dtype=str(dtype).replace("torch.", ""),
+        dtype=weights_dtype or str(dtype).replace("torch.", ""),
         device=str(device),
         attention=attn,
         max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
@@ -238,7 +244,6 @@ def compare_models(
         rtol=float(tolerance.rtol),
         passed=passed,
         tolerance_reason=tolerance.reason,
-        weights_equal=None if weights is None else weights[0],
-        weights_compared=0 if weights is None else weights[1],
+        compute_dtype=str(dtype).replace("torch.", ""),
         versions=versions(),
     )

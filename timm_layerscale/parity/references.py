@@ -1,9 +1,7 @@
-"""Parity references: the models that compute the released function from the original weights.
-
-``cait``: timm's ``cait_*`` (the official math and keys). ``deit3``: timm's ``deit3_*``, loaded
-through its own ``checkpoint_filter_fn(adapt_layer_scale=True)`` as timm loads an official file.
-``vit5``: :mod:`.vit5_official`, an independent implementation in the official key layout.
-"""
+"""The models that read a state dict in its own layout as that layout's code loads it, so that no key rule of this
+package stands between a file and the model that reads it: ``gamma`` CaiT, timm's ``cait_*`` through its
+``checkpoint_filter_fn``; DeiT-III, timm's ``deit3_*`` through its filter; ``gamma`` ViT-5, :mod:`.vit5_official`;
+``ls``, this package's models. A folded state dict is read without LayerScale modules."""
 
 from __future__ import annotations
 
@@ -14,72 +12,96 @@ import torch
 from torch import nn
 
 from ..conversion.detect import timm_args
-from ..conversion.keys import check_state_dict, to_gamma
+from ..conversion.keys import check_state_dict
 from ..families import Variant, get_variant, official_rope_buffers
 from .vit5_official import build_official_vit5
 
-__all__ = ["build_loaded", "build_reference", "reference_name"]
+__all__ = ["build_loaded", "build_reference", "load_model", "model_name"]
+
+Filter = Callable[[dict[str, torch.Tensor], nn.Module], Mapping[str, torch.Tensor]]
 
 
-def reference_name(variant: Variant) -> str:
-    """The name a reference is reported by (``cait_s24_224``, ``vit5_official/vit5_base_patch16_224``)."""
+def model_name(variant: Variant, layout: str) -> str:
+    """The name the model reading ``layout`` is reported by (``cait_s24_224``, ``cait_s24_224_ls``,
+    ``vit5_official/vit5_base_patch16_224``)."""
+    if layout == "ls" or variant.family == "deit3":
+        return variant.name
     return variant.reference or f"{variant.family}_official/{variant.name}"
 
 
-def build_loaded(build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor], name: str) -> nn.Module:
-    """``build()`` with ``state_dict`` loaded strictly, in eval mode.
+def build_loaded(
+    build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor], name: str, filter_fn: Filter | None = None
+) -> nn.Module:
+    """``build()`` with ``state_dict`` (through ``filter_fn(state_dict, model)``, as timm's loader passes it) loaded
+    strictly, floating-point tensors as fp32, in eval mode.
 
-    The model is built on the meta device and assigned fresh copies of the tensors, unless it
-    computes buffers its state dict lacks; then it is built for real and the tensors copied in.
-    Either way it computes on fresh allocations, never on tensors mapped from a file, whose
-    alignment (a BLAS may sum a GEMM on a weight at 8 mod 16 bytes in another order) would make
-    the verdict depend on the file's layout.
+    The model is built on the meta device and assigned fresh copies of the tensors, unless it computes buffers its
+    state dict lacks; then it is built for real and the tensors copied in. Either way it computes on fresh
+    allocations, never on tensors mapped from a file, whose alignment (a BLAS may sum a GEMM on a weight at
+    8 mod 16 bytes in another order) would make the verdict depend on the file's layout.
 
     Raises:
         RemapError: Missing, unexpected or mis-shaped keys, all listed.
     """
     with torch.device("meta"):
         model = build()
+    if filter_fn is not None:
+        state_dict = filter_fn(dict(state_dict), model)
     on_meta = {k for k, _ in model.named_buffers()} <= model.state_dict().keys()
     if not on_meta:
         model = build()
     check_state_dict(state_dict, model.state_dict(), name)
-    if on_meta:
-        state_dict = {k: torch.empty(v.shape, dtype=v.dtype).copy_(v) for k, v in state_dict.items()}
-    model.load_state_dict(state_dict, strict=True, assign=on_meta)
-    return model.eval()
+    fp32 = {k: torch.float32 if v.is_floating_point() else v.dtype for k, v in state_dict.items()}
+    fresh = {k: torch.empty(v.shape, dtype=fp32[k]).copy_(v) for k, v in state_dict.items()}
+    model.load_state_dict(fresh, strict=True, assign=on_meta)
+    return model.float().eval()
 
 
-def build_reference(
-    variant: Variant | str, state_dict: Mapping[str, torch.Tensor] | None = None, **model_args: Any
-) -> nn.Module:
-    """The reference of ``variant``: random weights (train mode), or ``state_dict`` (``ls`` layout,
-    mapped to the official one) loaded strictly (eval mode).
+def _native(variant: Variant, layout: str, folded: bool, **model_args: Any) -> tuple[Callable[[], nn.Module], Filter]:
+    """The builder of the model reading ``layout`` and the filter its own code passes a state dict through."""
+    import timm
 
-    Args:
-        variant: The variant (or its name).
-        state_dict: The weights in the ``ls`` layout, or ``None``.
-        **model_args: ``num_classes``, ``img_size`` beyond the variant's.
-    """
-    variant = get_variant(variant) if isinstance(variant, str) else variant
-
-    def build() -> nn.Module:
-        if variant.family == "vit5":
-            return build_official_vit5(variant, **model_args)
-        import timm
-
-        return timm.create_model(str(variant.reference), **timm_args(model_args))
-
-    if state_dict is None:
-        return build()
-    if variant.family == "deit3":  # timm's deit3 keys are the ls layout
+    args = timm_args(model_args)
+    if variant.family == "deit3":
         from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-        with torch.device("meta"):
-            target = build()
-        sd = checkpoint_filter_fn(dict(state_dict), cast(VisionTransformer, target), adapt_layer_scale=True)
-    else:
-        sd = to_gamma(state_dict, variant.family)
-        if variant.family == "vit5":  # the official model keeps its rotary tables as buffers
-            sd.update(official_rope_buffers(variant))
-    return build_loaded(build, sd, reference_name(variant))
+        args.update({"init_values": 0.0} if folded else {})  # timm's ViT without LayerScale (create_model drops None)
+        vit = lambda sd, m: checkpoint_filter_fn(sd, cast(VisionTransformer, m), adapt_layer_scale=True)  # noqa: E731
+        return lambda: timm.create_model(variant.name, **args), vit
+    if layout == "ls":
+        args.update({"folded_layerscale": True} if folded else {})
+        return lambda: timm.create_model(variant.name, **args), lambda sd, m: sd
+    if variant.family == "vit5":
+        computed = official_rope_buffers(variant)
+        return lambda: build_official_vit5(variant, **model_args), lambda sd, m: {**computed, **sd}
+    from timm.models.cait import checkpoint_filter_fn as cait_filter
+
+    return lambda: timm.create_model(str(variant.reference), **args), cait_filter
+
+
+def load_model(
+    variant: Variant | str,
+    layout: str,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    folded: bool = False,
+    **model_args: Any,
+) -> nn.Module:
+    """The model that reads ``state_dict`` (prefix-free, in ``layout``: ``"gamma"`` or ``"ls"``; ``folded``: without
+    gates) as the layout's own code loads it, strictly, in fp32 and eval mode; ``model_args``: ``num_classes`` and
+    ``img_size`` beyond the variant's.
+
+    Raises:
+        RemapError: Missing, unexpected or mis-shaped keys, all listed.
+    """
+    variant = get_variant(variant) if isinstance(variant, str) else variant
+    build, filter_fn = _native(variant, layout, folded, **model_args)
+    return build_loaded(build, state_dict, model_name(variant, layout), filter_fn)
+
+
+def build_reference(variant: Variant | str, **model_args: Any) -> nn.Module:
+    """The official-layout model of ``variant`` with random weights, in train mode (timm's ``cait_*`` and
+    ``deit3_*``, :mod:`.vit5_official`), for writing official-layout files."""
+    variant = get_variant(variant) if isinstance(variant, str) else variant
+    build, _ = _native(variant, "gamma", False, **model_args)
+    return build()

@@ -1,9 +1,10 @@
-"""What a parity check accepts, per family and dtype, and the options of a verification.
+"""What a parity check accepts, per model and dtype, and the options of a verification.
 
-CaiT and DeiT-III outputs must be ``torch.equal`` to the reference's: the converted model makes the
-reference's ATen calls on the same operands. ViT-5's reference is an independent implementation whose
-reductions are ordered otherwise, and a folded model rounds ``diag(gamma) W`` once more: both are held to
-the bounds below, derived in the parity guide. Weights are always compared exactly.
+Both sides of a check compute in fp32. CaiT and DeiT-III outputs must be ``torch.equal`` to the reference's: the
+converted model makes the reference's ATen calls on the same operands. ViT-5's reference is an independent
+implementation whose reductions are ordered otherwise, and a folded model rounds ``diag(gamma) W`` to the file's
+dtype where the reference rounds ``gamma`` and ``W`` apart: both are held to bounds that grow with the depth,
+the width and the file dtype's unit roundoff, derived in the parity guide (``docs/parity.md``).
 """
 
 from __future__ import annotations
@@ -13,15 +14,27 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXACT_FAMILIES", "FOLDED_TOLERANCE", "VIT5_TOLERANCE", "Tolerance", "VerifyOptions", "resolve_tolerance"]
+from ..families import Variant
+
+__all__ = ["EXACT_FAMILIES", "Tolerance", "VerifyOptions", "folded_bound", "independent_bound", "resolve_tolerance"]
 
 #: Families whose converted model makes the reference's kernel calls.
 EXACT_FAMILIES = ("cait", "deit3")
-#: ``(atol, rtol)`` per dtype of ViT-5 against its independent reference: differently ordered reductions
-#: through the depth, with a margin (docs/parity.md derives them; fp16's is bf16's over its 8x smaller roundoff).
-VIT5_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (0.15, 0.15)}
-#: ``(atol, rtol)`` per dtype of a folded model against the unfolded reference (derived in docs/parity.md).
-FOLDED_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-2, 2e-2), torch.bfloat16: (0.15, 0.15)}
+
+
+def independent_bound(depth: int, width: int, dtype: torch.dtype = torch.float32) -> float:
+    """``atol = rtol`` of two implementations of one network of ``depth`` blocks of ``width`` channels whose
+    reductions are ordered differently, both computing in ``dtype`` of unit roundoff ``u``:
+    ``8 * sqrt(depth * log2(4 * width)) * u``. The ``2 * depth`` branches' roundoff differences add with random
+    signs, each of blocked sums up to ``4 * width`` long; 8 is over twice the largest error measured."""
+    return 8 * math.sqrt(depth * math.log2(4 * width)) * torch.finfo(dtype).eps / 2
+
+
+def folded_bound(depth: int, width: int, dtype: torch.dtype) -> float:
+    """``atol = rtol`` of a model whose ``diag(gamma) W`` was rounded to ``dtype`` once, against the reference on
+    ``gamma`` and ``W`` rounded to it apart, both computing in fp32: :func:`independent_bound` at ``dtype``
+    times 1.5 / 8 (each weight differs by up to ``u``), plus the fp32 one (``gamma * (W x)`` is not ``(gamma W) x``)."""
+    return independent_bound(depth, width, dtype) * 1.5 / 8 + independent_bound(depth, width)
 
 
 @dataclass(frozen=True)
@@ -81,16 +94,19 @@ class VerifyOptions:
         object.__setattr__(self, "images", tuple(self.images))
 
 
-def resolve_tolerance(family: str, dtype: torch.dtype, options: VerifyOptions, folded: bool = False) -> Tolerance:
-    """The tolerance a check applies: ``exact``, else the options', else the family's rule."""
+def resolve_tolerance(variant: Variant, dtype: torch.dtype, options: VerifyOptions, folded: bool = False) -> Tolerance:
+    """The tolerance a check of ``variant``'s model on weights of ``dtype`` applies: ``exact``, else the options',
+    else the rule of its construction (the bounds above for its depth, counting every block, and width)."""
     if options.exact:
         return Tolerance(0.0, 0.0, "exact parity requested")
     if options.atol is not None or options.rtol is not None:
         return Tolerance(options.atol or 0.0, options.rtol or 0.0, "tolerance given by the user")
+    depth = variant.depth + (2 if variant.family == "cait" else 0)  # CaiT's two class-attention blocks
     if folded:
-        atol, rtol = FOLDED_TOLERANCE.get(dtype, FOLDED_TOLERANCE[torch.float32])
-        return Tolerance(atol, rtol, "LayerScale folded into the weights: rounding differs from the reference")
-    if family in EXACT_FAMILIES:
+        bound = folded_bound(depth, variant.embed_dim, dtype)
+        why = f"LayerScale folded into the weights: rounding to {str(dtype).removeprefix('torch.')} differs from the reference"
+        return Tolerance(bound, bound, why)
+    if variant.family in EXACT_FAMILIES:
         return Tolerance(0.0, 0.0, "bit-exact required: the converted model makes the reference's kernel calls")
-    atol, rtol = VIT5_TOLERANCE.get(dtype, VIT5_TOLERANCE[torch.float32])
-    return Tolerance(atol, rtol, "the reference is an independent implementation: reductions ordered differently")
+    bound = independent_bound(depth, variant.embed_dim)
+    return Tolerance(bound, bound, "the reference is an independent implementation: reductions ordered differently")

@@ -1,5 +1,5 @@
-"""Verification of a conversion: the converted model against the reference on the same inputs, and the
-converted weights against the source's tensor by tensor."""
+"""Verification of a conversion's outputs: the reference reads the source's own tensors, the converted model the
+converted ones, each through the loader native to its layout (:mod:`.references`), and both run on the same inputs."""
 
 from __future__ import annotations
 
@@ -8,63 +8,52 @@ from collections.abc import Mapping
 import torch
 
 from .. import progress
-from ..conversion.detect import Detection, timm_args
-from ..conversion.fold import fold_state_dict
-from ..conversion.keys import to_layerscale
+from ..conversion.detect import Detection
 from ..errors import CheckpointError, option
-from ..families import GATE_KEY
-from .compare import ParityReport, compare_models, compare_weights
+from ..families import get_family
+from .compare import ParityReport, compare_models
 from .inputs import image_inputs, seeded_inputs
-from .references import build_loaded, build_reference, reference_name
+from .references import load_model, model_name
 from .tolerance import VerifyOptions, resolve_tolerance
 
-__all__ = ["verify_state_dicts"]
+__all__ = ["verify_outputs"]
 
 
-def verify_state_dicts(
+def verify_outputs(
     source: Detection,
+    source_tensors: Mapping[str, torch.Tensor],
     converted: Mapping[str, torch.Tensor],
+    layout: str,
     *,
+    dtype: torch.dtype | None = None,
+    folded: bool = False,
     options: VerifyOptions | None = None,
-    folded: bool | None = None,
 ) -> ParityReport:
-    """Compare the reference on the source's weights with the model on the converted ones.
-
-    Args:
-        source: The detected source (its variant, arguments and ``ls``-layout tensors).
-        converted: The converted weights in any layout; their float dtype is the check's.
-        options: Tolerances, inputs and device.
-        folded: The converted weights have LayerScale folded in; default: they have no gates
-            where the source has.
+    """The parity report of the reference on ``source_tensors`` (the detected ``source``'s own, in its layout) against
+    the converted model on ``converted`` (in ``layout``, ``folded`` or not), each read by the loader native to its
+    layout and both computing in fp32: the reference on the source's tensors rounded to ``dtype`` (the converted
+    file's; ``None``: the source's). The report's weight fields are the caller's.
 
     Raises:
-        RemapError: The converted weights do not fit the model.
+        RemapError: The converted tensors do not fit the model of their layout (the keys listed).
         CheckpointError: No CUDA device for ``device='cuda'``, or image files of another size.
     """
-    import timm
-
     options = options or VerifyOptions()
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise CheckpointError(
             f"device {options.device!r}: no CUDA device is available here; pass {option('device', 'cpu')}"
         )
     variant, args = source.variant, source.model_args
-    conv = to_layerscale(converted, variant.family)
-    if folded is None:
-        folded = any(map(GATE_KEY.fullmatch, source.state_dict)) and not any(map(GATE_KEY.fullmatch, conv))
-    expected = fold_state_dict(source.state_dict) if folded else source.state_dict
-    cast = {k: v.to(conv[k].dtype) if k in conv and v.is_floating_point() else v for k, v in expected.items()}
-    dtype = next((v.dtype for v in conv.values() if v.is_floating_point()), torch.float32)
-    ref = build_reference(variant, source.state_dict, **args)
-    build_args = timm_args({**args, **({"folded_layerscale": True} if folded else {})})
-    out = build_loaded(lambda: timm.create_model(variant.name, **build_args), conv, variant.name)
+    rounded = get_family(variant.family).cast(source_tensors, dtype)
+    ref = load_model(variant, source.layout, rounded, folded=False, **args)
+    out = load_model(variant, layout, converted, folded=folded, **args)
     if not any(getattr(m, "fused_attn", False) for m in ref.modules()):  # a reference that attends by hand
         for m in out.modules():
             if hasattr(m, "fused_attn"):
                 setattr(m, "fused_attn", False)  # noqa: B010  (a Module attribute mypy sees as Tensor | Module)
     device = torch.device(options.device)
-    ref.to(device, dtype)
-    out.to(device, dtype)
+    ref.to(device)
+    out.to(device)
     size = tuple(getattr(out, "pretrained_cfg", {}).get("input_size", (3, variant.img_size, variant.img_size))[-2:])
     inputs = seeded_inputs(options.num_inputs, size, options.seed)
     parts = [f"{options.num_inputs} seeded N(0,1) images (seed {options.seed})"] if options.num_inputs else []
@@ -74,16 +63,17 @@ def verify_state_dicts(
             raise CheckpointError("image files resolve to another input size than the model's; check the image files")
         inputs = torch.cat([inputs, files])
         parts.append(f"{len(options.images)} image file(s)")
+    weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
     return compare_models(
         ref,
         out,
         inputs,
-        reference_name=reference_name(variant),
-        model_name=f"{variant.name} (folded_layerscale)" if folded else variant.name,
+        reference_name=model_name(variant, source.layout),
+        model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""),
         family=variant.family,
         inputs_desc=" + ".join(parts) + f" at {'x'.join(map(str, size))}",
         batch_size=options.batch_size,
-        tolerance=resolve_tolerance(variant.family, dtype, options, folded=folded),
-        weights=compare_weights(cast, conv),
+        tolerance=resolve_tolerance(variant, weights, options, folded=folded),
+        weights_dtype=str(weights).removeprefix("torch."),
         progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
     )

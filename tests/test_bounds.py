@@ -1,0 +1,52 @@
+"""Every registered variant's real error is at most half its bound (the large ones slow); a 1% gate change exceeds it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from timm_layerscale.conversion.fold import fold_state_dict
+from timm_layerscale.conversion.keys import to_gamma, to_layerscale
+from timm_layerscale.families import VARIANTS, Variant
+from timm_layerscale.parity.inputs import seed_parameters_, seeded_inputs
+from timm_layerscale.parity.references import build_reference, load_model
+from timm_layerscale.parity.tolerance import folded_bound, independent_bound
+
+SMALL = {"cait_xxs24_224_ls", "vit5_small_patch16_224", "deit3_small_patch16_224"}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _error(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """The smallest ``b`` with ``|ref - out| <= b + b * |ref|``: the bound a check with ``atol = rtol = b`` needs."""
+    return float(((ref - out).abs() / (1 + ref.abs())).max())
+
+
+def _attend(model: torch.nn.Module, fused: bool) -> torch.nn.Module:
+    for m in (m for m in model.modules() if hasattr(m, "fused_attn")):
+        setattr(m, "fused_attn", fused)  # noqa: B010
+    return model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "v", [v if v.name in SMALL else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS], ids=lambda v: v.name
+)
+def test_each_variants_error_is_at_most_half_its_bound(v: Variant) -> None:
+    source = to_gamma(seed_parameters_(build_reference(v), seed=0).state_dict(), v.family)
+    ls, x = to_layerscale(source, v.family), seeded_inputs(2, v.img_size)
+    depth = v.depth + (2 if v.family == "cait" else 0)
+    computed = (lambda k: k.endswith(".freqs")) if v.family == "vit5" else (lambda k: False)
+    for dtype in DTYPES:  # a folded file of each dtype against the reference on the source rounded to it
+        rounded = {k: t if computed(k) else t.to(dtype) for k, t in source.items()}
+        ref = load_model(v, "gamma", rounded)(x)
+        folded = load_model(v, "ls", {k: t.to(dtype) for k, t in fold_state_dict(ls).items()}, folded=True)
+        out = (_attend(folded, False) if v.family == "vit5" else folded)(x)  # as verification runs them
+        assert _error(ref, out) <= folded_bound(depth, v.embed_dim, dtype) / 2, (dtype, _error(ref, out))
+    if v.family != "vit5":
+        return
+    ref, bound = load_model(v, "gamma", source)(x), independent_bound(depth, v.embed_dim)
+    for fused in (False, True):  # as verification runs it, and with attention summed in another order
+        assert _error(ref, _attend(load_model(v, "ls", ls), fused)(x)) <= bound / 2, fused
+    changed = dict(ls, **{"blocks.0.ls1.gamma": ls["blocks.0.ls1.gamma"].clone()})
+    changed["blocks.0.ls1.gamma"][0] *= 1.01  # the mutation net's cast defect
+    assert _error(ref, _attend(load_model(v, "ls", changed), False)(x)) > bound

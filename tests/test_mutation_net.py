@@ -1,0 +1,128 @@
+"""The mutation net: the bugs a converter really has, injected one at a time into tiny models of every family.
+
+A wrong rule in one direction's table (two gates of a block swapped, two blocks' gates exchanged, a key dropped)
+and a cast step that changes one gate element by 1%: ``convert`` and ``export`` never exit 0 and never leave
+output. A wrong value or place exits 1 with the parity report, a dropped key exits 2 naming it; the clean run
+passes. A file corrupted between its write and its read-back exits 1 too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import cli, damage_inside
+from timm_layerscale import converter, families
+from timm_layerscale.families import Family, Rule
+
+FAMILY_NAMES = ("cait", "deit3", "vit5")
+ONE = ("--num-inputs", "1", "-q")
+
+
+def _rules(to: str, mutation: str) -> tuple[Rule, ...]:
+    """The wrong rules put in front of the ``to`` direction's table."""
+    src, dst = (r"gamma_([12])", r"ls\1.gamma") if to == "ls" else (r"ls([12])\.gamma", r"gamma_\1")
+    if mutation == "swap":  # the two gates of block 1 exchanged
+        one, two = (r"gamma_1", r"gamma_2") if to == "ls" else (r"ls1\.gamma", r"ls2\.gamma")
+        into = ("ls2.gamma", "ls1.gamma") if to == "ls" else ("gamma_2", "gamma_1")
+        return (Rule(rf"blocks\.1\.{one}", f"blocks.1.{into[0]}"), Rule(rf"blocks\.1\.{two}", f"blocks.1.{into[1]}"))
+    if mutation == "move":  # block 0's gates sent to block 1 and block 1's to block 0
+        return (Rule(rf"blocks\.0\.{src}", f"blocks.1.{dst}"), Rule(rf"blocks\.1\.{src}", f"blocks.0.{dst}"))
+    return (Rule(r"blocks\.1\.attn\.proj\.bias", None),)  # "drop"
+
+
+def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> None:
+    """Inject ``mutation`` into the ``to`` direction of ``family``'s conversion, undone with ``patch``."""
+    if mutation == "cast":
+        real = converter.cast_tensors
+
+        def cast(tensors, dtype, family):
+            out = real(tensors, dtype, family)
+            key = next(k for k in out if k.endswith(("ls1.gamma", "gamma_1")))
+            out[key] = out[key].clone()
+            out[key][0] *= 1.01
+            return out
+
+        patch.setattr(converter, "cast_tensors", cast)
+    elif mutation != "clean":
+        fam, table = families.FAMILIES[family], "to_layerscale" if to == "ls" else "to_gamma"
+        wrong = Family(**{**fam.__dict__, table: (*_rules(to, mutation), *getattr(fam, table))})
+        patch.setitem(families.FAMILIES, family, wrong)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """Per family: an official-layout file (the source of ``--to ls``) and its ``ls`` conversion (of ``--to gamma``)."""
+    import tiny_models
+    from timm_layerscale import to_gamma, to_layerscale
+    from timm_layerscale.conversion.keys import official_checkpoint
+    from timm_layerscale.parity.inputs import seed_parameters_
+    from timm_layerscale.parity.references import build_reference
+
+    folder, out = tmp_path_factory.mktemp("mutation-net"), {}
+    for v in tiny_models.TINY:
+        sd = to_gamma(seed_parameters_(build_reference(v), seed=1).state_dict(), v.family)
+        out[v.family, "ls"] = folder / f"{v.family}.pth"
+        torch.save(official_checkpoint(sd, v.family), out[v.family, "ls"])
+        out[v.family, "gamma"] = folder / f"{v.family}_ls.pth"
+        torch.save(to_layerscale(sd, v.family), out[v.family, "gamma"])
+    return out
+
+
+MUTATIONS = ("clean", "swap", "move", "drop", "cast")
+EXPECTED = {"clean": 0, "swap": 1, "move": 1, "drop": 2, "cast": 1}
+
+
+def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path) -> None:
+    assert code == EXPECTED[mutation], (mutation, code, err)
+    assert all(not p.exists() for p in outputs) or mutation == "clean", f"{mutation} left output"
+    if mutation == "drop":
+        assert "blocks.1.attn.proj.bias" in err, err
+    elif mutation != "clean":
+        assert "FAIL" in out and "nothing written" in err, (out, err)
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+@pytest.mark.parametrize("to", ["ls", "gamma"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variants, tmp_path, capsys):
+    for mutation in MUTATIONS:
+        with pytest.MonkeyPatch.context() as patch:
+            _inject(patch, family, to, mutation)
+            out = tmp_path / f"{mutation}.pth"
+            extra = ("--dtype", dtype) if dtype else ()
+            code, stdout, err = cli(capsys, "convert", sources[family, to], out, "--to", to, *extra, *ONE)
+        _assert_refused(mutation, code, stdout, err, out)
+
+
+@pytest.mark.parametrize(("family", "to"), [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls")])
+def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_path, capsys):
+    for mutation in MUTATIONS:
+        with pytest.MonkeyPatch.context() as patch:
+            _inject(patch, family, "ls", mutation)
+            folder = tmp_path / mutation
+            code, stdout, err = cli(capsys, "export", sources[family, "ls"], folder, "--to", to, *ONE)
+        _assert_refused(mutation, code, stdout, err, folder)
+        assert mutation != "clean" or (folder / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_a_file_damaged_between_write_and_read_back_is_refused(suffix, sources, tiny_variants, tmp_path, capsys):
+    """The weight check reads the written file back: damage there exits 1, and nothing is put in place."""
+    from timm_layerscale.files.read import load_checkpoint
+
+    real = converter._check_written
+
+    def damaged(written, *args):
+        gate = next(v for k, v in load_checkpoint(written).items() if k.endswith("ls2.gamma"))
+        damage_inside(written, gate.clone())
+        real(written, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(converter, "_check_written", damaged)
+        out = tmp_path / f"model{suffix}"
+        code, stdout, err = cli(capsys, "convert", sources["cait", "ls"], out, *ONE)
+    assert code == 1 and not out.exists() and not list(tmp_path.iterdir()), err
+    assert "the written file differs from the source" in err and "NOT all equal" in stdout

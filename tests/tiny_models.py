@@ -1,0 +1,52 @@
+"""Tiny registered variants of the three families, for tests that run the commands end to end in milliseconds.
+
+Importing this module registers them with timm, as a model file registers its own; the ``tiny_variants``
+fixture (conftest.py) adds their rows to the variant table, where detection and the references find them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from timm.models import generate_default_cfgs, register_model
+from timm.models.cait import _create_cait
+from timm.models.deit import _create_deit
+
+from timm_layerscale.families import Variant
+from timm_layerscale.models import cait_ls, vit5
+from timm_layerscale.models._helpers import build_variant, pretrained_cfg
+
+CAIT = Variant("tinytest_cait_layerscale", "cait", "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
+DEIT3 = Variant("tinytest_deit3", "deit3", "tinytest_deit3", 32, 32, 3, 4, None, patch_size=8)
+VIT5 = Variant("tinytest_vit5", "vit5", None, 32, 64, 3, 2, 1e-4, patch_size=8)
+#: The rows the ``tiny_variants`` fixture adds to the variant table.
+TINY = (CAIT, DEIT3, VIT5)
+
+default_cfgs = generate_default_cfgs(
+    {"tinytest_cait": pretrained_cfg(CAIT, url=""), **{v.name: pretrained_cfg(v, url="") for v in TINY}}
+)
+
+
+def _args(v: Variant, kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**v.model_args, "img_size": v.img_size, **kwargs}
+
+
+@register_model
+def tinytest_cait(pretrained: bool = False, **kwargs: Any) -> Any:
+    return _create_cait("tinytest_cait", pretrained, **_args(CAIT, {"init_values": 1e-5, **kwargs}))
+
+
+@register_model
+def tinytest_cait_layerscale(pretrained: bool = False, **kwargs: Any) -> Any:
+    return build_variant(cait_ls.CaitLS, cait_ls.checkpoint_filter_fn, CAIT, pretrained, {"img_size": 32, **kwargs})
+
+
+@register_model
+def tinytest_deit3(pretrained: bool = False, **kwargs: Any) -> Any:
+    args = _args(DEIT3, {"no_embed_class": True, "init_values": 1e-6, **kwargs})
+    return _create_deit("tinytest_deit3", pretrained, **args)
+
+
+@register_model
+def tinytest_vit5(pretrained: bool = False, **kwargs: Any) -> Any:
+    return build_variant(vit5.Vit5, vit5.checkpoint_filter_fn, VIT5, pretrained, {"img_size": 32, **kwargs})
