@@ -67,15 +67,9 @@ def tiny_variants(monkeypatch) -> tuple:
 
 @pytest.fixture
 def few_inputs(monkeypatch):
-    """Verification inside ``convert_checkpoint`` (and the commands) on 1 input instead of 8."""
-    import dataclasses
+    """Verification on one seeded image where more are asked for (the default is 8): the same code path, for
+    tests that are not about the number of images."""
+    from timm_layerscale.parity import verify
 
-    from timm_layerscale import converter
-    from timm_layerscale.parity.tolerance import VerifyOptions
-
-    real = converter.verify_outputs
-
-    def one_input(*args, options=None, **kwargs):
-        return real(*args, options=dataclasses.replace(options or VerifyOptions(), num_inputs=1), **kwargs)
-
-    monkeypatch.setattr(converter, "verify_outputs", one_input)
+    seeded = verify.seeded_inputs
+    monkeypatch.setattr(verify, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))

@@ -32,6 +32,8 @@ from timm_layerscale.families import get_variant
 MODEL = "cait_xxs24_224_ls"
 REFERENCE = "cait_xxs24_224"
 
+pytestmark = pytest.mark.usefixtures("few_inputs")  # one seeded image: these tests do not count them
+
 
 @pytest.fixture(scope="module")
 def converted(official, tmp_path_factory) -> Path:
@@ -121,7 +123,7 @@ def test_argument_errors_exit_2(capsys):
         assert capsys.readouterr().err.endswith(f"unrecognized arguments: {argv[-1]} (see 'timm-layerscale --help')\n")
 
 
-def test_convert_prints_the_parity_table(official, tmp_path, capsys, few_inputs):
+def test_convert_prints_the_parity_table(official, tmp_path, capsys):
     out = tmp_path / "xxs24.safetensors"
     code, stdout, err = cli(capsys, "convert", official, out)
     assert code == 0, err
@@ -134,7 +136,7 @@ def test_convert_prints_the_parity_table(official, tmp_path, capsys, few_inputs)
     assert folder_names(tmp_path) == ["xxs24.safetensors"]
 
 
-def test_convert_json(official, tmp_path, capsys, few_inputs):
+def test_convert_json(official, tmp_path, capsys):
     out = tmp_path / "xxs24.safetensors"
     code, stdout, err = cli(capsys, "convert", official, out, "--json")
     assert code == 0, err
@@ -516,7 +518,7 @@ def test_interrupted_verification_removes_the_output(official, tmp_path, capsys,
     assert folder_names(tmp_path) == []
 
 
-def test_unreadable_image_file_leaves_no_output(official, tmp_path, capsys, few_inputs):
+def test_unreadable_image_file_leaves_no_output(official, tmp_path, capsys):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     result = cli(capsys, "convert", official, out_dir / "x.safetensors", "--images", tmp_path / "missing.png")
@@ -602,11 +604,14 @@ def test_a_name_not_in_utf8_is_a_user_error(argv, official, tmp_path, capsys, mo
     assert sorted(os.listdir(tmp_path)) == before
 
 
-def test_running_out_of_memory_is_one_line(official, tmp_path, capsys):
+def test_running_out_of_memory_is_one_line(official, tmp_path, capsys, monkeypatch):
     """More seeded images than any machine holds (60 PB) end in one line that says what to do,
     not an internal error to report. A seed out of torch's range is refused by the options too."""
     from timm_layerscale.errors import LayerScaleError
+    from timm_layerscale.parity import inputs, verify
     from timm_layerscale.parity.tolerance import VerifyOptions
+
+    monkeypatch.setattr(verify, "seeded_inputs", inputs.seeded_inputs)  # every image asked for
 
     conv = tmp_path / "c.safetensors"
     assert cli(capsys, "convert", official, conv, "--no-verify")[0] == 0
@@ -658,7 +663,7 @@ def test_inspect_never_replaces_a_plot_without_overwrite(official, tmp_path, cap
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
-def test_export_never_replaces_the_folder_that_holds_its_source(official, tmp_path, capsys, few_inputs):
+def test_export_never_replaces_the_folder_that_holds_its_source(official, tmp_path, capsys):
     folder = tmp_path / "downloads"
     folder.mkdir()
     source = folder / official.name

@@ -30,6 +30,8 @@ from timm_layerscale.parity.tolerance import VerifyOptions
 
 TOKEN = "hf_LoopbackSecretToken0123456789abcdef"
 
+pytestmark = pytest.mark.usefixtures("few_inputs")  # one seeded image: these tests do not count them
+
 
 class FakeHub:
     """A recording stand-in for the Hub API on 127.0.0.1 (a fresh port each time)."""

@@ -135,12 +135,6 @@ def offline_env(workdir, monkeypatch) -> dict[str, str]:
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(workdir)
-    # Commands verify on one seeded image instead of eight: the same code path, an eighth of
-    # the time (parity itself is tested in depth elsewhere).
-    from timm_layerscale.parity import verify
-
-    seeded = verify.seeded_inputs
-    monkeypatch.setattr(verify, "seeded_inputs", lambda n, *a, **k: seeded(min(n, 1), *a, **k))
     return env
 
 
@@ -225,7 +219,7 @@ def test_fence_parser_reads_languages_bodies_and_indented_fences():
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_readme_block_runs_as_written(block: Block, workdir: Path, offline_env: dict[str, str]):
+def test_readme_block_runs_as_written(block: Block, workdir: Path, offline_env: dict[str, str], few_inputs):
     if block.language in ("bash", "sh", "shell", "console"):
         for line in block.code.splitlines():
             if line.strip():

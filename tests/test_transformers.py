@@ -22,6 +22,8 @@ LABELS = [f"class {i}" for i in range(10)]
 #: One seeded input: what these tests need of an export is its folder and its reload check.
 ONE = VerifyOptions(num_inputs=1)
 
+pytestmark = pytest.mark.usefixtures("few_inputs")  # one seeded image: these tests do not count them
+
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, official) -> dict[str, Path]:

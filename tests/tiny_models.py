@@ -1,8 +1,5 @@
-"""Tiny registered variants of the three families, for tests that run the commands end to end in milliseconds.
-
-Importing this module registers them with timm, as a model file registers its own; the ``tiny_variants``
-fixture (conftest.py) adds their rows to the variant table, where detection and the references find them.
-"""
+"""Tiny variants of the three families, registered with timm on import, for tests that run the commands end to
+end in milliseconds; the ``tiny_variants`` fixture (conftest.py) adds their rows to the variant table."""
 
 from __future__ import annotations
 
