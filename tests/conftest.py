@@ -57,11 +57,8 @@ def tiny_variants(monkeypatch) -> tuple:
     """The tiny registered variants of every family (``tests/tiny_models.py``) in the variant table."""
     import tiny_models
     from timm_layerscale import families
-    from timm_layerscale.conversion import detect
 
-    table = (*families.VARIANTS, *tiny_models.TINY)
-    monkeypatch.setattr(families, "VARIANTS", table)
-    monkeypatch.setattr(detect, "VARIANTS", table)
+    monkeypatch.setattr(families, "VARIANTS", (*families.VARIANTS, *tiny_models.TINY))
     return tiny_models.TINY
 
 

@@ -80,8 +80,7 @@ def prepared(tmp_path_factory) -> Path:
     from helpers import fine_tuned
     from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
     from timm_layerscale.demo import write_official_checkpoint
-    from timm_layerscale.families import get_variant
-    from timm_layerscale.parity import vit5_official
+    from timm_layerscale.families import get_variant, vit5_official
     from timm_layerscale.parity.inputs import seed_parameters_
 
     work = tmp_path_factory.mktemp("prepared")

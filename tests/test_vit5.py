@@ -15,9 +15,8 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from helpers import DEVICES, TORCH_VERSION, assert_traces_and_scripts, create_model, detected
 from timm_layerscale.conversion import keys as remap
 from timm_layerscale.errors import RemapError
-from timm_layerscale.families import get_variant, official_rope_buffers
+from timm_layerscale.families import get_variant, official_rope_buffers, vit5_official
 from timm_layerscale.models import vit5
-from timm_layerscale.parity import vit5_official
 from timm_layerscale.parity.references import load_model, model_name
 
 NAMES = list(vit5.VARIANTS)

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MODEL_MODULES", "registered_models", "model_catalog", "format_catalog"]
-
-#: Model files of this package, as timm files them (``timm.list_models(module=...)``).
-MODEL_MODULES = ("cait_ls", "vit5")
+__all__ = ["registered_models", "model_catalog", "format_catalog"]
 
 
 def registered_models() -> list[str]:
-    """Names of every model this package registers with timm, sorted by module then name."""
+    """Names of every model this package registers with timm (every variant but timm's own), in table order."""
     import timm
 
     from . import models  # noqa: F401  (registers the models)
     from .families import VARIANTS
 
-    ours = {name for module in MODEL_MODULES for name in timm.list_models(module=module)}
-    return [v.name for v in VARIANTS if v.name in ours]
+    return [v.name for v in VARIANTS if v.reference != v.name and timm.is_model(v.name)]
 
 
 def model_catalog(flops: bool = False) -> list[dict[str, Any]]:

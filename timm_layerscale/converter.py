@@ -20,7 +20,7 @@ from .conversion.detect import Detection, detect
 from .conversion.fold import fold_state_dict
 from .conversion.keys import detect_layout, official_checkpoint, state_dict_of, to_gamma, to_layerscale
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
-from .families import FAMILIES, Variant, check_rope_buffers, get_family, get_variant, official_rope_buffers
+from .families import FAMILIES, Variant, get_family, get_variant
 from .files.atomic import output_path
 from .files.read import (
     check_checksums,
@@ -119,14 +119,12 @@ class ConversionResult:
 
 def _target(tensors: Mapping[str, torch.Tensor], found: Detection, to: str, fold: bool) -> dict[str, torch.Tensor]:
     """A source's tensors (in their own layout) mapped by the family's rules to layout ``to``, folded with ``fold``."""
-    family = found.variant.family
-    rope = official_rope_buffers(found.variant) if family == "vit5" else None
-    if rope is not None:  # a file's rotary buffers must be those the model computes
-        check_rope_buffers(tensors, rope)
+    family = get_family(found.variant.family)
+    buffers = family.official_buffers(found.variant, tensors)  # a file's must be those the model computes
     ls = to_layerscale(tensors, family)
     if to == "ls":
         return fold_state_dict(ls) if fold else ls
-    return {**to_gamma(ls, family), **(rope or {})}  # the official loader wants them
+    return {**to_gamma(ls, family), **buffers}  # the official loader wants them
 
 
 def cast_tensors(

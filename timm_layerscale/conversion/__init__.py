@@ -1,8 +1,2 @@
-"""The pure rules of checkpoint conversion between the official ``gamma`` layout and the ``ls`` module layout.
-
-- :mod:`.keys`: key mapping between layouts;
-- :mod:`.detect`: which variant a checkpoint is, from its keys and shapes;
-- :mod:`.fold`: folding LayerScale into the preceding linear layer.
-
-They read and write no file; :mod:`timm_layerscale.converter` converts and verifies files with them.
-"""
+"""The rules of checkpoint conversion, which read and write no file: key mapping between layouts (:mod:`.keys`),
+which variant a checkpoint is (:mod:`.detect`), folding LayerScale into the linear layer before it (:mod:`.fold`)."""

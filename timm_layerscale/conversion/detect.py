@@ -1,15 +1,18 @@
-"""Which registered variant a state dict is, from its keys and shapes alone (no model is built)."""
+"""Which registered variant a state dict is, from its keys and shapes against the registered models' own, built
+on the meta device."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import families
 from ..errors import ArchitectureError, RemapError, option
-from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, VARIANTS, Variant, get_variant
+from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, Variant, get_variant
 from .keys import check_floating, check_state_dict, detect_layout, mismatches, model_holders, to_layerscale
 
 __all__ = ["Detection", "describe_state_dict", "detect", "state_dict_shapes", "timm_args"]
@@ -18,53 +21,20 @@ __all__ = ["Detection", "describe_state_dict", "detect", "state_dict_shapes", "t
 def state_dict_shapes(
     variant: Variant, num_classes: int | None = None, img_size: int | None = None
 ) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes of the ``ls``-layout state dict of ``variant``'s model with ``num_classes``
-    outputs (default 1000, 0: none) at ``img_size`` (default the variant's), computed from the table."""
-    d, p, h = variant.embed_dim, variant.patch_size, variant.num_heads
-    classes = DEFAULT_NUM_CLASSES if num_classes is None else num_classes
-    rms = variant.family == "vit5"  # RMSNorm (weight only), no qkv bias, QK-norm, registers
-    grid = (img_size or variant.img_size) // p
-    out: dict[str, tuple[int, ...]] = {"cls_token": (1, 1, d)}
-    if rms:
-        out["reg_token"] = (1, 4, d)
-    out.update(
-        {"pos_embed": (1, grid * grid, d), "patch_embed.proj.weight": (d, 3, p, p), "patch_embed.proj.bias": (d,)}
-    )
+    """Keys and shapes of the state dict of ``variant``'s registered model (the ``ls`` layout) with ``num_classes``
+    outputs (default 1000, 0: none) at ``img_size`` (default the variant's), built on the meta device."""
+    return dict(_shapes(variant, num_classes, img_size))
 
-    def linear(name: str, n_out: int, n_in: int, bias: bool = True) -> None:
-        out[f"{name}.weight"] = (n_out, n_in)
-        if bias:
-            out[f"{name}.bias"] = (n_out,)
 
-    def norm(name: str, bias: bool) -> None:
-        out[f"{name}.weight"] = (d,)
-        if bias:
-            out[f"{name}.bias"] = (d,)
+@functools.lru_cache(maxsize=256)
+def _shapes(variant: Variant, num_classes: int | None, img_size: int | None) -> dict[str, tuple[int, ...]]:
+    import timm
+    import torch
 
-    def block(b: str, attn: tuple[str, ...], bias: bool) -> None:
-        norm(f"{b}.norm1", bias)
-        linear(f"{b}.attn.{attn[0]}", 3 * d if attn[0] == "qkv" else d, d, bias)
-        if rms:
-            out.update({f"{b}.attn.q_norm.weight": (d // h,), f"{b}.attn.k_norm.weight": (d // h,)})
-        for name in attn[1:]:
-            linear(f"{b}.attn.{name}", d, d)
-        if variant.family == "cait" and attn[0] == "qkv":
-            linear(f"{b}.attn.proj_l", h, h)
-            linear(f"{b}.attn.proj_w", h, h)
-        out[f"{b}.ls1.gamma"] = (d,)
-        norm(f"{b}.norm2", bias)
-        linear(f"{b}.mlp.fc1", 4 * d, d)
-        linear(f"{b}.mlp.fc2", d, 4 * d)
-        out[f"{b}.ls2.gamma"] = (d,)
-
-    for i in range(variant.depth):
-        block(f"blocks.{i}", ("qkv", "proj"), not rms)
-    for j in range(2 if variant.family == "cait" else 0):
-        block(f"blocks_token_only.{j}", ("q", "k", "v", "proj"), True)
-    norm("norm", not rms)
-    if classes:
-        linear("head", classes, d)
-    return out
+    args = {k: v for k, v in (("num_classes", num_classes), ("img_size", img_size)) if v is not None}
+    with torch.device("meta"):
+        model = timm.create_model(variant.name, **timm_args(args))
+    return {k: tuple(t.shape) for k, t in model.state_dict().items()}
 
 
 def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
@@ -98,15 +68,9 @@ def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Detection:
-    """What :func:`detect` found.
-
-    Attributes:
-        variant: The variant the state dict fits.
-        model_args: ``num_classes`` and ``img_size`` where they differ from the variant's (a
-            fine-tuned head or a backbone without one; a fine-tune at another resolution).
-        state_dict: The state dict in the ``ls`` layout (the same tensors).
-        layout: The source's LayerScale layout, ``"gamma"`` or ``"ls"``.
-    """
+    """What :func:`detect` found: the variant the state dict fits, ``model_args`` (``num_classes`` and ``img_size``
+    where they differ from the variant's: a fine-tuned head, a backbone, another resolution), the state dict in the
+    ``ls`` layout (the same tensors) and the source's layout, ``"gamma"`` or ``"ls"``."""
 
     variant: Variant
     model_args: dict[str, int]
@@ -144,7 +108,7 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
         RemapError: ``model`` is given and the state dict does not fit it (every missing,
             unexpected and mis-shaped key listed).
     """
-    candidates = [get_variant(model)] if model else list(VARIANTS)
+    candidates = [get_variant(model)] if model else list(families.VARIANTS)
     converted: dict[str, dict[str, Any]] = {}
     for family in dict.fromkeys(v.family for v in candidates):
         try:
@@ -195,7 +159,9 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
             "save the state_dict() of one model alone and convert that"
         )
     if best is None:
-        what = f"model {model!r}" if model else "any convertible model (CaiT, ViT-5, DeiT-III)"
+        what = (
+            f"model {model!r}" if model else f"any convertible model ({', '.join(f.title for f in FAMILIES.values())})"
+        )
         raise ArchitectureError(f"checkpoint does not fit {what}: found {found}; check the file")
     count, v, detail = best
     raise ArchitectureError(

@@ -8,6 +8,7 @@ from importlib import resources
 from typing import Any
 
 from .._version import __version__
+from ..families import get_family
 from ..files.sources import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
 
 __all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "timm_hub_copy"]
@@ -15,62 +16,11 @@ __all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "timm_hu
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
 
-#: The paper of each family, as BibTeX; a card cites its own family's paper only.
-BIBTEX = {
-    "cait": """\
-@inproceedings{touvron2021cait,
-  title     = {Going Deeper With Image Transformers},
-  author    = {Touvron, Hugo and Cord, Matthieu and Sablayrolles, Alexandre and Synnaeve, Gabriel and J{\\'e}gou, Herv{\\'e}},
-  booktitle = {Proceedings of the IEEE/CVF International Conference on Computer Vision (ICCV)},
-  pages     = {32--42},
-  year      = {2021}
-}""",
-    "deit3": """\
-@inproceedings{touvron2022deit3,
-  title     = {{DeiT III}: Revenge of the {ViT}},
-  author    = {Touvron, Hugo and Cord, Matthieu and J{\\'e}gou, Herv{\\'e}},
-  booktitle = {European Conference on Computer Vision (ECCV)},
-  pages     = {516--533},
-  publisher = {Springer},
-  year      = {2022}
-}""",
-    "vit5": """\
-@article{wang2026vit5,
-  title   = {{ViT-5}: Vision Transformers for the Mid-2020s},
-  author  = {Wang, Feng and Ren, Sucheng and Zhang, Tiezheng and Neskovic, Predrag and Bhattad, Anand and Xie, Cihang and Yuille, Alan},
-  journal = {arXiv preprint arXiv:2602.08071},
-  year    = {2026}
-}""",
-}
-
-_FAMILY_TEXT = {
-    "cait": (
-        "CaiT (Class-Attention in Image Transformers)",
-        "a stack of self-attention blocks with talking-heads attention, then two class-attention "
-        "blocks in which only the class token attends to the patch tokens; every residual branch "
-        "is scaled by LayerScale",
-    ),
-    "deit3": ("DeiT III", "a plain Vision Transformer whose residual branches are scaled by LayerScale"),
-    "vit5": (
-        "ViT-5",
-        "a Vision Transformer with RMSNorm, QK-norm, 2-D rotary position embedding and register tokens, "
-        "whose residual branches are scaled by LayerScale",
-    ),
-}
-
-_GENERIC_LAYOUT_ROWS = [
+_GENERIC_LAYOUT_ROWS = (
     ("blocks.N.gamma_1", "blocks.N.ls1.gamma", "attention branch gate"),
     ("blocks.N.gamma_2", "blocks.N.ls2.gamma", "MLP branch gate"),
-]
+)
 _PREFIX_ROW = ("module.<key>", "<key>", "DistributedDataParallel prefix removed")
-_LAYOUT_ROWS = {
-    "cait": [
-        _PREFIX_ROW,
-        *_GENERIC_LAYOUT_ROWS,
-        ("blocks_token_only.N.gamma_1", "blocks_token_only.N.ls1.gamma", "class-attention branch gate"),
-        ("blocks_token_only.N.gamma_2", "blocks_token_only.N.ls2.gamma", "class-attention MLP gate"),
-    ],
-}
 
 _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-21k"}
 
@@ -106,10 +56,10 @@ def build_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     variant = conversion.variant
-    family = variant.family
+    family = get_family(variant.family)
     architecture = config["architecture"]
     needs_package = architecture != variant.reference
-    layout = "gamma" if family == "cait" and not needs_package else "ls"
+    layout = "ls" if needs_package or variant.reference == variant.name else "gamma"  # timm's own: its layout
     pcfg = dict(config.get("pretrained_cfg", {}))
     tag = str(pcfg.get("tag") or "")
     full_name = f"{architecture}.{tag}" if tag else architecture
@@ -121,15 +71,14 @@ def build_model_card(
     task = "image-classification" if classifier else "image-feature-extraction"
     data = ModelCardData(
         library_name="timm",
-        license=pcfg.get("license") or ("apache-2.0" if family == "cait" else None),
-        tags=[task, "timm", "layerscale", family, "timm-layerscale"],
+        license=pcfg.get("license") or family.license,
+        tags=[task, "timm", "layerscale", family.name, "timm-layerscale"],
         datasets=datasets,
         pipeline_tag=task,
         model_name=full_name,
         base_model=timm_hub_copy(variant.reference, tag),
     )
 
-    title, description = _FAMILY_TEXT.get(family, (family, "a Vision Transformer with LayerScale"))
     source, source_name, sha = conversion.source, conversion.source_path.name, conversion.source_sha256
     if source.startswith(URL_PREFIXES):  # without credentials: ConversionResult.source
         source_file = f"[{source_name}]({source})"
@@ -142,16 +91,19 @@ def build_model_card(
     report = conversion.report
     reference = report.reference if report is not None else variant.reference
     size = pcfg.get("input_size", (3, variant.img_size, variant.img_size))
-    rows = _LAYOUT_ROWS.get(family, _GENERIC_LAYOUT_ROWS) if layout == "ls" else [_PREFIX_ROW]
+    rows = [_PREFIX_ROW] * bool(family.official_prefix)
+    rows += [*_GENERIC_LAYOUT_ROWS, *family.layout_rows] if layout == "ls" else []
     template = resources.files(__package__).joinpath("card_template.md").read_text(encoding="utf-8")
     card = ModelCard.from_template(
         data,
         template_str=template,
         full_name=full_name,
-        title=title,
-        description=description,
+        title=family.full_title or family.title,
+        short_title=family.title,
+        description=family.description,
         source_code=_md_code(source_name),
-        family=family,
+        family=family.name,
+        in_timm=variant.reference is not None,
         layout=layout,
         needs_package=needs_package,
         architecture=architecture,
@@ -176,7 +128,7 @@ def build_model_card(
         gate_summary=gate_summary,
         plot=plot,
         repo_id=repo_id,
-        bibtex=BIBTEX.get(family),
+        bibtex=family.bibtex,
         paper_name=pcfg.get("paper_name"),
         paper_ids=pcfg.get("paper_ids") or "",
     )

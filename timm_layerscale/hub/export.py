@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, HubError, LayerScaleError, option
-from ..families import Variant
+from ..families import Variant, get_family
 from ..files.atomic import folder_output
 from ..files.hub_errors import one_line
 from ..files.read import check_finite
@@ -89,9 +89,10 @@ def _architecture(variant: Variant, to: str) -> str:
     """The architecture an export names: the package's model, or timm's own with ``to="gamma"``."""
     if to == "ls":
         return variant.name
-    if variant.family == "deit3":
+    if variant.reference == variant.name:  # timm's own architecture, in the module layout
         raise CheckpointError(
-            f"a DeiT-III folder already uses timm's own {variant.name} architecture and layout; leave out {option('to', 'gamma')}"
+            f"a {get_family(variant.family).title} folder already uses timm's own {variant.name} architecture and "
+            f"layout; leave out {option('to', 'gamma')}"
         )
     if variant.reference is None:
         raise CheckpointError(

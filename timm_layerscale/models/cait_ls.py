@@ -23,7 +23,8 @@ from timm.models._manipulate import checkpoint_seq
 from timm.models.cait import Cait, ClassAttn, TalkingHeadAttn
 
 from ..conversion.keys import to_layerscale, unwrap_state_dict
-from ..families import CAIT_RELEASE_URL, Variant, variants_of
+from ..families import Variant, variants_of
+from ..families.cait import RELEASE_URL
 from ..layer_scale import LayerScale, cait_init_value, fold_block
 from ..layers.talking_heads import attention_workspace, buffered_attention, eager_inference, fast_attention
 from ._helpers import (
@@ -302,7 +303,7 @@ VARIANTS = variants_of("cait")
 def _cfg(v: Variant) -> dict[str, Any]:
     return pretrained_cfg(
         v,
-        url=CAIT_RELEASE_URL + str(v.official_file),
+        url=RELEASE_URL + str(v.official_file),
         hf_hub_id=f"timm/{v.reference}.fb_dist_in1k",
         paper_ids="arXiv:2103.17239",
         paper_name="Going deeper with Image Transformers",

@@ -20,7 +20,8 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint
 
 from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
-from ..families import DEFAULT_NUM_CLASSES, VIT5_HUB_REPO, Variant, check_rope_buffers, rope_buffers, variants_of
+from ..families import DEFAULT_NUM_CLASSES, Variant, variants_of
+from ..families.vit5 import HUB_REPO, check_rope_buffers, rope_buffers
 from ..layer_scale import LayerScale
 from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
 from ._helpers import (
@@ -339,7 +340,7 @@ def _cfg(v: Variant, **kwargs: Any) -> dict[str, Any]:
     return pretrained_cfg(
         v,
         url="",
-        hf_hub_id=VIT5_HUB_REPO if v.official_file else None,
+        hf_hub_id=HUB_REPO if v.official_file else None,
         hf_hub_filename=v.official_file,
         paper_ids="arXiv:2602.08071",
         paper_name="ViT-5: Vision Transformers for the Mid-2020s",

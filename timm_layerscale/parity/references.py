@@ -1,20 +1,18 @@
-"""The models that read a state dict in its own layout as that layout's code loads it, so that no key rule of this
-package stands between a file and the model that reads it: ``gamma`` CaiT, timm's ``cait_*`` through its
-``checkpoint_filter_fn``; DeiT-III, timm's ``deit3_*`` through its filter; ``gamma`` ViT-5, :mod:`.vit5_official`;
-``ls``, this package's models. A folded state dict is read without LayerScale modules."""
+"""The models that read a state dict in its own layout as that layout's code loads it (each family's ``native``
+loaders), so that no key rule of this package stands between a file and the model that reads it; built on fresh
+fp32 memory."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..conversion.detect import timm_args
 from ..conversion.keys import check_state_dict
-from ..families import Variant, get_variant, official_rope_buffers
-from .vit5_official import build_official_vit5
+from ..families import Variant, get_family, get_variant
 
 __all__ = ["build_loaded", "build_reference", "load_model", "model_name"]
 
@@ -24,7 +22,7 @@ Filter = Callable[[dict[str, torch.Tensor], nn.Module], Mapping[str, torch.Tenso
 def model_name(variant: Variant, layout: str) -> str:
     """The name the model reading ``layout`` is reported by (``cait_s24_224``, ``cait_s24_224_ls``,
     ``vit5_official/vit5_base_patch16_224``)."""
-    if layout == "ls" or variant.family == "deit3":
+    if layout == "ls" or variant.reference == variant.name:  # timm's own model reads both layouts
         return variant.name
     return variant.reference or f"{variant.family}_official/{variant.name}"
 
@@ -33,12 +31,9 @@ def build_loaded(
     build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor], name: str, filter_fn: Filter | None = None
 ) -> nn.Module:
     """``build()`` with ``state_dict`` (through ``filter_fn(state_dict, model)``, as timm's loader passes it) loaded
-    strictly, floating-point tensors as fp32, in eval mode.
-
-    The model is built on the meta device and assigned fresh copies of the tensors, unless it computes buffers its
-    state dict lacks; then it is built for real and the tensors copied in. Either way it computes on fresh
-    allocations, never on tensors mapped from a file, whose alignment (a BLAS may sum a GEMM on a weight at
-    8 mod 16 bytes in another order) would make the verdict depend on the file's layout.
+    strictly, floating-point tensors as fp32, in eval mode: built on the meta device and assigned fresh copies, or
+    (computing buffers its state dict lacks) built for real and copied into, so never on tensors mapped from a file,
+    whose alignment (a BLAS may sum a GEMM on a weight at 8 mod 16 bytes in another order) would sway the verdict.
 
     Raises:
         RemapError: Missing, unexpected or mis-shaped keys, all listed.
@@ -57,28 +52,6 @@ def build_loaded(
     return model.float().eval()
 
 
-def _native(variant: Variant, layout: str, folded: bool, **model_args: Any) -> tuple[Callable[[], nn.Module], Filter]:
-    """The builder of the model reading ``layout`` and the filter its own code passes a state dict through."""
-    import timm
-
-    args = timm_args(model_args)
-    if variant.family == "deit3":
-        from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
-
-        args.update({"init_values": 0.0} if folded else {})  # timm's ViT without LayerScale (create_model drops None)
-        vit = lambda sd, m: checkpoint_filter_fn(sd, cast(VisionTransformer, m), adapt_layer_scale=True)  # noqa: E731
-        return lambda: timm.create_model(variant.name, **args), vit
-    if layout == "ls":
-        args.update({"folded_layerscale": True} if folded else {})
-        return lambda: timm.create_model(variant.name, **args), lambda sd, m: sd
-    if variant.family == "vit5":
-        computed = official_rope_buffers(variant)
-        return lambda: build_official_vit5(variant, **model_args), lambda sd, m: {**computed, **sd}
-    from timm.models.cait import checkpoint_filter_fn as cait_filter
-
-    return lambda: timm.create_model(str(variant.reference), **args), cait_filter
-
-
 def load_model(
     variant: Variant | str,
     layout: str,
@@ -95,13 +68,12 @@ def load_model(
         RemapError: Missing, unexpected or mis-shaped keys, all listed.
     """
     variant = get_variant(variant) if isinstance(variant, str) else variant
-    build, filter_fn = _native(variant, layout, folded, **model_args)
+    build, filter_fn = get_family(variant.family).native(variant, layout, folded, timm_args(model_args))
     return build_loaded(build, state_dict, model_name(variant, layout), filter_fn)
 
 
 def build_reference(variant: Variant | str, **model_args: Any) -> nn.Module:
     """The official-layout model of ``variant`` with random weights, in train mode (timm's ``cait_*`` and
-    ``deit3_*``, :mod:`.vit5_official`), for writing official-layout files."""
+    ``deit3_*``, the official-layout ViT-5), for writing official-layout files."""
     variant = get_variant(variant) if isinstance(variant, str) else variant
-    build, _ = _native(variant, "gamma", False, **model_args)
-    return build()
+    return get_family(variant.family).native(variant, "gamma", False, timm_args(model_args))[0]()

@@ -1,11 +1,6 @@
-"""What a parity check accepts, per model and dtype, and the options of a verification.
-
-Both sides of a check compute in fp32. CaiT and DeiT-III outputs must be ``torch.equal`` to the reference's: the
-converted model makes the reference's ATen calls on the same operands. ViT-5's reference is an independent
-implementation whose reductions are ordered otherwise, and a folded model rounds ``diag(gamma) W`` to the file's
-dtype where the reference rounds ``gamma`` and ``W`` apart: both are held to bounds that grow with the depth,
-the width and the file dtype's unit roundoff, derived in the parity guide (``docs/parity.md``).
-"""
+"""What a parity check accepts, per model and dtype (both sides compute in fp32), and the options of a verification:
+``torch.equal`` where the converted model makes the reference's ATen calls on the same operands; else bounds that grow
+with depth, width and the file dtype's roundoff, derived in the parity guide (``docs/parity.md``)."""
 
 from __future__ import annotations
 
@@ -14,12 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..families import Variant
+from ..families import Variant, get_family
 
-__all__ = ["EXACT_FAMILIES", "Tolerance", "VerifyOptions", "folded_bound", "independent_bound", "resolve_tolerance"]
-
-#: Families whose converted model makes the reference's kernel calls.
-EXACT_FAMILIES = ("cait", "deit3")
+__all__ = ["Tolerance", "VerifyOptions", "folded_bound", "independent_bound", "resolve_tolerance"]
 
 
 def independent_bound(depth: int, width: int, dtype: torch.dtype = torch.float32) -> float:
@@ -101,12 +93,13 @@ def resolve_tolerance(variant: Variant, dtype: torch.dtype, options: VerifyOptio
         return Tolerance(0.0, 0.0, "exact parity requested")
     if options.atol is not None or options.rtol is not None:
         return Tolerance(options.atol or 0.0, options.rtol or 0.0, "tolerance given by the user")
-    depth = variant.depth + (2 if variant.family == "cait" else 0)  # CaiT's two class-attention blocks
+    family = get_family(variant.family)
+    depth = variant.depth + family.extra_blocks
     if folded:
         bound = folded_bound(depth, variant.embed_dim, dtype)
         why = f"LayerScale folded into the weights: rounding to {str(dtype).removeprefix('torch.')} differs from the reference"
         return Tolerance(bound, bound, why)
-    if variant.family in EXACT_FAMILIES:
+    if family.exact:
         return Tolerance(0.0, 0.0, "bit-exact required: the converted model makes the reference's kernel calls")
     bound = independent_bound(depth, variant.embed_dim)
     return Tolerance(bound, bound, "the reference is an independent implementation: reductions ordered differently")

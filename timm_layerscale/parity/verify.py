@@ -29,10 +29,9 @@ def verify_outputs(
     folded: bool = False,
     options: VerifyOptions | None = None,
 ) -> ParityReport:
-    """The parity report of the reference on ``source_tensors`` (the detected ``source``'s own, in its layout) against
-    the converted model on ``converted`` (in ``layout``, ``folded`` or not), each read by the loader native to its
-    layout and both computing in fp32: the reference on the source's tensors rounded to ``dtype`` (the converted
-    file's; ``None``: the source's). The report's weight fields are the caller's.
+    """The parity report of the reference on ``source_tensors`` (the detected ``source``'s own) rounded to ``dtype``
+    (the converted file's; ``None``: the source's) against the model on ``converted`` (in ``layout``, ``folded`` or
+    not), each read by its layout's native loader, in fp32. The report's weight fields are the caller's.
 
     Raises:
         RemapError: The converted tensors do not fit the model of their layout (the keys listed).

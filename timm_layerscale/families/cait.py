@@ -1,0 +1,81 @@
+"""CaiT (arXiv 2103.17239): the official ``cait_models.py`` and timm's ``cait_*`` keep raw ``gamma_1``/``gamma_2``,
+this package's ``cait_*_ls`` (:mod:`timm_layerscale.models.cait_ls`) LayerScale modules; official files are from DDP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import KEEP, LINEAR, Family, Rule, Variant, layerscale_rules, own_model, register
+
+#: Where the official checkpoints are published (``+ Variant.official_file``).
+RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
+
+
+def _variant(size: str, img: int, dim: int, depth: int, heads: int, init: float) -> Variant:
+    ref = f"cait_{size}{depth}_{img}"
+    return Variant(
+        f"{ref}_ls", "cait", ref, img, dim, depth, heads, init, official_file=f"{size.upper()}{depth}_{img}.pth"
+    )
+
+
+#: The ten released variants.
+VARIANTS = (
+    _variant("xxs", 224, 192, 24, 4, 1e-5),
+    _variant("xxs", 384, 192, 24, 4, 1e-5),
+    _variant("xxs", 224, 192, 36, 4, 1e-5),
+    _variant("xxs", 384, 192, 36, 4, 1e-5),
+    _variant("xs", 384, 288, 24, 6, 1e-5),
+    _variant("s", 224, 384, 24, 8, 1e-5),
+    _variant("s", 384, 384, 24, 8, 1e-5),
+    _variant("s", 384, 384, 36, 8, 1e-6),
+    _variant("m", 384, 768, 36, 16, 1e-6),
+    _variant("m", 448, 768, 48, 16, 1e-6),
+)
+
+
+def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) -> Any:
+    """``gamma``: timm's ``cait_*`` through timm's own ``checkpoint_filter_fn``; ``ls``: this package's model."""
+    if layout == "ls":
+        return own_model(variant, folded, args)
+    import timm
+    from timm.models.cait import checkpoint_filter_fn
+
+    return lambda: timm.create_model(str(variant.reference), **args), checkpoint_filter_fn
+
+
+BIBTEX = """\
+@inproceedings{touvron2021cait,
+  title     = {Going Deeper With Image Transformers},
+  author    = {Touvron, Hugo and Cord, Matthieu and Sablayrolles, Alexandre and Synnaeve, Gabriel and J{\\'e}gou, Herv{\\'e}},
+  booktitle = {Proceedings of the IEEE/CVF International Conference on Computer Vision (ICCV)},
+  pages     = {32--42},
+  year      = {2021}
+}"""
+
+_BLOCK = r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|attn\.proj_l|attn\.proj_w|mlp\.fc1|mlp\.fc2)"
+_CLASS_BLOCK = r"blocks_token_only\.\d+\.(?:norm1|norm2|attn\.q|attn\.k|attn\.v|attn\.proj|mlp\.fc1|mlp\.fc2)"
+_KEEP = (
+    Rule(r"cls_token|pos_embed", KEEP),
+    Rule(r"(?:patch_embed\.proj|norm|head)" + LINEAR, KEEP),
+    Rule(_BLOCK + LINEAR, KEEP),
+    Rule(_CLASS_BLOCK + LINEAR, KEEP),
+)
+
+FAMILY = Family(
+    "cait",
+    "CaiT",
+    *layerscale_rules(r"blocks(?:_token_only)?", _KEEP),
+    native=native,
+    official_prefix="module.",
+    extra_blocks=2,
+    full_title="CaiT (Class-Attention in Image Transformers)",
+    description="a stack of self-attention blocks with talking-heads attention, then two class-attention blocks in "
+    "which only the class token attends to the patch tokens; every residual branch is scaled by LayerScale",
+    bibtex=BIBTEX,
+    layout_rows=(
+        ("blocks_token_only.N.gamma_1", "blocks_token_only.N.ls1.gamma", "class-attention branch gate"),
+        ("blocks_token_only.N.gamma_2", "blocks_token_only.N.ls2.gamma", "class-attention MLP gate"),
+    ),
+    license="apache-2.0",
+)
+register(FAMILY, VARIANTS)
