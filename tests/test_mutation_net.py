@@ -85,7 +85,7 @@ def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path
 
 @pytest.mark.parametrize("dtype", [None, "bf16"])
 @pytest.mark.parametrize("to", ["ls", "gamma"])
-@pytest.mark.parametrize("family", ["cait", "deit3", "vit5"])
+@pytest.mark.parametrize("family", ["cait", "deit3", "vit5", "dinov3"])
 def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:
         with pytest.MonkeyPatch.context() as patch:
@@ -95,7 +95,9 @@ def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variant
         _assert_refused(mutation, code, stdout, err, out)
 
 
-@pytest.mark.parametrize(("family", "to"), [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls")])
+@pytest.mark.parametrize(
+    ("family", "to"), [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls")]
+)
 def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:
         with pytest.MonkeyPatch.context() as patch:

@@ -1,4 +1,4 @@
-"""Tiny variants of the three families, registered with timm on import, for tests that run the commands end to
+"""Tiny variants of every family, registered with timm on import, for tests that run the commands end to
 end in milliseconds; the ``tiny_variants`` fixture (conftest.py) adds their rows to the variant table."""
 
 from __future__ import annotations
@@ -8,19 +8,23 @@ from typing import Any
 from timm.models import generate_default_cfgs, register_model
 from timm.models.cait import _create_cait
 from timm.models.deit import _create_deit
+from timm.models.eva import _create_eva
 
 from timm_layerscale.families import Variant
-from timm_layerscale.models import cait_ls, vit5
+from timm_layerscale.models import cait_ls, dinov3_ls, vit5
 from timm_layerscale.models._helpers import build_variant, pretrained_cfg
 
 CAIT = Variant("tinytest_cait_layerscale", "cait", "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
 DEIT3 = Variant("tinytest_deit3", "deit3", "tinytest_deit3", 32, 32, 3, 4, None, patch_size=8)
 VIT5 = Variant("tinytest_vit5", "vit5", None, 32, 64, 3, 2, 1e-4, patch_size=8)
+_SWIGLU_QKVB = (("qkv_bias", True), ("swiglu_mlp", True), ("swiglu_align_to", 8))
+DINOV3 = Variant("tinytest_dinov3_ls", "dinov3", "tinytest_dinov3", 32, 32, 3, 2, 1e-5, patch_size=8, args=_SWIGLU_QKVB)
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
-TINY = (CAIT, DEIT3, VIT5)
+TINY = (CAIT, DEIT3, VIT5, DINOV3)
 
+_CFGS: dict[str, Any] = {v.name: pretrained_cfg(v, url="") for v in TINY}
 default_cfgs = generate_default_cfgs(
-    {"tinytest_cait": pretrained_cfg(CAIT, url=""), **{v.name: pretrained_cfg(v, url="") for v in TINY}}
+    {"tinytest_cait": pretrained_cfg(CAIT, url=""), "tinytest_dinov3": pretrained_cfg(DINOV3, url=""), **_CFGS}
 )
 
 
@@ -47,3 +51,13 @@ def tinytest_deit3(pretrained: bool = False, **kwargs: Any) -> Any:
 @register_model
 def tinytest_vit5(pretrained: bool = False, **kwargs: Any) -> Any:
     return build_variant(vit5.Vit5, vit5.checkpoint_filter_fn, VIT5, pretrained, {"img_size": 32, **kwargs})
+
+
+@register_model
+def tinytest_dinov3(pretrained: bool = False, **kwargs: Any) -> Any:
+    return _create_eva("tinytest_dinov3", pretrained, **{**dinov3_ls.DINOV3_ARGS, **_args(DINOV3, kwargs)})
+
+
+@register_model
+def tinytest_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> Any:
+    return dinov3_ls.build(DINOV3, pretrained, {"img_size": 32, **kwargs})

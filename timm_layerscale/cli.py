@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("convert", "convert a checkpoint between layouts and verify parity", "source", "output", source=True)
     p.add_argument(
-        "--to", choices=("ls", "gamma"), default="ls", help="target layout (default ls; gamma: the official file)"
+        "--to",
+        choices=("ls", "gamma", "transformers"),
+        default="ls",
+        help="target layout (default ls; gamma: the official file, for DINOv3 timm's; transformers: DINOv3's)",
     )
     p.add_argument(
         "--plain", action="store_true", help="with --to gamma: the bare state dict, without the official wrapper"

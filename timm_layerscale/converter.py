@@ -18,7 +18,7 @@ import torch
 from ._version import __version__
 from .conversion.detect import Detection, detect
 from .conversion.fold import fold_state_dict
-from .conversion.keys import detect_layout, official_checkpoint, state_dict_of, to_gamma, to_layerscale
+from .conversion.keys import detect_layout, dropped, official_checkpoint, remap, state_dict_of, to_gamma, to_layerscale
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
 from .families import FAMILIES, Variant, get_family, get_variant
 from .files.atomic import output_path
@@ -39,6 +39,9 @@ from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_outputs
 
 __all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "verify_checkpoint"]
+
+#: Every target layout; a family takes ``ls``, ``gamma`` and those of its ``targets``.
+LAYOUTS = ("ls", "gamma", "transformers")
 
 
 def _background(fn: Callable[[Path], Any], path: Path) -> Future[Any]:
@@ -124,6 +127,8 @@ def _target(tensors: Mapping[str, torch.Tensor], found: Detection, to: str, fold
     ls = to_layerscale(tensors, family)
     if to == "ls":
         return fold_state_dict(ls) if fold else ls
+    if to != "gamma":
+        return remap(ls, family, to)
     return {**to_gamma(ls, family), **buffers}  # the official loader wants them
 
 
@@ -147,10 +152,11 @@ def _check_written(
 ) -> None:
     """The one weight comparison: the written file, read back, against the source file's tensors read on their own,
     mapped by the rules and cast as requested; a difference is a :class:`ParityError` (the file is not kept)."""
-    expected = _target(read_state_dict(src.path, src.ema, checksums=False)[1], src.detection, to, fold)
-    expected = get_family(src.detection.variant.family).cast(expected, dtype)  # the request, not the cast step
+    source = read_state_dict(src.path, src.ema, checksums=False)[1]
+    family = get_family(src.detection.variant.family)
+    expected = family.cast(_target(source, src.detection, to, fold), dtype)  # the request, not the cast step
     same, count, detail = compare_weights(expected, state_dict_of(load_checkpoint(written)))
-    report.add_weights(same, count)
+    report.add_weights(same, count, dropped(source, family, kept=expected))
     if not same:
         raise _failed(report, detail)
 
@@ -196,8 +202,8 @@ def convert_checkpoint(
     """
     t0 = time.perf_counter()
     fmt = output_format(output, fmt)
-    if to not in ("ls", "gamma"):
-        raise LayerScaleError(f"unknown target layout {to!r}; use 'ls' or 'gamma'")
+    if to not in LAYOUTS:
+        raise LayerScaleError(f"unknown target layout {to!r}; use one of: {', '.join(LAYOUTS)}")
     if fold and to != "ls":
         raise LayerScaleError(
             f"folding applies to the ls layout only; leave out {option('to', 'gamma')} or {option('fold')}"

@@ -70,7 +70,7 @@ def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
 class Detection:
     """What :func:`detect` found: the variant the state dict fits, ``model_args`` (``num_classes`` and ``img_size``
     where they differ from the variant's: a fine-tuned head, a backbone, another resolution), the state dict in the
-    ``ls`` layout (the same tensors) and the source's layout, ``"gamma"`` or ``"ls"``."""
+    ``ls`` layout (the same tensors) and the source's layout, ``"gamma"``, ``"ls"`` or another of its family's (``"official"``, ``"transformers"``)."""
 
     variant: Variant
     model_args: dict[str, int]
@@ -142,7 +142,8 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
                 else {}
             )
             args.update({"img_size": size} if size != v.img_size else {})
-            return Detection(v, args, sd, detect_layout(state_dict))
+            layout = FAMILIES[v.family].layout_of(state_dict, detect_layout(state_dict))
+            return Detection(v, args, sd, layout)
         if best is None or count < best[0]:
             best = (count, v, detail)
     if state_dict and all(0 in getattr(v, "shape", (1,)) for v in state_dict.values()):

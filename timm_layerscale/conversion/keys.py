@@ -1,6 +1,6 @@
 """Key rules between the official ``gamma`` layout (``blocks.N.gamma_1``) and the ``ls`` module layout
-(``blocks.N.ls1.gamma``). No I/O; tensors pass through unchanged (the same objects), so a
-memory-mapped checkpoint stays unread.
+(``blocks.N.ls1.gamma``). No I/O; tensors pass through unchanged (the same objects, or views where a rule's
+value operation splits one), so a memory-mapped checkpoint stays unread.
 
 A source key is matched against its family's ordered rules (:mod:`timm_layerscale.families`); the
 first match renames, keeps or drops it, and a key no rule matches is an error that names it.
@@ -8,6 +8,7 @@ first match renames, keeps or drops it, and a key no rule matches is an error th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -20,7 +21,9 @@ __all__ = [
     "check_floating",
     "check_state_dict",
     "detect_layout",
+    "dropped",
     "mismatches",
+    "remap",
     "model_holders",
     "official_checkpoint",
     "state_dict_of",
@@ -128,8 +131,9 @@ def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[s
     detect_layout(sd)
     out: dict[str, V] = {}
     unknown: list[str] = []
+    rules = fam.rules(to)
     for key, value in sd.items():
-        for rule in fam.to_layerscale if to == "ls" else fam.to_gamma:
+        for rule in rules:
             matched, new_key = rule.apply(key)
             if matched:
                 break
@@ -138,9 +142,10 @@ def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[s
             continue
         if new_key is None:
             continue
-        if new_key in out:
-            raise RemapError(f"keys collide on {new_key!r} when converting to the {to} layout")
-        out[new_key] = value
+        for name, tensor in (rule.op(new_key, value, key, sd) if rule.op else {new_key: value}).items():
+            if name in out:
+                raise RemapError(f"keys collide on {name!r} when converting to the {to} layout")
+            out[name] = tensor
     if unknown:
         shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
         raise RemapError(
@@ -148,6 +153,20 @@ def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[s
             "check that the file is a checkpoint of this model family"
         )
     return out
+
+
+def dropped(state_dict: Mapping[str, Any], family: str | Family, kept: Iterable[str] = ()) -> str:
+    """The source keys the rules to the ``ls`` layout drop or take apart (by a value operation, named, that is not a
+    ``rename_*``), block numbers
+    as ``N`` with a count, leaving out those in ``kept`` (a layout's computed buffers, written again): ``''`` for none."""
+    fam = get_family(family) if isinstance(family, str) else family
+    found: dict[str, int] = {}
+    for key in strip_prefixes(state_dict).keys() - set(kept):
+        rule = next(r for r in fam.to_layerscale if r.apply(key)[0])
+        if (rule.op and not rule.op.__name__.startswith("rename")) or rule.apply(key)[1] is None:
+            name = re.sub(r"\.\d+\.", ".N.", key) + (f" ({rule.op.__name__})" if rule.op else "")
+            found[name] = found.get(name, 0) + 1
+    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in sorted(found.items()))
 
 
 def to_layerscale(state_dict: Mapping[str, V], family: str | Family = "cait") -> dict[str, V]:
@@ -158,6 +177,15 @@ def to_layerscale(state_dict: Mapping[str, V], family: str | Family = "cait") ->
         RemapError: A key is not covered by the family's rules, or keys collide.
     """
     return _remap(state_dict, family, "ls")
+
+
+def remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[str, V]:
+    """An ``ls``-layout state dict in another of its family's layouts (``"transformers"``), by the family's rules.
+
+    Raises:
+        RemapError: The family has no such layout, a key is not covered by its rules, or keys collide.
+    """
+    return _remap(state_dict, family, to)
 
 
 def to_gamma(state_dict: Mapping[str, V], family: str | Family = "cait") -> dict[str, V]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +33,13 @@ LINEAR = r"\.(?:weight|bias)"
 @dataclass(frozen=True)
 class Rule:
     """A regular expression matched against a whole key, and its replacement template (``\\1`` for a group;
-    ``KEEP`` keeps the key, ``None`` drops it)."""
+    ``KEEP`` keeps the key, ``None`` drops it); with ``op``, a value operation: ``op(replacement, tensor, key,
+    state_dict)`` gives the keys and tensors the one key becomes (a fused projection split, three fused, or nothing
+    where another key's operation takes it), ``state_dict`` being the source's."""
 
     pattern: str
     replace: str | None
+    op: Callable[[str, Any, str, Mapping[str, Any]], dict[str, Any]] | None = None
 
     def apply(self, key: str) -> tuple[bool, str | None]:
         m = re.fullmatch(self.pattern, key)
@@ -69,17 +72,36 @@ class Family:
     # native(variant, layout, folded, timm_kwargs): (build, filter), the builder of the model reading ``layout``
     # (folded: without gates) and the filter its code passes a state dict through, filter(state_dict, model)
     native: Callable[[Variant, str, bool, dict[str, Any]], Any]
+    # (layout, pattern): a source with a key matching the pattern is in that layout (its rules are in to_layerscale)
+    source_layouts: tuple[tuple[str, str], ...] = ()
+    targets: tuple[tuple[str, tuple[Rule, ...]], ...] = ()  # (layout, rules from the ls layout) beyond ls and gamma
+    independent: tuple[str, ...] = ()  # layouts whose native model is another implementation: bounds, not equality
     official_prefix: str = ""  # of every key in the official training code's files (CaiT's "module.", from DDP)
     computed: str = "(?!)"  # keys of buffers a layout computes from constants (fp32 in every file); none
     # the official layout's computed buffers of a variant, checked against those ``tensors`` hold
     official_buffers: Callable[[Variant, Mapping[str, Any]], dict[str, torch.Tensor]] = lambda variant, tensors: {}
     exact: bool = True  # the converted model makes the reference's kernel calls: outputs torch.equal
+    tokens: bool = False  # verification compares forward_features' tokens (a pooled output would hide some)
     extra_blocks: int = 0  # blocks beyond a variant's depth (CaiT's class attention), which the bounds count
     full_title: str = ""  # the card's: what the model is, the paper, key renames beyond gamma_1/gamma_2, licence
     description: str = "a Vision Transformer with LayerScale"
     bibtex: str | None = None
     layout_rows: tuple[tuple[str, str, str], ...] = ()
     license: str | None = None
+
+    def layout_of(self, keys: Iterable[str], gates: str) -> str:
+        """The layout of a source with these ``keys``: the first of ``source_layouts`` one matches, else ``gates``
+        (``"gamma"`` or ``"ls"``, told by its LayerScale keys)."""
+        keys = list(keys)
+        return next((name for name, p in self.source_layouts if any(re.fullmatch(p, k) for k in keys)), gates)
+
+    def rules(self, to: str) -> tuple[Rule, ...]:
+        """The rules to layout ``to`` (from the ``ls`` layout for one of ``targets``)."""
+        table = {"ls": self.to_layerscale, "gamma": self.to_gamma, **dict(self.targets)}
+        if to not in table:
+            layouts = ", ".join(table)
+            raise RemapError(f"{self.title} has no layout {to!r}; its layouts: {layouts}")
+        return table[to]
 
     def cast(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """``tensors`` with every floating-point one as ``dtype`` (``None``: as they are), but computed buffers."""
@@ -92,7 +114,7 @@ class Variant:
     """A convertible architecture, one row of :data:`VARIANTS`: its name in timm's registry, its family, the
     timm model computing the same function from the official weights (``None``: timm has none), its
     resolution, width, depth (self-attention blocks), heads, the released LayerScale initial value
-    (``None``: timm's default), patch size, and the official release's file name."""
+    (``None``: timm's default), patch size, the official release's file name and the model's other arguments."""
 
     name: str
     family: str
@@ -104,11 +126,13 @@ class Variant:
     init_value: float | None
     patch_size: int = 16
     official_file: str | None = None
+    args: tuple[tuple[str, Any], ...] = ()
 
     @property
     def model_args(self) -> dict[str, Any]:
         """The keyword arguments the model file builds this variant with."""
         args = dict(patch_size=self.patch_size, embed_dim=self.embed_dim, depth=self.depth, num_heads=self.num_heads)
+        args.update(self.args)
         return {**args, "init_values": self.init_value} if self.init_value is not None else args
 
 
@@ -156,6 +180,6 @@ def variants_of(family: str) -> dict[str, Variant]:
     return {v.name: v for v in VARIANTS if v.family == family}
 
 
-from . import cait, vit5, deit3  # noqa: E402, F401, I001  (the registry: each registers its family)
+from . import cait, vit5, deit3, dinov3  # noqa: E402, F401, I001  (the registry: each registers its family)
 from .cait import RELEASE_URL as CAIT_RELEASE_URL  # noqa: E402  (where these names were)
 from .vit5 import HUB_REPO as VIT5_HUB_REPO, check_rope_buffers, official_rope_buffers, rope_buffers  # noqa: E402

@@ -52,7 +52,7 @@ class ParityReport:
         bit_exact: Every output element is identical (NaN or Inf where the reference has the same).
         atol, rtol, tolerance_reason: The check's tolerance (both 0: bit-exact) and why it applies.
         weights_equal, weights_compared: Every tensor of the converted file equals the source's (``None``: not
-            compared); how many.
+            compared); how many. ``dropped``: the source's keys the conversion drops or takes apart, by name.
         passed: The outputs are within the tolerance and the weights equal (where compared).
         compute_dtype, versions: What both models computed in; this package's, timm's, torch's, Python's versions.
     """
@@ -77,12 +77,14 @@ class ParityReport:
     tolerance_reason: str = ""
     weights_equal: bool | None = None
     weights_compared: int = 0
+    dropped: str = ""
     compute_dtype: str = "float32"
     versions: dict[str, str] = field(default_factory=dict)
 
-    def add_weights(self, equal: bool, compared: int) -> None:
-        """Record the weight comparison: every one of ``compared`` tensors equal, or not (the check then fails)."""
-        self.weights_equal, self.weights_compared = equal, compared
+    def add_weights(self, equal: bool, compared: int, dropped: str = "") -> None:
+        """Record the weight comparison: every one of ``compared`` tensors equal, or not (the check then fails), and
+        the source keys ``dropped``."""
+        self.weights_equal, self.weights_compared, self.dropped = equal, compared, dropped
         self.passed = self.passed and equal
 
     @property
@@ -114,6 +116,7 @@ class ParityReport:
         weights = f"{self.weights_compared} tensors of the converted file {'equal to' if self.weights_equal else 'NOT all equal to'} the source's"
         return [
             ("weights", "not compared" if self.weights_equal is None else weights),
+            *((("dropped / split", self.dropped),) if self.dropped else ()),
             ("reference", self.reference),
             ("converted", self.model),
             ("inputs", self.inputs),
@@ -214,7 +217,7 @@ def compare_models(
     cos = torch.nn.functional.cosine_similarity(a2.double(), b2.double(), dim=1)
     bit_exact = bool(same.all())
     top1 = top5 = None
-    if getattr(model, "num_classes", None) != 0:  # a backbone's outputs are features, not classes
+    if getattr(model, "num_classes", None) != 0 and a.ndim == 2:  # a backbone's features or tokens are no classes
         k = min(5, a2.shape[1])
         top1 = (a2.argmax(1) == b2.argmax(1)).float().mean().item()
         pairs = zip(a2.topk(k, 1).indices, b2.topk(k, 1).indices, strict=True)

@@ -4,6 +4,7 @@ converted ones, each through the loader native to its layout (:mod:`.references`
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 
@@ -17,6 +18,22 @@ from .references import load_model, model_name
 from .tolerance import VerifyOptions, resolve_tolerance
 
 __all__ = ["verify_outputs"]
+
+
+def _check_memory(name: str, numel: int) -> None:
+    """A one-line :class:`~timm_layerscale.errors.CheckpointError` where the two fp32 models of a check (``numel``
+    parameters each) need more memory than Linux says is available; elsewhere nothing is checked."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    needed = 2 * 4 * numel
+    if needed > available:
+        raise CheckpointError(
+            f"verifying {name} needs about {needed / 2**30:.0f} GiB for two fp32 copies and "
+            f"{available / 2**30:.0f} GiB is available; verify on a larger machine, or pass {option('no_verify')}"
+        )
 
 
 def verify_outputs(
@@ -43,7 +60,8 @@ def verify_outputs(
             f"device {options.device!r}: no CUDA device is available here; pass {option('device', 'cpu')}"
         )
     variant, args = source.variant, source.model_args
-    rounded = get_family(variant.family).cast(source_tensors, dtype)
+    _check_memory(variant.name, sum(t.numel() for t in source_tensors.values()))
+    rounded = get_family(variant.family).cast(source_tensors, dtype)  # the reference's file as the written dtype
     ref = load_model(variant, source.layout, rounded, folded=False, **args)
     out = load_model(variant, layout, converted, folded=folded, **args)
     if not any(getattr(m, "fused_attn", False) for m in ref.modules()):  # a reference that attends by hand
@@ -62,6 +80,8 @@ def verify_outputs(
             raise CheckpointError("image files resolve to another input size than the model's; check the image files")
         inputs = torch.cat([inputs, files])
         parts.append(f"{len(options.images)} image file(s)")
+    family = get_family(variant.family)
+    tokens, independent = family.tokens, bool({source.layout, layout} & set(family.independent))
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
     return compare_models(
         ref,
@@ -70,9 +90,12 @@ def verify_outputs(
         reference_name=model_name(variant, source.layout),
         model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""),
         family=variant.family,
-        inputs_desc=" + ".join(parts) + f" at {'x'.join(map(str, size))}",
+        inputs_desc=" + ".join(parts)
+        + f" at {'x'.join(map(str, size))}"
+        + (", forward_features tokens" if tokens else ""),
         batch_size=options.batch_size,
-        tolerance=resolve_tolerance(variant, weights, options, folded=folded),
+        tolerance=resolve_tolerance(variant, weights, options, folded=folded, independent=independent),
         weights_dtype=str(weights).removeprefix("torch."),
+        forward=(lambda m, x: cast(Any, m).forward_features(x)) if tokens else None,
         progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
     )

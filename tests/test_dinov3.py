@@ -1,0 +1,272 @@
+"""DINOv3 with LayerScale modules: timm's ``Eva`` with ``ls1``/``ls2``, outputs ``torch.equal`` to timm's
+``vit_*_dinov3[_qkvb]``, its Hub files remapped as they load, folding, features and timm's model checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from timm.models.eva import Eva
+from timm.utils import reparameterize_model
+
+import timm_layerscale  # noqa: F401
+from timm_layerscale.conversion import keys as remap
+from timm_layerscale.families import variants_of
+from timm_layerscale.families.dinov3 import split_qkv_bias
+from timm_layerscale.layer_scale import LayerScale
+from timm_layerscale.models.dinov3_ls import checkpoint_filter_fn
+
+NAME = "vit_small_patch16_dinov3_qkvb_ls"
+VARIANTS = variants_of("dinov3")
+
+
+def seeded(name: str, seed: int = 0, **kwargs: Any) -> Any:
+    """A registered model with every parameter random (gates and biases ~ N(0, 0.1), so each term counts)."""
+    model = timm.create_model(name, **kwargs)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            scale = p[0].numel() ** -0.5 if p.ndim >= 2 else 0.1
+            p.copy_((key.endswith("weight") and p.ndim == 1) + scale * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def official_layout(model: Any) -> dict[str, torch.Tensor]:
+    """A timm DINOv3's weights as the official code saves them: ``storage_tokens``, a ``(1, D)`` ``mask_token``, the
+    rotary ``periods``, ``ls1.gamma``, SwiGLU ``w1``/``w2``/``w3``, a fused ``qkv.bias`` whose k third (random here)
+    its ``bias_mask`` zeroes."""
+    sd, out = model.state_dict(), {}  # type: dict[str, torch.Tensor], dict[str, torch.Tensor]
+    words = [("reg_token", "storage_tokens"), ("gamma_1", "ls1.gamma"), ("gamma_2", "ls2.gamma")]
+    words += [("mlp.fc1_g", "mlp.w1"), ("mlp.fc1_x", "mlp.w2"), ("mlp.fc2", "mlp.w3")] if "fc1_g" in str(model) else []
+    for key, value in sd.items():
+        if key.endswith("attn.q_bias"):
+            at = key.removesuffix("q_bias")
+            k = torch.randn(value.shape, generator=torch.Generator().manual_seed(len(out)))
+            out[at + "qkv.bias"] = torch.cat([value, k, sd[at + "v_bias"]])
+            out[at + "qkv.bias_mask"] = torch.cat([torch.ones_like(value), torch.zeros_like(k), torch.ones_like(value)])
+        elif not key.endswith("attn.v_bias"):
+            for old, new in words:
+                key = key.replace(old, new)
+            out[key] = value
+    return {**out, "mask_token": torch.zeros(1, model.embed_dim), "rope_embed.periods": model.rope.periods.clone()}
+
+
+def pair(name: str = "tinytest_dinov3", **kwargs: Any) -> tuple[Any, Any]:
+    """timm's DINOv3 with random weights, and this package's model loaded from its state dict through the filter."""
+    import tiny_models  # noqa: F401  (registers the tiny models)
+
+    ref = seeded(name, **kwargs)
+    ours: Any = timm.create_model(f"{name}_ls", **kwargs).eval()
+    ours.load_state_dict(checkpoint_filter_fn(ref.state_dict(), ours))
+    return ref, ours
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_is_timms_model_with_layerscale_modules(name) -> None:
+    reference = str(VARIANTS[name].reference)
+    if not timm.is_model(reference):
+        pytest.skip(f"this timm has no {reference}")
+    with torch.device("meta"):
+        ref: Any = timm.create_model(reference)
+        ours: Any = timm.create_model(name)
+    assert ours.pretrained_cfg["input_size"] == ref.pretrained_cfg["input_size"] and isinstance(ours, Eva)
+    gates = [m for m in ours.modules() if isinstance(m, LayerScale)]
+    assert len(gates) == 2 * len(ref.blocks) and all(g.promote for g in gates)
+    as_timm = {k: tuple(v.shape) for k, v in remap.to_gamma(ours.state_dict(), "dinov3").items()}
+    assert as_timm == {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    tags = {n.split(".", 1)[1] for n in timm.list_pretrained(f"{reference}.*")}
+    assert {n.split(".", 1)[1] for n in timm.list_pretrained(f"{name}.*")} == tags
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[Any, Any]:
+    return pair("vit_small_patch16_dinov3")
+
+
+@pytest.mark.parametrize(
+    ("name", "batch", "size"), [("tiny", 1, (32, 32)), ("tiny", 3, (40, 24)), ("small", 2, (256, 224))]
+)
+def test_outputs_equal_timms(name, batch, size, small, fused_attn) -> None:
+    """Fused and math attention, fp32 and bf16 autocast, square and not: the class, register and patch tokens
+    and the pooled output of timm's DINOv3, bit for bit."""
+    ref, ours = small if name == "small" else pair()
+    x = torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(batch))
+    for fused in (True, False):
+        fused_attn(fused)
+        with torch.no_grad():
+            assert torch.equal(ours.forward_features(x), ref.forward_features(x))
+            assert torch.equal(ours(x), ref(x))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(ours(x), ref(x))
+
+
+def test_settings_of_the_cait_promise_hold() -> None:
+    """Threads, token pooling, another image size at build, dropout off in eval, compile: still equal."""
+    ref, ours = pair(global_pool="token", img_size=48)
+    x = torch.randn(2, 3, 48, 40, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            assert torch.equal(ours(x), ref(x))
+    finally:
+        torch.set_num_threads(threads)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(ours, backend="aot_eager")(x), torch.compile(ref, backend="aot_eager")(x))
+
+
+def test_training_step_and_gradients_equal_timms() -> None:
+    ref, ours = pair()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    ref.train()(x).square().mean().backward()
+    ours.train()(x).square().mean().backward()
+    grads = {k: p.grad for k, p in ours.named_parameters()}
+    for key, p in remap.to_layerscale(dict(ref.named_parameters()), "dinov3").items():
+        assert torch.equal(grads[key], p.grad), key
+
+
+def test_fold_features_and_intermediates() -> None:
+    ref, ours = pair()
+    x = torch.randn(2, 3, 32, 24, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        final, inter = ours.forward_intermediates(x, indices=2)
+        want_final, want_inter = ref.forward_intermediates(x, indices=2)
+        assert torch.equal(final, want_final) and all(map(torch.equal, inter, want_inter))
+        folded = reparameterize_model(ours)
+        assert folded.folded_layerscale and not any(isinstance(m, LayerScale) for m in folded.modules())
+        torch.testing.assert_close(folded(x), ref(x), rtol=1e-5, atol=1e-5)
+    features: Any = timm.create_model("tinytest_dinov3_ls", features_only=True, out_indices=(0, 2))
+    assert [tuple(f.shape) for f in features(x)] == [(2, 32, 4, 3)] * 2
+    assert features.feature_info.channels() == [32, 32]
+
+
+@pytest.mark.compat
+def test_timms_file_loads_remapped_and_folded(tmp_path) -> None:
+    """A file in timm's layout (as its Hub copies are) through ``pretrained_cfg_overlay``, into the module layout
+    and into a ``folded_layerscale`` model."""
+    ref = seeded("vit_small_patch16_dinov3_qkvb")
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    overlay: dict[str, Any] = {"pretrained_cfg_overlay": {"file": str(path)}}
+    ours: Any = timm.create_model(NAME, pretrained=True, **overlay).eval()
+    folded = timm.create_model(NAME, pretrained=True, folded_layerscale=True, **overlay).eval()
+    assert ours.pretrained_cfg["hf_hub_id"] == "timm/vit_small_patch16_dinov3_qkvb.lvd1689m"
+    assert ours.pretrained_cfg["license"] == "dinov3-license"
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+        torch.testing.assert_close(folded(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, tiny_variants, capsys) -> None:
+    """The official layout (fused q/k/v bias, storage tokens, SwiGLU ``w1``-``w3``, pretraining-only tensors) into
+    the module layout, verified against timm's own loader of the same file; and read by ``pretrained_cfg_overlay``."""
+    from helpers import cli
+
+    ref, _ = pair()
+    path = tmp_path / "dinov3_official.pth"
+    torch.save(official_layout(ref), path)
+    via_timm = timm.create_model("tinytest_dinov3", pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+    ours = timm.create_model("tinytest_dinov3_ls", pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(via_timm.eval()(x), ref(x)) and torch.equal(ours.eval()(x), ref(x))
+    code, out, err = cli(capsys, "convert", path, tmp_path / "ls.safetensors", "--num-inputs", "1")
+    assert code == 0, err
+    assert "(official layout)" in out and "reference              tinytest_dinov3\n" in out and "bit-exact" in out
+    back = tmp_path / "timm.safetensors"
+    assert cli(capsys, "convert", path, back, "--to", "gamma", "--num-inputs", "1")[0] == 0
+    from safetensors.torch import load_file
+
+    assert load_file(back).keys() == ref.state_dict().keys()
+    # a wrong value operation (q and v exchanged in the split) reaches only the converted side: refused
+    from timm_layerscale import families
+
+    fam = families.FAMILIES["dinov3"]
+
+    def swapped(at, bias, *_):
+        return {f"{at}.q_bias": bias.chunk(3)[2], f"{at}.v_bias": bias.chunk(3)[0]}
+
+    swap = tuple(dataclasses.replace(r, op=swapped) if r.op is split_qkv_bias else r for r in fam.to_layerscale)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(families.FAMILIES, "dinov3", dataclasses.replace(fam, to_layerscale=swap))
+        code, out, err = cli(capsys, "convert", path, tmp_path / "wrong.safetensors", "--num-inputs", "1")
+    assert code == 1 and "FAIL" in out and not (tmp_path / "wrong.safetensors").exists(), err
+
+
+@pytest.mark.usefixtures("few_inputs")
+def test_an_export_loads_in_timm_and_transformers_with_the_dinov3_licence(tmp_path, tiny_variants) -> None:
+    from huggingface_hub import ModelCard
+    from transformers import AutoModel
+
+    from timm_layerscale.hub.export import export_folder
+
+    ref, _ = pair()
+    path = tmp_path / "dinov3_official.pth"
+    torch.save(official_layout(ref), path)
+    for to in ("ls", "gamma"):
+        folder = export_folder(path, tmp_path / to, to=to, plot=False, repo_id="org/dinov3").folder
+        model: Any = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+        assert type(model).__name__ == ("DinoV3LS" if to == "ls" else "Eva")
+        backbone = AutoModel.from_pretrained(folder).eval()
+        x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(model.forward_features(x), ref.forward_features(x))
+            pooled = ref.forward_head(ref.forward_features(x), pre_logits=True)
+            assert torch.equal(backbone(pixel_values=x).pooler_output, pooled)
+    card = ModelCard.load(tmp_path / "ls" / "README.md")
+    assert "dropped / split" in card.text and "mask_token" in card.text
+
+
+@pytest.mark.usefixtures("few_inputs")
+def test_a_transformers_folder_converts_both_ways_within_the_library_bound(tmp_path, tiny_variants, official, capsys):
+    """transformers' ``DINOv3ViTModel`` as ``save_pretrained`` writes it (split q/k/v, no k bias, SwiGLU gate/up/down,
+    a ``(1, 1, C)`` mask token) into the module layout, verified against transformers' own model; and back."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from helpers import cli
+    from timm_layerscale.conversion.detect import state_dict_shapes
+    from timm_layerscale.families.dinov3 import transformers_config
+    from tiny_models import DINOV3
+
+    theirs = transformers.DINOv3ViTModel(transformers_config(DINOV3, state_dict_shapes(DINOV3, 0)))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+    theirs.save_pretrained(tmp_path / "hf")
+    code, out, err = cli(capsys, "convert", tmp_path / "hf", tmp_path / "ls.safetensors")
+    assert code == 0 and "(transformers layout)" in out and "transformers/tinytest_dinov3" in out, err
+    assert "embeddings.mask_token" in out and "fuse_qkv" in out and "another library" in out
+    ours: Any = timm.create_model("tinytest_dinov3_ls", num_classes=0, pretrained=True,
+                             pretrained_cfg_overlay={"file": str(tmp_path / "ls.safetensors")}).eval()  # fmt: skip
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_features(x), theirs.eval()(pixel_values=x).last_hidden_state)
+    code, out, err = cli(capsys, "convert", tmp_path / "ls.safetensors", tmp_path / "back.safetensors", "--to",
+                         "transformers")  # fmt: skip
+    assert code == 0, err
+    written = load_file(tmp_path / "back.safetensors")
+    assert written.keys() == load_file(tmp_path / "hf" / "model.safetensors").keys()
+    assert not written["embeddings.mask_token"].any() and written["embeddings.mask_token"].shape == (1, 1, 32)
+    code, out, err = cli(capsys, "convert", official, tmp_path / "cait.pth", "--to", "transformers")
+    assert code == 2 and "CaiT has no layout 'transformers'" in err and not (tmp_path / "cait.pth").exists()
+
+
+def test_a_verification_beyond_the_machines_memory_is_one_line() -> None:
+    """The 7B's check needs two fp32 copies (~54 GB): where less is available, one line says so before building."""
+    from pathlib import Path
+
+    from timm_layerscale.errors import CheckpointError
+    from timm_layerscale.parity import verify
+
+    if not Path("/proc/meminfo").exists():
+        pytest.skip("the memory check reads Linux's /proc/meminfo")
+    with pytest.raises(CheckpointError, match=r"needs about \d+ GiB for two fp32 copies .* no.verify"):
+        verify._check_memory("vit_7b_patch16_dinov3_ls", 10**13)
+    verify._check_memory("tinytest_dinov3_ls", 10**3)

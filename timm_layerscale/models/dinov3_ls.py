@@ -1,0 +1,187 @@
+"""DINOv3 with LayerScale modules (``ls1.gamma`` / ``ls2.gamma``), the layout of timm's ViT and DeiT-III.
+
+Paper: Siméoni et al., "DINOv3", arXiv 2508.10104, https://arxiv.org/abs/2508.10104
+
+timm's ``Eva`` as its ``vit_*_patch16_dinov3[_qkvb]`` build it, its ``EvaBlock`` s turned into blocks whose gates
+are LayerScale modules instead of raw ``gamma_1`` / ``gamma_2``, so the model stays timm's class; timm's Hub weights
+(``lvd1689m``, ``sat493m``, ``eupe_lvd1689m``) remapped as they load. Weights from Meta remain under the DINOv3
+License, EUPE's under FAIR's non-commercial research licence.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+from timm.layers import LayerNorm
+from timm.models import generate_default_cfgs, get_arch_pretrained_cfgs, register_model
+from timm.models.eva import Eva, EvaBlock
+
+from ..conversion.keys import state_dict_of, to_layerscale
+from ..families import Variant, variants_of
+from ..layer_scale import LayerScale, fold_block
+from ._helpers import build_variant, count_flops, fit_state_dict, has_no_layerscale
+
+__all__ = ["DinoV3LS", "LayerScaleEvaBlock"]
+
+
+class LayerScaleEvaBlock(EvaBlock):
+    """timm's ``EvaBlock`` with LayerScale modules ``ls1`` / ``ls2`` where it has ``gamma_1`` / ``gamma_2``
+    (``nn.Identity`` without them). ``promote=True``: under autocast the product with the fp32 gate promotes,
+    as timm's raw-parameter product does, so outputs are ``torch.equal`` to timm's."""
+
+    ls1: nn.Module
+    ls2: nn.Module
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, rope: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask, **kwargs)))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    def reset_parameters(self) -> None:
+        for gate in (self.ls1, self.ls2):
+            if isinstance(gate, LayerScale):
+                gate.reset_parameters()
+
+    def reparameterize(self) -> None:
+        """Fold the gates into ``attn.proj`` and ``mlp.fc2`` (``timm.utils.reparameterize_model`` calls it)."""
+        fold_block(self)
+
+    @classmethod
+    def from_eva_block(cls, block: EvaBlock, folded: bool = False) -> LayerScaleEvaBlock:
+        """``block`` itself, its class changed and each raw gate moved into a LayerScale module (the same
+        parameter object, so values, device and dtype stay); ``folded``: no gates at all."""
+        block.__class__ = cls
+        for i in (1, 2):
+            gamma = block._parameters.pop(f"gamma_{i}", None)
+            gate: nn.Module = nn.Identity()
+            if gamma is not None and not folded:
+                gate = LayerScale(gamma.shape[0], cast(float, block.init_values), promote=True, device="meta")
+                gate.gamma = gamma
+            setattr(block, f"ls{i}", gate)
+        return block  # type: ignore[return-value]
+
+
+class DinoV3LS(Eva):
+    """timm's ``Eva`` (DINOv3 settings) whose blocks are :class:`LayerScaleEvaBlock` s.
+
+    Args:
+        folded_layerscale: Build without LayerScale modules; pretrained weights are folded as they load.
+        **kwargs: timm's ``Eva`` arguments.
+    """
+
+    def __init__(self, folded_layerscale: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for block in self.blocks:
+            LayerScaleEvaBlock.from_eva_block(cast(EvaBlock, block), folded_layerscale)
+
+    @property
+    def folded_layerscale(self) -> bool:
+        return has_no_layerscale(self)
+
+    def flop_count(self, batch_size: int = 1) -> int:
+        """Multiplications of one forward pass at the model's input size
+        (:func:`~timm_layerscale.models._helpers.count_flops`)."""
+        return count_flops(self, batch_size)
+
+
+def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: DinoV3LS) -> dict[str, torch.Tensor]:
+    """A DINOv3 checkpoint in timm's layout (``gamma_1``) or this model's, as this model's state dict; the gates
+    folded for a ``folded_layerscale`` model."""
+    return fit_state_dict(to_layerscale(state_dict_of(state_dict), "dinov3"), model)
+
+
+#: What every DINOv3 shares (timm's ``vit_*_dinov3``): rotary positions, four registers, no absolute positions.
+DINOV3_ARGS = dict(
+    dynamic_img_size=True, rope_type="dinov3", rope_temperature=100, rope_rotate_half=True, use_rot_pos_emb=True,
+    use_abs_pos_emb=False, num_reg_tokens=4, use_fc_norm=False, norm_layer=partial(LayerNorm, eps=1e-5),
+)  # fmt: skip
+
+#: The registered variants (:data:`timm_layerscale.families.VARIANTS`).
+VARIANTS = variants_of("dinov3")
+
+
+def _cfgs() -> dict[str, Any]:
+    """timm's pretrained configs of each reference (its Hub files, licence, input size) under this package's names,
+    for the tags the installed timm has, its default first."""
+    cfgs: dict[str, Any] = {}
+    for name, v in VARIANTS.items():
+        for ref, cfg in get_arch_pretrained_cfgs(str(v.reference)).items():
+            drop = ("architecture", "tag")
+            cfgs[f"{name}.{ref.split('.', 1)[1]}"] = {k: x for k, x in cfg.to_dict().items() if k not in drop}
+    return cfgs
+
+
+default_cfgs = generate_default_cfgs(_cfgs())
+
+
+def build(v: Variant, pretrained: bool, kwargs: dict[str, Any]) -> DinoV3LS:
+    """timm's ``build_model_with_cfg`` of a DINOv3 variant: the shared arguments, its table row's, then ``kwargs``."""
+    return build_variant(DinoV3LS, checkpoint_filter_fn, v, pretrained, {**DINOV3_ARGS, **kwargs})
+
+
+def _create(name: str, pretrained: bool, kwargs: dict[str, Any]) -> DinoV3LS:
+    return build(VARIANTS[name], pretrained, kwargs)
+
+
+@register_model
+def vit_tiny_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_tiny_patch16_dinov3_qkvb_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_small_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_small_patch16_dinov3_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_small_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_small_patch16_dinov3_qkvb_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_small_plus_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_small_plus_patch16_dinov3_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_small_plus_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_small_plus_patch16_dinov3_qkvb_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_base_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_base_patch16_dinov3_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_base_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_base_patch16_dinov3_qkvb_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_large_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_large_patch16_dinov3_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_large_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_large_patch16_dinov3_qkvb_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_huge_plus_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_huge_plus_patch16_dinov3_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_huge_plus_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_huge_plus_patch16_dinov3_qkvb_ls", pretrained, kwargs)
+
+
+@register_model
+def vit_7b_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
+    return _create("vit_7b_patch16_dinov3_ls", pretrained, kwargs)
