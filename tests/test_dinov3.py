@@ -246,8 +246,15 @@ def test_a_transformers_folder_converts_both_ways_within_the_library_bound(tmp_p
     ours: Any = timm.create_model("tinytest_dinov3_ls", num_classes=0, pretrained=True,
                              pretrained_cfg_overlay={"file": str(tmp_path / "ls.safetensors")}).eval()  # fmt: skip
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    direct: Any = timm.create_model(
+        "tinytest_dinov3_ls",
+        num_classes=0,
+        pretrained=True,
+        pretrained_cfg_overlay={"file": str(tmp_path / "hf" / "model.safetensors")},
+    )
     with torch.no_grad():
         torch.testing.assert_close(ours.forward_features(x), theirs.eval()(pixel_values=x).last_hidden_state)
+        assert torch.equal(direct.eval().forward_features(x), ours.forward_features(x))  # the file read as it loads
     code, out, err = cli(capsys, "convert", tmp_path / "ls.safetensors", tmp_path / "back.safetensors", "--to",
                          "transformers")  # fmt: skip
     assert code == 0, err
