@@ -9,6 +9,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models.cait import _create_cait
 from timm.models.deit import _create_deit
 from timm.models.eva import _create_eva
+from timm.models.vision_transformer import _create_vision_transformer
 
 from timm_layerscale.families import Variant
 from timm_layerscale.models import cait_ls, dinov3_ls, vit5
@@ -19,8 +20,9 @@ DEIT3 = Variant("tinytest_deit3", "deit3", "tinytest_deit3", 32, 32, 3, 4, None,
 VIT5 = Variant("tinytest_vit5", "vit5", None, 32, 64, 3, 2, 1e-4, patch_size=8)
 _SWIGLU_QKVB = (("qkv_bias", True), ("swiglu_mlp", True), ("swiglu_align_to", 8))
 DINOV3 = Variant("tinytest_dinov3_ls", "dinov3", "tinytest_dinov3", 32, 32, 3, 2, 1e-5, patch_size=8, args=_SWIGLU_QKVB)
+DINOV2 = Variant("tinytest_dinov2", "dinov2", "tinytest_dinov2", 32, 32, 3, 2, 1e-5, patch_size=8)
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
-TINY = (CAIT, DEIT3, VIT5, DINOV3)
+TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2)
 
 _CFGS: dict[str, Any] = {v.name: pretrained_cfg(v, url="") for v in TINY}
 default_cfgs = generate_default_cfgs(
@@ -61,3 +63,9 @@ def tinytest_dinov3(pretrained: bool = False, **kwargs: Any) -> Any:
 @register_model
 def tinytest_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> Any:
     return dinov3_ls.build(DINOV3, pretrained, {"img_size": 32, **kwargs})
+
+
+@register_model
+def tinytest_dinov2(pretrained: bool = False, **kwargs: Any) -> Any:
+    args = _args(DINOV2, {"reg_tokens": 4, "no_embed_class": True, "num_classes": 0, **kwargs})
+    return _create_vision_transformer("tinytest_dinov2", pretrained, **args)

@@ -156,16 +156,22 @@ def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[s
 
 
 def dropped(state_dict: Mapping[str, Any], family: str | Family, kept: Iterable[str] = ()) -> str:
-    """The source keys the rules to the ``ls`` layout drop or take apart (by a value operation, named, that is not a
-    ``rename_*``), block numbers
-    as ``N`` with a count, leaving out those in ``kept`` (a layout's computed buffers, written again): ``''`` for none."""
+    """The source keys the rules to the ``ls`` layout drop, or change by a value operation (named: a split, a fusion,
+    a merge; not one that only renames), block numbers as ``N`` with a count, leaving out those in ``kept`` (a
+    layout's computed buffers, written again): ``''`` for none."""
     fam = get_family(family) if isinstance(family, str) else family
-    found: dict[str, int] = {}
-    for key in strip_prefixes(state_dict).keys() - set(kept):
+    sd, found = strip_prefixes(state_dict), {}  # type: dict[str, Any], dict[str, int]
+    for key in sd.keys() - set(kept):
         rule = next(r for r in fam.to_layerscale if r.apply(key)[0])
-        if (rule.op and not rule.op.__name__.startswith("rename")) or rule.apply(key)[1] is None:
-            name = re.sub(r"\.\d+\.", ".N.", key) + (f" ({rule.op.__name__})" if rule.op else "")
-            found[name] = found.get(name, 0) + 1
+        new = rule.apply(key)[1]
+        if new is not None and rule.op:
+            out = rule.op(new, sd[key], key, sd)
+            if len(out) == 1 and next(iter(out.values())) is sd[key]:
+                continue  # renamed only
+        elif new is not None:
+            continue
+        name = re.sub(r"\.\d+\.", ".N.", key) + (f" ({rule.op.__name__})" if rule.op else "")
+        found[name] = found.get(name, 0) + 1
     return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in sorted(found.items()))
 
 

@@ -180,6 +180,6 @@ def variants_of(family: str) -> dict[str, Variant]:
     return {v.name: v for v in VARIANTS if v.family == family}
 
 
-from . import cait, vit5, deit3, dinov3  # noqa: E402, F401, I001  (the registry: each registers its family)
+from . import cait, vit5, deit3, dinov3, dinov2  # noqa: E402, F401, I001  (the registry: each registers its family)
 from .cait import RELEASE_URL as CAIT_RELEASE_URL  # noqa: E402  (where these names were)
 from .vit5 import HUB_REPO as VIT5_HUB_REPO, check_rope_buffers, official_rope_buffers, rope_buffers  # noqa: E402

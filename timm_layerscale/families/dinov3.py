@@ -37,7 +37,7 @@ def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) ->
     if layout == "ls":
         return own_model(variant, folded, args)
     if layout == "transformers":
-        return native_transformers("DINOv3ViTModel", lambda shapes: transformers_config(variant, shapes), variant, args)
+        return native_transformers(lambda shapes: transformers_config(variant, shapes), variant, args)
     import timm
     from timm.models.eva import checkpoint_filter_fn
 
@@ -73,7 +73,7 @@ OFFICIAL = (
 )
 
 
-def rename_up_proj(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+def up_proj(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """transformers' ``up_proj`` is timm's ``fc1`` in a plain MLP, ``fc1_x`` beside a ``gate_proj`` (SwiGLU)."""
     gated = key.replace(".up_proj.", ".gate_proj.") in state_dict
     return {target.replace(".fc1.", ".fc1_x.") if gated else target: tensor}
@@ -99,7 +99,7 @@ TRANSFORMERS = (
     Rule(rf"{_L}\.attention\.o_proj({LINEAR})", r"blocks.\1.attn.proj\2"),
     Rule(rf"{_L}\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
     Rule(rf"{_L}\.mlp\.gate_proj({LINEAR})", r"blocks.\1.mlp.fc1_g\2"),
-    Rule(rf"{_L}\.mlp\.up_proj({LINEAR})", r"blocks.\1.mlp.fc1\2", op=rename_up_proj),
+    Rule(rf"{_L}\.mlp\.up_proj({LINEAR})", r"blocks.\1.mlp.fc1\2", op=up_proj),
     Rule(rf"{_L}\.mlp\.down_proj({LINEAR})", r"blocks.\1.mlp.fc2\2"),
 )
 _B = r"blocks\.(\d+)"

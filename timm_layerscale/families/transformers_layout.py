@@ -54,10 +54,10 @@ def zeros_like_token(shape: Callable[[Any], tuple[int, ...]], name: str) -> Call
 
 
 def native_transformers(
-    model_class: str, config: Callable[[Mapping[str, tuple[int, ...]]], Any], variant: Any, args: dict[str, Any]
+    config: Callable[[Mapping[str, tuple[int, ...]]], Any], variant: Any, args: dict[str, Any]
 ) -> Any:
-    """``(build, filter)`` of transformers' ``model_class`` for a variant, its config from the registered model's
-    shapes (``config(shapes)``): the filter is transformers' own loading (``from_pretrained`` of a folder holding the
+    """``(build, filter)`` of transformers' model for a variant (``AutoModel``'s of its config, built from the
+    registered model's shapes by ``config(shapes)``): the filter is transformers' own loading (``from_pretrained`` of a folder holding the
     tensors, with every rename its version applies), strict. The model's ``forward_features(x)`` and ``forward(x)``
     are its normed token sequence ``(B, N, C)``.
 
@@ -73,23 +73,22 @@ def native_transformers(
         ) from None
     import tempfile
 
+    import timm
+    import torch
     from safetensors.torch import save_file
     from torch import nn
 
-    import timm
-    import torch
-
     with torch.device("meta"):  # the registered model's shapes, in the ls layout
         shapes = {k: tuple(t.shape) for k, t in timm.create_model(variant.name, num_classes=0).state_dict().items()}
-    cls = getattr(transformers, model_class)
     cfg = config(shapes)
+    cls = transformers.AutoModel
 
     class Backbone(nn.Module):
         """transformers' model, its normed tokens as ``forward_features`` and ``forward``."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.model = cls(cfg)
+            self.model = cls.from_config(cfg)
 
         def forward_features(self, x: Any) -> Any:
             return self.model(pixel_values=x).last_hidden_state
@@ -103,7 +102,7 @@ def native_transformers(
             loaded, info = cls.from_pretrained(folder, output_loading_info=True)
         bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if bad:
-            raise RemapError(f"transformers' {model_class} does not take these tensors: {bad}")
+            raise RemapError(f"transformers' {type(loaded).__name__} does not take these tensors: {bad}")
         return {f"model.{k}": v for k, v in loaded.state_dict().items()}
 
     return Backbone, load

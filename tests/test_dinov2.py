@@ -1,0 +1,75 @@
+"""DINOv2: the official files (``mask_token``, ``register_tokens``, a class slot in ``pos_embed``) and transformers'
+``Dinov2Model`` / ``Dinov2WithRegistersModel`` files into timm's own ``vit_*_dinov2`` and back, verified."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import timm
+import torch
+from safetensors.torch import load_file
+
+from helpers import cli
+from test_dinov3 import seeded
+
+
+def official_layout(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A timm DINOv2's weights as the official code saves them: ``mask_token`` ``(1, C)``, ``register_tokens`` and,
+    with registers, a (random) class slot in ``pos_embed`` that the class token does not yet hold."""
+    sd, g = dict(model.state_dict()), torch.Generator().manual_seed(seed)
+    out = {"mask_token": torch.randn(1, model.embed_dim, generator=g)}
+    if "reg_token" in sd:
+        slot = torch.randn(1, 1, model.embed_dim, generator=g)
+        out |= {"cls_token": sd.pop("cls_token") - slot, "register_tokens": sd.pop("reg_token")}
+        out["pos_embed"] = torch.cat([slot, sd.pop("pos_embed")], dim=1)
+    return {**out, **sd}
+
+
+def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, tiny_variants, capsys) -> None:
+    """Registers: the class slot merged into the class token, as timm's ``_reg4`` loader does (the function kept,
+    and the report says so); back to the official layout with a zero class slot and a zero mask token."""
+    ref = seeded("tinytest_dinov2")
+    path = tmp_path / "dinov2_official.pth"
+    torch.save(official_layout(ref), path)
+    code, out, err = cli(capsys, "convert", path, tmp_path / "ls.safetensors", "--num-inputs", "1")
+    assert code == 0 and "(gamma layout)" in out and "bit-exact" in out, err
+    assert "cls_token (merge_class_slot)" in out and "mask_token" in out and "pos_embed (drop_class_slot)" in out
+    code, out, err = cli(capsys, "convert", tmp_path / "ls.safetensors", tmp_path / "official.pth", "--to", "gamma")
+    assert code == 0 and "bit-exact" in out, err
+    back = torch.load(tmp_path / "official.pth", weights_only=True)["model"]
+    assert not back["mask_token"].any() and not back["pos_embed"][:, 0].any() and "register_tokens" in back
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    for file in (path, tmp_path / "official.pth"):
+        model: Any = timm.create_model("tinytest_dinov2", pretrained=True, pretrained_cfg_overlay={"file": str(file)})
+        with torch.no_grad():
+            torch.testing.assert_close(model.eval().forward_features(x), ref.forward_features(x))
+
+
+def test_a_transformers_folder_converts_both_ways(tmp_path, tiny_variants, capsys) -> None:
+    """``Dinov2WithRegistersModel`` as ``save_pretrained`` writes it (4.x names on disk) into timm's layout, verified
+    against transformers' own model, and back to the names it wrote."""
+    import transformers
+
+    from timm_layerscale.conversion.detect import state_dict_shapes
+    from timm_layerscale.families.dinov2 import transformers_config
+    from tiny_models import DINOV2
+
+    theirs = transformers.Dinov2WithRegistersModel(transformers_config(DINOV2, state_dict_shapes(DINOV2, 0)))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+    theirs.save_pretrained(tmp_path / "hf")
+    code, out, err = cli(capsys, "convert", tmp_path / "hf", tmp_path / "ls.safetensors", "--num-inputs", "1")
+    assert code == 0 and "(transformers layout)" in out and "another library" in out, err
+    code, out, err = cli(capsys, "convert", tmp_path / "ls.safetensors", tmp_path / "back.safetensors", "--to",
+                         "transformers", "--num-inputs", "1")  # fmt: skip
+    assert code == 0, err
+    assert load_file(tmp_path / "back.safetensors").keys() == load_file(tmp_path / "hf" / "model.safetensors").keys()
+
+
+def test_the_real_size_small_official_file_converts_bit_exactly(tmp_path, capsys) -> None:
+    ref = seeded("vit_small_patch14_dinov2")
+    path = tmp_path / "dinov2_vits14_pretrain.pth"
+    torch.save(official_layout(ref), path)
+    code, out, err = cli(capsys, "convert", path, tmp_path / "s.safetensors", "--num-inputs", "1")
+    assert code == 0 and "vit_small_patch14_dinov2" in out and "at 518x518" in out and "bit-exact" in out, err

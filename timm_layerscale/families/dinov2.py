@@ -1,0 +1,194 @@
+"""DINOv2 (arXiv 2304.07193): timm's own ``vit_*_patch14[_reg4]_dinov2`` already use LayerScale modules, so its models
+are this family's ``ls`` layout; the official files (``dinov2/models/vision_transformer.py``: ``mask_token``,
+``register_tokens``, a class slot in ``pos_embed``, the giant's SwiGLU ``w12``/``w3``) are its ``gamma`` layout (the
+official file, as for CaiT and DeiT-III), and transformers' ``Dinov2Model`` / ``Dinov2WithRegistersModel`` files its
+``transformers`` layout."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from . import KEEP, LINEAR, Family, Rule, Variant, register
+from .transformers_layout import fuse_qkv, native_transformers, split_qkv
+
+
+def _variant(size: str, dim: int, depth: int, heads: int, reg: bool) -> Variant:
+    name = f"vit_{size}_patch14{'_reg4' if reg else ''}_dinov2"
+    return Variant(name, "dinov2", name, 518, dim, depth, heads, 1e-5, patch_size=14)
+
+
+#: timm's DINOv2 architectures (``_reg4``: four registers, the class token's position folded into it).
+VARIANTS = tuple(
+    _variant(size, dim, depth, heads, reg)
+    for reg in (False, True)
+    for size, dim, depth, heads in (
+        ("small", 384, 12, 6),
+        ("base", 768, 12, 12),
+        ("large", 1024, 24, 16),
+        ("giant", 1536, 40, 24),
+    )
+)
+
+
+def merge_class_slot(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """With registers, the class token plus its slot of the position embedding (``pos_embed[:, :1]``), as timm's
+    ``_reg4`` models hold it (they add no position to the class and register tokens): the same sum every forward
+    pass computes, so the function is kept. Without registers the token as it is."""
+    pos = next((v for k, v in state_dict.items() if k.endswith(("pos_embed", "position_embeddings"))), None)
+    if pos is None or not any(k.endswith("register_tokens") for k in state_dict):
+        return {target: tensor}
+    return {target: tensor + pos[:, :1]}
+
+
+def drop_class_slot(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """With registers, the position embedding without its class slot (merged into the class token by
+    :func:`merge_class_slot`); without, as it is."""
+    registers = any(k.endswith("register_tokens") for k in state_dict)
+    return {target: tensor[:, 1:] if registers else tensor}
+
+
+def zero_class_slot(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse for a ``_reg4`` model: a zero class slot in front (its class token already holds the position)."""
+    import torch
+
+    if "reg_token" not in state_dict:
+        return {target: tensor}
+    return {target: torch.cat([torch.zeros_like(tensor[:, :1]), tensor], dim=1)}
+
+
+def with_mask_token(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The class token and a zero ``mask_token`` ``(1, C)`` beside it (the official and transformers files hold one,
+    used in pretraining only)."""
+    import torch
+
+    return {
+        target: tensor,
+        target.replace("cls_token", "mask_token"): torch.zeros(tensor.shape[-1:], dtype=tensor.dtype)[None],
+    }
+
+
+def packed_swiglu(names: tuple[str, str]) -> Any:
+    """The operation naming timm's ``fc1``/``fc2`` as ``names`` (the official ``w12``/``w3``, transformers'
+    ``weights_in``/``weights_out``) where the block's MLP is a packed SwiGLU (``fc1`` twice as wide as ``fc2``'s
+    input), else ``fc1``/``fc2``."""
+
+    def rename_packed_swiglu(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        block = key.rsplit(".mlp.", 1)[0]
+        fc1, fc2 = state_dict.get(f"{block}.mlp.fc1.weight"), state_dict.get(f"{block}.mlp.fc2.weight")
+        packed = fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]
+        return {target.format((names if packed else ("fc1", "fc2"))[".mlp.fc2." in key]): tensor}
+
+    return rename_packed_swiglu
+
+
+_B = r"blocks\.(\d+)"
+#: Keys the official layout and timm's share (the gates are ``ls1.gamma`` in both).
+_SHARED = r"(?:patch_embed\.proj|norm)" + LINEAR + r"|blocks\.\d+\.(?:(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc[12])"
+_SHARED += LINEAR + r"|ls[12]\.gamma)"
+#: Official and transformers files into timm's names.
+TO_TIMM = (
+    Rule(r"mask_token|embeddings\.mask_token", None),  # pretraining only
+    Rule(r"register_tokens|embeddings\.register_tokens", "reg_token"),
+    Rule(r"cls_token|embeddings\.cls_token", "cls_token", op=merge_class_slot),
+    Rule(r"pos_embed|embeddings\.position_embeddings", "pos_embed", op=drop_class_slot),
+    Rule(rf"{_B}\.mlp\.w12({LINEAR})", r"blocks.\1.mlp.fc1\2"),
+    Rule(rf"{_B}\.mlp\.w3({LINEAR})", r"blocks.\1.mlp.fc2\2"),
+    Rule(rf"embeddings\.patch_embeddings\.projection({LINEAR})", r"patch_embed.proj\1"),
+    Rule(rf"encoder\.layer\.(\d+)\.(norm[12]{LINEAR})", r"blocks.\1.\2"),
+    Rule(
+        rf"encoder\.layer\.(\d+)\.attention\.attention\.(?:query|key|value)({LINEAR})",
+        r"blocks.\1.attn.qkv\2",
+        op=fuse_qkv,
+    ),
+    Rule(rf"encoder\.layer\.(\d+)\.attention\.output\.dense({LINEAR})", r"blocks.\1.attn.proj\2"),
+    Rule(r"encoder\.layer\.(\d+)\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
+    Rule(rf"encoder\.layer\.(\d+)\.mlp\.(?:fc1|weights_in)({LINEAR})", r"blocks.\1.mlp.fc1\2"),
+    Rule(rf"encoder\.layer\.(\d+)\.mlp\.(?:fc2|weights_out)({LINEAR})", r"blocks.\1.mlp.fc2\2"),
+    Rule(rf"layernorm({LINEAR})", r"norm\1"),
+    Rule(r"reg_token|head" + LINEAR, KEEP),
+    Rule(_SHARED, KEEP),
+)
+#: timm's layout into the official file: a zero ``mask_token``, a zero class slot for ``_reg4`` (whose class token
+#: holds its position), ``register_tokens``, the giant's ``w12``/``w3``.
+TO_OFFICIAL = (
+    Rule(r"cls_token", "cls_token", op=with_mask_token),
+    Rule(r"pos_embed", "pos_embed", op=zero_class_slot),
+    Rule(r"reg_token", "register_tokens"),
+    Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", r"blocks.\1.mlp.{}\3", op=packed_swiglu(("w12", "w3"))),
+    Rule(r"head" + LINEAR, KEEP),
+    Rule(_SHARED, KEEP),
+)
+_L = r"encoder.layer.\1"
+#: timm's layout into transformers' (the names ``save_pretrained`` writes, which 4.x and 5.x load).
+TO_TRANSFORMERS = (
+    Rule(r"cls_token", "embeddings.cls_token", op=with_mask_token),
+    Rule(r"pos_embed", "embeddings.position_embeddings", op=zero_class_slot),
+    Rule(r"reg_token", "embeddings.register_tokens"),
+    Rule(rf"patch_embed\.proj({LINEAR})", r"embeddings.patch_embeddings.projection\1"),
+    Rule(rf"{_B}\.(norm[12]{LINEAR})", rf"{_L}.\2"),
+    Rule(
+        rf"{_B}\.attn\.qkv\.(weight|bias)",
+        rf"{_L}.attention.attention.{{}}.\2",
+        op=split_qkv(("query", "key", "value")),
+    ),
+    Rule(rf"{_B}\.attn\.proj({LINEAR})", rf"{_L}.attention.output.dense\2"),
+    Rule(rf"{_B}\.ls([12])\.gamma", rf"{_L}.layer_scale\2.lambda1"),
+    Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", rf"{_L}.mlp.{{}}\3", op=packed_swiglu(("weights_in", "weights_out"))),
+    Rule(rf"norm({LINEAR})", r"layernorm\1"),
+)
+
+
+def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """transformers' ``Dinov2Config`` (``Dinov2WithRegistersConfig`` with registers) of a variant, from its shapes."""
+    import transformers
+
+    fc1, fc2 = shapes["blocks.0.mlp.fc1.weight"], shapes["blocks.0.mlp.fc2.weight"]
+    swiglu = fc1[0] == 2 * fc2[1]
+    registers = "reg_token" in shapes
+    cls: Any = transformers.Dinov2WithRegistersConfig if registers else transformers.Dinov2Config
+    return cls(
+        hidden_size=variant.embed_dim, num_hidden_layers=variant.depth, num_attention_heads=variant.num_heads,
+        mlp_ratio=4 if swiglu else fc1[0] // variant.embed_dim, use_swiglu_ffn=swiglu, image_size=variant.img_size,
+        patch_size=variant.patch_size, layerscale_value=float(variant.init_value or 1.0), layer_norm_eps=1e-6,
+        **({"num_register_tokens": shapes["reg_token"][1]} if registers else {}),
+    )  # fmt: skip
+
+
+def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) -> Any:
+    """``ls`` and ``gamma`` (the official file): timm's own model through timm's filter (folded: ``init_values=0``);
+    ``transformers``: transformers' ``Dinov2Model`` or ``Dinov2WithRegistersModel``."""
+    if layout == "transformers":
+        return native_transformers(lambda shapes: transformers_config(variant, shapes), variant, args)
+    import timm
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    kwargs = {**args, **({"init_values": 0.0} if folded else {})}
+    return lambda: timm.create_model(variant.name, **kwargs), checkpoint_filter_fn
+
+
+BIBTEX = """\
+@article{oquab2023dinov2,
+  title   = {{DINOv2}: Learning Robust Visual Features without Supervision},
+  author  = {Oquab, Maxime and Darcet, Timoth{\\'e}e and Moutakanni, Th{\\'e}o and Vo, Huy V. and others},
+  journal = {Transactions on Machine Learning Research},
+  year    = {2024}
+}"""
+
+FAMILY = Family(
+    "dinov2",
+    "DINOv2",
+    TO_TIMM,
+    TO_OFFICIAL,
+    native=native,
+    source_layouts=(("gamma", r"mask_token"), ("transformers", r"embeddings\.patch_embeddings\.projection\.weight")),
+    targets=(("transformers", TO_TRANSFORMERS),),
+    independent=("transformers",),
+    tokens=True,
+    full_title="DINOv2",
+    description="a self-supervised Vision Transformer (with registers in the _reg4 models) whose residual branches "
+    "are scaled by LayerScale",
+    bibtex=BIBTEX,
+    license="apache-2.0",
+)
+register(FAMILY, VARIANTS)
