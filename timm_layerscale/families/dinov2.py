@@ -109,8 +109,8 @@ TO_TIMM = (
     Rule(r"reg_token|head" + LINEAR, KEEP),
     Rule(_SHARED, KEEP),
 )
-#: timm's layout into the official file: a zero ``mask_token``, a zero class slot for ``_reg4`` (whose class token
-#: holds its position), ``register_tokens``, the giant's ``w12``/``w3``.
+#: timm's layout into the official file, with a zero ``mask_token``, a zero class slot for ``_reg4`` (whose class
+#: token holds its position), ``register_tokens`` and the giant's ``w12``/``w3``.
 TO_OFFICIAL = (
     Rule(r"cls_token", "cls_token", op=with_mask_token),
     Rule(r"pos_embed", "pos_embed", op=zero_class_slot),
