@@ -19,6 +19,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import COMMAND_LINE
+from .families import LAYOUTS
 from .options import OneLineParser, add_verify_args, check_inputs, verify_options
 from .progress import write_out
 
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("convert", "convert a checkpoint between layouts and verify parity", "source", "output", source=True)
     p.add_argument(
         "--to",
-        choices=("ls", "gamma", "transformers"),
+        choices=LAYOUTS,
         default="ls",
         help="target layout (default ls; gamma: the official file, for DINOv3 timm's; transformers: DINOv3's)",
     )

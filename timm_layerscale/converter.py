@@ -20,7 +20,7 @@ from .conversion.detect import Detection, detect
 from .conversion.fold import fold_state_dict
 from .conversion.keys import detect_layout, dropped, official_checkpoint, remap, state_dict_of, to_gamma, to_layerscale
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
-from .families import FAMILIES, Variant, get_family, get_variant
+from .families import FAMILIES, LAYOUTS, Variant, get_family, get_variant
 from .files.atomic import output_path
 from .files.read import (
     check_checksums,
@@ -39,9 +39,6 @@ from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_outputs
 
 __all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "verify_checkpoint"]
-
-#: Every target layout; a family takes ``ls``, ``gamma`` and those of its ``targets``.
-LAYOUTS = ("ls", "gamma", "transformers")
 
 
 def _background(fn: Callable[[Path], Any], path: Path) -> Future[Any]:
@@ -120,11 +117,18 @@ class ConversionResult:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
-def _target(tensors: Mapping[str, torch.Tensor], found: Detection, to: str, fold: bool) -> dict[str, torch.Tensor]:
-    """A source's tensors (in their own layout) mapped by the family's rules to layout ``to``, folded with ``fold``."""
+def _target(
+    tensors: Mapping[str, torch.Tensor],
+    found: Detection,
+    to: str,
+    fold: bool,
+    changes: list[tuple[str, str]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A source's tensors (in their own layout) mapped by the family's rules to layout ``to``, folded with ``fold``;
+    ``changes`` gets the source keys dropped or changed on the way (:func:`~.conversion.keys.to_layerscale`)."""
     family = get_family(found.variant.family)
     buffers = family.official_buffers(found.variant, tensors)  # a file's must be those the model computes
-    ls = to_layerscale(tensors, family)
+    ls = to_layerscale(tensors, family, changes)
     if to == "ls":
         return fold_state_dict(ls) if fold else ls
     if to != "gamma":
@@ -152,12 +156,13 @@ def _check_written(
 ) -> None:
     """The one weight comparison: the written file, read back, against the source file's tensors read on their own,
     mapped by the rules and cast as requested; a difference is a :class:`ParityError` (the file is not kept)."""
-    source = read_state_dict(src.path, src.ema, checksums=False)[1]
     family = get_family(src.detection.variant.family)
-    expected = family.cast(_target(source, src.detection, to, fold), dtype)  # the request, not the cast step
+    changes: list[tuple[str, str]] = []
+    source = read_state_dict(src.path, src.ema, checksums=False)[1]
+    expected = family.cast(_target(source, src.detection, to, fold, changes), dtype)  # the request, not the cast
     same, count, detail = compare_weights(expected, state_dict_of(load_checkpoint(written)))
-    rewritten = [k for k in expected if re.fullmatch(family.computed, k)]  # buffers a layout computes, written again
-    report.add_weights(same, count, dropped(source, family, kept=rewritten))
+    rewritten = {k for k in expected if re.fullmatch(family.computed, k)}  # buffers a layout computes, written again
+    report.add_weights(same, count, dropped(changes, kept=rewritten))
     if not same:
         raise _failed(report, detail)
 

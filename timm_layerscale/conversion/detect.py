@@ -3,7 +3,6 @@ on the meta device."""
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from collections.abc import Mapping
@@ -12,29 +11,10 @@ from typing import Any
 
 from .. import families
 from ..errors import ArchitectureError, RemapError, option
-from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, Variant, get_variant
+from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, Variant, get_variant, state_dict_shapes
 from .keys import check_floating, check_state_dict, detect_layout, mismatches, model_holders, to_layerscale
 
 __all__ = ["Detection", "describe_state_dict", "detect", "state_dict_shapes", "timm_args"]
-
-
-def state_dict_shapes(
-    variant: Variant, num_classes: int | None = None, img_size: int | None = None
-) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes of the state dict of ``variant``'s registered model (the ``ls`` layout) with ``num_classes``
-    outputs (default 1000, 0: none) at ``img_size`` (default the variant's), built on the meta device."""
-    return dict(_shapes(variant, num_classes, img_size))
-
-
-@functools.lru_cache(maxsize=256)
-def _shapes(variant: Variant, num_classes: int | None, img_size: int | None) -> dict[str, tuple[int, ...]]:
-    import timm
-    import torch
-
-    args = {k: v for k, v in (("num_classes", num_classes), ("img_size", img_size)) if v is not None}
-    with torch.device("meta"):
-        model = timm.create_model(variant.name, **timm_args(args))
-    return {k: tuple(t.shape) for k, t in model.state_dict().items()}
 
 
 def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:

@@ -9,7 +9,7 @@ first match renames, keeps or drops it, and a key no rule matches is an error th
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import RemapError, option
@@ -125,7 +125,9 @@ def detect_layout(state_dict: Mapping[str, Any]) -> str:
     return "gamma" if has_gamma else "ls" if has_ls else "none"
 
 
-def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[str, V]:
+def _remap(
+    state_dict: Mapping[str, V], family: str | Family, to: str, changes: list[tuple[str, str]] | None = None
+) -> dict[str, V]:
     fam = get_family(family) if isinstance(family, str) else family
     sd = strip_prefixes(state_dict)
     detect_layout(sd)
@@ -141,8 +143,13 @@ def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[s
             unknown.append(key)
             continue
         if new_key is None:
+            if changes is not None:
+                changes.append((key, ""))
             continue
-        for name, tensor in (rule.op(new_key, value, key, sd) if rule.op else {new_key: value}).items():
+        result = rule.op(new_key, value, key, sd) if rule.op else {new_key: value}
+        if changes is not None and rule.op and not (len(result) == 1 and next(iter(result.values())) is value):
+            changes.append((key, rule.op.__name__))  # a split, a fusion or a merge, not a renaming
+        for name, tensor in result.items():
             if name in out:
                 raise RemapError(f"keys collide on {name!r} when converting to the {to} layout")
             out[name] = tensor
@@ -155,34 +162,29 @@ def _remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[s
     return out
 
 
-def dropped(state_dict: Mapping[str, Any], family: str | Family, kept: Iterable[str] = ()) -> str:
-    """The source keys the rules to the ``ls`` layout drop, or change by a value operation (named: a split, a fusion,
-    a merge; not one that only renames), block numbers as ``N`` with a count, leaving out those in ``kept`` (a
-    layout's computed buffers, written again): ``''`` for none."""
-    fam = get_family(family) if isinstance(family, str) else family
-    sd, found = strip_prefixes(state_dict), {}  # type: dict[str, Any], dict[str, int]
-    for key in sd.keys() - set(kept):
-        rule = next(r for r in fam.to_layerscale if r.apply(key)[0])
-        new = rule.apply(key)[1]
-        if new is not None and rule.op:
-            out = rule.op(new, sd[key], key, sd)
-            if len(out) == 1 and next(iter(out.values())) is sd[key]:
-                continue  # renamed only
-        elif new is not None:
-            continue
-        name = re.sub(r"\.\d+\.", ".N.", key) + (f" ({rule.op.__name__})" if rule.op else "")
-        found[name] = found.get(name, 0) + 1
+def dropped(changes: Iterable[tuple[str, str]], kept: Container[str] = ()) -> str:
+    """The ``changes`` a remap recorded (each source key it dropped, or changed by a named value operation), block
+    numbers as ``N`` with a count, leaving out the keys in ``kept`` (a layout's computed buffers, written again):
+    ``''`` for none."""
+    found: dict[str, int] = {}
+    for key, op in changes:
+        if key not in kept:
+            name = re.sub(r"\.\d+\.", ".N.", key) + (f" ({op})" if op else "")
+            found[name] = found.get(name, 0) + 1
     return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in sorted(found.items()))
 
 
-def to_layerscale(state_dict: Mapping[str, V], family: str | Family = "cait") -> dict[str, V]:
+def to_layerscale(
+    state_dict: Mapping[str, V], family: str | Family = "cait", changes: list[tuple[str, str]] | None = None
+) -> dict[str, V]:
     """A state dict in any accepted layout (prefixes stripped, wrappers already removed) in the ``ls``
-    layout, the same tensors in source order; idempotent.
+    layout, the same tensors in source order; idempotent. ``changes``, where given, gets each source key dropped
+    or changed by a value operation, with the operation's name (:func:`dropped` words them).
 
     Raises:
         RemapError: A key is not covered by the family's rules, or keys collide.
     """
-    return _remap(state_dict, family, "ls")
+    return _remap(state_dict, family, "ls", changes)
 
 
 def remap(state_dict: Mapping[str, V], family: str | Family, to: str) -> dict[str, V]:

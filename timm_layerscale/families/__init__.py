@@ -5,6 +5,7 @@ loaders of its layouts, tolerance and card facts), its model beside it in ``timm
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -15,8 +16,27 @@ from ..errors import ArchitectureError, RemapError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_NUM_CLASSES", "FAMILIES", "GATE_KEY", "KEEP", "VARIANTS", "Family", "Rule", "Variant", "register"]
-__all__ += ["get_family", "get_variant", "variants_of", "CAIT_RELEASE_URL", "VIT5_HUB_REPO", "official_rope_buffers"]
+__all__ = [
+    "DEFAULT_NUM_CLASSES",
+    "FAMILIES",
+    "GATE_KEY",
+    "KEEP",
+    "LAYOUTS",
+    "VARIANTS",
+    "Family",
+    "Rule",
+    "Variant",
+    "register",
+]
+__all__ += [
+    "get_family",
+    "get_variant",
+    "state_dict_shapes",
+    "variants_of",
+    "CAIT_RELEASE_URL",
+    "VIT5_HUB_REPO",
+    "official_rope_buffers",
+]
 __all__ += ["check_rope_buffers", "rope_buffers"]
 
 #: Classifier outputs of every released model (ImageNet-1k).
@@ -136,6 +156,8 @@ class Variant:
         return {**args, "init_values": self.init_value} if self.init_value is not None else args
 
 
+#: Every target layout (each family takes ``ls``, ``gamma`` and those of its ``targets``).
+LAYOUTS = ("ls", "gamma", "transformers")
 #: Every family, by name, in registration order.
 FAMILIES: dict[str, Family] = {}
 #: Every convertible architecture, family by family in registration order.
@@ -154,6 +176,25 @@ def own_model(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
 
     kwargs = {**args, **({"folded_layerscale": True} if folded else {})}
     return lambda: timm.create_model(variant.name, **kwargs), lambda sd, model: sd
+
+
+def state_dict_shapes(
+    variant: Variant, num_classes: int | None = None, img_size: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the state dict of ``variant``'s registered model (the ``ls`` layout) with ``num_classes``
+    outputs (default 1000, 0: none) at ``img_size`` (default the variant's), built on the meta device."""
+    return dict(_shapes(variant, num_classes, img_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _shapes(variant: Variant, num_classes: int | None, img_size: int | None) -> dict[str, tuple[int, ...]]:
+    import timm
+    import torch
+
+    args: dict[str, Any] = {k: v for k, v in (("num_classes", num_classes), ("img_size", img_size)) if v is not None}
+    with torch.device("meta"):
+        model = timm.create_model(variant.name, **args)
+    return {k: tuple(t.shape) for k, t in model.state_dict().items()}
 
 
 def get_family(name: str) -> Family:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import KEEP, LINEAR, Family, Rule, Variant, register
-from .transformers_layout import fuse_qkv, native_transformers, split_qkv
+from .transformers_layout import fuse_qkv, native_transformers, split_qkv, zeros_like_token
 
 
 def _variant(size: str, dim: int, depth: int, heads: int, reg: bool) -> Variant:
@@ -57,17 +57,6 @@ def zero_class_slot(target: str, tensor: Any, key: str, state_dict: Mapping[str,
     return {target: torch.cat([torch.zeros_like(tensor[:, :1]), tensor], dim=1)}
 
 
-def with_mask_token(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """The class token and a zero ``mask_token`` ``(1, C)`` beside it (the official and transformers files hold one,
-    used in pretraining only)."""
-    import torch
-
-    return {
-        target: tensor,
-        target.replace("cls_token", "mask_token"): torch.zeros(tensor.shape[-1:], dtype=tensor.dtype)[None],
-    }
-
-
 def packed_swiglu(names: tuple[str, str]) -> Any:
     """The operation naming timm's ``fc1``/``fc2`` as ``names`` (the official ``w12``/``w3``, transformers'
     ``weights_in``/``weights_out``) where the block's MLP is a packed SwiGLU (``fc1`` twice as wide as ``fc2``'s
@@ -80,6 +69,10 @@ def packed_swiglu(names: tuple[str, str]) -> Any:
         return {target.format((names if packed else ("fc1", "fc2"))[".mlp.fc2." in key]): tensor}
 
     return rename_packed_swiglu
+
+
+def _MASK(token: Any) -> tuple[int, int]:  # the official and transformers files' mask token: (1, C)
+    return (1, token.shape[-1])
 
 
 _B = r"blocks\.(\d+)"
@@ -112,7 +105,7 @@ TO_TIMM = (
 #: timm's layout into the official file, with a zero ``mask_token``, a zero class slot for ``_reg4`` (whose class
 #: token holds its position), ``register_tokens`` and the giant's ``w12``/``w3``.
 TO_OFFICIAL = (
-    Rule(r"cls_token", "cls_token", op=with_mask_token),
+    Rule(r"cls_token", "cls_token", op=zeros_like_token(_MASK, "mask_token")),
     Rule(r"pos_embed", "pos_embed", op=zero_class_slot),
     Rule(r"reg_token", "register_tokens"),
     Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", r"blocks.\1.mlp.{}\3", op=packed_swiglu(("w12", "w3"))),
@@ -122,7 +115,7 @@ TO_OFFICIAL = (
 _L = r"encoder.layer.\1"
 #: timm's layout into transformers' (the names ``save_pretrained`` writes, which 4.x and 5.x load).
 TO_TRANSFORMERS = (
-    Rule(r"cls_token", "embeddings.cls_token", op=with_mask_token),
+    Rule(r"cls_token", "embeddings.cls_token", op=zeros_like_token(_MASK, "embeddings.mask_token")),
     Rule(r"pos_embed", "embeddings.position_embeddings", op=zero_class_slot),
     Rule(r"reg_token", "embeddings.register_tokens"),
     Rule(rf"patch_embed\.proj({LINEAR})", r"embeddings.patch_embeddings.projection\1"),

@@ -73,14 +73,12 @@ def native_transformers(
         ) from None
     import tempfile
 
-    import timm
-    import torch
     from safetensors.torch import save_file
     from torch import nn
 
-    with torch.device("meta"):  # the registered model's shapes, in the ls layout
-        shapes = {k: tuple(t.shape) for k, t in timm.create_model(variant.name, num_classes=0).state_dict().items()}
-    cfg = config(shapes)
+    from . import state_dict_shapes
+
+    cfg = config(state_dict_shapes(variant, 0))
     cls = transformers.AutoModel
 
     class Backbone(nn.Module):

@@ -60,8 +60,9 @@ def verify_outputs(
             f"device {options.device!r}: no CUDA device is available here; pass {option('device', 'cpu')}"
         )
     variant, args = source.variant, source.model_args
+    family = get_family(variant.family)
     _check_memory(variant.name, sum(t.numel() for t in source_tensors.values()))
-    rounded = get_family(variant.family).cast(source_tensors, dtype)  # the reference's file as the written dtype
+    rounded = family.cast(source_tensors, dtype)  # the reference's file as the written dtype
     ref = load_model(variant, source.layout, rounded, folded=False, **args)
     out = load_model(variant, layout, converted, folded=folded, **args)
     if not any(getattr(m, "fused_attn", False) for m in ref.modules()):  # a reference that attends by hand
@@ -80,7 +81,6 @@ def verify_outputs(
             raise CheckpointError("image files resolve to another input size than the model's; check the image files")
         inputs = torch.cat([inputs, files])
         parts.append(f"{len(options.images)} image file(s)")
-    family = get_family(variant.family)
     tokens, independent = family.tokens, bool({source.layout, layout} & set(family.independent))
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
     return compare_models(
