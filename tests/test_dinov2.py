@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import cli
-from test_dinov3 import seeded
+from test_dinov3 import seeded, training_checkpoint
 
 
 def official_layout(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -34,6 +34,10 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     code, out, err = cli(capsys, "convert", path, tmp_path / "ls.safetensors", "--num-inputs", "1")
     assert code == 0 and "(gamma layout)" in out and "bit-exact" in out, err
     assert "cls_token (merge_class_slot)" in out and "mask_token" in out and "pos_embed (drop_class_slot)" in out
+    teacher = tmp_path / "teacher_checkpoint.pth"  # the training code's: backbone.blocks.K.N beside the heads
+    torch.save(training_checkpoint(official_layout(ref), chunks=2), teacher)
+    code, out, err = cli(capsys, "convert", teacher, tmp_path / "ls.safetensors", "--num-inputs", "1", "--overwrite")
+    assert code == 0 and "bit-exact" in out and "ibot_head.last_layer.weight" in out, err
     code, out, err = cli(capsys, "convert", tmp_path / "ls.safetensors", tmp_path / "official.pth", "--to", "gamma")
     assert code == 0 and "bit-exact" in out, err
     back = torch.load(tmp_path / "official.pth", weights_only=True)["model"]

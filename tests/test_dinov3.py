@@ -15,6 +15,7 @@ from timm.utils import reparameterize_model
 
 import timm_layerscale  # noqa: F401
 from timm_layerscale.conversion import keys as remap
+from timm_layerscale.errors import RemapError
 from timm_layerscale.families import variants_of
 from timm_layerscale.families.dinov3 import split_qkv_bias
 from timm_layerscale.layer_scale import LayerScale
@@ -53,6 +54,21 @@ def official_layout(model: Any) -> dict[str, torch.Tensor]:
                 key = key.replace(old, new)
             out[key] = value
     return {**out, "mask_token": torch.zeros(1, model.embed_dim), "rope_embed.periods": model.rope.periods.clone()}
+
+
+def training_checkpoint(sd: dict[str, torch.Tensor], chunks: int = 0) -> dict[str, Any]:
+    """An official-layout state dict as DINO's training code saves its teacher (``teacher_checkpoint.pth``): under
+    ``backbone.`` beside the objective's heads, blocks nested in ``chunks`` chunks (``blocks.K.N.``) where asked."""
+    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+
+    def chunked(key: str) -> str:
+        if not chunks or not key.startswith("blocks."):
+            return key
+        n = int(key.split(".")[1])
+        return f"blocks.{n * chunks // depth}.{key.removeprefix('blocks.')}"
+
+    heads = {"dino_head.mlp.0.weight": torch.ones(8, 4), "ibot_head.last_layer.weight": torch.ones(16, 8)}
+    return {"teacher": {**{f"backbone.{chunked(k)}": v for k, v in sd.items()}, **heads}}
 
 
 def pair(name: str = "tinytest_dinov3", **kwargs: Any) -> tuple[Any, Any]:
@@ -179,8 +195,11 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     code, out, err = cli(capsys, "convert", path, tmp_path / "ls.safetensors", "--num-inputs", "1")
     assert code == 0, err
     assert "(official layout)" in out and "reference              tinytest_dinov3\n" in out and "bit-exact" in out
-    back = tmp_path / "timm.safetensors"
-    assert cli(capsys, "convert", path, back, "--to", "gamma", "--num-inputs", "1")[0] == 0
+    assert "at 32x32, 1 more (seed 1) at 32x24, forward_features tokens" in out  # a second, non-square size
+    back, teacher = tmp_path / "timm.safetensors", tmp_path / "teacher_checkpoint.pth"
+    torch.save(training_checkpoint({**official_layout(ref), "projectors.0.weight": torch.ones(4, 4)}), teacher)
+    code, out, err = cli(capsys, "convert", teacher, back, "--to", "gamma", "--num-inputs", "1")
+    assert code == 0 and "bit-exact" in out and "dino_head.mlp.N.weight" in out and "projectors.N.weight" in out, err
     from safetensors.torch import load_file
 
     assert load_file(back).keys() == ref.state_dict().keys()
@@ -197,6 +216,31 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
         patch.setitem(families.FAMILIES, "dinov3", dataclasses.replace(fam, to_layerscale=swap))
         code, out, err = cli(capsys, "convert", path, tmp_path / "wrong.safetensors", "--num-inputs", "1")
     assert code == 1 and "FAIL" in out and not (tmp_path / "wrong.safetensors").exists(), err
+
+
+def test_a_model_without_q_and_v_biases_takes_them_only_where_they_are_zero(tmp_path, capsys) -> None:
+    """The distilled releases' zero q and v biases (a random k third, which the official mask zeroes) load into the
+    plain model and convert to it, verified against timm's plain model; non-zero ones are refused, naming ``_qkvb``."""
+    from helpers import assert_one_line_error, cli
+
+    ref = seeded("vit_small_patch16_dinov3_qkvb")
+    with torch.no_grad():
+        for block in ref.blocks:
+            block.attn.q_bias.zero_(), block.attn.v_bias.zero_()
+    zero, biased = tmp_path / "zero.pth", tmp_path / "biased.pth"
+    torch.save(official_layout(ref), zero)
+    torch.save(official_layout(seeded("vit_small_patch16_dinov3_qkvb")), biased)
+    plain = "vit_small_patch16_dinov3_ls"
+    code, out, err = cli(capsys, "convert", zero, tmp_path / "z.safetensors", "--model", plain, "--num-inputs", "1")
+    assert code == 0 and "bit-exact" in out and "blocks.N.attn.q_bias (zero) x12" in out, err
+    ours: Any = timm.create_model(plain, pretrained=True, pretrained_cfg_overlay={"file": str(zero)}).eval()
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+    code, out, err = cli(capsys, "convert", biased, tmp_path / "b.safetensors", "--model", plain)
+    assert_one_line_error(code, out, err, "read it as vit_small_patch16_dinov3_qkvb_ls")
+    with pytest.raises(RemapError, match="read it as vit_small_patch16_dinov3_qkvb_ls"):
+        timm.create_model(plain, pretrained=True, pretrained_cfg_overlay={"file": str(biased)})
 
 
 @pytest.mark.usefixtures("few_inputs")

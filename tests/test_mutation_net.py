@@ -8,6 +8,7 @@ passes. A file corrupted between its write and its read-back exits 1 too.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,15 +21,19 @@ from timm_layerscale.families import Family, Rule
 ONE = ("--num-inputs", "1", "-q")
 
 
-def _rules(to: str, mutation: str) -> tuple[Rule, ...]:
+def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
     """The wrong rules put in front of the ``to`` direction's table."""
-    src, dst = (r"gamma_([12])", r"ls\1.gamma") if to == "ls" else (r"ls([12])\.gamma", r"gamma_\1")
+    src, dst = ("gamma_{}", "ls{}.gamma") if to == "ls" else ("ls{}.gamma", "gamma_{}")
+    if family == "dinov2":  # the official file holds ls1.gamma too
+        src, dst = "ls{}.gamma", "ls{}.gamma"
+
+    def wrong(a: int, b: int, i: int, j: int) -> Rule:  # block a's gate i sent to block b's gate j
+        return Rule(rf"blocks\.{a}\.{re.escape(src.format(i))}", f"blocks.{b}.{dst.format(j)}")
+
     if mutation == "swap":  # the two gates of block 1 exchanged
-        one, two = (r"gamma_1", r"gamma_2") if to == "ls" else (r"ls1\.gamma", r"ls2\.gamma")
-        into = ("ls2.gamma", "ls1.gamma") if to == "ls" else ("gamma_2", "gamma_1")
-        return (Rule(rf"blocks\.1\.{one}", f"blocks.1.{into[0]}"), Rule(rf"blocks\.1\.{two}", f"blocks.1.{into[1]}"))
+        return (wrong(1, 1, 1, 2), wrong(1, 1, 2, 1))
     if mutation == "move":  # block 0's gates sent to block 1 and block 1's to block 0
-        return (Rule(rf"blocks\.0\.{src}", f"blocks.1.{dst}"), Rule(rf"blocks\.1\.{src}", f"blocks.0.{dst}"))
+        return tuple(wrong(a, b, i, i) for a, b in ((0, 1), (1, 0)) for i in (1, 2))
     return (Rule(r"blocks\.1\.attn\.proj\.bias", None),)  # "drop"
 
 
@@ -47,7 +52,7 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
         patch.setattr(converter, "cast_tensors", cast)
     elif mutation != "clean":
         fam, table = families.FAMILIES[family], "to_layerscale" if to == "ls" else "to_gamma"
-        wrong = Family(**{**fam.__dict__, table: (*_rules(to, mutation), *getattr(fam, table))})
+        wrong = Family(**{**fam.__dict__, table: (*_rules(family, to, mutation), *getattr(fam, table))})
         patch.setitem(families.FAMILIES, family, wrong)
 
 
@@ -85,7 +90,7 @@ def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path
 
 @pytest.mark.parametrize("dtype", [None, "bf16"])
 @pytest.mark.parametrize("to", ["ls", "gamma"])
-@pytest.mark.parametrize("family", ["cait", "deit3", "vit5", "dinov3"])
+@pytest.mark.parametrize("family", ["cait", "deit3", "vit5", "dinov3", "dinov2"])
 def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:
         with pytest.MonkeyPatch.context() as patch:
@@ -96,7 +101,8 @@ def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variant
 
 
 @pytest.mark.parametrize(
-    ("family", "to"), [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls")]
+    ("family", "to"),
+    [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls"), ("dinov2", "ls")],
 )
 def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:

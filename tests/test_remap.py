@@ -11,6 +11,7 @@ import timm_layerscale  # noqa: F401
 from timm_layerscale.conversion.keys import (
     check_state_dict,
     detect_layout,
+    state_dict_of,
     strip_prefixes,
     to_gamma,
     to_layerscale,
@@ -84,6 +85,16 @@ def test_the_name_of_a_module_wrapping_the_model_is_removed():
         "blocks.0.gamma_1": 1,
         "blocks.0.gamma_2": 2,
     }
+
+
+def test_a_dino_training_checkpoints_backbone_and_block_chunks_are_read():
+    """``backbone.`` is removed beside the objective's heads (the family's rules drop those by name), and DINOv2's
+    ``blocks.K.N.`` read as ``blocks.N.``."""
+    model = {"cls_token": 1, "patch_embed.proj.weight": 2, "blocks.0.0.norm1.weight": 3, "blocks.1.1.norm1.weight": 4}
+    heads = {"dino_head.mlp.0.weight": 5}
+    got = state_dict_of({"teacher": {"backbone." + k: v for k, v in model.items()} | heads})
+    unchunked = {"blocks.0.norm1.weight": 3, "blocks.1.norm1.weight": 4}
+    assert got == {"cls_token": 1, "patch_embed.proj.weight": 2, **unchunked, **heads}
 
 
 def test_colliding_prefixes_rejected():

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._version import __version__
-from .conversion.detect import Detection, detect
+from .conversion.detect import Detection, detect, state_dict_shapes, without_zero_optional
 from .conversion.fold import fold_state_dict
 from .conversion.keys import detect_layout, dropped, official_checkpoint, remap, state_dict_of, to_gamma, to_layerscale
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
@@ -129,6 +129,7 @@ def _target(
     family = get_family(found.variant.family)
     buffers = family.official_buffers(found.variant, tensors)  # a file's must be those the model computes
     ls = to_layerscale(tensors, family, changes)
+    ls = without_zero_optional(ls, family.name, state_dict_shapes(found.variant), found.variant.name, changes)
     if to == "ls":
         return fold_state_dict(ls) if fold else ls
     if to != "gamma":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ from ..errors import ArchitectureError, RemapError, option
 from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, Variant, get_variant, state_dict_shapes
 from .keys import check_floating, check_state_dict, detect_layout, mismatches, model_holders, to_layerscale
 
-__all__ = ["Detection", "describe_state_dict", "detect", "state_dict_shapes", "timm_args"]
+__all__ = ["Detection", "describe_state_dict", "detect", "state_dict_shapes", "timm_args", "without_zero_optional"]
 
 
 def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
@@ -75,6 +75,36 @@ def _unlikeliness(v: Variant, info: Mapping[str, int]) -> float:
     return sum(0.5 if want is None else float(have != want) for have, want in pairs)
 
 
+def without_zero_optional(
+    state_dict: Mapping[str, Any],
+    family: str,
+    expected: Container[str],
+    name: str,
+    changes: list[tuple[str, str]] | None = None,
+) -> dict[str, Any]:
+    """An ``ls``-layout state dict without the keys that a model (called ``name``, its state dict's keys
+    ``expected``) lacks and its ``family`` leaves out where they are zero
+    (:attr:`~timm_layerscale.families.Family.optional_zero`: DINOv3's q and v biases); ``changes`` gets them.
+
+    Raises:
+        RemapError: Such a key is not zero; the message names the variant of that width and depth that has it.
+    """
+    optional = FAMILIES[family].optional_zero
+    extra = [k for k in state_dict if k not in expected and re.fullmatch(optional, k)]
+    nonzero = [k for k in extra if state_dict[k].any()]
+    if nonzero:
+        info = describe_state_dict(state_dict)
+        alike = (v for v in families.VARIANTS if v.family == family and info.get("embed_dim") == v.embed_dim)
+        having = next((v.name for v in alike if nonzero[0] in state_dict_shapes(v)), "a model with them")
+        raise RemapError(
+            f"checkpoint has non-zero {nonzero[0]} ({len(nonzero)} such tensors), which {name} has no place for; "
+            f"read it as {having}"
+        )
+    if changes is not None:
+        changes.extend((k, "zero") for k in extra)
+    return {k: v for k, v in state_dict.items() if k not in extra}
+
+
 def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection:
     """Find the registered variant a prefix-free state dict in any accepted layout fits.
 
@@ -103,6 +133,8 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
     best: tuple[int, Variant, str] | None = None
     for v in candidates:
         sd, info = converted[v.family], described[v.family]
+        if model:  # a named variant may leave zero biases out
+            sd = without_zero_optional(sd, v.family, state_dict_shapes(v), v.name)
         size = info["grid"] * v.patch_size if "grid" in info else v.img_size  # a fine-tune at another resolution
         shapes = state_dict_shapes(v, info.get("num_classes"), size)
         count, detail = mismatches(sd, shapes)

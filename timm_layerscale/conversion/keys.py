@@ -9,7 +9,7 @@ first match renames, keeps or drops it, and a key no rule matches is an error th
 from __future__ import annotations
 
 import re
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import RemapError, option
@@ -37,11 +37,15 @@ V = TypeVar("V")
 
 #: The names of the EMA weights, the official DeiT / ViT-5 code's and then timm's train.py's.
 EMA_KEYS = ("model_ema", "state_dict_ema")
-_MAIN_KEYS = ("model", "state_dict", "module")  # DeepSpeed's model-states file uses 'module'
+#: DeepSpeed's model-states file uses 'module', DINO's teacher_checkpoint.pth 'teacher'.
+_MAIN_KEYS = ("model", "state_dict", "module", "teacher")
 #: Keys that wrap a state dict inside a training checkpoint, in order of preference.
 WRAPPER_KEYS = _MAIN_KEYS + EMA_KEYS
 #: Prefixes of DistributedDataParallel and torch.compile.
 PREFIXES = ("module.", "_orig_mod.")
+#: The name DINO's training code gives the backbone, beside the objective's heads (``dino_head.``, ``ibot_head.``).
+BACKBONE = "backbone."
+_CHUNKED = re.compile(r"^blocks\.\d+\.(\d+\.)")
 
 
 def official_checkpoint(state_dict: Mapping[str, V], family: str | Family) -> dict[str, Any]:
@@ -88,20 +92,38 @@ def model_holders(keys: Iterable[str]) -> list[str]:
     return sorted(k.removesuffix("patch_embed.proj.weight") for k in keys if k.endswith(".patch_embed.proj.weight"))
 
 
-def strip_prefixes(state_dict: Mapping[str, V]) -> dict[str, V]:
-    """Remove ``module.`` and ``_orig_mod.`` from every key (repeatedly), then the name of a module
-    wrapping the whole model (a PyTorch Lightning module's ``model.``) where every key has it."""
+def _renamed(state_dict: Mapping[str, V], rename: Callable[[str], str]) -> dict[str, V]:
     out: dict[str, V] = {}
     for key, value in state_dict.items():
-        new = key
-        while new.startswith(PREFIXES):
-            new = new.removeprefix(PREFIXES[0]).removeprefix(PREFIXES[1])
+        new = rename(key)
         if new in out:
             raise RemapError(f"two keys become {new!r} once prefixes are removed; the checkpoint is ambiguous")
         out[new] = value
+    return out
+
+
+def _strip(key: str) -> str:
+    while key.startswith(PREFIXES):
+        key = key.removeprefix(PREFIXES[0]).removeprefix(PREFIXES[1])
+    return key
+
+
+def strip_prefixes(state_dict: Mapping[str, V]) -> dict[str, V]:
+    """Remove ``module.`` and ``_orig_mod.`` from every key (repeatedly); then the name of a module wrapping the
+    whole model (a PyTorch Lightning module's ``model.``) where every key has it, and DINO's ``backbone.`` where
+    other keys (the objective's heads, which a family's rules drop by name) lie beside it; then block chunks:
+    DINOv2's training code nests its blocks as ``blocks.K.N.`` (``N`` the block's own index), read as ``blocks.N.``.
+
+    Raises:
+        RemapError: Two keys become one.
+    """
+    out = _renamed(state_dict, _strip)
     holders = model_holders(out)
-    if len(holders) == 1 and all(k.startswith(holders[0]) for k in out):
-        return {k.removeprefix(holders[0]): v for k, v in out.items()}
+    if len(holders) == 1 and (holders[0] == BACKBONE or all(k.startswith(holders[0]) for k in out)):
+        out = _renamed(out, lambda k: k.removeprefix(holders[0]))
+    blocks = [k for k in out if k.startswith("blocks.")]
+    if blocks and all(_CHUNKED.match(k) for k in blocks):
+        out = _renamed(out, lambda k: _CHUNKED.sub(r"blocks.\1", k, count=1))
     return out
 
 

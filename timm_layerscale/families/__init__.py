@@ -98,6 +98,7 @@ class Family:
     independent: tuple[str, ...] = ()  # layouts whose native model is another implementation: bounds, not equality
     official_prefix: str = ""  # of every key in the official training code's files (CaiT's "module.", from DDP)
     computed: str = "(?!)"  # keys of buffers a layout computes from constants (fp32 in every file); none
+    optional_zero: str = "(?!)"  # keys (ls layout) a variant may lack where they are zero: its model computes the same
     # the official layout's computed buffers of a variant, checked against those ``tensors`` hold
     official_buffers: Callable[[Variant, Mapping[str, Any]], dict[str, torch.Tensor]] = lambda variant, tensors: {}
     exact: bool = True  # the converted model makes the reference's kernel calls: outputs torch.equal

@@ -10,7 +10,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import KEEP, LINEAR, Family, Rule, Variant, register
-from .transformers_layout import fuse_qkv, native_transformers, split_qkv, zeros_like_token
+from .transformers_layout import (
+    TRAINING_HEADS,
+    fuse_qkv,
+    native_transformers,
+    split_qkv,
+    without_training_heads,
+    zeros_like_token,
+)
 
 
 def _variant(size: str, dim: int, depth: int, heads: int, reg: bool) -> Variant:
@@ -82,6 +89,7 @@ _SHARED += LINEAR + r"|ls[12]\.gamma)"
 #: Official and transformers files into timm's names.
 TO_TIMM = (
     Rule(r"mask_token|embeddings\.mask_token", None),  # pretraining only
+    Rule(TRAINING_HEADS, None),  # the objective's heads of a training checkpoint
     Rule(r"register_tokens|embeddings\.register_tokens", "reg_token"),
     Rule(r"cls_token|embeddings\.cls_token", "cls_token", op=merge_class_slot),
     Rule(r"pos_embed|embeddings\.position_embeddings", "pos_embed", op=drop_class_slot),
@@ -157,7 +165,7 @@ def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) ->
     from timm.models.vision_transformer import checkpoint_filter_fn
 
     kwargs = {**args, **({"init_values": 0.0} if folded else {})}
-    return lambda: timm.create_model(variant.name, **kwargs), checkpoint_filter_fn
+    return lambda: timm.create_model(variant.name, **kwargs), without_training_heads(checkpoint_filter_fn)
 
 
 BIBTEX = """\

@@ -9,7 +9,14 @@ from typing import Any
 
 from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Rule, Variant, layerscale_rules, own_model, register
-from .transformers_layout import fuse_qkv, native_transformers, split_qkv, zeros_like_token
+from .transformers_layout import (
+    TRAINING_HEADS,
+    fuse_qkv,
+    native_transformers,
+    split_qkv,
+    without_training_heads,
+    zeros_like_token,
+)
 
 
 def _variant(size: str, dim: int, depth: int, heads: int, qkvb: bool, **args: Any) -> Variant:
@@ -41,7 +48,25 @@ def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) ->
     import timm
     from timm.models.eva import checkpoint_filter_fn
 
-    return lambda: timm.create_model(str(variant.reference), **args), checkpoint_filter_fn
+    filter_fn = without_training_heads(checkpoint_filter_fn)
+    if not dict(variant.args).get("qkv_bias"):  # zero q and v biases, which timm's filter skips for this model
+        filter_fn = without_training_heads(lambda sd, model: checkpoint_filter_fn(_without_zero_biases(sd), model))
+    return lambda: timm.create_model(str(variant.reference), **args), filter_fn
+
+
+def _without_zero_biases(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict without the q and v biases (``q_bias``, ``v_bias``; an official ``qkv.bias`` and its mask) that
+    are zero; those that are not stay (and do not load into a model without biases)."""
+
+    def zero(key: str) -> bool:
+        if key.endswith("qkv.bias_mask"):
+            return zero(key.removesuffix("_mask"))
+        if key.endswith("qkv.bias"):
+            q, _, v = state_dict[key].chunk(3)
+            return not (q.any() or v.any())
+        return key.endswith(("attn.q_bias", "attn.v_bias")) and not state_dict[key].any()
+
+    return {k: v for k, v in state_dict.items() if not zero(k)}
 
 
 BIBTEX = """\
@@ -68,6 +93,8 @@ OFFICIAL = (
     Rule(r"rope_embed\.periods", None),  # computed by timm's rotary embedding from the same constants
     Rule(r"blocks\.\d+\.attn\.qkv\.bias_mask", None),  # the k third's zeroing, which timm's zero k bias does
     Rule(r"local_cls_norm" + LINEAR, None),  # the 7B's norm of local-crop class tokens, in pretraining only
+    Rule(TRAINING_HEADS, None),  # the objective's heads of a training checkpoint
+    Rule(r"projectors\..+", None),  # EUPE's distillation projections, in training only
     Rule(r"(blocks\.\d+\.attn)\.qkv\.bias", r"\1", op=split_qkv_bias),
     *(Rule(rf"(blocks\.\d+\.mlp)\.w{i}({LINEAR})", rf"\1.{name}\2") for i, name in enumerate(_W, 1)),
 )
@@ -153,6 +180,7 @@ FAMILY = Family(
     targets=(("transformers", TO_TRANSFORMERS),),
     independent=("transformers",),
     tokens=True,
+    optional_zero=r"blocks\.\d+\.attn\.[qv]_bias",  # the distilled releases' all-zero q and v biases
     full_title="DINOv3",
     description="a self-supervised Vision Transformer with 2-D rotary position embedding and four register "
     "tokens, whose residual branches are scaled by LayerScale",

@@ -1,6 +1,6 @@
-"""What the DINO families' transformers layouts share: the value operations between fused and split projections,
-and the loader native to a transformers file (transformers' own model class, its config built from the variant's
-shapes), imported only when called; transformers is the optional extra ``timm-layerscale[transformers]``."""
+"""What the DINO families share: the training checkpoints' heads, the value operations between fused and split
+projections, and the loader native to a transformers file (transformers' own model class, its config built from the
+variant's shapes), imported only when called; transformers is the optional extra ``timm-layerscale[transformers]``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,19 @@ from typing import Any
 
 from ..errors import RemapError, option
 
-__all__ = ["fuse_qkv", "native_transformers", "split_qkv", "zeros_like_token"]
+__all__ = ["TRAINING_HEADS", "fuse_qkv", "native_transformers", "split_qkv", "without_training_heads"]
+__all__ += ["zeros_like_token"]
+
+#: The self-supervised objective's heads beside the backbone in a training checkpoint (``teacher_checkpoint.pth``).
+TRAINING_HEADS = r"(?:dino_head|ibot_head)\..+"
+
+
+def without_training_heads(filter_fn: Callable[[dict[str, Any], Any], Any]) -> Callable[[dict[str, Any], Any], Any]:
+    """``filter_fn`` on a state dict without :data:`TRAINING_HEADS`, which the official evaluation code's loading
+    leaves out (it loads the backbone alone)."""
+    import re
+
+    return lambda sd, model: filter_fn({k: v for k, v in sd.items() if not re.fullmatch(TRAINING_HEADS, k)}, model)
 
 
 def fuse_qkv(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from timm.layers import LayerNorm
 from timm.models import generate_default_cfgs, get_arch_pretrained_cfgs, register_model
 from timm.models.eva import Eva, EvaBlock
 
+from ..conversion.detect import without_zero_optional
 from ..conversion.keys import state_dict_of, to_layerscale
 from ..families import Variant, variants_of
 from ..layer_scale import LayerScale, fold_block
@@ -89,9 +90,16 @@ class DinoV3LS(Eva):
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: DinoV3LS) -> dict[str, torch.Tensor]:
-    """A DINOv3 checkpoint in timm's layout (``gamma_1``) or this model's, as this model's state dict; the gates
-    folded for a ``folded_layerscale`` model."""
-    return fit_state_dict(to_layerscale(state_dict_of(state_dict), "dinov3"), model)
+    """A DINOv3 checkpoint in any layout (official, timm's ``gamma_1``, this model's, transformers') as this model's
+    state dict: zero q and v biases left out for a model without them, the gates folded for a ``folded_layerscale``
+    model.
+
+    Raises:
+        RemapError: A key no rule covers, or non-zero biases for a model without them.
+    """
+    sd = to_layerscale(state_dict_of(state_dict), "dinov3")
+    name = getattr(model, "pretrained_cfg", {}).get("architecture", type(model).__name__)
+    return fit_state_dict(without_zero_optional(sd, "dinov3", model.state_dict(), name), model)
 
 
 #: What every DINOv3 shares (timm's ``vit_*_dinov3``): rotary positions, four registers, no absolute positions.

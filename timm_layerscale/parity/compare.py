@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -171,7 +171,7 @@ def attention_path(model: nn.Module) -> str:
 def compare_models(
     reference: nn.Module,
     model: nn.Module,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | Sequence[torch.Tensor],
     *,
     reference_name: str,
     model_name: str,
@@ -183,8 +183,8 @@ def compare_models(
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     progress: Callable[[Iterable[torch.Tensor]], Iterable[torch.Tensor]] | None = None,
 ) -> ParityReport:
-    """Run both models (in eval mode) on ``inputs`` ``(K, C, H, W)``, cast to the reference's dtype and
-    device, ``batch_size`` at a time, and measure how far apart their outputs are.
+    """Run both models (in eval mode) on ``inputs`` ``(K, C, H, W)`` (or several such batches, one per input size),
+    cast to the reference's dtype and device, ``batch_size`` at a time, and measure how far apart their outputs are.
 
     Args:
         reference: The model that computes the released function from the original weights.
@@ -202,22 +202,28 @@ def compare_models(
     model.eval()
     p = next(reference.parameters())
     dtype, device = p.dtype, p.device
+    groups = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     outs_ref, outs = [], []
-    for chunk in (progress or iter)(inputs.split(batch_size)):
+    for chunk in (progress or iter)([c for g in groups for c in g.split(batch_size)]):
         x = chunk.to(device=device, dtype=dtype)
         outs_ref.append(forward(reference, x).float().cpu())
         outs.append(forward(model, x).float().cpu())
-    a, b = torch.cat(outs_ref), torch.cat(outs)
-    if a.shape != b.shape:
-        raise ValueError(f"output shapes differ: reference {tuple(a.shape)}, converted {tuple(b.shape)}")
+    for a, b in zip(outs_ref, outs, strict=True):
+        if a.shape != b.shape:
+            raise ValueError(f"output shapes differ: reference {tuple(a.shape)}, converted {tuple(b.shape)}")
+    # each image's output flattened, so that outputs of several input sizes (token counts) line up
+    a, b = (torch.cat([o.reshape(-1) for o in group]) for group in (outs_ref, outs))
     same = torch.isclose(b, a, rtol=0.0, atol=0.0, equal_nan=True)  # NaN or Inf in both (allow_nonfinite)
     diff = torch.where(same, 0.0, (a - b).abs())
     rel = torch.where(diff == 0, torch.zeros_like(diff), diff / a.abs().clamp_min(torch.finfo(torch.float32).tiny))
-    a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    cos = torch.nn.functional.cosine_similarity(a2.double(), b2.double(), dim=1)
+    cos = torch.cat([
+        torch.nn.functional.cosine_similarity(x.reshape(x.shape[0], -1).double(), y.reshape(y.shape[0], -1).double())
+        for x, y in zip(outs_ref, outs, strict=True)
+    ])  # fmt: skip
     bit_exact = bool(same.all())
     top1 = top5 = None
-    if getattr(model, "num_classes", None) != 0 and a.ndim == 2:  # a backbone's features or tokens are no classes
+    if getattr(model, "num_classes", None) != 0 and outs_ref[0].ndim == 2:  # a backbone's tokens are no classes
+        a2, b2 = torch.cat(outs_ref), torch.cat(outs)
         k = min(5, a2.shape[1])
         top1 = (a2.argmax(1) == b2.argmax(1)).float().mean().item()
         pairs = zip(a2.topk(k, 1).indices, b2.topk(k, 1).indices, strict=True)
@@ -233,7 +239,7 @@ def compare_models(
         model=model_name,
         family=family,
         inputs=inputs_desc,
-        num_inputs=int(inputs.shape[0]),
+        num_inputs=sum(int(g.shape[0]) for g in groups),
         dtype=weights_dtype or str(dtype).replace("torch.", ""),
         device=str(device),
         attention=attn,

@@ -81,18 +81,22 @@ def verify_outputs(
             raise CheckpointError("image files resolve to another input size than the model's; check the image files")
         inputs = torch.cat([inputs, files])
         parts.append(f"{len(options.images)} image file(s)")
+    groups, at = [inputs], f" at {size[0]}x{size[1]}"
+    if options.num_inputs and any(getattr(m, "dynamic_img_size", False) for m in (ref, out)):
+        # a model that takes any input size is checked at a second, non-square one too (its positions resampled)
+        wide = (size[0], max(variant.patch_size, size[1] * 3 // 4 // variant.patch_size * variant.patch_size))
+        groups.append(seeded_inputs(options.num_inputs, wide, options.seed + 1))
+        at += f", {options.num_inputs} more (seed {options.seed + 1}) at {wide[0]}x{wide[1]}"
     tokens, independent = family.tokens, bool({source.layout, layout} & set(family.independent))
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
     return compare_models(
         ref,
         out,
-        inputs,
+        groups,
         reference_name=model_name(variant, source.layout),
         model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""),
         family=variant.family,
-        inputs_desc=" + ".join(parts)
-        + f" at {'x'.join(map(str, size))}"
-        + (", forward_features tokens" if tokens else ""),
+        inputs_desc=" + ".join(parts) + at + (", forward_features tokens" if tokens else ""),
         batch_size=options.batch_size,
         tolerance=resolve_tolerance(variant, weights, options, folded=folded, independent=independent),
         weights_dtype=str(weights).removeprefix("torch."),
