@@ -242,12 +242,13 @@ TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 
 def assert_traces_and_scripts(
-    model: Any, x: torch.Tensor, features: torch.nn.Module, dynamic_batch: bool = True
+    model: Any, x: torch.Tensor, features: torch.nn.Module, dynamic_batch: bool = True, dynamic_size: bool = True
 ) -> None:
     """timm's FX feature extractor, ``torch.jit.script``, the script of the FX graph and
     ``torch.export`` give the eval-mode ``model``'s eager outputs, on ``x``'s device (both modules
     are moved there). With ``dynamic_batch`` the program is exported with a dynamic batch size
-    (and, from torch 2.8, height and width for a ``dynamic_img_size`` model) and also run at other ones."""
+    (and, from torch 2.8 and with ``dynamic_size``, height and width for a ``dynamic_img_size`` model) and also run
+    at other ones."""
     import warnings
 
     import timm
@@ -268,7 +269,9 @@ def assert_traces_and_scripts(
         dims, more = None, x
         if dynamic_batch:
             dims, more = {0: torch.export.Dim("batch", min=2, max=16)}, torch.cat([x, x[:1]])
-            if model.dynamic_img_size and TORCH_VERSION >= (2, 8):  # before, timm's patch check fixes the size
+            if (
+                dynamic_size and model.dynamic_img_size and TORCH_VERSION >= (2, 8)
+            ):  # before, timm's patch check fixes the size
                 p = model.patch_embed.patch_size[0]
                 dims.update({2: p * torch.export.Dim("h", min=2, max=16), 3: p * torch.export.Dim("w", min=2, max=16)})
                 size = (3, x.shape[1], x.shape[2] + p, x.shape[3] + 2 * p)

@@ -69,6 +69,16 @@ def test_a_transformers_folder_converts_both_ways(tmp_path, tiny_variants, capsy
                          "transformers", "--num-inputs", "1")  # fmt: skip
     assert code == 0, err
     assert load_file(tmp_path / "back.safetensors").keys() == load_file(tmp_path / "hf" / "model.safetensors").keys()
+    # an export: a folder transformers loads natively, with the registers model's config
+    code, out, err = cli(capsys, "export", tmp_path / "ls.safetensors", tmp_path / "tf", "--to", "transformers",
+                         "--num-inputs", "1")  # fmt: skip
+    assert code == 0, err
+    again = transformers.AutoModel.from_pretrained(tmp_path / "tf").eval()
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert type(again) is type(theirs) and torch.equal(
+            again(x).last_hidden_state, theirs.eval()(x).last_hidden_state
+        )
 
 
 def test_the_real_size_small_official_file_converts_bit_exactly(tmp_path, capsys) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from timm.utils import reparameterize_model
 
 import timm_layerscale  # noqa: F401
 from timm_layerscale.conversion import keys as remap
-from timm_layerscale.errors import RemapError
+from timm_layerscale.errors import CheckpointError, RemapError
 from timm_layerscale.families import variants_of
 from timm_layerscale.families.dinov3 import split_qkv_bias
 from timm_layerscale.layer_scale import LayerScale
@@ -136,6 +137,25 @@ def test_settings_of_the_cait_promise_hold() -> None:
         assert torch.equal(torch.compile(ours, backend="aot_eager")(x), torch.compile(ref, backend="aot_eager")(x))
 
 
+def test_fx_torchscript_and_export_as_timms_tests_check_them() -> None:
+    """timm's test_models checks: FX feature extraction, TorchScript, ``torch.export`` with a dynamic batch (timm's
+    Eva fixes its rotary grid when exported, for its own model too, so height and width stay static)."""
+    from helpers import assert_traces_and_scripts
+
+    _, ours = pair()
+    features = timm.create_model("tinytest_dinov3_ls", features_only=True, feature_cls="fx", out_indices=(1,))
+    assert_traces_and_scripts(ours, torch.randn(2, 3, 32, 48), features.eval(), dynamic_size=False)
+
+
+@pytest.mark.slow  # inductor compiles its C++ kernels
+def test_inductors_code_computes_alike() -> None:
+    ref, ours = pair()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        assert torch.equal(torch.compile(ours)(x), torch.compile(ref)(x))
+
+
 def test_training_step_and_gradients_equal_timms() -> None:
     ref, ours = pair()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -248,6 +268,7 @@ def test_an_export_loads_in_timm_and_transformers_with_the_dinov3_licence(tmp_pa
     from huggingface_hub import ModelCard
     from transformers import AutoModel
 
+    from timm_layerscale.hub.card import hub_license
     from timm_layerscale.hub.export import export_folder
 
     ref, _ = pair()
@@ -265,6 +286,21 @@ def test_an_export_loads_in_timm_and_transformers_with_the_dinov3_licence(tmp_pa
             assert torch.equal(backbone(pixel_values=x).pooler_output, pooled)
     card = ModelCard.load(tmp_path / "ls" / "README.md")
     assert "dropped / split" in card.text and "mask_token" in card.text
+    # transformers' own folder: its config class's config.json, AutoModel builds DINOv3ViTModel without the package
+    backbone_file = tmp_path / "backbone.pth"  # as released: no classifier
+    torch.save({k: v for k, v in official_layout(ref).items() if not k.startswith("head.")}, backbone_file)
+    with pytest.raises(CheckpointError, match="no classifier to hold"):
+        export_folder(path, tmp_path / "tf", to="transformers", plot=False)
+    folder = export_folder(backbone_file, tmp_path / "tf", to="transformers", plot=False, repo_id="org/dinov3").folder
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["DINOv3ViTModel"]
+    theirs = AutoModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(pixel_values=x).last_hidden_state, ref.forward_features(x))
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.library_name == "transformers" and card.data.license == ref.pretrained_cfg["license"]
+    assert hub_license("dinov3-license") == {"license": "other", "license_name": "dinov3-license"}
+    assert hub_license("apache-2.0") == {"license": "apache-2.0"}
+    assert 'AutoModel.from_pretrained("org/dinov3")' in card.text and "timm.create_model" not in card.text
 
 
 @pytest.mark.usefixtures("few_inputs")

@@ -124,7 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--repo-id", metavar="ORG/NAME", help="repo id in the card's usage code (default --push-to-hub or ORG/<DIR>)"
     )
     p.add_argument(
-        "--to", choices=("ls", "gamma"), default="ls", help="gamma, for CaiT: timm's own cait_* architecture"
+        "--to",
+        choices=LAYOUTS,
+        default="ls",
+        help="gamma: timm's own architecture (CaiT, DINOv3); transformers: a folder its AutoModel loads (DINOv2, DINOv3)",
     )
     p.add_argument("--label-names", metavar="FILE", help="class names of a fine-tuned head: one per line, or JSON")
     p.add_argument("--tag", help="pretrained tag in config.json (default: the source's, else the architecture's)")

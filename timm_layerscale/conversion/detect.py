@@ -84,7 +84,7 @@ def without_zero_optional(
 ) -> dict[str, Any]:
     """An ``ls``-layout state dict without the keys that a model (called ``name``, its state dict's keys
     ``expected``) lacks and its ``family`` leaves out where they are zero
-    (:attr:`~timm_layerscale.families.Family.optional_zero`: DINOv3's q and v biases); ``changes`` gets them.
+    (its ``Family.optional_zero``: DINOv3's q and v biases); ``changes`` gets them.
 
     Raises:
         RemapError: Such a key is not zero; the message names the variant of that width and depth that has it.

@@ -96,6 +96,8 @@ class Family:
     source_layouts: tuple[tuple[str, str], ...] = ()
     targets: tuple[tuple[str, tuple[Rule, ...]], ...] = ()  # (layout, rules from the ls layout) beyond ls and gamma
     independent: tuple[str, ...] = ()  # layouts whose native model is another implementation: bounds, not equality
+    # transformers_config(variant, shapes): transformers' config of a variant from its ls-layout shapes, if it has one
+    transformers_config: Callable[[Variant, Mapping[str, tuple[int, ...]]], Any] | None = None
     official_prefix: str = ""  # of every key in the official training code's files (CaiT's "module.", from DDP)
     computed: str = "(?!)"  # keys of buffers a layout computes from constants (fp32 in every file); none
     optional_zero: str = "(?!)"  # keys (ls layout) a variant may lack where they are zero: its model computes the same

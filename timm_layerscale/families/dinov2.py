@@ -160,7 +160,7 @@ def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) ->
     """``ls`` and ``gamma`` (the official file): timm's own model through timm's filter (folded: ``init_values=0``);
     ``transformers``: transformers' ``Dinov2Model`` or ``Dinov2WithRegistersModel``."""
     if layout == "transformers":
-        return native_transformers(lambda shapes: transformers_config(variant, shapes), variant, args)
+        return native_transformers(transformers_config, variant, args)
     import timm
     from timm.models.vision_transformer import checkpoint_filter_fn
 
@@ -185,6 +185,7 @@ FAMILY = Family(
     source_layouts=(("gamma", r"mask_token"), ("transformers", r"embeddings\.patch_embeddings\.projection\.weight")),
     targets=(("transformers", TO_TRANSFORMERS),),
     independent=("transformers",),
+    transformers_config=transformers_config,
     tokens=True,
     full_title="DINOv2",
     description="a self-supervised Vision Transformer (with registers in the _reg4 models) whose residual branches "

@@ -44,7 +44,7 @@ def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) ->
     if layout == "ls":
         return own_model(variant, folded, args)
     if layout == "transformers":
-        return native_transformers(lambda shapes: transformers_config(variant, shapes), variant, args)
+        return native_transformers(transformers_config, variant, args)
     import timm
     from timm.models.eva import checkpoint_filter_fn
 
@@ -179,6 +179,7 @@ FAMILY = Family(
     source_layouts=(("official", r"storage_tokens"), ("transformers", r"embeddings\.patch_embeddings\.weight")),
     targets=(("transformers", TO_TRANSFORMERS),),
     independent=("transformers",),
+    transformers_config=transformers_config,
     tokens=True,
     optional_zero=r"blocks\.\d+\.attn\.[qv]_bias",  # the distilled releases' all-zero q and v biases
     full_title="DINOv3",

@@ -66,10 +66,10 @@ def zeros_like_token(shape: Callable[[Any], tuple[int, ...]], name: str) -> Call
 
 
 def native_transformers(
-    config: Callable[[Mapping[str, tuple[int, ...]]], Any], variant: Any, args: dict[str, Any]
+    config: Callable[[Any, Mapping[str, tuple[int, ...]]], Any], variant: Any, args: dict[str, Any]
 ) -> Any:
     """``(build, filter)`` of transformers' model for a variant (``AutoModel``'s of its config, built from the
-    registered model's shapes by ``config(shapes)``): the filter is transformers' own loading (``from_pretrained`` of a folder holding the
+    registered model's shapes by ``config(variant, shapes)``): the filter is transformers' own loading (``from_pretrained`` of a folder holding the
     tensors, with every rename its version applies), strict. The model's ``forward_features(x)`` and ``forward(x)``
     are its normed token sequence ``(B, N, C)``.
 
@@ -90,7 +90,7 @@ def native_transformers(
 
     from . import state_dict_shapes
 
-    cfg = config(state_dict_shapes(variant, 0))
+    cfg = config(variant, state_dict_shapes(variant, 0))
     cls = transformers.AutoModel
 
     class Backbone(nn.Module):

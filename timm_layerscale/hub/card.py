@@ -11,7 +11,7 @@ from .._version import __version__
 from ..families import get_family
 from ..files.sources import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
 
-__all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "timm_hub_copy"]
+__all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "hub_license", "timm_hub_copy"]
 
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
@@ -23,6 +23,18 @@ _GENERIC_LAYOUT_ROWS = (
 _PREFIX_ROW = ("module.<key>", "<key>", "DistributedDataParallel prefix removed")
 
 _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-21k"}
+
+
+#: Licence identifiers of the Hub's card metadata among those timm's configs name.
+_HUB_LICENSES = ("apache-2.0", "mit", "bsd-3-clause", "cc-by-4.0", "cc-by-nc-4.0", "cc-by-sa-4.0", "cc-by-nc-sa-4.0")
+
+
+def hub_license(name: str | None) -> dict[str, Any]:
+    """The card metadata of a licence: its Hub identifier, or ``other`` with ``license_name`` (the Hub's form for a
+    licence it has no identifier for, such as timm's ``dinov3-license``); nothing for ``None``."""
+    if name is None:
+        return {}
+    return {"license": name} if name in _HUB_LICENSES else {"license": "other", "license_name": name}
 
 
 def timm_hub_copy(reference: str | None, tag: str | None) -> str | None:
@@ -57,9 +69,10 @@ def build_model_card(
 
     variant = conversion.variant
     family = get_family(variant.family)
-    architecture = config["architecture"]
-    needs_package = architecture != variant.reference
+    architecture, library = config["architecture"], config.get("library", "timm")
+    needs_package = library == "timm" and architecture != variant.reference
     layout = "ls" if needs_package or variant.reference == variant.name else "gamma"  # timm's own: its layout
+    layout = "transformers" if library == "transformers" else layout
     pcfg = dict(config.get("pretrained_cfg", {}))
     tag = str(pcfg.get("tag") or "")
     full_name = f"{architecture}.{tag}" if tag else architecture
@@ -70,9 +83,9 @@ def build_model_card(
     datasets = sorted({ds for key, ds in _DATASETS.items() if trained and key in tag}) or None
     task = "image-classification" if classifier else "image-feature-extraction"
     data = ModelCardData(
-        library_name="timm",
-        license=pcfg.get("license") or family.license,
-        tags=[task, "timm", "layerscale", family.name, "timm-layerscale"],
+        library_name=library,
+        **hub_license(pcfg.get("license") or family.license),
+        tags=[task, library, "layerscale", family.name, "timm-layerscale"],
         datasets=datasets,
         pipeline_tag=task,
         model_name=full_name,

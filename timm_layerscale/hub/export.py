@@ -1,6 +1,6 @@
 """Hub-ready folders: ``model.safetensors``, timm's ``config.json``, a ``README.md`` card and ``gates.png``,
 which ``timm.create_model("local-dir:DIR", pretrained=True)`` (``"hf-hub:ORG/NAME"`` once uploaded)
-and transformers' ``TimmWrapper`` load as they are."""
+and transformers' ``TimmWrapper`` load as they are; or, for a transformers layout, transformers' own folder."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..errors import CheckpointError, HubError, LayerScaleError, option
-from ..families import Variant, get_family
+from ..families import DEFAULT_NUM_CLASSES, Variant, get_family
 from ..files.atomic import folder_output
 from ..files.hub_errors import one_line
 from ..files.read import check_finite
@@ -85,6 +85,83 @@ def _check_reload(folder: Path, written: Mapping[str, Any]) -> None:
         raise LayerScaleError("the exported folder loads other weights than it holds; this is a bug, please report it")
 
 
+def _check_library_reload(folder: Path, written: Mapping[str, Any]) -> None:
+    """Load the folder with transformers' ``AutoModel`` and check that it takes every tensor, and only those, as
+    written (by value: transformers 5 renames some keys as it loads)."""
+    import hashlib
+
+    from transformers import AutoModel
+
+    def held(tensors: Any) -> list[tuple[Any, ...]]:
+        views = (t.detach().contiguous() for t in tensors)
+        return sorted((tuple(t.shape), str(t.dtype), hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest())
+                      for t in views)  # fmt: skip
+
+    import torch
+
+    try:
+        model, info = AutoModel.from_pretrained(folder, output_loading_info=True)
+    except Exception as e:
+        raise LayerScaleError(
+            f"transformers cannot load the exported folder ({one_line(e, 120)}); this is a bug, please report it"
+        ) from e
+    if any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
+        raise LayerScaleError(f"transformers loads the exported folder with {info}; this is a bug, please report it")
+    if held(model.state_dict().values()) != held(written.values()):
+        raise LayerScaleError("the exported folder loads other weights than it holds; this is a bug, please report it")
+
+
+def _library_config(variant: Variant, model_args: Mapping[str, Any], folder: Path) -> dict[str, Any]:
+    """Write transformers' ``config.json`` of ``variant`` (its family's config class, naming the model class
+    ``AutoModel`` builds) into ``folder``; return what the card reads of it: that class as ``architecture``, no
+    classifier, the variant's pretrained config (its licence and paper) without a tag.
+
+    Raises:
+        CheckpointError: A checkpoint with a classifier (transformers' backbone has none).
+    """
+    import timm
+    from transformers import MODEL_MAPPING
+
+    from ..families import state_dict_shapes
+
+    if model_args.get("num_classes", DEFAULT_NUM_CLASSES):
+        raise CheckpointError(
+            f"transformers' {get_family(variant.family).title} model has no classifier to hold this checkpoint's "
+            f"head; export the backbone, or leave out {option('to', 'transformers')}"
+        )
+    config = get_family(variant.family).transformers_config(variant, state_dict_shapes(variant, 0))  # type: ignore[misc]
+    if "img_size" in model_args:
+        config.image_size = model_args["img_size"]
+    architecture = cast(type, MODEL_MAPPING[type(config)]).__name__
+    config.architectures = [architecture]
+    config.save_pretrained(folder)
+    pcfg = {k: v for k, v in cast(Any, timm.models.get_pretrained_cfg(variant.name)).to_dict().items() if k != "tag"}
+    return {"architecture": architecture, "num_classes": 0, "library": "transformers", "pretrained_cfg": pcfg}
+
+
+def _timm_config(
+    src: Any, to: str, folder: Path, tag: str | None, folder_tag: str | None, names: Any, folder_names: Any,
+    descriptions: Any, source: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Write timm's ``config.json`` of the architecture ``to`` exports (:func:`~.config.write_config`), under
+    ``tag`` or the source folder's; an error about the source folder's class names says to pass others."""
+    architecture = _architecture(src.detection.variant, to)
+    tags = pretrained_tags(architecture)
+    written_tag = tag or (folder_tag if folder_tag in tags else None)
+    try:
+        return write_config(
+            f"{architecture}.{written_tag}" if written_tag else architecture,
+            folder / CONFIG_NAME,
+            model_args=src.detection.model_args,
+            label_names=names,
+            label_descriptions=descriptions,
+        )
+    except CheckpointError as e:
+        if names is None or names is not folder_names or (tag and tag not in tags):
+            raise  # not about the names of the source's config.json
+        raise CheckpointError(f"{Path(source) / CONFIG_NAME}: {e}, or pass {option('label_names', 'FILE')}") from None
+
+
 def _architecture(variant: Variant, to: str) -> str:
     """The architecture an export names: the package's model, or timm's own with ``to="gamma"``."""
     if to == "ls":
@@ -140,7 +217,8 @@ def export_folder(
         repo_id: Hub id for the card's usage code (default ``push_to_hub``, else ``ORG/<folder name>``).
         plot: Draw ``gates.png`` when matplotlib is installed.
         command: Command line recorded in the card (default the equivalent ``timm-layerscale export``).
-        to: ``"ls"`` (this package's architecture), or for CaiT ``"gamma"``: timm's own ``cait_*``.
+        to: ``"ls"`` (this package's architecture); for CaiT and DINOv3 ``"gamma"``: timm's own architecture; for
+            DINOv2 and DINOv3 ``"transformers"``: transformers' own folder, which ``AutoModel`` loads.
         label_names: Class names of a fine-tuned head, a list or a file
             (:func:`~timm_layerscale.hub.config.read_label_names`). Default: those of the source's
             ``config.json``, else timm's ImageNet labels for 1000 classes.
@@ -178,26 +256,15 @@ def export_folder(
         src.check()  # damage inside the file can read as NaN: say that first
         check_finite(src.state_dict, src.path, "a published model must be finite, check the source checkpoint")
         src.finite = True
-        architecture = _architecture(src.detection.variant, to)
-        tags = pretrained_tags(architecture)
-        written_tag = tag or (folder_tag if folder_tag in tags else None)
-        try:
-            config = write_config(
-                f"{architecture}.{written_tag}" if written_tag else architecture,
-                tmp / CONFIG_NAME,
-                model_args=src.detection.model_args,
-                label_names=names,
-                label_descriptions=descriptions,
-            )
-        except CheckpointError as e:
-            if names is None or names is not folder_names or (tag and tag not in tags):
-                raise  # not about the names of the source's config.json
-            raise CheckpointError(
-                f"{Path(source) / CONFIG_NAME}: {e}, or pass {option('label_names', 'FILE')}"
-            ) from None
+        library = to in dict(get_family(src.detection.variant.family).targets)  # another library's layout
+        if library:
+            config = _library_config(src.detection.variant, src.detection.model_args, tmp)
+        else:
+            config = _timm_config(src, to, tmp, tag, folder_tag, names, folder_names, descriptions, source)
+        architecture = config["architecture"]
         conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=to, fmt="safetensors", options=options)
-        _check_reload(tmp, conv.state_dict)
-        gates = gate_rows(conv.state_dict)
+        (_check_library_reload if library else _check_reload)(tmp, conv.state_dict)
+        gates = gate_rows(src.detection.state_dict if library else conv.state_dict)
         summary = gate_summary(gates)
         plot_path, plot_note = None, None
         if plot:

@@ -10,8 +10,9 @@ License, EUPE's under FAIR's non-commercial research licence.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn as nn
@@ -33,14 +34,29 @@ class LayerScaleEvaBlock(EvaBlock):
     (``nn.Identity`` without them). ``promote=True``: under autocast the product with the fp32 gate promotes,
     as timm's raw-parameter product does, so outputs are ``torch.equal`` to timm's."""
 
-    ls1: nn.Module
-    ls2: nn.Module
+    if TYPE_CHECKING:  # annotations TorchScript would try to resolve
+        ls1: nn.Module
+        ls2: nn.Module
 
-    def forward(  # type: ignore[override]
-        self, x: torch.Tensor, rope: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, **kwargs: Any
-    ) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask, **kwargs)))
-        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+    # EvaBlock's own signature, which TorchScript needs spelled out (newer timm passes is_causal)
+    if TYPE_CHECKING or "is_causal" in inspect.signature(EvaBlock.forward).parameters:
+
+        def forward(
+            self, x: torch.Tensor, rope: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+            is_causal: bool = False,
+        ) -> torch.Tensor:  # fmt: skip
+            x = x + self.drop_path1(
+                self.ls1(self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask, is_causal=is_causal))
+            )
+            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    else:
+
+        def forward(
+            self, x: torch.Tensor, rope: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask)))
+            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
     def reset_parameters(self) -> None:
         for gate in (self.ls1, self.ls2):
@@ -78,6 +94,8 @@ class DinoV3LS(Eva):
         super().__init__(**kwargs)
         for block in self.blocks:
             LayerScaleEvaBlock.from_eva_block(cast(EvaBlock, block), folded_layerscale)
+
+    __jit_unused_properties__: ClassVar[list[str]] = ["folded_layerscale"]  # not compiled by TorchScript
 
     @property
     def folded_layerscale(self) -> bool:
