@@ -99,6 +99,8 @@ def native_transformers(
         def __init__(self) -> None:
             super().__init__()
             self.model = cls.from_config(cfg)
+            # what verification and the report read of a model's attention (timm's flag)
+            self.fused_attn = self.model.config._attn_implementation == "sdpa"
 
         def forward_features(self, x: Any) -> Any:
             return self.model(pixel_values=x).last_hidden_state

@@ -22,10 +22,10 @@ Filter = Callable[[dict[str, torch.Tensor], nn.Module], Mapping[str, torch.Tenso
 def model_name(variant: Variant, layout: str) -> str:
     """The name the model reading ``layout`` is reported by (``cait_s24_224``, ``cait_s24_224_ls``,
     ``vit5_official/vit5_base_patch16_224``, ``transformers/vit_small_patch16_dinov3``)."""
-    if layout == "ls" or variant.reference == variant.name:  # timm's own model reads both layouts
-        return variant.name
     if layout in get_family(variant.family).independent:
         return f"{layout}/{variant.reference or variant.name}"
+    if layout == "ls" or variant.reference == variant.name:  # timm's own model reads both layouts
+        return variant.name
     return variant.reference or f"{variant.family}_official/{variant.name}"
 
 
