@@ -216,11 +216,25 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     assert code == 0, err
     assert "(official layout)" in out and "reference              tinytest_dinov3\n" in out and "bit-exact" in out
     assert "at 32x32, 1 more (seed 1) at 32x24, forward_features tokens" in out  # a second, non-square size
+    # and back to the official layout: the file timm's loader reads as the source, the k bias zero, buffers computed
+    from safetensors.torch import load_file
+
+    headless = {k: v for k, v in load_file(tmp_path / "ls.safetensors").items() if not k.startswith("head.")}
+    save_file(headless, tmp_path / "backbone.safetensors")  # the official model has no classifier
+    code, out, err = cli(capsys, "convert", tmp_path / "backbone.safetensors", tmp_path / "official.pth", "--to",
+                         "official", "--num-inputs", "1")  # fmt: skip
+    assert code == 0 and "bit-exact" in out, err
+    official = {k: v for k, v in official_layout(ref).items() if not k.startswith("head.")}
+    written = torch.load(tmp_path / "official.pth", weights_only=True)
+    assert written.keys() == official.keys() and torch.equal(written["rope_embed.periods"], ref.rope.periods)
+    for key, value in written.items():
+        expected = official[key].clone()
+        expected[32:64] = 0 if key.endswith("qkv.bias") else expected[32:64]  # the k third, masked in any case
+        assert torch.equal(value, 0 * expected if key == "mask_token" else expected), key
     back, teacher = tmp_path / "timm.safetensors", tmp_path / "teacher_checkpoint.pth"
     torch.save(training_checkpoint({**official_layout(ref), "projectors.0.weight": torch.ones(4, 4)}), teacher)
     code, out, err = cli(capsys, "convert", teacher, back, "--to", "gamma", "--num-inputs", "1")
     assert code == 0 and "bit-exact" in out and "dino_head.mlp.N.weight" in out and "projectors.N.weight" in out, err
-    from safetensors.torch import load_file
 
     assert load_file(back).keys() == ref.state_dict().keys()
     # a wrong value operation (q and v exchanged in the split) reaches only the converted side: refused
@@ -257,6 +271,9 @@ def test_a_model_without_q_and_v_biases_takes_them_only_where_they_are_zero(tmp_
     x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(ours(x), ref(x))
+    code, out, err = cli(capsys, "convert", tmp_path / "z.safetensors", tmp_path / "o.pth", "--to", "official")
+    assert code == 0 and "bit-exact" in out, err  # zero q/k/v biases and their mask written back
+    assert not torch.load(tmp_path / "o.pth", weights_only=True)["blocks.11.attn.qkv.bias"].any()
     code, out, err = cli(capsys, "convert", biased, tmp_path / "b.safetensors", "--model", plain)
     assert_one_line_error(code, out, err, "read it as vit_small_patch16_dinov3_qkvb_ls")
     with pytest.raises(RemapError, match="read it as vit_small_patch16_dinov3_qkvb_ls"):
@@ -291,6 +308,8 @@ def test_an_export_loads_in_timm_and_transformers_with_the_dinov3_licence(tmp_pa
     torch.save({k: v for k, v in official_layout(ref).items() if not k.startswith("head.")}, backbone_file)
     with pytest.raises(CheckpointError, match="no classifier to hold"):
         export_folder(path, tmp_path / "tf", to="transformers", plot=False)
+    with pytest.raises(CheckpointError, match="for the official layout's file, convert"):
+        export_folder(path, tmp_path / "tf", to="official", plot=False)
     folder = export_folder(backbone_file, tmp_path / "tf", to="transformers", plot=False, repo_id="org/dinov3").folder
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["DINOv3ViTModel"]
     theirs = AutoModel.from_pretrained(folder).eval()

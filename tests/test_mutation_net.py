@@ -21,14 +21,26 @@ from timm_layerscale.families import Family, Rule
 ONE = ("--num-inputs", "1", "-q")
 
 
+#: A gate's key in each target layout beyond ls and gamma (block b, gate i).
+GATES = {
+    ("dinov3", "official"): "blocks.{b}.ls{i}.gamma",
+    ("dinov3", "transformers"): "layer.{b}.layer_scale{i}.lambda1",
+    ("dinov2", "transformers"): "encoder.layer.{b}.layer_scale{i}.lambda1",
+}
+#: The dropped ``blocks.1.attn.proj.bias`` in the error of a target layout's model (transformers 5 names DINOv2's
+#: ``attention.output.dense`` as it loads it).
+DROPPED = {"transformers": {"dinov3": "layer.1.attention.o_proj.bias", "dinov2": "encoder.layer.1.attention."}}
+
+
 def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
     """The wrong rules put in front of the ``to`` direction's table."""
-    src, dst = ("gamma_{}", "ls{}.gamma") if to == "ls" else ("ls{}.gamma", "gamma_{}")
-    if family == "dinov2":  # the official file holds ls1.gamma too
-        src, dst = "ls{}.gamma", "ls{}.gamma"
+    src, dst = ("gamma_{i}", "blocks.{b}.ls{i}.gamma") if to == "ls" else ("ls{i}.gamma", "blocks.{b}.gamma_{i}")
+    if family == "dinov2" and to in ("ls", "gamma"):  # the official file holds ls1.gamma too
+        src, dst = "ls{i}.gamma", "blocks.{b}.ls{i}.gamma"
+    dst = GATES.get((family, to), dst)
 
     def wrong(a: int, b: int, i: int, j: int) -> Rule:  # block a's gate i sent to block b's gate j
-        return Rule(rf"blocks\.{a}\.{re.escape(src.format(i))}", f"blocks.{b}.{dst.format(j)}")
+        return Rule(rf"blocks\.{a}\.{re.escape(src.format(i=i))}", dst.format(b=b, i=j))
 
     if mutation == "swap":  # the two gates of block 1 exchanged
         return (wrong(1, 1, 1, 2), wrong(1, 1, 2, 1))
@@ -44,16 +56,21 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
 
         def cast(tensors, dtype, family):
             out = real(tensors, dtype, family)
-            key = next(k for k in out if k.endswith(("ls1.gamma", "gamma_1")))
+            key = next(k for k in out if k.endswith(("ls1.gamma", "gamma_1", "layer_scale1.lambda1")))
             out[key] = out[key].clone()
             out[key][0] *= 1.01
             return out
 
         patch.setattr(converter, "cast_tensors", cast)
     elif mutation != "clean":
-        fam, table = families.FAMILIES[family], "to_layerscale" if to == "ls" else "to_gamma"
-        wrong = Family(**{**fam.__dict__, table: (*_rules(family, to, mutation), *getattr(fam, table))})
-        patch.setitem(families.FAMILIES, family, wrong)
+        fam, wrong = families.FAMILIES[family], _rules(family, to, mutation)
+        if to in ("ls", "gamma"):
+            table = "to_layerscale" if to == "ls" else "to_gamma"
+            changed = Family(**{**fam.__dict__, table: (*wrong, *getattr(fam, table))})
+        else:
+            targets = tuple((name, (*wrong, *rules) if name == to else rules) for name, rules in fam.targets)
+            changed = Family(**{**fam.__dict__, "targets": targets})
+        patch.setitem(families.FAMILIES, family, changed)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +89,11 @@ def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
         torch.save(official_checkpoint(sd, v.family), out[v.family, "ls"])
         out[v.family, "gamma"] = folder / f"{v.family}_ls.pth"
         torch.save(to_layerscale(sd, v.family), out[v.family, "gamma"])
+        for to in ("official", "transformers"):  # from the ls layout, without the classifier these have no place for
+            out[v.family, to] = folder / f"{v.family}_backbone.pth"
+            torch.save(
+                {k: t for k, t in to_layerscale(sd, v.family).items() if not k.startswith("head.")}, out[v.family, to]
+            )
     return out
 
 
@@ -79,25 +101,29 @@ def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
 EXPECTED = {"clean": 0, "swap": 1, "move": 1, "drop": 2, "cast": 1}
 
 
-def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path) -> None:
+def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path, dropped: str = "") -> None:
     assert code == EXPECTED[mutation], (mutation, code, err)
     assert all(not p.exists() for p in outputs) or mutation == "clean", f"{mutation} left output"
     if mutation == "drop":
-        assert "blocks.1.attn.proj.bias" in err, err
+        assert (dropped or "blocks.1.attn.proj.bias") in err, err
     elif mutation != "clean":
         assert "FAIL" in out and "nothing written" in err, (out, err)
 
 
-@pytest.mark.parametrize("dtype", [None, "bf16"])
-@pytest.mark.parametrize("to", ["ls", "gamma"])
-@pytest.mark.parametrize("family", ["cait", "deit3", "vit5", "dinov3", "dinov2"])
+CASES = [
+    (f, to, d) for f in ("cait", "deit3", "vit5", "dinov3", "dinov2") for to in ("ls", "gamma") for d in (None, "bf16")
+]
+CASES += [("dinov3", "official", None), ("dinov3", "transformers", None), ("dinov2", "transformers", None)]
+
+
+@pytest.mark.parametrize(("family", "to", "dtype"), CASES)
 def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:
         with pytest.MonkeyPatch.context() as patch:
             _inject(patch, family, to, mutation)
             out, extra = tmp_path / f"{mutation}.pth", ("--dtype", dtype) if dtype else ()
             code, stdout, err = cli(capsys, "convert", sources[family, to], out, "--to", to, *extra, *ONE)
-        _assert_refused(mutation, code, stdout, err, out)
+        _assert_refused(mutation, code, stdout, err, out, dropped=DROPPED.get(to, {}).get(family, ""))
 
 
 @pytest.mark.parametrize(

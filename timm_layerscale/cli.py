@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--to",
         choices=LAYOUTS,
         default="ls",
-        help="target layout (default ls; gamma: the official file, for DINOv3 timm's; transformers: DINOv3's)",
+        help="target layout (default ls; gamma: the official file, for DINOv3 timm's; official: DINOv3's official "
+        "file; transformers: DINOv2's and DINOv3's)",
     )
     p.add_argument(
         "--plain", action="store_true", help="with --to gamma: the bare state dict, without the official wrapper"

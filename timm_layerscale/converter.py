@@ -132,9 +132,8 @@ def _target(
     ls = without_zero_optional(ls, family.name, state_dict_shapes(found.variant), found.variant.name, changes)
     if to == "ls":
         return fold_state_dict(ls) if fold else ls
-    if to != "gamma":
-        return remap(ls, family, to)
-    return {**to_gamma(ls, family), **buffers}  # the official loader wants them
+    out = to_gamma(ls, family) if to == "gamma" else remap(ls, family, to)
+    return {**out, **buffers} if to == family.official_layout else out  # the official loader wants them
 
 
 def cast_tensors(

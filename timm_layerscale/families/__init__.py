@@ -103,6 +103,7 @@ class Family:
     optional_zero: str = "(?!)"  # keys (ls layout) a variant may lack where they are zero: its model computes the same
     # the official layout's computed buffers of a variant, checked against those ``tensors`` hold
     official_buffers: Callable[[Variant, Mapping[str, Any]], dict[str, torch.Tensor]] = lambda variant, tensors: {}
+    official_layout: str = "gamma"  # the layout official_buffers are written into
     exact: bool = True  # the converted model makes the reference's kernel calls: outputs torch.equal
     tokens: bool = False  # verification compares forward_features' tokens (a pooled output would hide some)
     extra_blocks: int = 0  # blocks beyond a variant's depth (CaiT's class attention), which the bounds count
@@ -160,7 +161,7 @@ class Variant:
 
 
 #: Every target layout (each family takes ``ls``, ``gamma`` and those of its ``targets``).
-LAYOUTS = ("ls", "gamma", "transformers")
+LAYOUTS = ("ls", "gamma", "official", "transformers")
 #: Every family, by name, in registration order.
 FAMILIES: dict[str, Family] = {}
 #: Every convertible architecture, family by family in registration order.

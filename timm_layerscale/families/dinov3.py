@@ -164,11 +164,60 @@ def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]])
     )  # fmt: skip
 
 
+def join_qkv_bias(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`split_qkv_bias`: timm's ``q_bias`` and ``v_bias`` as the official fused ``qkv.bias``
+    ``(3C,)`` with a zero k third (which its ``bias_mask`` zeroes anyway); the v key's operation gives nothing."""
+    import torch
+
+    if key.endswith("v_bias"):
+        return {}
+    return {target: torch.cat([tensor, torch.zeros_like(tensor), state_dict[key.replace("q_bias", "v_bias")]])}
+
+
+def no_official_head(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    raise RemapError(f"the official DINOv3 model has no classifier to hold {key!r}; convert to another layout")
+
+
+#: Variants whose official file has no q/k/v bias (nor its mask).
+_NO_QKV_BIAS = ("vit_7b_patch16_dinov3_ls",)
+
+
+def official_buffers(variant: Variant, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """What an official file holds that the ``ls`` layout does not: ``rope_embed.periods`` as timm computes them
+    (fp32; the released files hold them rounded to bf16), each block's ``qkv.bias_mask`` (ones, zeros for the k
+    third) and, for a variant without q and v biases, a zero ``qkv.bias``; nothing for the 7B's biases."""
+    import torch
+    from timm.layers.pos_embed_sincos import RotaryEmbeddingDinoV3
+
+    head_dim = variant.embed_dim // variant.num_heads
+    out = {"rope_embed.periods": RotaryEmbeddingDinoV3(head_dim, temperature=100.0).periods}
+    if variant.name in _NO_QKV_BIAS:
+        return out
+    ones, zeros = torch.ones(variant.embed_dim), torch.zeros(variant.embed_dim)
+    biased = dict(variant.args).get("qkv_bias")
+    for n in range(variant.depth):
+        out[f"blocks.{n}.attn.qkv.bias_mask"] = torch.cat([ones, zeros, ones])
+        out.update({} if biased else {f"blocks.{n}.attn.qkv.bias": torch.zeros(3 * variant.embed_dim)})
+    return out
+
+
 _BLOCK = r"blocks\.\d+\.(?:(?:norm1|norm2|attn\.proj|mlp\.fc1|mlp\.fc1_g|mlp\.fc1_x|mlp\.fc2)" + LINEAR
 _KEEP = (
     Rule(r"cls_token|reg_token", KEEP),
     Rule(r"(?:patch_embed\.proj|norm|head)" + LINEAR, KEEP),
     Rule(_BLOCK + r"|attn\.qkv\.weight|attn\.q_bias|attn\.v_bias)", KEEP),
+)
+
+#: The ``ls`` layout into the official file (:func:`official_buffers` adds what it computes): ``storage_tokens``,
+#: a zero ``(1, C)`` ``mask_token``, the fused ``qkv.bias``, SwiGLU ``w1``/``w2``/``w3``; no classifier.
+TO_OFFICIAL = (
+    Rule(r"reg_token", "storage_tokens"),
+    Rule(r"cls_token", KEEP, op=zeros_like_token(lambda t: (1, t.shape[-1]), "mask_token")),
+    Rule(r"(blocks\.\d+\.attn)\.[qv]_bias", r"\1.qkv.bias", op=join_qkv_bias),
+    *(Rule(rf"(blocks\.\d+\.mlp)\.{name}({LINEAR})", rf"\1.w{i}\2") for i, name in enumerate(_W, 1)),
+    Rule(r"head" + LINEAR, KEEP, op=no_official_head),
+    Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
+    *_KEEP,
 )
 
 FAMILY = Family(
@@ -177,10 +226,13 @@ FAMILY = Family(
     *layerscale_rules(r"blocks", _KEEP, ls_only=(*OFFICIAL, *TRANSFORMERS)),
     native=native,
     source_layouts=(("official", r"storage_tokens"), ("transformers", r"embeddings\.patch_embeddings\.weight")),
-    targets=(("transformers", TO_TRANSFORMERS),),
+    targets=(("transformers", TO_TRANSFORMERS), ("official", TO_OFFICIAL)),
     independent=("transformers",),
     transformers_config=transformers_config,
     tokens=True,
+    computed=r"rope_embed\.periods",
+    official_buffers=official_buffers,
+    official_layout="official",
     optional_zero=r"blocks\.\d+\.attn\.[qv]_bias",  # the distilled releases' all-zero q and v biases
     full_title="DINOv3",
     description="a self-supervised Vision Transformer with 2-D rotary position embedding and four register "

@@ -256,7 +256,14 @@ def export_folder(
         src.check()  # damage inside the file can read as NaN: say that first
         check_finite(src.state_dict, src.path, "a published model must be finite, check the source checkpoint")
         src.finite = True
-        library = to in dict(get_family(src.detection.variant.family).targets)  # another library's layout
+        family = get_family(src.detection.variant.family)
+        family.rules(to)  # a layout the family has, or one line saying which it has
+        library = to in family.independent  # another library's own folder
+        if not library and to not in ("ls", "gamma"):
+            raise CheckpointError(
+                f"export writes folders that timm or transformers load; for the {to} layout's file, convert "
+                f"{option('to', to)}"
+            )
         if library:
             config = _library_config(src.detection.variant, src.detection.model_args, tmp)
         else:
