@@ -1,0 +1,139 @@
+"""Peak memory of ``timm-layerscale convert --no-verify`` on the DINOv3 7B: constant in the model's size.
+
+Writes seeded bf16 checkpoints in the official DINOv3 layout (``storage_tokens``, fused ``qkv.bias`` with its mask
+but for the 7B, SwiGLU ``w1``/``w2``/``w3``, ``rope_embed.periods``, the 7B's ``local_cls_norm``) one tensor at a
+time: ``vit_huge_plus_patch16_dinov3`` (about 1.7 GB) and ``vit_7b_patch16_dinov3`` (about 13.4 GB). Then, for
+each, runs ``python -c "import torch"`` and the conversion to the module layout ``--repeats`` times in turn, each in
+a fresh process, and measures wall time and peak anonymous memory (``RssAnon``: a mapped source's pages are the
+page cache's). Target: the conversion's peak at most ``import torch``'s + 256 MiB for both sizes. Last, the 7B
+converted with verification: where the machine has less memory than its two fp32 models need, one line and exit
+2 before anything is built. ``--quick`` measures the huge model only, once.
+
+Usage::
+
+    python benchmarks/bench_convert_7b.py [--repeats 3] [--quick] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REPO, record, run_once
+
+MODELS = ("vit_huge_plus_patch16_dinov3_ls", "vit_7b_patch16_dinov3_ls")
+
+
+def official_shapes(name: str) -> dict[str, tuple[int, ...]]:
+    """The official file's keys and shapes of a registered DINOv3 variant (a backbone: no classifier)."""
+    import torch
+
+    from timm_layerscale.conversion.keys import remap
+    from timm_layerscale.families import get_variant, state_dict_shapes
+    from timm_layerscale.families.dinov3 import official_buffers
+
+    v = get_variant(name)
+    meta = {k: torch.empty(s, device="meta") for k, s in state_dict_shapes(v, 0).items()}
+    shapes = {k: tuple(t.shape) for k, t in remap(meta, "dinov3", "official").items()}
+    shapes |= {k: tuple(t.shape) for k, t in official_buffers(v, {}).items()}
+    return shapes | (
+        {"local_cls_norm.weight": (v.embed_dim,), "local_cls_norm.bias": (v.embed_dim,)} if "7b" in name else {}
+    )
+
+
+def write_official(path: Path, name: str, seed: int = 0) -> None:
+    """A seeded bf16 official-layout safetensors file of ``name``, written one tensor at a time."""
+    import torch
+
+    shapes = official_shapes(name)
+    header, offset = {}, 0
+    for key, shape in shapes.items():
+        size = 2 * int(torch.Size(shape).numel())
+        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for shape in shapes.values():
+            t = torch.empty(shape, dtype=torch.bfloat16).normal_(std=0.02, generator=g)
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per command; medians are compared")
+    parser.add_argument("--quick", action="store_true", help="the huge model only, one run")
+    parser.add_argument("--workdir", type=Path, help="folder for the big files (default: a new temporary folder)")
+    args = parser.parse_args(argv)
+    repeats, models = (1, MODELS[:1]) if args.quick else (args.repeats, MODELS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_convert_7b-", dir=args.workdir))
+    python, rows, met, refusal = sys.executable, [], [], ""
+    try:
+        for name in models:
+            src, out = work / f"{name}.safetensors", work / "out.safetensors"
+            write_official(src, name)
+            commands = {
+                '`python -c "import torch"`': [python, "-c", "import torch"],
+                "`convert SOURCE OUT --no-verify`": [
+                    *(python, "-m", "timm_layerscale", "convert", str(src), str(out), "--no-verify", "--overwrite")
+                ],
+            }
+            wall: dict[str, list[float]] = {c: [] for c in commands}
+            rss: dict[str, list[float]] = {c: [] for c in commands}
+            for _ in range(repeats):
+                for command, line in commands.items():
+                    out.unlink(missing_ok=True)
+                    os.sync()
+                    seconds, peak = run_once(line, env)
+                    wall[command].append(seconds)
+                    rss[command].append(peak)
+            w = {c: statistics.median(v) for c, v in wall.items()}
+            r = {c: statistics.median(v) for c, v in rss.items()}
+            torch_, convert = commands
+            met.append(r[convert] <= r[torch_] + 256)
+            size = src.stat().st_size / 1e9
+            rows += [f"| {name} | {size:.1f} | {c} | {w[c]:.1f} | {r[c]:.0f} |" for c in commands]
+            if "7b" in name:
+                out.unlink(missing_ok=True)
+                done = subprocess.run(
+                    [python, "-m", "timm_layerscale", "convert", str(src), str(out)], env=env, capture_output=True,
+                    text=True,
+                )  # fmt: skip
+                refusal = f"exit {done.returncode}: `{done.stderr.strip()}`"
+                met.append(done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and not out.exists())
+            src.unlink()
+            out.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lines = [
+        f"bf16 official-layout DINOv3 checkpoints; median of {repeats} run(s) of each",
+        "",
+        "| model | file GB | command | wall s (median) | peak RssAnon MiB (median) |",
+        "|---|---:|---|---:|---:|",
+        *rows,
+        "",
+        f"target: the conversion's peak RssAnon at most `import torch`'s + 256 MiB for every size: "
+        f"{'met' if all(met[: len(models)]) else 'NOT met'}",
+    ]
+    if refusal:
+        lines += ["", f"the 7B with verification, on this machine: {refusal}"]
+    print("\n".join(lines))
+    return 0 if all(met) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(record(__file__, main))
