@@ -157,14 +157,17 @@ def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]])
 
 
 def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) -> Any:
-    """``ls`` and ``gamma`` (the official file): timm's own model through timm's filter (folded: ``init_values=0``);
+    """``ls`` and ``gamma`` (the official file): timm's own model through timm's filter (folded: ``init_values=0``),
+    taking any input size;
     ``transformers``: transformers' ``Dinov2Model`` or ``Dinov2WithRegistersModel``."""
     if layout == "transformers":
-        return native_transformers(transformers_config, variant, args)
+        return native_transformers(transformers_config, variant, args, any_size=False)
     import timm
     from timm.models.vision_transformer import checkpoint_filter_fn
 
-    kwargs = {**args, **({"init_values": 0.0} if folded else {})}
+    # any input size (the position embedding resampled as the official code and transformers do), so that
+    # verification also runs a second, non-square size; at 518 x 518 nothing changes
+    kwargs = {**args, "dynamic_img_size": True, **({"init_values": 0.0} if folded else {})}
     return lambda: timm.create_model(variant.name, **kwargs), without_training_heads(checkpoint_filter_fn)
 
 

@@ -44,7 +44,7 @@ def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) ->
     if layout == "ls":
         return own_model(variant, folded, args)
     if layout == "transformers":
-        return native_transformers(transformers_config, variant, args)
+        return native_transformers(transformers_config, variant, args, any_size=True)
     import timm
     from timm.models.eva import checkpoint_filter_fn
 

@@ -66,12 +66,14 @@ def zeros_like_token(shape: Callable[[Any], tuple[int, ...]], name: str) -> Call
 
 
 def native_transformers(
-    config: Callable[[Any, Mapping[str, tuple[int, ...]]], Any], variant: Any, args: dict[str, Any]
+    config: Callable[[Any, Mapping[str, tuple[int, ...]]], Any], variant: Any, args: dict[str, Any], any_size: bool
 ) -> Any:
     """``(build, filter)`` of transformers' model for a variant (``AutoModel``'s of its config, built from the
     registered model's shapes by ``config(variant, shapes)``): the filter is transformers' own loading (``from_pretrained`` of a folder holding the
     tensors, with every rename its version applies), strict. The model's ``forward_features(x)`` and ``forward(x)``
-    are its normed token sequence ``(B, N, C)``.
+    are its normed token sequence ``(B, N, C)``; its ``dynamic_img_size`` is ``any_size``: whether it computes timm's
+    function at every input size (rotary positions), not only at the variant's (a position embedding it resamples
+    its own way).
 
     Raises:
         RemapError: transformers is not installed, or the tensors leave keys of its model missing or unexpected.
@@ -101,6 +103,7 @@ def native_transformers(
             self.model = cls.from_config(cfg)
             # what verification and the report read of a model's attention (timm's flag)
             self.fused_attn = self.model.config._attn_implementation == "sdpa"
+            self.dynamic_img_size = any_size
 
         def forward_features(self, x: Any) -> Any:
             return self.model(pixel_values=x).last_hidden_state

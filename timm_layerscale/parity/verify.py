@@ -82,8 +82,8 @@ def verify_outputs(
         inputs = torch.cat([inputs, files])
         parts.append(f"{len(options.images)} image file(s)")
     groups, at = [inputs], f" at {size[0]}x{size[1]}"
-    if options.num_inputs and any(getattr(m, "dynamic_img_size", False) for m in (ref, out)):
-        # a model that takes any input size is checked at a second, non-square one too (its positions resampled)
+    if options.num_inputs and all(getattr(m, "dynamic_img_size", False) for m in (ref, out)):
+        # models that take any input size are checked at a second, non-square one too (their positions resampled)
         wide = (size[0], max(variant.patch_size, size[1] * 3 // 4 // variant.patch_size * variant.patch_size))
         groups.append(seeded_inputs(options.num_inputs, wide, options.seed + 1))
         at += f", {options.num_inputs} more (seed {options.seed + 1}) at {wide[0]}x{wide[1]}"
