@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import REPO, cpu_model, record, run_once
+from benchmarks.common import cpu_model, record, repo_env, run_each
 
 EMBED, HEADS, PATCHES, CLASS_BLOCKS, CLASSES, DEPTH = 768, 16, 784, 2, 1000, 48
 
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workdir", type=Path, help="folder for the big files (default: a new temporary folder)")
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = repo_env()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_convert-", dir=args.workdir))
@@ -133,21 +133,16 @@ def main(argv: list[str]) -> int:
         "`torch.load` + `safetensors.torch.save_file`": [python, "-c", NAIVE, str(src), str(naive)],
     }
     torch_, cp, convert, load_save = commands
-    wall: dict[str, list[float]] = {name: [] for name in commands}
-    rss: dict[str, list[float]] = {name: [] for name in commands}
+
+    def prepare() -> None:  # each run from the same state: no outputs, the source in the page cache
+        out.unlink(missing_ok=True)
+        naive.unlink(missing_ok=True)
+        page_in(src)
+
     try:
         build_checkpoint(src)
         size = src.stat().st_size
-        for _ in range(repeats):
-            for name, command in commands.items():
-                out.unlink(missing_ok=True)
-                naive.unlink(missing_ok=True)
-                page_in(src)
-                os.sync()
-                seconds, peak = run_once(command, env)
-                os.sync()
-                wall[name].append(seconds)
-                rss[name].append(peak)
+        wall, rss = run_each(commands, repeats, env, prepare)
         subprocess.run(commands[convert], env=env, check=True, capture_output=True)
         same_data = same_tensors(out, naive)
     finally:

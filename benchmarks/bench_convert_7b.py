@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import REPO, record, run_once
+from benchmarks.common import record, repo_env, run_each
 
 MODELS = ("vit_huge_plus_patch16_dinov3_ls", "vit_7b_patch16_dinov3_ls")
 
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workdir", type=Path, help="folder for the big files (default: a new temporary folder)")
     args = parser.parse_args(argv)
     repeats, models = (1, MODELS[:1]) if args.quick else (args.repeats, MODELS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = repo_env()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_convert_7b-", dir=args.workdir))
@@ -92,15 +92,7 @@ def main(argv: list[str]) -> int:
                     *(python, "-m", "timm_layerscale", "convert", str(src), str(out), "--no-verify", "--overwrite")
                 ],
             }
-            wall: dict[str, list[float]] = {c: [] for c in commands}
-            rss: dict[str, list[float]] = {c: [] for c in commands}
-            for _ in range(repeats):
-                for command, line in commands.items():
-                    out.unlink(missing_ok=True)
-                    os.sync()
-                    seconds, peak = run_once(line, env)
-                    wall[command].append(seconds)
-                    rss[command].append(peak)
+            wall, rss = run_each(commands, repeats, env, partial(out.unlink, missing_ok=True))
             w = {c: statistics.median(v) for c, v in wall.items()}
             r = {c: statistics.median(v) for c, v in rss.items()}
             torch_, convert = commands

@@ -10,7 +10,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +69,29 @@ def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     if process.returncode != 0:
         raise subprocess.CalledProcessError(process.returncode, argv)
     return wall, peak / 1024
+
+
+def repo_env() -> dict[str, str]:
+    """This environment with the repository first on ``PYTHONPATH``, for the commands a benchmark runs."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def run_each(
+    commands: Mapping[str, list[str]], repeats: int, env: dict[str, str], prepare: Callable[[], None]
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each command ``repeats`` times in turn, each in a fresh process (:func:`run_once`) after ``prepare()``, dirty
+    pages flushed before and after: the wall seconds and peak ``RssAnon`` MiB of every run, by command."""
+    wall: dict[str, list[float]] = {name: [] for name in commands}
+    rss: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(repeats):
+        for name, argv in commands.items():
+            prepare()
+            os.sync()
+            seconds, peak = run_once(argv, env)
+            os.sync()
+            wall[name].append(seconds)
+            rss[name].append(peak)
+    return wall, rss
 
 
 def write_section(name: str, body: str, command: str, seconds: float, load_before: str) -> None:

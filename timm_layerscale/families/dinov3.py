@@ -48,10 +48,12 @@ def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) ->
     import timm
     from timm.models.eva import checkpoint_filter_fn
 
-    filter_fn = without_training_heads(checkpoint_filter_fn)
-    if not dict(variant.args).get("qkv_bias"):  # zero q and v biases, which timm's filter skips for this model
-        filter_fn = without_training_heads(lambda sd, model: checkpoint_filter_fn(_without_zero_biases(sd), model))
-    return lambda: timm.create_model(str(variant.reference), **args), filter_fn
+    biased = dict(variant.args).get("qkv_bias")
+
+    def read(sd: dict[str, Any], model: Any) -> Any:  # zero q and v biases, which timm's filter skips without them
+        return checkpoint_filter_fn(sd if biased else _without_zero_biases(sd), model)
+
+    return lambda: timm.create_model(str(variant.reference), **args), without_training_heads(read)
 
 
 def _without_zero_biases(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -90,14 +90,13 @@ def _check_library_reload(folder: Path, written: Mapping[str, Any]) -> None:
     written (by value: transformers 5 renames some keys as it loads)."""
     import hashlib
 
+    import torch
     from transformers import AutoModel
 
     def held(tensors: Any) -> list[tuple[Any, ...]]:
         views = (t.detach().contiguous() for t in tensors)
         return sorted((tuple(t.shape), str(t.dtype), hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest())
                       for t in views)  # fmt: skip
-
-    import torch
 
     try:
         model, info = AutoModel.from_pretrained(folder, output_loading_info=True)
