@@ -95,7 +95,7 @@ def same_tensors(out: Path, naive: Path) -> bool:
     import torch
     from safetensors import safe_open
 
-    from timm_layerscale.conversion.keys import to_layerscale
+    from timm_layerscale.conversion.rules import to_layerscale
 
     with safe_open(out, "pt") as fa, safe_open(naive, "pt") as fb:
         naive_names = fb.keys()

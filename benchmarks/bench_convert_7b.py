@@ -26,6 +26,7 @@ import sys
 import tempfile
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import record, repo_env, run_each
@@ -33,41 +34,38 @@ from benchmarks.common import record, repo_env, run_each
 MODELS = ("vit_huge_plus_patch16_dinov3_ls", "vit_7b_patch16_dinov3_ls")
 
 
-def official_shapes(name: str) -> dict[str, tuple[int, ...]]:
-    """The official file's keys and shapes of a registered DINOv3 variant (a backbone: no classifier)."""
+def official_tensors(name: str) -> dict[str, Any]:
+    """The official file of a registered DINOv3 variant (a backbone: no classifier) as the conversion writes it: its
+    learned tensors on the meta device, the buffers its consumer stores (rotary periods, bias masks) with values."""
     import torch
 
-    from timm_layerscale.conversion.keys import remap
+    from timm_layerscale.conversion.target import target_tensors
     from timm_layerscale.families import get_variant, state_dict_shapes
-    from timm_layerscale.families.dinov3 import official_buffers
 
     v = get_variant(name)
     meta = {k: torch.empty(s, device="meta") for k, s in state_dict_shapes(v, 0).items()}
-    shapes = {k: tuple(t.shape) for k, t in remap(meta, "dinov3", "official").items()}
-    shapes |= {k: tuple(t.shape) for k, t in official_buffers(v, {}).items()}
-    return shapes | (
-        {"local_cls_norm.weight": (v.embed_dim,), "local_cls_norm.bias": (v.embed_dim,)} if "7b" in name else {}
-    )
+    return target_tensors(meta, v, v.family.layouts["ls"], v.family.layouts["official"])
 
 
 def write_official(path: Path, name: str, seed: int = 0) -> None:
-    """A seeded bf16 official-layout safetensors file of ``name``, written one tensor at a time."""
+    """A seeded bf16 official-layout safetensors file of ``name``, written one tensor at a time (the buffers as
+    computed, every other tensor random)."""
     import torch
 
-    shapes = official_shapes(name)
+    tensors = official_tensors(name)
     header, offset = {}, 0
-    for key, shape in shapes.items():
-        size = 2 * int(torch.Size(shape).numel())
-        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+    for key, t in tensors.items():
+        size = 2 * int(t.numel())
+        header[key] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
     g = torch.Generator().manual_seed(seed)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)) + encoded)
-        for shape in shapes.values():
-            t = torch.empty(shape, dtype=torch.bfloat16).normal_(std=0.02, generator=g)
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        for t in tensors.values():
+            values = torch.empty(t.shape, dtype=torch.bfloat16).normal_(std=0.02, generator=g) if t.is_meta else t
+            f.write(values.to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy().data)
 
 
 def main(argv: list[str]) -> int:

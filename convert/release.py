@@ -30,7 +30,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from timm_layerscale.errors import LayerScaleError
-from timm_layerscale.families import CAIT_RELEASE_URL, VARIANTS
+from timm_layerscale.families import VARIANTS
+from timm_layerscale.families.cait import RELEASE_URL as CAIT_RELEASE_URL
 from timm_layerscale.hub.card import timm_hub_copy
 from timm_layerscale.options import OneLineParser, add_verify_args, check_inputs, verify_options
 from timm_layerscale.progress import write_out
@@ -83,16 +84,16 @@ def releases() -> tuple[Release, ...]:
 
     rows = []
     for v in VARIANTS:
-        if v.family == "cait":
+        if v.family.name == "cait":
             src = CAIT_RELEASE_URL + str(v.official_file)
             rows.append(Release(v.name, "cait", CAIT_TAG, src, v.reference))
             continue
         for full in timm.list_pretrained(f"{v.name}.*"):
             cfg: Any = timm.models.get_pretrained_cfg(full)
             tag = full.split(".", 1)[1]
-            if v.family == "deit3" and cfg.url:
+            if v.family.name == "deit3" and cfg.url:
                 rows.append(Release(v.name, "deit3", tag, str(cfg.url), v.reference))
-            elif v.family == "vit5" and cfg.hf_hub_id and cfg.hf_hub_filename:
+            elif v.family.name == "vit5" and cfg.hf_hub_id and cfg.hf_hub_filename:
                 src = f"hf-hub:{cfg.hf_hub_id}/{cfg.hf_hub_filename}"
                 rows.append(Release(v.name, "vit5", tag, src, None, ema=tag.endswith("_ema")))
     return tuple(rows)

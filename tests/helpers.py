@@ -286,7 +286,16 @@ def assert_traces_and_scripts(
 
 def detected(checkpoint: Any, model: str | None = None) -> Any:
     """The :class:`~timm_layerscale.conversion.detect.Detection` of a checkpoint (wrapped or not)."""
+    from timm_layerscale.conversion.checkpoint import container_of, state_dict_of
     from timm_layerscale.conversion.detect import detect
-    from timm_layerscale.conversion.keys import state_dict_of
 
-    return detect(state_dict_of(checkpoint), model)
+    return detect(state_dict_of(checkpoint), model, container_of(checkpoint))
+
+
+def gamma_file(state_dict: Mapping[str, Any], family: Any) -> dict[str, Any]:
+    """``state_dict`` (in the layout ``gamma`` names for a ``.pth``) in that layout's container, as its release file
+    holds it (``{'model': {'module.' + key: tensor}}`` for CaiT)."""
+    from timm_layerscale.families import get_family
+
+    fam = get_family(family) if isinstance(family, str) else family
+    return fam.layouts[fam.alias("pth")].wrap(state_dict)

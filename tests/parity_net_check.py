@@ -209,7 +209,7 @@ class Net:
 
     def vit5_autocast(self) -> None:
         """ViT-5 against its reference under bf16 and fp16 autocast, within the independent bound of that dtype."""
-        from timm_layerscale.conversion.keys import to_layerscale
+        from timm_layerscale.conversion.rules import to_layerscale
         from timm_layerscale.files.read import read_state_dict
 
         sd = read_state_dict(self.workdir / "vit5.pth")[1]

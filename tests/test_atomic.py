@@ -176,3 +176,38 @@ def test_folders_that_are_refused(tmp_path):
             pass
     finally:
         os.chdir(cwd)
+
+
+_SLOW_WRITER = """
+import sys, time
+from pathlib import Path
+from timm_layerscale.files.atomic import atomic_output, folder_output
+
+kind, target, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+output = atomic_output(target) if kind == "file" else folder_output(target)
+with output as tmp:
+    (tmp / "model.bin" if kind == "folder" else tmp).write_text("first")
+    print("written", flush=True)
+    while not go.exists():  # the second writer finishes meanwhile
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_of_two_writers_without_overwrite_only_one_places_its_output(tmp_path, kind):
+    """Two real processes write one output without ``overwrite``: the one that finishes second is refused at the
+    placing (an ``os.link`` onto a taken name, a rename onto a folder that is not empty), the first one's stays."""
+    target, go = tmp_path / "out", tmp_path / "go"
+    first = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_WRITER, kind, str(target), str(go)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert first.stdout is not None and first.stdout.readline() == "written\n"
+    output = atomic_output(target) if kind == "file" else folder_output(target)
+    with output as tmp:  # the second writer, start to end, while the first waits before placing its own
+        (tmp / "model.bin" if kind == "folder" else tmp).write_text("second")
+    go.touch()
+    _, err = first.communicate(timeout=60)
+    assert first.returncode != 0 and "OutputExistsError" in err and "appeared while this one was written" in err
+    assert (target / "model.bin" if kind == "folder" else target).read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "out"]

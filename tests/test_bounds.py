@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from timm_layerscale.conversion.fold import fold_state_dict
-from timm_layerscale.conversion.keys import remap, to_gamma, to_layerscale
+from timm_layerscale.conversion.rules import to_gamma, to_layerscale, to_layout
 from timm_layerscale.families import VARIANTS, Variant, get_family
 from timm_layerscale.parity.inputs import seed_parameters_, seeded_inputs
 from timm_layerscale.parity.references import build_reference, load_model
@@ -39,21 +39,21 @@ def _param(v: Variant) -> object:
 def test_each_variants_error_is_at_most_half_its_bound(v: Variant) -> None:
     source = to_gamma(seed_parameters_(build_reference(v), seed=0).state_dict(), v.family)
     ls, x = to_layerscale(source, v.family), seeded_inputs(2, v.img_size)
-    depth = v.depth + (2 if v.family == "cait" else 0)
+    depth = v.depth + (2 if v.family.name == "cait" else 0)
     tokens = get_family(v.family).tokens
     run: Any = (lambda m: m.forward_features(x)) if tokens else (lambda m: m(x))  # as verification compares them
     scale = TOKENS_FACTOR if tokens else 1.0
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # a folded file against the rounded source
         ref = run(load_model(v, "gamma", {k: t if k.endswith(".freqs") else t.to(dtype) for k, t in source.items()}))
         folded = load_model(v, "ls", {k: t.to(dtype) for k, t in fold_state_dict(ls).items()}, folded=True)
-        out = run(_attend(folded, False) if v.family == "vit5" else folded)  # as verification runs them
+        out = run(_attend(folded, False) if v.family.name == "vit5" else folded)  # as verification runs them
         assert _error(ref, out) <= scale * folded_bound(depth, v.embed_dim, dtype) / 2, (dtype, _error(ref, out))
-    if get_family(v.family).targets:  # against transformers' model, with timm's attention fused and not
-        theirs = run(load_model(v, "transformers", remap(ls, v.family, "transformers")))
+    if "transformers" in v.family.layouts:  # against transformers' model, with timm's attention fused and not
+        theirs = run(load_model(v, "transformers", to_layout(ls, v.family, "transformers")))
         for fused in (False, True):
             ref = run(_attend(load_model(v, "gamma", source), fused))
             assert _error(ref, theirs) <= scale * library_bound(depth, v.embed_dim) / 2, (fused, _error(ref, theirs))
-    if v.family != "vit5":
+    if v.family.name != "vit5":
         return
     ref, bound = load_model(v, "gamma", source)(x), independent_bound(depth, v.embed_dim)
     for fused in (False, True):  # as verification runs it, and with attention summed in another order

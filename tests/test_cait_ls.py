@@ -27,7 +27,7 @@ def _pair(ref_name: str, seed: int = 0, **kwargs):
     ref = create_model(ref_name, **kwargs)
     seed_parameters_(ref, seed)
     ours = create_model(ref_name + "_ls", **kwargs)
-    ours.load_state_dict(to_layerscale(ref.state_dict()), strict=True)
+    ours.load_state_dict(to_layerscale(ref.state_dict(), "cait"), strict=True)
     return ref.eval(), ours.eval()
 
 
@@ -69,7 +69,7 @@ def test_registry_meta_build_and_pretrained_cfg(name):
     # Evaluated as timm evaluates the reference: the same resize, crop and normalisation.
     data = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode", "test_input_size", "first_conv")
     assert {k: cfg.get(k) for k in data} == {k: ref_model.pretrained_cfg.get(k) for k in data}
-    mapped = {k: tuple(v.shape) for k, v in to_layerscale(ref_model.state_dict()).items()}
+    mapped = {k: tuple(v.shape) for k, v in to_layerscale(ref_model.state_dict(), "cait").items()}
     assert mapped == {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert model.blocks[0].ls1.init_value == VARIANTS[name].init_value
 
@@ -159,7 +159,7 @@ def test_unfused_attention_equals_official_math(images):
     finally:
         set_fused_attn(True)
     assert not ours.blocks_token_only[0].attn.fused_attn
-    official = {k: v.detach().clone().requires_grad_() for k, v in to_gamma(ours.state_dict()).items()}
+    official = {k: v.detach().clone().requires_grad_() for k, v in to_gamma(ours.state_dict(), "cait").items()}
     x = images[:1]
     assert reduction_trace(lambda: _official_forward(official, x, 4, 16)) == reduction_trace(lambda: ref(x))
     with torch.no_grad():
@@ -207,7 +207,7 @@ def weight_files(tmp_path_factory, xxs24):
     sd = ref.state_dict()
     torch.save({"model": {"module." + k: v for k, v in sd.items()}, "epoch": 3}, d / "XXS24_224.pth")
     save_file({k: v.contiguous() for k, v in sd.items()}, d / "timm_gamma.safetensors")
-    save_file({k: v.contiguous() for k, v in to_layerscale(sd).items()}, d / "ls.safetensors")
+    save_file({k: v.contiguous() for k, v in to_layerscale(sd, "cait").items()}, d / "ls.safetensors")
     return d
 
 

@@ -24,7 +24,7 @@ from timm_layerscale import converter as conversion
 from timm_layerscale import progress
 from timm_layerscale.cli import main
 from timm_layerscale.conversion.detect import state_dict_shapes
-from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.conversion.rules import to_gamma
 from timm_layerscale.converter import convert_checkpoint
 from timm_layerscale.errors import CheckpointError, ParityError, option
 from timm_layerscale.families import get_variant
@@ -128,7 +128,7 @@ def test_convert_prints_the_parity_table(official, tmp_path, capsys):
     code, stdout, err = cli(capsys, "convert", official, out)
     assert code == 0, err
     assert err == ""
-    assert f"as {MODEL}" in stdout and "(gamma layout)" in stdout and "(ls layout)" in stdout
+    assert f"as {MODEL}" in stdout and "(official layout)" in stdout and "(ls layout)" in stdout
     rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in stdout.splitlines()[1:] if "  " in line}
     assert rows["bit-exact"] == "yes" and rows["result"] == "PASS (bit-exact)"
     assert rows["weights"].endswith("tensors of the converted file equal to the source's")
@@ -143,7 +143,7 @@ def test_convert_json(official, tmp_path, capsys):
     res = json.loads(stdout)
     assert res["ok"] is True and res["model"] == MODEL and res["output"] == str(out)
     assert res["source_sha256"] == hashlib.sha256(official.read_bytes()).hexdigest()
-    assert (res["source_layout"], res["target_layout"]) == ("gamma", "ls")
+    assert (res["source_layout"], res["target_layout"]) == ("official", "ls")
     assert res["metadata"]["format"] == "pt" and res["metadata"]["architecture"] == MODEL
     rep = res["report"]
     assert rep["bit_exact"] is True and rep["passed"] is True and rep["max_abs_diff"] == 0
@@ -151,7 +151,8 @@ def test_convert_json(official, tmp_path, capsys):
 
     code, stdout, _ = cli(capsys, "convert", out, tmp_path / "g.pth", "--to", "gamma", "--no-verify", "--json")
     res = json.loads(stdout)
-    assert code == 0 and res["report"] is None and res["target_layout"] == "gamma"
+    assert code == 0 and res["report"] is None and res["target_layout"] == "official"
+    assert res["note"] == "'gamma' is a word of one release: wrote CaiT's official layout; pass --to official"
     assert res["container"] == "{'model': {'module.' + key: tensor}}"
     assert "ls1.gamma" not in str(list(torch.load(tmp_path / "g.pth", weights_only=True)["model"]))
 
@@ -289,7 +290,7 @@ def test_json_output_is_standard_json_when_values_are_not_finite(official, conve
     safetensors.torch.save_file(sd, str(diverged))
     code, stdout, err = cli(capsys, "inspect", diverged, "--json")
     assert code == 0, err
-    rows = _strict_json(stdout)
+    rows = _strict_json(stdout)["gates"]
     assert rows[0]["ls1"]["mean"] is None and rows[1]["ls1"]["max"] is None and rows[0]["ls2"]["mean"] > 0
     code, stdout, err = cli(capsys, "verify", official, diverged, "--num-inputs", "1", "--json")
     assert code == 1, err
@@ -430,7 +431,12 @@ BAD_INPUTS = [
     ("missing-key", "XXS24_224.pth", ["--model", MODEL], "1 missing (blocks.0.norm1.bias [192])"),
     ("extra-key", "XXS24_224.pth", [], "closest is cait_xxs24_224_ls"),
     ("extra-key", "XXS24_224.pth", ["--model", MODEL], "1 unexpected (blocks.24.norm1.weight [192])"),
-    ("unknown-key", "XXS24_224.pth", ["--model", MODEL], "not part of a cait checkpoint: blocks.0.attn.rope.freqs"),
+    (
+        "unknown-key",
+        "XXS24_224.pth",
+        ["--model", MODEL],
+        "not part of a CaiT (official layout) checkpoint: blocks.0.attn.rope.freqs",
+    ),
     ("misshaped", "XXS24_224.pth", ["--model", MODEL], "1 mis-shaped (blocks.3.mlp.fc1.bias [700] != [768])"),
     (
         "nan",

@@ -17,7 +17,7 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from helpers import detected, images
 from timm_layerscale import converter as conversion
 from timm_layerscale._version import __version__
-from timm_layerscale.conversion.keys import to_layerscale
+from timm_layerscale.conversion.rules import to_layerscale
 from timm_layerscale.converter import convert_checkpoint, verify_checkpoint
 from timm_layerscale.errors import ArchitectureError, CheckpointError, LayerScaleError, RemapError
 from timm_layerscale.parity.inputs import seeded_inputs
@@ -79,8 +79,8 @@ def no_leftovers(folder: Path, *keep: str) -> None:
 
 def test_default_conversion_is_verified_bit_exact(converted, official, ls_sd):
     res = converted
-    assert res.variant.name == MODEL and res.model_args == {}
-    assert (res.source_layout, res.target_layout) == ("gamma", "ls")
+    assert res.variant.name == MODEL and res.overrides == {}
+    assert (res.source_layout, res.target_layout) == ("official", "ls")
     rep = res.report
     assert rep is not None and rep.passed and rep.bit_exact
     assert rep.max_abs_diff == 0 and rep.max_rel_diff == 0 and rep.cosine_min == pytest.approx(1.0)
@@ -105,7 +105,7 @@ def test_safetensors_metadata(converted, official):
     assert meta["format"] == "pt"
     assert meta["source_file"] == official.name
     assert meta["source_sha256"] == hashlib.sha256(official.read_bytes()).hexdigest() == converted.source_sha256
-    assert meta["source_layout"] == "gamma"
+    assert meta["source_layout"] == "official"
     assert meta["architecture"] == MODEL
     assert __version__ in meta["converter"]
     assert meta["parity"] == "bit-exact" and meta["parity_weights"] == "476 tensors equal to the source's"
@@ -197,7 +197,8 @@ def test_source_layouts_convert_to_the_same_tensors(name, gamma_sd, ls_sd, tmp_p
     out.parent.mkdir()
     res = convert_checkpoint(src, out, verify=False)
     assert res.variant.name == MODEL and res.report is None
-    assert res.source_layout == ("ls" if name == "ls.pth" else "gamma")
+    # the DDP wrapper and prefix of the official training code's files tell its layout apart from timm's
+    assert res.source_layout == {"ls.pth": "ls", "ddp-compiled.pth": "official"}.get(name, "timm")
     assert_same_tensors(load_output(out), ls_sd)
     no_leftovers(out.parent, "x.safetensors")
 
@@ -227,17 +228,17 @@ def test_to_gamma_round_trip_gives_back_the_official_file(official, official_sd,
     back = tmp_path / "gamma.pth"
     res = convert_checkpoint(converted.output, back, to="gamma")
     assert res.report is not None and res.report.bit_exact
-    assert (res.source_layout, res.target_layout) == ("ls", "gamma")
-    assert res.container == "{'model': {'module.' + key: tensor}}"
+    assert (res.source_layout, res.target_layout) == ("ls", "official")
+    assert res.container == "{'model': {'module.' + key: tensor}}" and "pass --to official" in res.note
     # The official training code's file: the 'model' wrapper and the DDP prefix, key for key, bit for bit.
     obj = load_output(back)
     assert list(obj) == ["model"]
     assert_same_tensors(obj["model"], official_sd)
 
-    # plain=True writes the bare state dict; a safetensors file is always bare (timm's Hub copies).
+    # plain=True (deprecated) and a safetensors file write timm's layout: the bare state dict of timm's Hub copies.
     bare = convert_checkpoint(converted.output, tmp_path / "bare.pth", to="gamma", plain=True, verify=False)
     flat = convert_checkpoint(converted.output, tmp_path / "flat.safetensors", to="gamma", verify=False)
-    assert bare.container == flat.container == "plain"
+    assert bare.container == flat.container == "state dict" and bare.target_layout == flat.target_layout == "timm"
     for path in (bare.output, flat.output):
         assert_same_tensors({"module." + k: v for k, v in load_output(path).items()}, official_sd)
 
@@ -253,12 +254,12 @@ def test_a_gamma_file_to_gamma_is_resaved_in_timms_layout(official, official_sd,
     assert (
         res.report is not None
         and res.report.bit_exact
-        and res.container == "plain"
-        and res.source_layout == res.target_layout == "gamma"
+        and res.container == "state dict"
+        and (res.source_layout, res.target_layout) == ("official", "timm")
     )
     assert_same_tensors({"module." + k: v for k, v in load_output(res.output).items()}, official_sd)
     res.output.unlink()
-    with pytest.raises(LayerScaleError, match="plain applies to the gamma layout only"):
+    with pytest.raises(LayerScaleError, match="plain applies to to='gamma' only"):
         convert_checkpoint(official, tmp_path / "x.pth", plain=True, verify=False)
     no_leftovers(tmp_path)
 
@@ -359,7 +360,7 @@ def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, f
     src = tmp_path / "backbone.pth"
     torch.save({"model": sd}, src)
     res = convert_checkpoint(src, tmp_path / "backbone.safetensors")
-    assert res.model_args == {"num_classes": 0} and res.metadata["num_classes"] == "0"
+    assert res.overrides == {"num_classes": 0} and res.metadata["num_classes"] == "0"
     assert res.report is not None and res.report.passed and res.report.bit_exact
     # its outputs are 192 features: no class agreement is claimed over them
     assert res.report.top1_agreement is None and res.report.top5_agreement is None
@@ -380,14 +381,14 @@ def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, f
 def test_each_family_is_detected_without_its_head_or_at_another_resolution(name, args):
     """A backbone without its head; a fine-tune at a resolution no variant is registered at."""
     from timm_layerscale.conversion.detect import state_dict_shapes
-    from timm_layerscale.conversion.keys import to_gamma
+    from timm_layerscale.conversion.rules import to_gamma
     from timm_layerscale.families import get_variant
 
     variant = get_variant(name)
     shapes = state_dict_shapes(variant, **args)
     sd = to_gamma({k: torch.empty(s, device="meta") for k, s in shapes.items()}, variant.family)
     found = detected(sd)
-    assert found.variant == variant and found.model_args == args
+    assert found.variant == variant and found.overrides == args
 
 
 def test_a_checkpoint_fine_tuned_at_another_resolution_converts(gamma_sd, tmp_path, few_inputs):
@@ -397,7 +398,7 @@ def test_a_checkpoint_fine_tuned_at_another_resolution_converts(gamma_sd, tmp_pa
     src = tmp_path / "ft256.pth"
     torch.save({"model": sd}, src)
     res = convert_checkpoint(src, tmp_path / "ft256.safetensors")
-    assert res.variant.name == MODEL and res.model_args == {"img_size": 256} and res.metadata["img_size"] == "256"
+    assert res.variant.name == MODEL and res.overrides == {"img_size": 256} and res.metadata["img_size"] == "256"
     assert res.report is not None and res.report.bit_exact and res.report.inputs.endswith("at 256x256")
     file = dict(file=str(res.output))
     model = timm.create_model(MODEL, pretrained=True, img_size=256, pretrained_cfg_overlay=file).eval()
@@ -424,7 +425,9 @@ def test_named_model_mismatch_lists_missing_unexpected_and_misshaped_keys(gamma_
     assert "1 unexpected (blocks.24.norm1.weight [192])" in msg
     assert "1 mis-shaped (blocks.3.mlp.fc1.bias [700] != [768])" in msg
 
-    with pytest.raises(RemapError, match=r"not part of a cait checkpoint: blocks\.0\.attn\.rope\.freqs"):
+    with pytest.raises(
+        RemapError, match=r"not part of a CaiT \(timm layout\) checkpoint: blocks\.0\.attn\.rope\.freqs"
+    ):
         detected(dict(gamma_sd, **{"blocks.0.attn.rope.freqs": torch.ones(4)}), MODEL)
     with pytest.raises(ArchitectureError, match="unknown model 'cait_xxs24_224_lss'; did you mean cait_xxs24_224_ls"):
         detected(gamma_sd, "cait_xxs24_224_lss")

@@ -11,8 +11,9 @@ import torch
 
 import timm_layerscale  # noqa: F401
 from timm_layerscale.cli import main
-from timm_layerscale.families import get_variant, vit5_official
+from timm_layerscale.families import get_variant
 from timm_layerscale.files.read import load_checkpoint
+from timm_layerscale.models import vit5_official
 from timm_layerscale.parity.inputs import seed_parameters_
 from timm_layerscale.parity.tolerance import independent_bound
 

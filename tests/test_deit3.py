@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 import timm_layerscale  # noqa: F401
-from timm_layerscale.conversion import keys as remap
+from timm_layerscale.conversion import checkpoint
+from timm_layerscale.conversion import rules as remap
 from timm_layerscale.errors import RemapError
 from timm_layerscale.families import get_variant
 from timm_layerscale.parity.references import build_reference, load_model, model_name
@@ -67,7 +68,7 @@ def test_converted_file_matches_timm_loader_bit_for_bit(tmp_path, deit3_small) -
     via_timm = timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=path)).eval()
     # this package's rules on the same file
     raw = torch.load(path, map_location="cpu", weights_only=True)
-    converted = remap.to_layerscale(remap.unwrap_state_dict(raw), "deit3")
+    converted = remap.to_layerscale(checkpoint.unwrap_state_dict(raw), "deit3")
     ours = timm.create_model(NAME)
     ours.load_state_dict(converted, strict=True)
     ours.eval()
@@ -94,7 +95,7 @@ def test_round_trip_keeps_tensors(deit3_small) -> None:
     assert all(back[k] is ls[k] for k in ls)
     again = remap.to_gamma(back, "deit3")
     assert list(again) == list(official) and all(again[k] is official[k] for k in official)
-    assert remap.detect_layout(official) == "gamma"
+    assert remap.detect_gates(official) == "raw"
 
 
 def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:

@@ -15,7 +15,7 @@ from timm.models.eva import Eva
 from timm.utils import reparameterize_model
 
 import timm_layerscale  # noqa: F401
-from timm_layerscale.conversion import keys as remap
+from timm_layerscale.conversion import rules as remap
 from timm_layerscale.errors import CheckpointError, RemapError
 from timm_layerscale.families import variants_of
 from timm_layerscale.families.dinov3 import split_qkv_bias
@@ -40,7 +40,7 @@ def seeded(name: str, seed: int = 0, **kwargs: Any) -> Any:
 def official_layout(model: Any) -> dict[str, torch.Tensor]:
     """A timm DINOv3's weights as the official code saves them: ``storage_tokens``, a ``(1, D)`` ``mask_token``, the
     rotary ``periods``, ``ls1.gamma``, SwiGLU ``w1``/``w2``/``w3``, a fused ``qkv.bias`` whose k third (random here)
-    its ``bias_mask`` zeroes."""
+    its ``bias_mask`` zeroes; no classifier, as the authors' model has none."""
     sd, out = model.state_dict(), {}  # type: dict[str, torch.Tensor], dict[str, torch.Tensor]
     words = [("reg_token", "storage_tokens"), ("gamma_1", "ls1.gamma"), ("gamma_2", "ls2.gamma")]
     words += [("mlp.fc1_g", "mlp.w1"), ("mlp.fc1_x", "mlp.w2"), ("mlp.fc2", "mlp.w3")] if "fc1_g" in str(model) else []
@@ -50,7 +50,7 @@ def official_layout(model: Any) -> dict[str, torch.Tensor]:
             k = torch.randn(value.shape, generator=torch.Generator().manual_seed(len(out)))
             out[at + "qkv.bias"] = torch.cat([value, k, sd[at + "v_bias"]])
             out[at + "qkv.bias_mask"] = torch.cat([torch.ones_like(value), torch.zeros_like(k), torch.ones_like(value)])
-        elif not key.endswith("attn.v_bias"):
+        elif not key.endswith("attn.v_bias") and not key.startswith("head."):
             for old, new in words:
                 key = key.replace(old, new)
             out[key] = value
@@ -207,11 +207,14 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     ref, _ = pair()
     path = tmp_path / "dinov3_official.pth"
     torch.save(official_layout(ref), path)
-    via_timm = timm.create_model("tinytest_dinov3", pretrained=True, pretrained_cfg_overlay={"file": str(path)})
-    ours = timm.create_model("tinytest_dinov3_ls", pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+    file = {"file": str(path)}
+    via_timm = timm.create_model("tinytest_dinov3", pretrained=True, num_classes=0, pretrained_cfg_overlay=file)
+    ours = timm.create_model("tinytest_dinov3_ls", pretrained=True, num_classes=0, pretrained_cfg_overlay=file)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(via_timm.eval()(x), ref(x)) and torch.equal(ours.eval()(x), ref(x))
+        features = ref.forward_features(x)
+        assert torch.equal(via_timm.eval().forward_features(x), features)
+        assert torch.equal(ours.eval().forward_features(x), features)
     code, out, err = cli(capsys, "convert", path, tmp_path / "ls.safetensors", "--num-inputs", "1")
     assert code == 0, err
     assert "(official layout)" in out and "reference              tinytest_dinov3\n" in out and "bit-exact" in out
@@ -219,12 +222,10 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     # and back to the official layout: the file timm's loader reads as the source, the k bias zero, buffers computed
     from safetensors.torch import load_file
 
-    headless = {k: v for k, v in load_file(tmp_path / "ls.safetensors").items() if not k.startswith("head.")}
-    save_file(headless, tmp_path / "backbone.safetensors")  # the official model has no classifier
-    code, out, err = cli(capsys, "convert", tmp_path / "backbone.safetensors", tmp_path / "official.pth", "--to",
-                         "official", "--num-inputs", "1")  # fmt: skip
+    code, out, err = cli(capsys, "convert", tmp_path / "ls.safetensors", tmp_path / "official.pth", "--to", "official",
+                         "--num-inputs", "1")  # fmt: skip
     assert code == 0 and "bit-exact" in out, err
-    official = {k: v for k, v in official_layout(ref).items() if not k.startswith("head.")}
+    official = official_layout(ref)
     written = torch.load(tmp_path / "official.pth", weights_only=True)
     assert written.keys() == official.keys() and torch.equal(written["rope_embed.periods"], ref.rope.periods)
     for key, value in written.items():
@@ -236,7 +237,7 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     code, out, err = cli(capsys, "convert", teacher, back, "--to", "gamma", "--num-inputs", "1")
     assert code == 0 and "bit-exact" in out and "dino_head.mlp.N.weight" in out and "projectors.N.weight" in out, err
 
-    assert load_file(back).keys() == ref.state_dict().keys()
+    assert load_file(back).keys() == {k for k in ref.state_dict() if not k.startswith("head.")}
     # a wrong value operation (q and v exchanged in the split) reaches only the converted side: refused
     from timm_layerscale import families
 
@@ -245,9 +246,10 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     def swapped(at, bias, *_):
         return {f"{at}.q_bias": bias.chunk(3)[2], f"{at}.v_bias": bias.chunk(3)[0]}
 
-    swap = tuple(dataclasses.replace(r, op=swapped) if r.op is split_qkv_bias else r for r in fam.to_layerscale)
+    official_layout_ = fam.layouts["official"]
+    swap = tuple(dataclasses.replace(r, op=swapped) if r.op is split_qkv_bias else r for r in official_layout_.read)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(families.FAMILIES, "dinov3", dataclasses.replace(fam, to_layerscale=swap))
+        patch.setitem(fam.layouts, "official", dataclasses.replace(official_layout_, read=swap))
         code, out, err = cli(capsys, "convert", path, tmp_path / "wrong.safetensors", "--num-inputs", "1")
     assert code == 1 and "FAIL" in out and not (tmp_path / "wrong.safetensors").exists(), err
 
@@ -304,13 +306,12 @@ def test_an_export_loads_in_timm_and_transformers_with_the_dinov3_licence(tmp_pa
     card = ModelCard.load(tmp_path / "ls" / "README.md")
     assert "dropped / split" in card.text and "mask_token" in card.text
     # transformers' own folder: its config class's config.json, AutoModel builds DINOv3ViTModel without the package
-    backbone_file = tmp_path / "backbone.pth"  # as released: no classifier
-    torch.save({k: v for k, v in official_layout(ref).items() if not k.startswith("head.")}, backbone_file)
+    torch.save(ref.state_dict(), classifier := tmp_path / "classifier.pth")  # timm's layout, with a classifier
     with pytest.raises(CheckpointError, match="no classifier to hold"):
-        export_folder(path, tmp_path / "tf", to="transformers", plot=False)
-    with pytest.raises(CheckpointError, match="for the official layout's file, convert"):
+        export_folder(classifier, tmp_path / "tf", to="transformers", plot=False)
+    with pytest.raises(CheckpointError, match="for the official file, convert"):
         export_folder(path, tmp_path / "tf", to="official", plot=False)
-    folder = export_folder(backbone_file, tmp_path / "tf", to="transformers", plot=False, repo_id="org/dinov3").folder
+    folder = export_folder(path, tmp_path / "tf", to="transformers", plot=False, repo_id="org/dinov3").folder
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["DINOv3ViTModel"]
     theirs = AutoModel.from_pretrained(folder).eval()
     with torch.no_grad():

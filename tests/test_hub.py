@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import hashlib
 import io
@@ -525,8 +526,9 @@ def test_pretrained_downloads_what_the_registered_config_names(hub: FakeHub, tmp
     from safetensors.torch import save
 
     from helpers import images, randomize
-    from timm_layerscale.conversion.keys import to_gamma
-    from timm_layerscale.families import rope_buffers
+    from timm_layerscale.conversion.rules import to_gamma
+    from timm_layerscale.families import get_variant
+    from timm_layerscale.families.vit5 import rope_buffers
 
     _endpoint_read_on_import(monkeypatch, hub.url)
     theirs = randomize(timm.create_model("cait_xxs24_224"), seed=3).eval()
@@ -534,7 +536,8 @@ def test_pretrained_downloads_what_the_registered_config_names(hub: FakeHub, tmp
     hub.repos["timm/cait_xxs24_224.fb_dist_in1k"] = {"branches": {"main": {"model.safetensors": save(sd)}}, "prs": {}}
     tiny: dict[str, Any] = dict(embed_dim=64, depth=2, num_heads=2, img_size=32)
     weights, ema = (randomize(timm.create_model("vit5_small_patch16_224", **tiny), seed=s).eval() for s in (4, 5))
-    model_sd, ema_sd = (to_gamma(m.state_dict(), "vit5") | rope_buffers(2, 32) for m in (weights, ema))
+    small = dataclasses.replace(get_variant("vit5_small_patch16_224"), embed_dim=64, depth=2, num_heads=2)
+    model_sd, ema_sd = (to_gamma(m.state_dict(), "vit5") | rope_buffers(small) for m in (weights, ema))
     buf = io.BytesIO()
     torch.save({"model": model_sd, "model_ema": ema_sd, "epoch": 9, "args": argparse.Namespace(lr=1.0)}, buf)
     hub.repos["FengWang3211/ViT-5"] = {"branches": {"main": {"vit5_small_patch16_224.pth": buf.getvalue()}}, "prs": {}}
@@ -715,7 +718,7 @@ def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Pat
     assert "[XXS24_224.pth](https://storage.example:8443/runs/XXS24_224.pth)" in text
     assert "timm-layerscale export https://storage.example:8443/runs/XXS24_224.pth " in text
     code, out, _ = cli(capsys, "convert", url, tmp_path / "x.safetensors", "--num-inputs", "1")
-    assert code == 0 and "converted https://storage.example:8443/runs/XXS24_224.pth (gamma layout)" in out
+    assert code == 0 and "converted https://storage.example:8443/runs/XXS24_224.pth (official layout)" in out
     shown = (text, res.summary(), json.dumps(res.to_dict()), out)  # and what the command line prints
     assert not any(secret in t for t in shown for secret in ("alice", "hunter2", "s3cr3t", "t0k3n", "#part"))
 
@@ -792,7 +795,10 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
         source="https://dl.fbaipublicfiles.com/deit/S24_224.pth",
         source_path=tmp_path / "S24_224.pth",
         source_sha256="ab" * 32,
-        source_layout="gamma",
+        source_layout="official",
+        target_layout="ls",
+        renamed=[("blocks.N.gamma_1", "blocks.N.ls1.gamma")],
+        changed="",
         report=None,
     )
     config = {
@@ -807,6 +813,7 @@ def test_model_card_without_plot_or_reference(tmp_path: Path) -> None:
     assert ModelCard(text).data.to_dict()["license"] == "apache-2.0"
     assert "[S24_224.pth](https://dl.fbaipublicfiles.com/deit/S24_224.pth)" in text
     assert "no output comparison was made" in text
+    assert "| `blocks.N.gamma_1` | `blocks.N.ls1.gamma` |" in text and "`{'model': {'module.' + key: tensor}}`" in text
     assert "gates.png" not in text and "## LayerScale gates" not in text
     assert "**Params (M):** 46.9" in text
     assert ModelCard(text).data.to_dict()["datasets"] == ["imagenet-1k"] and "**Dataset:** imagenet-1k" in text

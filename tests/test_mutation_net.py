@@ -8,15 +8,16 @@ passes. A file corrupted between its write and its read-back exits 1 too.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import cli, damage_inside
+from helpers import cli, damage_inside, gamma_file
 from timm_layerscale import converter, families
-from timm_layerscale.families import Family, Rule
+from timm_layerscale.families import Rule
 
 ONE = ("--num-inputs", "1", "-q")
 
@@ -50,12 +51,13 @@ def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
 
 
 def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> None:
-    """Inject ``mutation`` into the ``to`` direction of ``family``'s conversion, undone with ``patch``."""
+    """Inject ``mutation`` into the ``to`` direction of ``family``'s conversion, undone with ``patch``: reading the
+    source's layout (``to="ls"``), or writing the layout ``to`` names."""
     if mutation == "cast":
         real = converter.cast_tensors
 
-        def cast(tensors, dtype, family):
-            out = real(tensors, dtype, family)
+        def cast(tensors, dtype, keep):
+            out = real(tensors, dtype, keep)
             key = next(k for k in out if k.endswith(("ls1.gamma", "gamma_1", "layer_scale1.lambda1")))
             out[key] = out[key].clone()
             out[key][0] *= 1.01
@@ -64,13 +66,13 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
         patch.setattr(converter, "cast_tensors", cast)
     elif mutation != "clean":
         fam, wrong = families.FAMILIES[family], _rules(family, to, mutation)
-        if to in ("ls", "gamma"):
-            table = "to_layerscale" if to == "ls" else "to_gamma"
-            changed = Family(**{**fam.__dict__, table: (*wrong, *getattr(fam, table))})
-        else:
-            targets = tuple((name, (*wrong, *rules) if name == to else rules) for name, rules in fam.targets)
-            changed = Family(**{**fam.__dict__, "targets": targets})
-        patch.setitem(families.FAMILIES, family, changed)
+        name = fam.alias("pth") if to in ("ls", "gamma") else to
+        layout = fam.layouts[name]
+        field = "read" if to == "ls" else "write"
+        changed = dataclasses.replace(layout, **{field: (*wrong, *getattr(layout, field))})
+        for key, value in fam.layouts.items():
+            if value is layout:
+                patch.setitem(fam.layouts, key, changed)
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +80,21 @@ def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """Per family: an official-layout file (the source of ``--to ls``) and its ``ls`` conversion (of ``--to gamma``)."""
     import tiny_models
     from timm_layerscale import to_gamma, to_layerscale
-    from timm_layerscale.conversion.keys import official_checkpoint
     from timm_layerscale.parity.inputs import seed_parameters_
     from timm_layerscale.parity.references import build_reference
 
     folder, out = tmp_path_factory.mktemp("mutation-net"), {}
     for v in tiny_models.TINY:
         sd = to_gamma(seed_parameters_(build_reference(v), seed=1).state_dict(), v.family)
-        out[v.family, "ls"] = folder / f"{v.family}.pth"
-        torch.save(official_checkpoint(sd, v.family), out[v.family, "ls"])
-        out[v.family, "gamma"] = folder / f"{v.family}_ls.pth"
-        torch.save(to_layerscale(sd, v.family), out[v.family, "gamma"])
+        out[v.family.name, "ls"] = folder / f"{v.family.name}.pth"
+        torch.save(gamma_file(sd, v.family), out[v.family.name, "ls"])
+        out[v.family.name, "gamma"] = folder / f"{v.family.name}_ls.pth"
+        torch.save(to_layerscale(sd, v.family), out[v.family.name, "gamma"])
         for to in ("official", "transformers"):  # from the ls layout, without the classifier these have no place for
-            out[v.family, to] = folder / f"{v.family}_backbone.pth"
+            out[v.family.name, to] = folder / f"{v.family.name}_backbone.pth"
             torch.save(
-                {k: t for k, t in to_layerscale(sd, v.family).items() if not k.startswith("head.")}, out[v.family, to]
+                {k: t for k, t in to_layerscale(sd, v.family).items() if not k.startswith("head.")},
+                out[v.family.name, to],
             )
     return out
 
@@ -158,3 +160,92 @@ def test_a_file_damaged_between_write_and_read_back_is_refused(suffix, sources, 
         code, stdout, err = cli(capsys, "convert", sources["cait", "ls"], out, *ONE)
     assert code == 1 and not out.exists() and not list(tmp_path.iterdir()), err
     assert "the written file differs from the source" in err and "NOT all equal" in stdout
+
+
+def _official_dinov3(sources, tmp_path, change) -> Path:
+    """The tiny DINOv3's official file with ``change(state_dict)`` made to its tensors."""
+    from timm_layerscale.conversion.target import target_tensors as _target
+    from timm_layerscale.families import get_variant
+
+    v = get_variant("tinytest_dinov3_ls")
+    ls = torch.load(sources["dinov3", "official"], weights_only=True)
+    sd = {k: t.clone() for k, t in _target(ls, v, v.family.layouts["ls"], v.family.layouts["official"]).items()}
+    change(sd)
+    torch.save(sd, path := tmp_path / "official.pth")
+    return path
+
+
+def _live_k(sd, mask=None):
+    for key in [k for k in sd if k.endswith("qkv.bias")]:
+        sd[key][sd[key].numel() // 3 : 2 * sd[key].numel() // 3] = 0.5
+        if mask is None:
+            del sd[f"{key}_mask"]
+        else:
+            sd[f"{key}_mask"] = torch.full_like(sd[key], 1.0) if mask == "ones" else sd[f"{key}_mask"]
+
+
+#: Values of an official DINOv3 file that timm's loader drops unseen, and what a conversion must say of each.
+DROPS = {
+    "live k bias, no mask": (lambda sd: _live_k(sd), 2, "non-zero k third"),
+    "live k bias, all-ones mask": (lambda sd: _live_k(sd, "ones"), 2, "is not [1, 0, 1]"),
+    "zero k bias, all-ones mask": (lambda sd: sd.update({k: torch.ones_like(v) for k, v in sd.items() if k.endswith("_mask")}), 2, "is not [1, 0, 1]"),
+    "periods off": (lambda sd: sd["rope_embed.periods"].mul_(1.1), 2, "rotary periods"),
+    "live k bias, [1, 0, 1] mask": (lambda sd: _live_k(sd, "101"), 0, "k third masked by bias_mask [1, 0, 1]"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DROPS)
+def test_a_tensor_is_dropped_only_where_its_values_prove_it_inert(case, sources, tiny_variants, tmp_path, capsys):
+    change, status, said = DROPS[case]
+    out = tmp_path / "out.safetensors"
+    code, stdout, err = cli(capsys, "convert", _official_dinov3(sources, tmp_path, change), out, *ONE)
+    assert code == status and out.exists() == (status == 0), err
+    assert said in (stdout if status == 0 else err)
+    if status:
+        assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_a_fold_bug_is_refused_at_every_gate_size(dtype, sources, tiny_variants, tmp_path, capsys):
+    """A fold rule that scales every gate by 1.01 reaches both sides of the weight comparison; the fold check,
+    ``gamma * W`` computed apart in float64, refuses it at released gate sizes too."""
+    from timm_layerscale.conversion import fold
+    from timm_layerscale.layer_scale import fold_weights
+
+    sd = torch.load(sources["cait", "gamma"], weights_only=True)
+    for gate in (0.1, 1e-5, 1e-6):
+        torch.save(
+            {k: torch.full_like(v, gate) if k.endswith("gamma") else v for k, v in sd.items()},
+            src := tmp_path / "g.pth",
+        )
+        for mutated in (False, True):
+            with pytest.MonkeyPatch.context() as patch:
+                if mutated:
+                    patch.setattr(fold, "fold_weights", lambda w, b, g, dt=None: fold_weights(w, b, g * 1.01, dt))
+                out = tmp_path / "folded.safetensors"
+                code, _, err = cli(capsys, "convert", src, out, "--fold", "--dtype", dtype, *ONE)
+            assert code == (1 if mutated else 0) and out.exists() != mutated, (gate, err)
+            # at a released gate size the outputs move too little for their bound: the fold check alone refuses
+            assert not mutated or "is not gamma * W rounded once" in err or (gate == 0.1 and "does not match" in err), err
+            out.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("family", "wrong"),
+    [
+        ("dinov3", (r"(blocks\.\d+\.mlp)\.fc2\.(weight|bias)", r"\1.fc2.\2")),
+        ("dinov2", (r"(blocks\.\d+\.mlp)\.fc2\.(weight|bias)", r"\1.w3.\2")),
+    ],
+)
+def test_official_key_names_the_authors_code_does_not_load_are_refused(
+    family, wrong, sources, tiny_variants, tmp_path, capsys
+):
+    """A SwiGLU ``fc2`` left unnamed ``w3``, a plain MLP's ``fc2`` named ``w3``: timm's filter of official files
+    would read either; the authors' key set, checked before it, does not."""
+    fam = families.FAMILIES[family]
+    with pytest.MonkeyPatch.context() as patch:
+        layout = fam.layouts["official"]
+        patch.setitem(fam.layouts, "official", dataclasses.replace(layout, write=(Rule(*wrong), *layout.write)))
+        out = tmp_path / "official.pth"
+        code, _, err = cli(capsys, "convert", sources[family, "official"], out, "--to", "official", *ONE)
+    assert code == 2 and not out.exists() and "does not fit the authors' DinoVisionTransformer" in err, err

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from helpers import gamma_file
 from timm_layerscale import converter
-from timm_layerscale.conversion.keys import official_checkpoint, strip_prefixes, unwrap_state_dict
+from timm_layerscale.conversion.checkpoint import strip_prefixes, unwrap_state_dict
 from timm_layerscale.files.read import load_checkpoint
 
 
@@ -29,7 +30,7 @@ def official_sd(official) -> dict[str, torch.Tensor]:
 
 
 def _official_file(path: Path, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> Path:
-    torch.save(official_checkpoint({k: v.to(dtype) for k, v in sd.items()}, "cait"), path)
+    torch.save(gamma_file({k: v.to(dtype) for k, v in sd.items()}, "cait"), path)
     return path
 
 

@@ -205,3 +205,15 @@ def test_parse_dtype():
     assert [parse_dtype(n) for n in ("fp32", "fp16", "bf16")] == [torch.float32, torch.float16, torch.bfloat16]
     with pytest.raises(CheckpointError, match="use fp32, fp16 or bf16"):
         parse_dtype("int8")
+
+
+def test_two_urls_of_one_file_name_never_share_a_download(monkeypatch, tmp_path):
+    """Every Hub ``resolve/.../model.safetensors`` URL has one file name: each is kept under a hash of its URL, the
+    user name and password left out."""
+    from timm_layerscale.files.sources import cached_url_path
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    a = cached_url_path("https://huggingface.co/org/a/resolve/main/model.safetensors")
+    b = cached_url_path("https://huggingface.co/org/b/resolve/main/model.safetensors")
+    assert a.name == b.name == "model.safetensors" and a != b and a.parent.parent == b.parent.parent
+    assert cached_url_path("https://user:secret@example.org/w/S24.pth") == cached_url_path("https://example.org/w/S24.pth")

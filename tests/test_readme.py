@@ -77,16 +77,17 @@ def prepared(tmp_path_factory) -> Path:
     from PIL import Image
 
     import timm_layerscale  # noqa: F401
-    from helpers import fine_tuned
-    from timm_layerscale.conversion.keys import official_checkpoint, to_gamma
+    from helpers import fine_tuned, gamma_file
+    from timm_layerscale.conversion.rules import to_gamma
     from timm_layerscale.demo import write_official_checkpoint
-    from timm_layerscale.families import get_variant, vit5_official
+    from timm_layerscale.families import get_variant
+    from timm_layerscale.models import vit5_official
     from timm_layerscale.parity.inputs import seed_parameters_
 
     work = tmp_path_factory.mktemp("prepared")
     write_official_checkpoint(work / "XXS24_224.pth", "cait_xxs24_224", seed=0)
     deit3 = seed_parameters_(timm.create_model("deit3_small_patch16_224"), seed=3)
-    torch.save(official_checkpoint(to_gamma(deit3.state_dict(), "deit3"), "deit3"), work / "deit_3_small_224_1k.pth")
+    torch.save(gamma_file(to_gamma(deit3.state_dict(), "deit3"), "deit3"), work / "deit_3_small_224_1k.pth")
     vit5 = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
     model_sd = {k: v.clone() for k, v in seed_parameters_(vit5, seed=7).state_dict().items()}
     ema_sd = {k: v.clone() for k, v in seed_parameters_(vit5, seed=8).state_dict().items()}

@@ -8,15 +8,8 @@ import torch
 from hypothesis import strategies as st
 
 import timm_layerscale  # noqa: F401
-from timm_layerscale.conversion.keys import (
-    check_state_dict,
-    detect_layout,
-    state_dict_of,
-    strip_prefixes,
-    to_gamma,
-    to_layerscale,
-    unwrap_state_dict,
-)
+from timm_layerscale.conversion.checkpoint import state_dict_of, strip_prefixes, unwrap_state_dict
+from timm_layerscale.conversion.rules import check_state_dict, detect_gates, to_gamma, to_layerscale
 from timm_layerscale.errors import RemapError
 from timm_layerscale.models.cait_ls import VARIANTS
 
@@ -24,10 +17,10 @@ from timm_layerscale.models.cait_ls import VARIANTS
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_round_trip_every_variant_on_meta(name):
     ref = timm.create_model(str(VARIANTS[name].reference), device="meta").state_dict()
-    ls = to_layerscale(ref)
-    assert detect_layout(ref) == "gamma" and detect_layout(ls) == "ls"
+    ls = to_layerscale(ref, "cait")
+    assert detect_gates(ref) == "raw" and detect_gates(ls) == "modules"
     assert not any("gamma_" in k for k in ls)
-    back = to_gamma(ls)
+    back = to_gamma(ls, "cait")
     assert list(back) == list(ref)
     assert all(back[k] is ref[k] for k in ref)
     ours = timm.create_model(name, device="meta").state_dict()
@@ -39,7 +32,7 @@ def test_round_trip_real_tensors_bit_for_bit():
     ref = timm.create_model("cait_xxs24_224", img_size=32, depth=2).state_dict()
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         sd = {k: v.to(dtype) for k, v in ref.items()}
-        back = to_gamma(to_layerscale(sd))
+        back = to_gamma(to_layerscale(sd, "cait"), "cait")
         assert back.keys() == sd.keys()
         for k in sd:
             assert back[k].dtype == dtype and torch.equal(back[k], sd[k])
@@ -61,17 +54,17 @@ def test_prefixes_and_wrappers():
     assert unwrap_state_dict({"state_dict": inner, "state_dict_ema": ema}) is inner
     with pytest.raises(RemapError, match="only an EMA state dict \\('state_dict_ema'\\)"):
         unwrap_state_dict({"state_dict_ema": ema, "epoch": 3})
-    assert to_layerscale(inner) == {"blocks.0.ls1.gamma": 1, "pos_embed": 2}
+    assert to_layerscale(inner, "cait") == {"blocks.0.ls1.gamma": 1, "pos_embed": 2}
 
 
 def test_unknown_keys_are_named():
     with pytest.raises(RemapError, match=r"2 key\(s\).*fc\.weight.*layer1\.0\.conv1\.weight"):
-        to_layerscale({"fc.weight": 1, "layer1.0.conv1.weight": 2, "cls_token": 3})
+        to_layerscale({"fc.weight": 1, "layer1.0.conv1.weight": 2, "cls_token": 3}, "cait")
 
 
 def test_mixed_layouts_rejected():
     with pytest.raises(RemapError, match="mixes"):
-        to_layerscale({"blocks.0.gamma_1": 1, "blocks.1.ls1.gamma": 2})
+        to_layerscale({"blocks.0.gamma_1": 1, "blocks.1.ls1.gamma": 2}, "cait")
 
 
 def test_the_name_of_a_module_wrapping_the_model_is_removed():

@@ -15,7 +15,7 @@ import timm_layerscale  # noqa: F401  (registers the models)
 from helpers import TINY_CAIT, images, tiny_pair
 from kernel_trace import compiled_graph, compiled_reference
 from timm_layerscale.cli import main
-from timm_layerscale.conversion.keys import to_gamma
+from timm_layerscale.conversion.rules import to_gamma
 from timm_layerscale.files.read import load_checkpoint
 from timm_layerscale.models.cait_ls import CaitLS
 
@@ -150,7 +150,7 @@ def test_train_py_checkpoint_converts_to_gamma_and_loads_into_timm_cait(trained,
     assert "blocks.0.gamma_1" in sd and not any(".ls1." in k or ".ls2." in k for k in sd)
     reference = timm.create_model("cait_xxs24_224", num_classes=10)
     reference.load_state_dict(sd, strict=True)
-    for k, v in to_gamma(expected.state_dict()).items():
+    for k, v in to_gamma(expected.state_dict(), "cait").items():
         assert torch.equal(sd[k], v), k
     x, _ = batch(1, 224)
     with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 from huggingface_hub import ModelCard
 
 from helpers import ROOT, assert_one_line_error, cli, fine_tuned
-from timm_layerscale.errors import CheckpointError
+from timm_layerscale.errors import CheckpointError, RemapError
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.parity.tolerance import VerifyOptions
 
@@ -235,27 +235,22 @@ def test_re_exporting_a_folder_keeps_its_class_names_and_tag(folders, tmp_path: 
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(
-    ("model", "message"),
-    [
-        ("vit5_small_patch16_224", "timm has no architecture for vit5_small_patch16_224"),
-        ("deit3_small_patch16_224", "already uses timm's own deit3_small_patch16_224"),
-    ],
-)
-def test_gamma_is_for_cait_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, message: str) -> None:
-    """The refusal comes before the conversion and its verification, and leaves no folder behind."""
+def test_timm_is_refused_before_converting_where_timm_has_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ViT-5 has no timm layout (timm has no ViT-5): ``--to timm`` and the release word ``gamma`` (which means it for
+    an export) are refused before the conversion and its verification, and leave no folder behind."""
     import timm_layerscale.converter
     from timm_layerscale.demo import write_official_checkpoint
 
     source = tmp_path / "src.pth"
-    write_official_checkpoint(source, model)
+    write_official_checkpoint(source, "vit5_small_patch16_224")
 
     def no_conversion(*args: object, **kwargs: object) -> None:
         raise AssertionError("converted before refusing")
 
     monkeypatch.setattr(timm_layerscale.converter, "convert_checkpoint", no_conversion)
-    with pytest.raises(CheckpointError, match=message):
-        export_folder(source, tmp_path / "out", to="gamma", plot=False, options=ONE)
+    for to in ("timm", "gamma"):
+        with pytest.raises(RemapError, match="ViT-5 has no layout 'timm' to write; its layouts: ls, official"):
+            export_folder(source, tmp_path / "out", to=to, plot=False, options=ONE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pth"]
 
 
@@ -299,8 +294,10 @@ def test_cards_say_which_package_loads_the_folder_and_where_weights_come_from(fo
         assert "timm-layerscale is not needed" in text and "import timm_layerscale" not in text
         assert "pip install timm\n" in text
     assert "timm has no ViT-5" in cards["vit5"].text
-    assert "stored in timm's own layout for `deit3_small_patch16_224` (LayerScale modules" in cards["deit3"].text
-    assert "stored in timm's own layout for `cait_xxs24_224` (the original raw" in cards["cait_gamma"].text
+    assert "stored in timm's own layout for `deit3_small_patch16_224`." in cards["deit3"].text
+    assert "| `blocks.N.gamma_1` | `blocks.N.ls1.gamma` |" in cards["deit3"].text  # the official file's keys
+    assert "stored in timm's own layout for `cait_xxs24_224`." in cards["cait_gamma"].text
+    assert "Every key keeps its name; the source's container, `{'model': {'module.' + key: tensor}}`" in cards["cait_gamma"].text
     assert "**LayerScale-module layout** of [timm-layerscale]" in cards["cait"].text
     # The card names the source file and its SHA-256.
     for card in cards.values():

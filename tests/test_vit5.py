@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from helpers import DEVICES, TORCH_VERSION, assert_traces_and_scripts, create_model, detected
-from timm_layerscale.conversion import keys as remap
+from timm_layerscale.conversion import rules as remap
 from timm_layerscale.errors import RemapError
-from timm_layerscale.families import get_variant, official_rope_buffers, vit5_official
-from timm_layerscale.models import vit5
+from timm_layerscale.families import get_variant
+from timm_layerscale.families.vit5 import rope_buffers
+from timm_layerscale.models import vit5, vit5_official
 from timm_layerscale.parity.references import load_model, model_name
 
 NAMES = list(vit5.VARIANTS)
@@ -203,18 +204,20 @@ def test_package_matches_reference_module_within_tolerance(img: int) -> None:
 
 def test_reference_interface_loads_official_and_converted_weights() -> None:
     sd = official_state_dict(384, 12, 6, grid=14, seed=5)
-    loaded = load_model("vit5_small_patch16_224", "gamma", sd)  # the official file's own tensors
+    loaded = load_model("vit5_small_patch16_224", "official", sd)  # the official file's own tensors
     assert loaded.state_dict().keys() == sd.keys() and not loaded.training
     assert all(torch.equal(loaded.state_dict()[k], sd[k]) for k in sd)
-    assert model_name(get_variant("vit5_small_patch16_224"), "gamma") == "vit5_official/vit5_small_patch16_224"
+    v = get_variant("vit5_small_patch16_224")
+    assert model_name(v, v.family.layouts["official"]) == "vit5_official/vit5_small_patch16_224"
     converted = load_model("vit5_small_patch16_224", "ls", remap.to_layerscale(sd, "vit5"))  # this package's model
-    assert model_name(get_variant("vit5_small_patch16_224"), "ls") == "vit5_small_patch16_224"
+    assert model_name(v, v.family.layouts["ls"]) == "vit5_small_patch16_224"
     assert converted.state_dict().keys() == remap.to_layerscale(sd, "vit5").keys() and not converted.training
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_official_freqs_equal_computed_tables(name: str) -> None:
-    computed, v = official_rope_buffers(name), vit5.VARIANTS[name]
+    v = vit5.VARIANTS[name]
+    computed = rope_buffers(v)
     with torch.device("meta"):
         keys = [k for k in vit5_official.build_official_vit5(v).state_dict() if k.endswith(".freqs")]
     one = vit5_official.Attention(v.embed_dim, v.num_heads, v.img_size // v.patch_size, 4, 100)  # every block's
@@ -245,7 +248,7 @@ def test_layout_matches_official_reference_on_meta(name: str) -> None:
     with torch.device("meta"):
         ref = vit5_official.build_official_vit5(vit5.VARIANTS[name])
         model = create_model(name)
-    official = ref.state_dict()
+    official = {**ref.state_dict(), **rope_buffers(vit5.VARIANTS[name])}  # the buffers' values, proven computed
     converted = remap.to_layerscale(official, "vit5")
     remap.check_state_dict(converted, model.state_dict(), name)
     assert detected(official).variant.name == name

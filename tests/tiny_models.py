@@ -11,16 +11,18 @@ from timm.models.deit import _create_deit
 from timm.models.eva import _create_eva
 from timm.models.vision_transformer import _create_vision_transformer
 
-from timm_layerscale.families import Variant
+from timm_layerscale.families import FAMILIES, Variant
 from timm_layerscale.models import cait_ls, dinov3_ls, vit5
 from timm_layerscale.models._helpers import build_variant, pretrained_cfg
 
-CAIT = Variant("tinytest_cait_layerscale", "cait", "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
-DEIT3 = Variant("tinytest_deit3", "deit3", "tinytest_deit3", 32, 32, 3, 4, None, patch_size=8)
-VIT5 = Variant("tinytest_vit5", "vit5", None, 32, 64, 3, 2, 1e-4, patch_size=8)
+CAIT = Variant("tinytest_cait_layerscale", FAMILIES["cait"], "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
+DEIT3 = Variant("tinytest_deit3", FAMILIES["deit3"], "tinytest_deit3", 32, 32, 3, 4, None, patch_size=8)
+VIT5 = Variant("tinytest_vit5", FAMILIES["vit5"], None, 32, 64, 3, 2, 1e-4, patch_size=8)
 _SWIGLU_QKVB = (("qkv_bias", True), ("swiglu_mlp", True), ("swiglu_align_to", 8))
-DINOV3 = Variant("tinytest_dinov3_ls", "dinov3", "tinytest_dinov3", 32, 32, 3, 2, 1e-5, patch_size=8, args=_SWIGLU_QKVB)
-DINOV2 = Variant("tinytest_dinov2", "dinov2", "tinytest_dinov2", 32, 32, 3, 2, 1e-5, patch_size=8)
+DINOV3 = Variant(
+    "tinytest_dinov3_ls", FAMILIES["dinov3"], "tinytest_dinov3", 32, 32, 3, 2, 1e-5, patch_size=8, args=_SWIGLU_QKVB
+)
+DINOV2 = Variant("tinytest_dinov2", FAMILIES["dinov2"], "tinytest_dinov2", 32, 32, 3, 2, 1e-5, patch_size=8)
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
 TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2)
 

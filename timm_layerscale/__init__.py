@@ -12,26 +12,12 @@ import sys
 from typing import Any
 
 from ._version import __version__
-from .conversion.keys import to_gamma, to_layerscale
+from .conversion.rules import to_gamma, to_layerscale
 from .errors import LayerScaleError
 
-__all__ = [
-    "__version__",
-    "ConversionResult",
-    "convert_checkpoint",
-    "verify_checkpoint",
-    "read_source",
-    "LayerScale",
-    "LayerScaleError",
-    "cait_init_value",
-    "fold_state_dict",
-    "fold_layerscale",
-    "param_groups",
-    "VerifyOptions",
-    "to_layerscale",
-    "to_gamma",
-    "models",
-]
+__all__ = ["__version__", "ConversionResult", "convert_checkpoint", "verify_checkpoint", "read_source"]
+__all__ += ["LayerScale", "LayerScaleError", "cait_init_value", "fold_state_dict", "fold_layerscale"]
+__all__ += ["param_groups", "VerifyOptions", "to_layerscale", "to_gamma", "models"]
 
 _LAZY = {
     "LayerScale": ".layer_scale",

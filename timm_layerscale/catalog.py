@@ -34,7 +34,7 @@ def model_catalog(flops: bool = False) -> list[dict[str, Any]]:
         cfg = model.pretrained_cfg
         row: dict[str, Any] = {
             "name": name,
-            "family": variant.family,
+            "family": variant.family.name,
             "reference": variant.reference or "-",
             "params": sum(p.numel() for p in model.parameters()),
             "resolution": int(cfg["input_size"][-1]),

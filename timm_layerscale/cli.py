@@ -19,7 +19,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import COMMAND_LINE
-from .families import LAYOUTS
+from .families import LAYOUT_NAMES
 from .options import OneLineParser, add_verify_args, check_inputs, verify_options
 from .progress import write_out
 
@@ -79,14 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("convert", "convert a checkpoint between layouts and verify parity", "source", "output", source=True)
     p.add_argument(
         "--to",
-        choices=LAYOUTS,
+        choices=LAYOUT_NAMES,
         default="ls",
-        help="target layout (default ls; gamma: the official file, for DINOv3 timm's; official: DINOv3's official "
-        "file; transformers: DINOv2's and DINOv3's)",
+        help="target layout, where the family has it: ls (default; this package's modules), timm (the state dict of "
+        "timm's own model), official (the authors' release file), transformers (what AutoModel loads); gamma: a word "
+        "of one release, the official .pth (DINOv3: timm's layout), else timm's",
     )
-    p.add_argument(
-        "--plain", action="store_true", help="with --to gamma: the bare state dict, without the official wrapper"
-    )
+    p.add_argument("--plain", action="store_true", help="deprecated: --to gamma without the container; use --to timm")
     p.add_argument("--format", dest="fmt", choices=("safetensors", "pth"), help="default: from OUTPUT's suffix")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
     p.add_argument("--fold", action="store_true", help="fold LayerScale into the preceding Linear layers")
@@ -126,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--to",
-        choices=LAYOUTS,
+        choices=LAYOUT_NAMES,
         default="ls",
-        help="gamma: timm's own architecture (CaiT, DINOv3); transformers: a folder its AutoModel loads (DINOv2, DINOv3)",
+        help="ls (default): this package's architecture; timm: timm's own (CaiT, DINOv3); transformers: a folder its "
+        "AutoModel loads (DINOv2, DINOv3); gamma: timm's",
     )
     p.add_argument("--label-names", metavar="FILE", help="class names of a fine-tuned head: one per line, or JSON")
     p.add_argument("--tag", help="pretrained tag in config.json (default: the source's, else the architecture's)")
@@ -148,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit-message", metavar="M", help="commit message")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; make no request")
 
-    p = add("inspect", "show the LayerScale gates of a checkpoint, block by block", "source", source=True)
+    p = add(
+        "inspect",
+        "show the LayerScale gates of a checkpoint, block by block, and what converting it to each layout would do",
+        "source",
+        source=True,
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw the gate profile: .png, .svg, .pdf (needs matplotlib)")
     p.add_argument("--overwrite", action="store_true", help="replace the --plot file if it exists")
     return parser
@@ -184,16 +189,19 @@ def cmd_convert(a: argparse.Namespace) -> int:
     fields = {
         "output": str(res.output),
         "model": res.variant.name,
-        "family": res.variant.family,
+        "family": res.variant.family.name,
         "source_sha256": res.source_sha256,
         "source_layout": res.source_layout,
         "target_layout": res.target_layout,
         "container": res.container,
+        "note": res.note or None,
         "seconds": round(res.seconds, 3),
         "metadata": res.metadata,
         "report": res.report.to_dict() if res.report else None,
     }
-    target = f"{res.target_layout} layout" + ("" if res.container == "plain" else f", official file {res.container}")
+    if res.note and not a.json:
+        _say("note", res.note)
+    target = f"{res.target_layout} layout" + ("" if res.container == "state dict" else f", {res.container}")
     target += ", LayerScale folded into the weights" if a.fold else ""
     text = f"converted {res.source} ({res.source_layout} layout) -> {res.output} ({target}) as {res.variant.name} in {res.seconds:.1f} s"
     return _show(a, fields, text + (f"\n{res.report.format_table()}" if res.report else ""))
@@ -248,15 +256,24 @@ def cmd_push(a: argparse.Namespace) -> int:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from .errors import ArchitectureError
     from .files.atomic import output_path
     from .files.sources import public_source
-    from .inspection import format_gate_table, gate_profile, plot_format, plot_gates
+    from .inspection import conversion_plan, format_gate_table, format_plan, gate_profile, plot_format, plot_gates
 
     if a.plot:  # before any output or download
         plot_format(a.plot)
         output_path(a.plot, a.overwrite)
     profile = gate_profile(a.source, model=a.model, ema=a.ema)
-    print_json(profile) if a.json else write_out(format_gate_table(profile))
+    try:
+        plan = conversion_plan(a.source, model=a.model, ema=a.ema)
+    except ArchitectureError as e:  # gates of a model this package does not convert
+        plan = {"conversions": None, "not_convertible": " ".join(str(e).split())}
+    if a.json:
+        print_json({**plan, "gates": profile})
+    else:
+        said = format_plan(plan) if plan["conversions"] is not None else f"not convertible: {plan['not_convertible']}"
+        write_out(f"{format_gate_table(profile)}\n\n{said}")
     if a.plot:
         name = Path(public_source(a.source)).name  # a URL's query can hold credentials
         plot_gates(profile, a.plot, title=f"{name}: LayerScale gates", overwrite=a.overwrite)
@@ -276,8 +293,12 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _say(kind: str, message: str) -> None:
+    print(f"{PROG}: {kind}: {' '.join(message.split())}", file=sys.stderr)
+
+
 def _error(message: str) -> None:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    _say("error", message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

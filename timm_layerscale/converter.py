@@ -4,7 +4,6 @@ write (:func:`convert_checkpoint`, which export and the release pipeline call)."
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -16,11 +15,13 @@ from typing import Any
 import torch
 
 from ._version import __version__
-from .conversion.detect import Detection, detect, state_dict_shapes, without_zero_optional
-from .conversion.fold import fold_state_dict
-from .conversion.keys import detect_layout, dropped, official_checkpoint, remap, state_dict_of, to_gamma, to_layerscale
+from .conversion.checkpoint import container_of, state_dict_of
+from .conversion.detect import Detection, detect
+from .conversion.rules import Change, describe_changes, renamed_keys
+from .conversion.target import cast_tensors, check_folds, target_tensors
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
-from .families import FAMILIES, LAYOUTS, Variant, get_family, get_variant
+from .families import ALIAS, LAYOUT_NAMES, Layout, Variant, get_variant
+from .families.loaders import read_config
 from .files.atomic import output_path
 from .files.read import (
     check_checksums,
@@ -28,17 +29,17 @@ from .files.read import (
     load_checkpoint,
     nonfinite_tensors,
     parse_dtype,
-    read_state_dict,
+    read_checkpoint,
     sha256_file,
 )
 from .files.save import output_format, save_pth, save_safetensors
-from .files.sources import public_source
+from .files.sources import public_source, source_config
 from .options import command_line
 from .parity.compare import ParityReport, compare_weights
 from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_outputs
 
-__all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "verify_checkpoint"]
+__all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "target_layout", "verify_checkpoint"]
 
 
 def _background(fn: Callable[[Path], Any], path: Path) -> Future[Any]:
@@ -60,7 +61,8 @@ def _background(fn: Callable[[Path], Any], path: Path) -> Future[Any]:
 class Source:
     """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped, prefix-free,
     in their own layout, memory-mapped), their :class:`~timm_layerscale.conversion.detect.Detection`, whether they
-    were found finite, the zip checksums being checked in a thread, and whether ``'model_ema'`` was read."""
+    were found finite, the zip checksums being checked in a thread, whether ``'model_ema'`` was read, the
+    ``config.json`` beside the weights (a folder's, a Hub repository's) and for a transformers folder its config."""
 
     given: str
     path: Path
@@ -69,41 +71,56 @@ class Source:
     finite: bool = False
     intact: Future[None] | None = None
     ema: bool = False
+    config_file: Path | None = None
+    config: Any = None
 
     def check(self) -> None:
         """Wait for the zip checksums; a :class:`~timm_layerscale.errors.CheckpointError` if one fails."""
         if self.intact is not None:
             self.intact.result()
 
+    @property
+    def args(self) -> dict[str, Any]:
+        """The arguments the loader native to its layout builds its model with: the detection's overrides, and the
+        config of a transformers folder."""
+        return {**self.detection.overrides, **({"config": self.config} if self.config is not None else {})}
+
 
 def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False) -> Source:
     """Resolve, read (zip checksums checked meanwhile) and detect a local file or folder, ``https://`` URL or
-    ``hf-hub:ORG/REPO[/FILE]``; ``model`` overrides detection, ``ema`` takes the ``'model_ema'`` weights.
+    ``hf-hub:ORG/REPO[/FILE]``; ``model`` overrides detection, ``ema`` takes the ``'model_ema'`` weights. A
+    transformers folder's ``config.json`` is read and must describe the variant detected.
 
     Raises:
-        LayerScaleError: The source cannot be read or fits no variant; the message names the file.
+        LayerScaleError: The source cannot be read or fits no variant, or its config disagrees; the message names
+            the file.
     """
     if model:
         get_variant(model)  # a wrong name is the caller's mistake, not the file's
-    path, sd = read_state_dict(source, ema, checksums=False)
+    path, sd, container = read_checkpoint(source, ema, checksums=False)
     intact = _background(check_checksums, path)
     try:
-        return Source(os.fspath(source), path, sd, detect(sd, model), intact=intact, ema=ema)
+        found, file, config = detect(sd, model, container), source_config(source), None
+        if found.layout.config is not None and file is not None:
+            config = read_config(file, found.layout.config, found.variant, found.overrides.get("img_size"))
+        return Source(os.fspath(source), path, sd, found, intact=intact, ema=ema, config_file=file, config=config)
     except (ArchitectureError, RemapError) as e:
         raise type(e)(f"{path}: {e}") from None
 
 
 @dataclass
 class ConversionResult:
-    """What :func:`convert_checkpoint` did: the output, the variant and its ``model_args`` (``num_classes`` /
+    """What :func:`convert_checkpoint` did: the output, the variant and its ``overrides`` (``num_classes`` /
     ``img_size`` where they differ), the source as given (a URL without credentials), the file read and its
     SHA-256, both layouts, the safetensors metadata, the parity report (``None`` unverified), wall seconds, a
-    command line that reproduces it, the container (``"plain"`` or the official wrapper) and the tensors written.
+    command line that reproduces it, the container, the tensors written, the keys renamed (source and written
+    names, block numbers as ``N``), the tensors dropped, taken apart or synthesised with their proofs
+    (:func:`~timm_layerscale.conversion.rules.describe_changes`) and the line saying which layout ``gamma`` named.
     """
 
     output: Path
     variant: Variant
-    model_args: dict[str, int]
+    overrides: dict[str, int]
     source: str
     source_path: Path
     source_sha256: str
@@ -113,34 +130,26 @@ class ConversionResult:
     report: ParityReport | None
     seconds: float
     command: str
-    container: str = "plain"
+    container: str = "state dict"
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    renamed: list[tuple[str, str]] = field(default_factory=list, repr=False)
+    changed: str = ""
+    note: str = ""
 
 
-def _target(
-    tensors: Mapping[str, torch.Tensor],
-    found: Detection,
-    to: str,
-    fold: bool,
-    changes: list[tuple[str, str]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """A source's tensors (in their own layout) mapped by the family's rules to layout ``to``, folded with ``fold``;
-    ``changes`` gets the source keys dropped or changed on the way (:func:`~.conversion.keys.to_layerscale`)."""
-    family = get_family(found.variant.family)
-    buffers = family.official_buffers(found.variant, tensors)  # a file's must be those the model computes
-    ls = to_layerscale(tensors, family, changes)
-    ls = without_zero_optional(ls, family.name, state_dict_shapes(found.variant), found.variant.name, changes)
-    if to == "ls":
-        return fold_state_dict(ls) if fold else ls
-    out = to_gamma(ls, family) if to == "gamma" else remap(ls, family, to)
-    return {**out, **buffers} if to == family.official_layout else out  # the official loader wants them
+def target_layout(variant: Variant, to: str, fmt: str, plain: bool = False) -> tuple[Layout, str]:
+    """The layout ``--to`` names for ``variant``'s family and an output of format ``fmt``, and a line saying which,
+    where the release word ``gamma`` (or the deprecated ``plain``) named it.
 
-
-def cast_tensors(
-    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, family: str
-) -> dict[str, torch.Tensor]:
-    """The cast step: the family's :meth:`~timm_layerscale.families.Family.cast` of the converted tensors."""
-    return get_family(family).cast(tensors, dtype)
+    Raises:
+        RemapError: The family does not write that layout; the message names those it does.
+    """
+    family = variant.family
+    if to != ALIAS and not plain:
+        return family.layout(to, written=True), ""
+    name = family.alias(fmt, wrapped=not plain)
+    word = "--plain is deprecated" if plain else f"{ALIAS!r} is a word of one release"
+    return family.layout(name, written=True), f"{word}: wrote {family.title}'s {name} layout; pass --to {name}"
 
 
 def _failed(report: ParityReport, weights: str | None = None) -> ParityError:
@@ -151,19 +160,41 @@ def _failed(report: ParityReport, weights: str | None = None) -> ParityError:
     return ParityError(f"{what}; nothing written", report)
 
 
+def _compare_weights(
+    tensors: Mapping[str, torch.Tensor],
+    found: Detection,
+    to: Layout,
+    fold: bool,
+    dtype: torch.dtype | None,
+    written: Mapping[str, torch.Tensor],
+    container: tuple[str | None, str] | None,
+    report: ParityReport,
+) -> str:
+    """The one weight comparison, recorded in ``report``: the ``written`` tensors (in ``container``, unless
+    ``None``) against the source's ``tensors`` mapped by the rules and cast as requested, and a folded file's weights
+    against ``gamma * W`` computed apart; the first difference, or ``''``."""
+    variant, changes = found.variant, []  # type: Variant, list[Change]
+    expected = target_tensors(tensors, variant, found.layout, to, fold, dtype, changes)
+    expected = cast_tensors(expected, dtype, to.computed(variant))  # the request, not the cast that was made
+    same, count, detail = compare_weights(expected, written)
+    if same and container is not None and container != (to.wrapper, to.prefix):
+        same, detail = False, f"its container is not {to.container}"
+    if same and fold:
+        detail = check_folds(target_tensors(tensors, variant, found.layout, to), written)
+        same = not detail
+    report.add_weights(same, count, describe_changes(changes))
+    return detail
+
+
 def _check_written(
-    written: Path, src: Source, to: str, fold: bool, dtype: torch.dtype | None, report: ParityReport
+    written: Path, src: Source, to: Layout, fold: bool, dtype: torch.dtype | None, report: ParityReport
 ) -> None:
-    """The one weight comparison: the written file, read back, against the source file's tensors read on their own,
-    mapped by the rules and cast as requested; a difference is a :class:`ParityError` (the file is not kept)."""
-    family = get_family(src.detection.variant.family)
-    changes: list[tuple[str, str]] = []
-    source = read_state_dict(src.path, src.ema, checksums=False)[1]
-    expected = family.cast(_target(source, src.detection, to, fold, changes), dtype)  # the request, not the cast
-    same, count, detail = compare_weights(expected, state_dict_of(load_checkpoint(written)))
-    rewritten = {k for k in expected if re.fullmatch(family.computed, k)}  # buffers a layout computes, written again
-    report.add_weights(same, count, dropped(changes, kept=rewritten))
-    if not same:
+    """The written file, read back, against the source file's tensors read on their own
+    (:func:`_compare_weights`); a difference is a :class:`ParityError` (the file is not kept)."""
+    tensors = read_checkpoint(src.path, src.ema, checksums=False)[1]
+    obj = load_checkpoint(written)
+    container = None if written.suffix == ".safetensors" else container_of(obj)
+    if detail := _compare_weights(tensors, src.detection, to, fold, dtype, state_dict_of(obj), container, report):
         raise _failed(report, detail)
 
 
@@ -183,19 +214,22 @@ def convert_checkpoint(
     options: VerifyOptions | None = None,
     plain: bool = False,
 ) -> ConversionResult:
-    """Convert a checkpoint to the LayerScale-module layout (or back), verify it and write it.
+    """Convert a checkpoint into a layout of its family, verify it and write it.
 
     With ``verify`` the converted model runs against the reference before anything is written, each reading its
     tensors through the loader native to its layout, in fp32 (:func:`~timm_layerscale.parity.verify.verify_outputs`);
-    the written file, read back before it is put in place, must equal the source's tensors mapped and cast as asked.
-    ``to="gamma"`` as ``.pth`` writes what the official code saves unless ``plain``.
+    the written file, read back before it is put in place, must equal the source's tensors mapped and cast as asked,
+    in the layout's container (``{'model': ...}`` of an official ``.pth``).
 
     Args:
         source: File or folder, ``https://`` URL, ``hf-hub:ORG/REPO[/FILE]``, or a :class:`Source`.
         output: ``.safetensors`` or ``.pth`` (``.pt``, ``.bin``, ``.ckpt``), or any name with ``fmt``
             (``"safetensors"`` or ``"pth"``).
         model, ema: A model name overriding detection; take the ``'model_ema'`` weights.
-        to, plain: ``"ls"`` (``ls1.gamma``) or ``"gamma"`` (``gamma_1``); with ``plain`` no official wrapper.
+        to: ``"ls"``, ``"timm"``, ``"official"`` or ``"transformers"``, where the family has it; ``"gamma"``, a
+            word of one release, names the official file for a ``.pth`` (timm's layout for DINOv3) and timm's
+            layout otherwise (:func:`target_layout`).
+        plain: Deprecated: ``to="gamma"`` without the official container, which is timm's layout.
         dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``; default keeps the source's.
         overwrite, verify, allow_nonfinite: Replace an existing output; check parity first; accept NaN/Inf.
         fold: Fold every gamma into the linear layer before it (``ls`` only; load with ``folded_layerscale=True``).
@@ -208,17 +242,24 @@ def convert_checkpoint(
     """
     t0 = time.perf_counter()
     fmt = output_format(output, fmt)
-    if to not in LAYOUTS:
-        raise LayerScaleError(f"unknown target layout {to!r}; use one of: {', '.join(LAYOUTS)}")
+    if to not in LAYOUT_NAMES:
+        raise LayerScaleError(f"unknown target layout {to!r}; use one of: {', '.join(LAYOUT_NAMES)}")
     if fold and to != "ls":
         raise LayerScaleError(
-            f"folding applies to the ls layout only; leave out {option('to', 'gamma')} or {option('fold')}"
+            f"folding applies to the ls layout only; leave out {option('to', to)} or {option('fold')}"
         )
-    if plain and to != "gamma":
-        raise LayerScaleError("plain applies to the gamma layout only (an ls file is always plain); leave it out")
+    if plain and to != ALIAS:
+        raise LayerScaleError(f"plain applies to {option('to', ALIAS)} only; pass {option('to', 'timm')} instead")
     target_file = output_path(output, overwrite)  # before a download
     torch_dtype = parse_dtype(dtype) if dtype else None
     src = source if isinstance(source, Source) else read_source(source, model=model, ema=ema)
+    variant, args = src.detection.variant, src.detection.overrides
+    layout, note = target_layout(variant, to, fmt, plain)
+    if layout.wrapper and fmt != "pth":
+        raise CheckpointError(
+            f"the {layout.name} {variant.family.title} file is {layout.container} in a .pth; name the output .pth, "
+            f"or pass {option('to', 'timm' if 'timm' in variant.family.layouts else 'ls')}"
+        )
     if target_file.exists() and target_file.samefile(src.path):  # replacing it would lose the source
         raise CheckpointError(f"output {output} is the source file itself; choose another output path")
     digest = _background(sha256_file, src.path)
@@ -229,10 +270,12 @@ def convert_checkpoint(
         except CheckpointError:
             src.check()  # damage inside the file can read as NaN: say that first
             raise
-    variant, args = src.detection.variant, src.detection.model_args
-    target = _target(src.state_dict, src.detection, to, fold)
+    changes: list[Change] = []
+    written: list[Change] = []
+    target = target_tensors(src.state_dict, variant, src.detection.layout, layout, fold, torch_dtype, changes, written)
+    keep = layout.computed(variant)  # never cast
     if verify:  # verified as written; unverified, the writer casts
-        target = cast_tensors(target, torch_dtype, variant.family)
+        target = cast_tensors(target, torch_dtype, keep)
     # the source is finite: a non-finite value after the cast is an overflow
     if torch_dtype is not None and not allow_nonfinite and (over := nonfinite_tensors(target, torch_dtype)):
         wider = f"pass {option('dtype', 'bf16')}, or " if torch_dtype == torch.float16 else ""  # fp32's range
@@ -240,20 +283,28 @@ def convert_checkpoint(
             f"{src.path}: {over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
             f"which the cast makes Inf; {wider}leave out {option('dtype', dtype)}"
         )
-    found, tensors = src.detection, src.state_dict
-    report = (
-        verify_outputs(found, tensors, target, to, dtype=torch_dtype, folded=fold, options=options) if verify else None
-    )
-    if report is not None and not report.passed:
-        raise _failed(report)
+    report = None
+    if verify:
+        report = verify_outputs(
+            src.detection,
+            src.state_dict,
+            target,
+            layout,
+            dtype=torch_dtype,
+            folded=fold,
+            options=options,
+            args=src.args,
+        )
+        if not report.passed:
+            raise _failed(report)
     metadata = {
         "format": "pt",
         "source_file": src.path.name,
         "source_sha256": "0" * 64,  # written in once known: the hash runs on meanwhile
-        "source_layout": src.detection.layout,
-        "target_layout": to,
+        "source_layout": src.detection.layout.name,
+        "target_layout": layout.name,
         "architecture": variant.name,
-        "family": variant.family,
+        "family": variant.family.name,
         "converter": f"timm-layerscale {__version__}",
         **{k: str(v) for k, v in args.items()},
         **({"folded_layerscale": "true"} if fold else {}),
@@ -261,10 +312,6 @@ def convert_checkpoint(
         # put in place only once the written file, read back, equals the source (_check_written)
         **({"parity_weights": f"{len(target)} tensors equal to the source's"} if report is not None else {}),
     }
-    keep = {k for k in target if re.fullmatch(FAMILIES[variant.family].computed, k)}  # never cast
-    official = to == "gamma" and fmt == "pth" and not plain
-    prefix = FAMILIES[variant.family].official_prefix
-    wrapped = f"{{{prefix!r} + key: tensor}}" if prefix else "state_dict"
 
     def late() -> dict[str, str]:  # once the tensors are written, before the output is put in place
         src.check()
@@ -273,11 +320,11 @@ def convert_checkpoint(
     def check(written: Path) -> None:  # the written file, before it is put in place
         metadata["source_sha256"] = digest.result()
         if report is not None:
-            _check_written(written, src, to, fold, torch_dtype, report)
+            _check_written(written, src, layout, fold, torch_dtype, report)
 
     if fmt == "pth":
         src.check()
-        wrap = (lambda sd: official_checkpoint(sd, variant.family)) if official else None
+        wrap = layout.wrap if layout.wrapper or layout.prefix else None
         save_pth(output, target, overwrite=overwrite, dtype=torch_dtype, keep=keep, wrap=wrap, check=check)
     else:
         save_safetensors(
@@ -291,8 +338,9 @@ def convert_checkpoint(
     )  # fmt: skip
     return ConversionResult(
         Path(output), variant, args, public_source(src.given), src.path, metadata["source_sha256"],
-        src.detection.layout, to, metadata, report, time.perf_counter() - t0, command,
-        container=f"{{'model': {wrapped}}}" if official else "plain", state_dict=target,
+        src.detection.layout.name, layout.name, metadata, report, time.perf_counter() - t0, command,
+        container=layout.container if fmt == "pth" else "state dict", state_dict=target,
+        renamed=renamed_keys(changes, written), changed=describe_changes([*changes, *written]), note=note,
     )  # fmt: skip
 
 
@@ -305,34 +353,42 @@ def verify_checkpoint(
     options: VerifyOptions | None = None,
 ) -> ParityReport:
     """Compare the reference model on the original weights (file, URL, ``hf-hub:`` id or state dict) with the
-    model on the converted ones (file or state dict, either layout, folded or not), as :func:`convert_checkpoint`
-    does, and every converted tensor with the source's mapped by the rules. ``model`` overrides detection, ``ema``
-    takes the source's ``'model_ema'``.
+    model on the converted ones (file or state dict, in any layout of the family, folded or not), as
+    :func:`convert_checkpoint` does, and every converted tensor with the source's mapped by the rules. The converted
+    file's layout is told as detection tells a source's. ``model`` overrides detection, ``ema`` takes the source's
+    ``'model_ema'``.
 
     Raises:
         RemapError: ``converted`` is not a conversion of ``source``.
     """
     if isinstance(source, Mapping):
-        tensors = state_dict_of(source, ema=ema)
-        found = detect(tensors, model)
+        src = Source("the source", Path("."), (tensors := state_dict_of(source, ema=ema)), detect(tensors, model))
     else:
         (src := read_source(source, model=model, ema=ema)).check()
-        tensors, found = src.state_dict, src.detection
-    conv_sd = state_dict_of(converted) if isinstance(converted, Mapping) else read_state_dict(converted)[1]
-    folded = detect_layout(conv_sd) == "none"  # the source has gates (detection found them): these were folded
-    layout = "ls" if folded else detect_layout(conv_sd)
-    floating = {v.dtype for v in conv_sd.values() if v.is_floating_point()}
-    dtype = floating.pop() if len(floating) == 1 else None
+    variant = src.detection.variant
+    if isinstance(converted, Mapping):
+        conv_sd, container = state_dict_of(converted), container_of(converted)
+    else:
+        conv_sd, container = read_checkpoint(converted)[1:]
+    found = container if isinstance(converted, Mapping) or Path(converted).suffix != ".safetensors" else None
+    conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
+    src_name = "the source" if isinstance(source, Mapping) else str(source)
     try:
-        report = verify_outputs(found, tensors, conv_sd, layout, dtype=dtype, folded=folded, options=options)
-        expected = {
-            k: v.to(conv_sd[k].dtype) if k in conv_sd else v for k, v in _target(tensors, found, layout, folded).items()
-        }
-        report.add_weights(*compare_weights(expected, conv_sd)[:2])
+        try:
+            layout, folded = detect(conv_sd, variant.name, container).layout, False
+        except ArchitectureError as e:  # no gates: the weights they were folded into
+            if "no LayerScale gates" not in str(e):
+                raise
+            layout, folded = variant.family.layouts["ls"], True
+        keep = layout.computed(variant)
+        floating = {v.dtype for k, v in conv_sd.items() if v.is_floating_point() and k not in keep}
+        dtype = floating.pop() if len(floating) == 1 else None
+        report = verify_outputs(
+            src.detection, src.state_dict, conv_sd, layout, dtype=dtype, folded=folded, options=options, args=src.args
+        )
+        _compare_weights(src.state_dict, src.detection, layout, folded, dtype, conv_sd, found, report)
         return report
-    except RemapError as e:  # the source fits its model (detection checked it), so the converted weights do not
-        conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
-        src_name = "the source" if isinstance(source, Mapping) else str(source)
+    except (RemapError, ArchitectureError) as e:  # the source fits its model (detection checked it): these do not
         raise RemapError(
             f"{conv_name} is not a conversion of {src_name}: {e}; pass the weights converted from it"
         ) from None

@@ -19,8 +19,9 @@ REFERENCE = "cait_xxs24_224"
 def write_official_checkpoint(
     path: str | os.PathLike[str], model_name: str = REFERENCE, seed: int = 0, overwrite: bool = False
 ) -> Any:
-    """Save a variant's reference with seeded weights (every parameter, gammas of std 0.1) in the
-    official layout, ``{'model': {'module.' + key: tensor}}`` for CaiT; return the reference (eval mode).
+    """Save a variant's reference with seeded weights (every parameter, gammas of std 0.1) in the layout ``gamma``
+    names for a ``.pth`` file, in its container (the official ``{'model': {'module.' + key: tensor}}`` for CaiT;
+    timm's layout for DINOv3); return the reference (eval mode).
 
     Args:
         path: The ``.pth`` file to write.
@@ -28,7 +29,7 @@ def write_official_checkpoint(
         seed: Seed of the weights.
         overwrite: Replace an existing file.
     """
-    from .conversion.keys import official_checkpoint, to_gamma
+    from .conversion.rules import to_gamma
     from .families import VARIANTS, get_variant
     from .files.save import save_pth
     from .parity.inputs import seed_parameters_
@@ -37,7 +38,7 @@ def write_official_checkpoint(
     variant = next((v for v in VARIANTS if model_name in (v.name, v.reference)), None) or get_variant(model_name)
     ref = seed_parameters_(build_reference(variant), seed)
     sd = to_gamma(ref.state_dict(), variant.family)
-    save_pth(path, sd, overwrite=overwrite, wrap=lambda sd: official_checkpoint(sd, variant.family))
+    save_pth(path, sd, overwrite=overwrite, wrap=variant.family.layouts[variant.family.alias("pth")].wrap)
     return ref.eval()
 
 
@@ -83,7 +84,7 @@ def run_demo(
         calls = [(f"'{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)", MODEL, file)]
         for call, name, overlay in [*calls, (f"'{local}', pretrained=True", local, None)]:
             loaded = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay)
-            rep = compare_models(reference, loaded, inputs, reference_name=REFERENCE, model_name=name, family=res.variant.family, inputs_desc="4 seeded images")  # fmt: skip
+            rep = compare_models(reference, loaded, inputs, reference_name=REFERENCE, model_name=name, family=res.variant.family.name, inputs_desc="4 seeded images")  # fmt: skip
             exact = "yes" if rep.bit_exact else "no"
             write_out(f"      timm.create_model({call}): bit-exact: {exact} (max abs diff {rep.max_abs_diff:.3g})")
             ok = ok and rep.passed

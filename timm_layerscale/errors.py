@@ -9,16 +9,8 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-__all__ = [
-    "ArchitectureError",
-    "CheckpointError",
-    "HubError",
-    "LayerScaleError",
-    "OutputExistsError",
-    "ParityError",
-    "RemapError",
-    "option",
-]
+__all__ = ["ArchitectureError", "CheckpointError", "HubError", "LayerScaleError", "OutputExistsError"]
+__all__ += ["ParityError", "RemapError", "option"]
 
 #: Set by the command line while it runs a command.
 COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("timm_layerscale_command_line", default=False)

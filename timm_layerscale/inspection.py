@@ -14,16 +14,8 @@ from typing import Any
 from .errors import LayerScaleError
 from .families import GATE_KEY
 
-__all__ = [
-    "MissingPlotDependency",
-    "format_gate_table",
-    "gate_profile",
-    "gate_rows",
-    "gate_stats",
-    "gate_summary",
-    "plot_format",
-    "plot_gates",
-]
+__all__ = ["MissingPlotDependency", "conversion_plan", "format_plan", "format_gate_table", "gate_profile"]
+__all__ += ["gate_rows", "gate_stats", "gate_summary", "plot_format", "plot_gates"]
 
 _BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")  # blocks.3, blocks_token_only.0, stages.1.blocks.2
 _CLASS_ATTN_STAGE = "blocks_token_only"  # CaiT's
@@ -74,13 +66,69 @@ def gate_profile(
     Raises:
         LayerScaleError: The checkpoint cannot be read, holds no gates, or its gates do not fit ``model``.
     """
-    from .conversion.keys import state_dict_of
+    from .conversion.checkpoint import state_dict_of
     from .files.read import read_state_dict
     from .files.sources import public_source
 
     if isinstance(source, Mapping):
         return gate_rows(state_dict_of(source, ema), model=model)
     return gate_rows(read_state_dict(source, ema)[1], model=model, where=public_source(source))
+
+
+def conversion_plan(source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False) -> dict[str, Any]:
+    """What moving a checkpoint would cost, before it is made: its family, variant and layout and, for each layout its
+    family writes, how many keys that conversion renames and what it drops, takes apart or synthesises, each with its
+    proof (or why it is refused): the conversion's rules and checks run on the file's tensors, as views where they can
+    be; no model runs. ``timm_unused``: what timm's own loader of the architecture would leave unused in the file, for
+    a file in a layout timm reads with a filter (``None`` otherwise).
+
+    Raises:
+        LayerScaleError: The checkpoint cannot be read or fits no variant.
+    """
+    from .conversion.detect import detect
+    from .conversion.rules import Change, describe_changes, renamed_keys
+    from .conversion.target import target_tensors
+    from .files.read import read_checkpoint
+    from .parity.references import unused_by
+
+    _, tensors, container = read_checkpoint(source, ema)
+    found = detect(tensors, model, container)
+    v, layout = found.variant, found.layout
+    plans: dict[str, Any] = {}
+    for name in v.family.targets():
+        read: list[Change] = []
+        written: list[Change] = []
+        try:
+            target_tensors(tensors, v, layout, v.family.layouts[name], changes=read, written=written)
+        except LayerScaleError as e:
+            plans[name] = {"refused": " ".join(str(e).split())}
+            continue
+        plans[name] = {"renamed": len(renamed_keys(read, written)), "changes": describe_changes([*read, *written])}
+    by_timm = layout.name == "official" and v.reference is not None and not layout.library
+    return {
+        "family": v.family.title,
+        "variant": v.name,
+        "layout": layout.name,
+        "container": layout.container,
+        "conversions": plans,
+        "timm_unused": unused_by(v, layout, tensors, **found.overrides) if by_timm else None,
+        "timm_model": v.reference if by_timm else None,
+    }
+
+
+def format_plan(plan: Mapping[str, Any]) -> str:
+    """:func:`conversion_plan` as lines: the source, then per layout what converting there would do."""
+    lines = [f"{plan['family']} {plan['variant']}, {plan['layout']} layout ({plan['container']})"]
+    for name, p in plan["conversions"].items():
+        did = (
+            p.get("refused")
+            or f"renames {p['renamed']} key pattern(s); {p['changes'] or 'every value copied as it is'}"
+        )
+        lines.append(f"  convert --to {name}: {'refused: ' if 'refused' in p else ''}{did}")
+    if plan["timm_model"]:
+        unused = ", ".join(plan["timm_unused"]) or "nothing"
+        lines.append(f"  timm's own loader ({plan['timm_model']}, pretrained) would leave unused: {unused}")
+    return "\n".join(lines)
 
 
 def gate_rows(

@@ -10,15 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "FOLD_TARGETS",
-    "LayerScale",
-    "cait_init_value",
-    "fold_block",
-    "fold_plan",
-    "fold_weights",
-    "param_groups",
-]
+__all__ = ["FOLD_TARGETS", "LayerScale", "cait_init_value", "fold_block", "fold_plan", "fold_weights"]
+__all__ += ["param_groups"]
 
 #: Attribute set to ``True`` on parameters that must not receive weight decay.
 NO_WEIGHT_DECAY_ATTR = "_no_weight_decay"
@@ -165,14 +158,16 @@ def param_groups(
 
 @torch.no_grad()
 def fold_weights(
-    weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor
+    weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(diag(gamma) W, gamma * b)`` for a linear weight ``(C_out, C_in)``, bias ``(C_out,)`` and gamma
-    ``(C_out,)``: the one folding rule, computed in at least fp32 and rounded once to the layer's dtype."""
-    work = torch.promote_types(weight.dtype, torch.float32)
+    """``(diag(gamma) W, gamma * b)`` for a linear weight ``(C_out, C_in)`` (or a 1x1 convolution's
+    ``(C_out, C_in, 1, 1)``), bias ``(C_out,)`` and gamma ``(C_out,)``: the one folding rule, computed in at least
+    float64 (where the product of two fp32 values is exact) and rounded once to ``dtype`` (default the layer's):
+    the same bits on any machine."""
+    work = torch.float64
     g = gamma.detach().to(weight.device, work)
-    w = (weight.detach().to(work) * g[:, None]).to(weight.dtype)
-    return w, None if bias is None else (bias.detach().to(work) * g).to(bias.dtype)
+    w = (weight.detach().to(work) * g.reshape(-1, *[1] * (weight.ndim - 1))).to(dtype or weight.dtype)
+    return w, None if bias is None else (bias.detach().to(work) * g).to(dtype or bias.dtype)
 
 
 def fold_plan(block: nn.Module) -> list[tuple[str, nn.Linear, torch.Tensor]]:

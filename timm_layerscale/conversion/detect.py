@@ -11,8 +11,9 @@ from typing import Any
 
 from .. import families
 from ..errors import ArchitectureError, RemapError, option
-from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, Variant, get_variant, state_dict_shapes
-from .keys import check_floating, check_state_dict, detect_layout, mismatches, model_holders, to_layerscale
+from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, Family, Layout, Variant, get_variant, state_dict_shapes
+from .checkpoint import model_holders
+from .rules import Change, UncoveredKeys, check_floating, check_state_dict, mismatches, read_layout
 
 __all__ = ["Detection", "describe_state_dict", "detect", "state_dict_shapes", "timm_args", "without_zero_optional"]
 
@@ -23,8 +24,11 @@ def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
     ``num_classes`` (0 for a backbone saved without its head), where they can be read."""
     info: dict[str, int] = {}
     pe = sd.get("patch_embed.proj.weight")
+    gate = next((t for k, t in sd.items() if GATE_KEY.fullmatch(k)), None)
     if pe is not None:
         info.update(embed_dim=int(pe.shape[0]), patch_size=int(pe.shape[-1]))
+    elif gate is not None:  # a gate is as wide as the blocks
+        info["embed_dim"] = int(gate.shape[-1])
     for name, stage in (("depth", "blocks"), ("class_attn_depth", "blocks_token_only")):
         found = {int(m[1]) for k in sd if (m := re.match(rf"{stage}\.(\d+)\.", k))}
         if found:
@@ -48,20 +52,22 @@ def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Detection:
-    """What :func:`detect` found: the variant the state dict fits, ``model_args`` (``num_classes`` and ``img_size``
+    """What :func:`detect` found: the variant the state dict fits, ``overrides`` (``num_classes`` and ``img_size``
     where they differ from the variant's: a fine-tuned head, a backbone, another resolution), the state dict in the
-    ``ls`` layout (the same tensors) and the source's layout, ``"gamma"``, ``"ls"`` or another of its family's (``"official"``, ``"transformers"``)."""
+    ``ls`` layout (the same tensors), the source's :class:`~timm_layerscale.families.Layout` and what reading it
+    did to each key (:data:`~timm_layerscale.conversion.rules.Change`)."""
 
     variant: Variant
-    model_args: dict[str, int]
+    overrides: dict[str, int]
     state_dict: dict[str, Any]
-    layout: str
+    layout: Layout
+    changes: list[Change]
 
 
-def timm_args(model_args: Mapping[str, Any]) -> dict[str, Any]:
-    """``timm.create_model`` arguments for ``model_args``: another ``img_size`` comes with the same
+def timm_args(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``timm.create_model`` arguments for a detection's ``overrides``: another ``img_size`` comes with the same
     ``input_size`` in the pretrained config, which timm's data config and ``config.json`` follow."""
-    args = dict(model_args)
+    args = dict(overrides)
     if "img_size" in args:
         args["pretrained_cfg_overlay"] = {"input_size": (3, args["img_size"], args["img_size"])}
     return args
@@ -77,62 +83,70 @@ def _unlikeliness(v: Variant, info: Mapping[str, int]) -> float:
 
 def without_zero_optional(
     state_dict: Mapping[str, Any],
-    family: str,
+    family: str | Family,
     expected: Container[str],
     name: str,
-    changes: list[tuple[str, str]] | None = None,
+    changes: list[Change] | None = None,
 ) -> dict[str, Any]:
     """An ``ls``-layout state dict without the keys that a model (called ``name``, its state dict's keys
     ``expected``) lacks and its ``family`` leaves out where they are zero
-    (its ``Family.optional_zero``: DINOv3's q and v biases); ``changes`` gets them.
+    (its ``ls`` layout's ``optional_zero``: DINOv3's q and v biases); ``changes`` gets them.
 
     Raises:
         RemapError: Such a key is not zero; the message names the variant of that width and depth that has it.
     """
-    optional = FAMILIES[family].optional_zero
+    fam = FAMILIES[family] if isinstance(family, str) else family
+    optional = fam.layouts["ls"].optional_zero
     extra = [k for k in state_dict if k not in expected and re.fullmatch(optional, k)]
     nonzero = [k for k in extra if state_dict[k].any()]
     if nonzero:
         info = describe_state_dict(state_dict)
-        alike = (v for v in families.VARIANTS if v.family == family and info.get("embed_dim") == v.embed_dim)
+        alike = (v for v in families.VARIANTS if v.family is fam and info.get("embed_dim") == v.embed_dim)
         having = next((v.name for v in alike if nonzero[0] in state_dict_shapes(v)), "a model with them")
         raise RemapError(
             f"checkpoint has non-zero {nonzero[0]} ({len(nonzero)} such tensors), which {name} has no place for; "
             f"read it as {having}"
         )
     if changes is not None:
-        changes.extend((k, "zero") for k in extra)
+        changes.extend((k, "", "zero") for k in extra)
     return {k: v for k, v in state_dict.items() if k not in extra}
 
 
-def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection:
-    """Find the registered variant a prefix-free state dict in any accepted layout fits.
+def detect(
+    state_dict: Mapping[str, Any], model: str | None = None, container: tuple[str | None, str] | None = None
+) -> Detection:
+    """Find the registered variant a prefix-free state dict fits, and the layout of its family it is in.
 
     Args:
-        state_dict: Unwrapped, prefixes stripped (:func:`~timm_layerscale.conversion.keys.state_dict_of`).
+        state_dict: Unwrapped, prefixes stripped (:func:`~timm_layerscale.conversion.checkpoint.state_dict_of`).
         model: A model name that overrides detection; it is checked like the rest.
+        container: ``(wrapper, prefix)`` of the file (:func:`~timm_layerscale.conversion.checkpoint.container_of`),
+            which tells apart layouts of the same keys (CaiT's official file and timm's state dict).
 
     Raises:
         ArchitectureError: Nothing fits; the message names the variant with the fewest
             mismatched keys and what they are.
         RemapError: ``model`` is given and the state dict does not fit it (every missing,
-            unexpected and mis-shaped key listed).
+            unexpected and mis-shaped key listed), or a tensor its layout drops is not inert.
     """
     candidates = [get_variant(model)] if model else list(families.VARIANTS)
-    converted: dict[str, dict[str, Any]] = {}
+    read: dict[Family, tuple[Layout, dict[str, Any], list[Change]]] = {}
     for family in dict.fromkeys(v.family for v in candidates):
+        changes: list[Change] = []
         try:
-            converted[family] = to_layerscale(state_dict, FAMILIES[family])
-        except RemapError:
+            layout, sd = read_layout(state_dict, family, container, changes)
+        except UncoveredKeys:
             if model:  # a named model: say which keys its rules do not cover
                 raise
-    described = {f: describe_state_dict(sd) for f, sd in converted.items()}
-    candidates = sorted(
-        (v for v in candidates if v.family in converted), key=lambda v: _unlikeliness(v, described[v.family])
-    )
+            continue
+        read[family] = layout, sd, changes
+    described = {f: describe_state_dict(sd) for f, (_, sd, _) in read.items()}
+    # of the width read (its patch embedding, else its gates): building every registered model would take minutes
+    fits = [v for v in candidates if v.family in read and described[v.family].get("embed_dim") in (None, v.embed_dim)]
+    candidates = sorted(fits if fits or not model else candidates, key=lambda v: _unlikeliness(v, described[v.family]))
     best: tuple[int, Variant, str] | None = None
     for v in candidates:
-        sd, info = converted[v.family], described[v.family]
+        (layout, sd, changes), info = read[v.family], described[v.family]
         if model:  # a named variant may leave zero biases out
             sd = without_zero_optional(sd, v.family, state_dict_shapes(v), v.name)
         size = info["grid"] * v.patch_size if "grid" in info else v.img_size  # a fine-tune at another resolution
@@ -148,14 +162,10 @@ def detect(state_dict: Mapping[str, Any], model: str | None = None) -> Detection
             check_state_dict(sd, shapes, v.name)
         if not count:
             check_floating(sd, v.name)
-            args = (
-                {"num_classes": info["num_classes"]}
-                if info.get("num_classes", DEFAULT_NUM_CLASSES) != DEFAULT_NUM_CLASSES
-                else {}
-            )
-            args.update({"img_size": size} if size != v.img_size else {})
-            layout = FAMILIES[v.family].layout_of(state_dict, detect_layout(state_dict))
-            return Detection(v, args, sd, layout)
+            classes = info.get("num_classes", DEFAULT_NUM_CLASSES)
+            overrides = {"num_classes": classes} if classes != DEFAULT_NUM_CLASSES else {}
+            overrides.update({"img_size": size} if size != v.img_size else {})
+            return Detection(v, overrides, sd, layout, changes)
         if best is None or count < best[0]:
             best = (count, v, detail)
     if state_dict and all(0 in getattr(v, "shape", (1,)) for v in state_dict.values()):

@@ -16,9 +16,12 @@ from ..layer_scale import FOLD_TARGETS, fold_block, fold_plan, fold_weights
 __all__ = ["fold_layerscale", "fold_state_dict"]
 
 
-def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fold_state_dict(
+    state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Every ``*.ls1.gamma`` / ``*.ls2.gamma`` of an ``ls``-layout state dict folded into ``attn.proj`` /
-    ``mlp.fc2`` (``layer_scale.fold_weights``, the rule the modules fold by) and dropped.
+    ``mlp.fc2`` (``layer_scale.fold_weights``, the rule the modules fold by, rounded once to ``dtype``, default the
+    layer's) and dropped.
 
     Raises:
         ValueError: A gate without its linear layer, or of another width.
@@ -33,7 +36,7 @@ def fold_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
             raise ValueError(
                 f"cannot fold {key!r} (shape {tuple(gamma.shape)}): expected a linear weight at {target!r}, found {found}"
             )
-        out[f"{target}.weight"], bias = fold_weights(weight, out.get(f"{target}.bias"), gamma)
+        out[f"{target}.weight"], bias = fold_weights(weight, out.get(f"{target}.bias"), gamma, dtype)
         if bias is not None:
             out[f"{target}.bias"] = bias
     return out

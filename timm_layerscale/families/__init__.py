@@ -1,147 +1,191 @@
-"""The interface every other part reads of a family (:class:`Family`, :class:`Variant`, key :class:`Rule` s), and
-the registry, without I/O and without torch or timm. Each family is a module here (its variants, key rules, the
-loaders of its layouts, tolerance and card facts), its model beside it in ``timm_layerscale.models``."""
+"""The interface every other part reads of a family (:class:`Family`, its :class:`Layout` records, :class:`Variant`,
+key :class:`Rule` s) and the registry, without I/O and without torch or timm. Each family is a module here (its
+variants, its layouts with their rules and loaders, tolerance and card facts), its model in ``timm_layerscale.models``.
+"""
 
 from __future__ import annotations
 
 import difflib
 import functools
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
-from ..errors import ArchitectureError, RemapError
+from ..errors import ArchitectureError, RemapError, option
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = [
-    "DEFAULT_NUM_CLASSES",
-    "FAMILIES",
-    "GATE_KEY",
-    "KEEP",
-    "LAYOUTS",
-    "VARIANTS",
-    "Family",
-    "Rule",
-    "Variant",
-    "register",
-]
-__all__ += [
-    "get_family",
-    "get_variant",
-    "state_dict_shapes",
-    "variants_of",
-    "CAIT_RELEASE_URL",
-    "VIT5_HUB_REPO",
-    "official_rope_buffers",
-]
-__all__ += ["check_rope_buffers", "rope_buffers"]
+__all__ = ["ALIAS", "LAYOUT_NAMES", "DEFAULT_NUM_CLASSES", "FAMILIES", "GATE_KEY", "KEEP", "VARIANTS", "Family"]
+__all__ += ["Layout", "Proof"]
+__all__ += ["OFFICIAL_MODELS", "Rule", "Variant", "get_family", "get_variant", "register", "state_dict_shapes"]
+__all__ += ["variants_of"]
 
 #: Classifier outputs of every released model (ImageNet-1k).
 DEFAULT_NUM_CLASSES = 1000
-#: Matches a whole LayerScale key of either layout, giving the block and which gate (``g`` in the
-#: official ``gamma_1``/``gamma_2``, ``l`` in the module layout's ``ls1.gamma``/``ls2.gamma``).
+#: The word of one release for the layout with raw ``gamma_1``/``gamma_2`` gates: :meth:`Family.alias` resolves it.
+ALIAS = "gamma"
+#: Every layout name ``--to`` takes, of any family, and the release word.
+LAYOUT_NAMES = ("ls", "timm", "official", "transformers", ALIAS)
+#: Matches a whole LayerScale key as timm or this package names it, giving the block and which gate (``g`` in raw
+#: ``gamma_1``/``gamma_2`` parameters, ``l`` in the module layout's ``ls1.gamma``/``ls2.gamma``).
 GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
 #: Replacement that keeps a key unchanged.
 KEEP = r"\g<0>"
 #: The end of a linear layer's keys.
 LINEAR = r"\.(?:weight|bias)"
 
+#: A rule's value operation: ``op(replacement, tensor, key, state_dict)`` gives what the one key becomes.
+Op = Callable[[str, Any, str, Mapping[str, Any]], dict[str, Any]]
+
+
+class Proof(NamedTuple):
+    """A value of an operation's result that is no plain tensor: a part of the source dropped (``tensor`` ``None``)
+    or a tensor synthesised, with ``why`` it changes nothing (``"k third zero"``, ``"unused at inference"``)."""
+
+    tensor: Any
+    why: str
+
 
 @dataclass(frozen=True)
 class Rule:
     """A regular expression matched against a whole key, and its replacement template (``\\1`` for a group;
-    ``KEEP`` keeps the key, ``None`` drops it); with ``op``, a value operation: ``op(replacement, tensor, key,
-    state_dict)`` gives the keys and tensors the one key becomes (a fused projection split, three fused, or nothing
-    where another key's operation takes it), ``state_dict`` being the source's."""
+    ``KEEP`` keeps the key, ``None`` drops it). ``op``: a value operation (:data:`Op`), whose result maps each key
+    the one becomes to a tensor or a :class:`Proof`; ``state_dict`` is the source's. ``why``: a drop's proof that the
+    tensor is inert, a sentence, or ``why(key, tensor, state_dict)`` checking its values and giving the sentence
+    (raising :class:`~timm_layerscale.errors.RemapError` where it is not inert)."""
 
     pattern: str
     replace: str | None
-    op: Callable[[str, Any, str, Mapping[str, Any]], dict[str, Any]] | None = None
+    op: Op | None = None
+    why: str | Callable[[str, Any, Mapping[str, Any]], str] = ""
 
     def apply(self, key: str) -> tuple[bool, str | None]:
-        m = re.fullmatch(self.pattern, key)
-        if m is None:
+        regex = _anchored(self.pattern)
+        if regex.match(key) is None:
             return False, None
-        if self.replace is None:
-            return True, None
-        return True, m.expand(self.replace)
+        if self.replace is None or self.replace == KEEP:
+            return True, None if self.replace is None else key
+        return True, regex.sub(self.replace, key, count=1)  # re caches the parsed template, Match.expand does not
 
 
-def layerscale_rules(
-    blocks: str, keep: tuple[Rule, ...], ls_only: tuple[Rule, ...] = (), gamma_only: tuple[Rule, ...] = ()
-) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
-    """The rules to the ``ls`` layout and back of a family whose gates live in the ``blocks`` and whose other keys
-    ``keep`` keeps; ``ls_only`` and ``gamma_only``: the keys one layout alone has."""
-    gamma, ls = rf"({blocks}\.\d+)\.gamma_([12])", rf"({blocks}\.\d+)\.ls([12])\.gamma"
-    to_ls = (Rule(gamma, r"\1.ls\2.gamma"), Rule(ls, KEEP), *ls_only, *keep)
-    return to_ls, (Rule(ls, r"\1.gamma_\2"), Rule(gamma, KEEP), *gamma_only, *keep)
+@functools.cache
+def _anchored(pattern: str) -> re.Pattern[str]:
+    return re.compile(rf"(?:{pattern})\Z")
 
 
-@dataclass(frozen=True)
+#: ``native(variant, folded, args)``: ``(build, filter)``, the builder of the model reading a layout (``folded``:
+#: without gates) and the filter its loading passes a state dict through, ``filter(state_dict, model)``.
+Native = Callable[["Variant", bool, dict[str, Any]], Any]
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """One layout of a family's files, as one consumer reads them.
+
+    Attributes:
+        name: ``"ls"`` (this package's modules), ``"timm"`` (the state dict of timm's own model), ``"official"``
+            (the authors' release file) or ``"transformers"`` (a folder transformers' ``AutoModel`` loads).
+        read: The ordered rules from this layout to the ``ls`` layout.
+        write: The rules from the ``ls`` layout to this one; empty: read, never written.
+        native: The loader of its consumer (:data:`Native`): the model that reads such a file, and its filter.
+        tell: A source with a key matching this is in this layout (else the first whose rules cover its keys).
+        library: Its consumer is another library's implementation: outputs within a bound, not equal.
+        wrapper, prefix: Its container: a file's state dict under ``{wrapper: ...}``, every key with ``prefix``.
+        buffers: ``buffers(variant)``: what its files store that the ``ls`` layout does not hold.
+        optional_zero: Keys (``ls`` layout) a variant may lack where they are zero: its model computes the same.
+        config: ``config(variant, shapes)``: transformers' config of a variant from its ``ls``-layout shapes.
+    """
+
+    name: str
+    read: tuple[Rule, ...]
+    write: tuple[Rule, ...] = ()
+    native: Native | None = None
+    tell: str = "(?!)"
+    library: bool = False
+    wrapper: str | None = None
+    prefix: str = ""
+    buffers: Callable[[Variant], dict[str, Any]] | None = None
+    optional_zero: str = "(?!)"
+    config: Callable[[Variant, Mapping[str, tuple[int, ...]]], Any] | None = None
+
+    def computed(self, variant: Variant) -> set[str]:
+        """The keys of the buffers this layout's files store that the model computes from constants (never cast;
+        those its ``buffers`` give as a :class:`Proof` are tensors it synthesises, cast as the rest)."""
+        buffers = self.buffers(variant) if self.buffers else {}
+        return {k for k, v in buffers.items() if not isinstance(v, Proof)}
+
+    def wrap(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """``state_dict`` in this layout's container, as its consumer's code saves it."""
+        keys = {self.prefix + k: v for k, v in state_dict.items()}
+        return {self.wrapper: keys} if self.wrapper else keys
+
+    @property
+    def container(self) -> str:
+        """The container in words: ``"{'model': {'module.' + key: tensor}}"``, or ``"state dict"``."""
+        inner = f"{{{self.prefix!r} + key: tensor}}" if self.prefix else "state dict"
+        return f"{{{self.wrapper!r}: {inner}}}" if self.wrapper else inner
+
+
+@dataclass(frozen=True, eq=False)
 class Family:
-    """What the shared code knows of a family: its names, key rules both ways, the loaders of its layouts, the facts of
-    its tolerance and of its model card."""
+    """What the shared code knows of a family: its names, its layouts (``ls`` first; where timm's own model already
+    holds LayerScale modules, ``timm`` is the ``ls`` record itself), and the facts of its tolerance and model card."""
 
     name: str  # "cait"
     title: str  # "CaiT"
-    to_layerscale: tuple[Rule, ...]  # the ordered rules to the ls layout
-    to_gamma: tuple[Rule, ...]  # and back to the official gamma layout
-    # native(variant, layout, folded, timm_kwargs): (build, filter), the builder of the model reading ``layout``
-    # (folded: without gates) and the filter its code passes a state dict through, filter(state_dict, model)
-    native: Callable[[Variant, str, bool, dict[str, Any]], Any]
-    # (layout, pattern): a source with a key matching the pattern is in that layout (its rules are in to_layerscale)
-    source_layouts: tuple[tuple[str, str], ...] = ()
-    targets: tuple[tuple[str, tuple[Rule, ...]], ...] = ()  # (layout, rules from the ls layout) beyond ls and gamma
-    independent: tuple[str, ...] = ()  # layouts whose native model is another implementation: bounds, not equality
-    # transformers_config(variant, shapes): transformers' config of a variant from its ls-layout shapes, if it has one
-    transformers_config: Callable[[Variant, Mapping[str, tuple[int, ...]]], Any] | None = None
-    official_prefix: str = ""  # of every key in the official training code's files (CaiT's "module.", from DDP)
-    computed: str = "(?!)"  # keys of buffers a layout computes from constants (fp32 in every file); none
-    optional_zero: str = "(?!)"  # keys (ls layout) a variant may lack where they are zero: its model computes the same
-    # the official layout's computed buffers of a variant, checked against those ``tensors`` hold
-    official_buffers: Callable[[Variant, Mapping[str, Any]], dict[str, torch.Tensor]] = lambda variant, tensors: {}
-    official_layout: str = "gamma"  # the layout official_buffers are written into
+    layouts: Mapping[str, Layout]
     exact: bool = True  # the converted model makes the reference's kernel calls: outputs torch.equal
     tokens: bool = False  # verification compares forward_features' tokens (a pooled output would hide some)
     extra_blocks: int = 0  # blocks beyond a variant's depth (CaiT's class attention), which the bounds count
     full_title: str = ""  # the card's: what the model is, the paper, key renames beyond gamma_1/gamma_2, licence
     description: str = "a Vision Transformer with LayerScale"
     bibtex: str | None = None
-    layout_rows: tuple[tuple[str, str, str], ...] = ()
     license: str | None = None
+    gamma_file: str = "official"  # the layout the release word ALIAS named for a .pth file
 
-    def layout_of(self, keys: Iterable[str], gates: str) -> str:
-        """The layout of a source with these ``keys``: the first of ``source_layouts`` one matches, else ``gates``
-        (``"gamma"`` or ``"ls"``, told by its LayerScale keys)."""
-        keys = list(keys)
-        return next((name for name, p in self.source_layouts if any(re.fullmatch(p, k) for k in keys)), gates)
+    def layout(self, name: str, written: bool = False) -> Layout:
+        """The layout called ``name`` (one this family ``written``: writes; :data:`ALIAS`: the one it names for a
+        ``.pth``), or a one-line :class:`~timm_layerscale.errors.RemapError` naming those it has."""
+        name = self.alias("pth") if name == ALIAS else name
+        have = self.targets() if written else list(self.layouts)
+        if name not in have:
+            raise RemapError(
+                f"{self.title} has no layout {name!r}{' to write' * written}; its layouts: {', '.join(have)}"
+            )
+        return self.layouts[name]
 
-    def rules(self, to: str) -> tuple[Rule, ...]:
-        """The rules to layout ``to`` (from the ``ls`` layout for one of ``targets``)."""
-        table = {"ls": self.to_layerscale, "gamma": self.to_gamma, **dict(self.targets)}
-        if to not in table:
-            layouts = ", ".join(table)
-            raise RemapError(f"{self.title} has no layout {to!r}; its layouts: {layouts}")
-        return table[to]
+    def targets(self) -> list[str]:
+        """The names of the layouts this family writes."""
+        return [name for name, layout in self.layouts.items() if layout.write]
 
-    def cast(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-        """``tensors`` with every floating-point one as ``dtype`` (``None``: as they are), but computed buffers."""
-        keep = re.compile(self.computed).fullmatch
-        return {k: v.to(dtype) if dtype and v.is_floating_point() and not keep(k) else v for k, v in tensors.items()}
+    def alias(self, fmt: str, wrapped: bool = True) -> str:
+        """The layout :data:`ALIAS` names for an output of format ``fmt``: :attr:`gamma_file` for a ``.pth`` file
+        (``wrapped``: in its container), else ``timm``.
+
+        Raises:
+            RemapError: The family has no such layout (ViT-5 has no timm layout); the message says what to write.
+        """
+        name = self.gamma_file if fmt == "pth" and wrapped else "timm"
+        if name not in self.layouts:
+            raise RemapError(
+                f"{self.title} has no {name} layout to write as {ALIAS!r}; pass {option('to', 'official')} and a .pth output"
+            )
+        return name
+
+    def source_layouts(self) -> list[Layout]:
+        """Each layout once, in the order a source is matched against them (those with a ``tell`` first)."""
+        unique = list({id(v): v for v in self.layouts.values()}.values())
+        return sorted(unique, key=lambda layout: layout.tell == "(?!)")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A convertible architecture, one row of :data:`VARIANTS`: its name in timm's registry, its family, the
-    timm model computing the same function from the official weights (``None``: timm has none), its
+    """A convertible architecture, one row of :data:`VARIANTS`: its name in timm's registry, its :class:`Family`,
+    the timm model computing the same function from the official weights (``None``: timm has none), its
     resolution, width, depth (self-attention blocks), heads, the released LayerScale initial value
     (``None``: timm's default), patch size, the official release's file name and the model's other arguments."""
 
     name: str
-    family: str
+    family: Family
     reference: str | None
     img_size: int
     embed_dim: int
@@ -160,26 +204,19 @@ class Variant:
         return {**args, "init_values": self.init_value} if self.init_value is not None else args
 
 
-#: Every target layout (each family takes ``ls``, ``gamma`` and those of its ``targets``).
-LAYOUTS = ("ls", "gamma", "official", "transformers")
 #: Every family, by name, in registration order.
 FAMILIES: dict[str, Family] = {}
 #: Every convertible architecture, family by family in registration order.
 VARIANTS: tuple[Variant, ...] = ()
+#: Builders of this package's models of a layout timm has no model for (ViT-5's official one), by family, filled in
+#: by :mod:`timm_layerscale.models` as it registers its models: ``build(variant, **model_args)``.
+OFFICIAL_MODELS: dict[str, Callable[..., Any]] = {}
 
 
 def register(family: Family, variants: tuple[Variant, ...]) -> None:
     """Add a family and its variants to the registry."""
     global VARIANTS
     FAMILIES[family.name], VARIANTS = family, (*VARIANTS, *variants)
-
-
-def own_model(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
-    """The ``native`` loader of this package's own layout: its registered model, read strictly."""
-    import timm
-
-    kwargs = {**args, **({"folded_layerscale": True} if folded else {})}
-    return lambda: timm.create_model(variant.name, **kwargs), lambda sd, model: sd
 
 
 def state_dict_shapes(
@@ -201,8 +238,10 @@ def _shapes(variant: Variant, num_classes: int | None, img_size: int | None) -> 
     return {k: tuple(t.shape) for k, t in model.state_dict().items()}
 
 
-def get_family(name: str) -> Family:
-    """The family called ``name``, or :class:`~timm_layerscale.errors.RemapError`."""
+def get_family(name: str | Family) -> Family:
+    """The family called ``name`` (a :class:`Family` itself), or :class:`~timm_layerscale.errors.RemapError`."""
+    if isinstance(name, Family):
+        return name
     try:
         return FAMILIES[name]
     except KeyError:
@@ -222,9 +261,14 @@ def get_variant(name: str) -> Variant:
 
 def variants_of(family: str) -> dict[str, Variant]:
     """The variants of one family, by name, in table order."""
-    return {v.name: v for v in VARIANTS if v.family == family}
+    return {v.name: v for v in VARIANTS if v.family.name == family}
+
+
+def gate_rules(blocks: str, keep: tuple[Rule, ...]) -> tuple[tuple[Rule, ...], tuple[Rule, ...], tuple[Rule, ...]]:
+    """The rules of a family whose gates live in the ``blocks`` and whose other keys ``keep`` keeps: reading the
+    ``ls`` layout (as it is), reading raw ``gamma_1``/``gamma_2`` gates into it, and writing them back."""
+    gamma, ls = rf"({blocks}\.\d+)\.gamma_([12])", rf"({blocks}\.\d+)\.ls([12])\.gamma"
+    return (Rule(ls, KEEP), *keep), (Rule(gamma, r"\1.ls\2.gamma"), *keep), (Rule(ls, r"\1.gamma_\2"), *keep)
 
 
 from . import cait, vit5, deit3, dinov3, dinov2  # noqa: E402, F401, I001  (the registry: each registers its family)
-from .cait import RELEASE_URL as CAIT_RELEASE_URL  # noqa: E402  (where these names were)
-from .vit5 import HUB_REPO as VIT5_HUB_REPO, check_rope_buffers, official_rope_buffers, rope_buffers  # noqa: E402

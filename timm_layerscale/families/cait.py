@@ -5,42 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import KEEP, LINEAR, Family, Rule, Variant, layerscale_rules, own_model, register
+from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
+from .loaders import own_model, timm_model
 
 #: Where the official checkpoints are published (``+ Variant.official_file``).
 RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
-
-
-def _variant(size: str, img: int, dim: int, depth: int, heads: int, init: float) -> Variant:
-    ref = f"cait_{size}{depth}_{img}"
-    return Variant(
-        f"{ref}_ls", "cait", ref, img, dim, depth, heads, init, official_file=f"{size.upper()}{depth}_{img}.pth"
-    )
-
-
-#: The ten released variants.
-VARIANTS = (
-    _variant("xxs", 224, 192, 24, 4, 1e-5),
-    _variant("xxs", 384, 192, 24, 4, 1e-5),
-    _variant("xxs", 224, 192, 36, 4, 1e-5),
-    _variant("xxs", 384, 192, 36, 4, 1e-5),
-    _variant("xs", 384, 288, 24, 6, 1e-5),
-    _variant("s", 224, 384, 24, 8, 1e-5),
-    _variant("s", 384, 384, 24, 8, 1e-5),
-    _variant("s", 384, 384, 36, 8, 1e-6),
-    _variant("m", 384, 768, 36, 16, 1e-6),
-    _variant("m", 448, 768, 48, 16, 1e-6),
-)
-
-
-def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) -> Any:
-    """``gamma``: timm's ``cait_*`` through timm's own ``checkpoint_filter_fn``; ``ls``: this package's model."""
-    if layout == "ls":
-        return own_model(variant, folded, args)
-    import timm
-    from timm.models.cait import checkpoint_filter_fn
-
-    return lambda: timm.create_model(str(variant.reference), **args), checkpoint_filter_fn
 
 
 BIBTEX = """\
@@ -61,21 +30,53 @@ _KEEP = (
     Rule(_CLASS_BLOCK + LINEAR, KEEP),
 )
 
+
+def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
+    """The official file's consumer: timm's ``cait_*`` (the official math bit for bit) through timm's own
+    ``checkpoint_filter_fn``, which takes the DDP prefix off."""
+    from timm.models.cait import checkpoint_filter_fn
+
+    return timm_model(str(variant.reference), args, checkpoint_filter_fn)
+
+
+LS, RAW, TO_RAW = gate_rules(r"blocks(?:_token_only)?", _KEEP)
 FAMILY = Family(
     "cait",
     "CaiT",
-    *layerscale_rules(r"blocks(?:_token_only)?", _KEEP),
-    native=native,
-    official_prefix="module.",
+    {
+        "ls": Layout("ls", LS, LS, own_model),
+        "timm": Layout("timm", RAW, TO_RAW, lambda v, folded, args: timm_model(str(v.reference), args)),
+        "official": Layout("official", RAW, TO_RAW, _official, wrapper="model", prefix="module."),
+    },
     extra_blocks=2,
     full_title="CaiT (Class-Attention in Image Transformers)",
     description="a stack of self-attention blocks with talking-heads attention, then two class-attention blocks in "
     "which only the class token attends to the patch tokens; every residual branch is scaled by LayerScale",
     bibtex=BIBTEX,
-    layout_rows=(
-        ("blocks_token_only.N.gamma_1", "blocks_token_only.N.ls1.gamma", "class-attention branch gate"),
-        ("blocks_token_only.N.gamma_2", "blocks_token_only.N.ls2.gamma", "class-attention MLP gate"),
-    ),
     license="apache-2.0",
 )
+
+
+def _variant(size: str, img: int, dim: int, depth: int, heads: int, init: float) -> Variant:
+    ref = f"cait_{size}{depth}_{img}"
+    return Variant(
+        f"{ref}_ls", FAMILY, ref, img, dim, depth, heads, init, official_file=f"{size.upper()}{depth}_{img}.pth"
+    )
+
+
+#: The ten released variants.
+VARIANTS = (
+    _variant("xxs", 224, 192, 24, 4, 1e-5),
+    _variant("xxs", 384, 192, 24, 4, 1e-5),
+    _variant("xxs", 224, 192, 36, 4, 1e-5),
+    _variant("xxs", 384, 192, 36, 4, 1e-5),
+    _variant("xs", 384, 288, 24, 6, 1e-5),
+    _variant("s", 224, 384, 24, 8, 1e-5),
+    _variant("s", 384, 384, 24, 8, 1e-5),
+    _variant("s", 384, 384, 36, 8, 1e-6),
+    _variant("m", 384, 768, 36, 16, 1e-6),
+    _variant("m", 448, 768, 48, 16, 1e-6),
+)
+
+
 register(FAMILY, VARIANTS)

@@ -1,39 +1,24 @@
-"""DeiT III (arXiv 2204.07118): the official ``models_v2.py`` files keep raw ``gamma_1``/``gamma_2``; timm's own
-``deit3_*`` already use LayerScale modules, so its models are this family's."""
+"""DeiT III (arXiv 2204.07118): the official ``models_v2.py`` files keep raw ``gamma_1``/``gamma_2`` under
+``{'model': ...}``; timm's own ``deit3_*`` already use LayerScale modules, so its layout is this family's ``ls``."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
-from . import KEEP, LINEAR, Family, Rule, Variant, layerscale_rules, register
+from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
+from .loaders import timm_model
 
 
-def _variant(size: str, img: int, dim: int, depth: int, heads: int, patch: int = 16) -> Variant:
-    name = f"deit3_{size}_patch{patch}_{img}"
-    return Variant(name, "deit3", name, img, dim, depth, heads, None, patch_size=patch)
-
-
-#: timm's DeiT III architectures.
-VARIANTS = (
-    _variant("small", 224, 384, 12, 6),
-    _variant("small", 384, 384, 12, 6),
-    _variant("medium", 224, 512, 12, 8),
-    _variant("base", 224, 768, 12, 12),
-    _variant("base", 384, 768, 12, 12),
-    _variant("large", 224, 1024, 24, 16),
-    _variant("large", 384, 1024, 24, 16),
-    _variant("huge", 224, 1280, 32, 16, patch=14),
-)
-
-
-def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) -> Any:
-    """Timm's ``deit3_*`` through its filter; folded, without LayerScale (``init_values=0``: timm drops ``None``)."""
-    import timm
+def _timm(variant: Variant, folded: bool, args: dict[str, Any], filtered: bool = False) -> Any:
+    """timm's ``deit3_*``, read strictly, or (``filtered``, an official file) through timm's filter; folded, without
+    LayerScale (``init_values=0``: timm drops ``None``)."""
     from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-    kwargs = {**args, **({"init_values": 0.0} if folded else {})}
-    return lambda: timm.create_model(variant.name, **kwargs), lambda sd, model: checkpoint_filter_fn(
-        sd, cast(VisionTransformer, model), adapt_layer_scale=True
+    def official(sd: dict[str, Any], model: Any) -> Any:
+        return checkpoint_filter_fn(sd, cast(VisionTransformer, model), adapt_layer_scale=True)
+
+    return timm_model(
+        variant.name, {**args, **({"init_values": 0.0} if folded else {})}, official if filtered else None
     )
 
 
@@ -52,14 +37,39 @@ _KEEP = (
     Rule(r"(?:patch_embed\.proj|norm|head)" + LINEAR, KEEP),
     Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + LINEAR, KEEP),
 )
+LS, RAW, TO_RAW = gate_rules(r"blocks", _KEEP)
+_LS = Layout("ls", LS, LS, _timm)
 
 FAMILY = Family(
     "deit3",
     "DeiT-III",
-    *layerscale_rules(r"blocks", _KEEP),
-    native=native,
+    {
+        "ls": _LS,
+        "timm": _LS,
+        "official": Layout(
+            "official", RAW, TO_RAW, lambda v, folded, args: _timm(v, folded, args, filtered=True), wrapper="model"
+        ),
+    },
     full_title="DeiT III",
     description="a plain Vision Transformer whose residual branches are scaled by LayerScale",
     bibtex=BIBTEX,
+)
+
+
+def _variant(size: str, img: int, dim: int, depth: int, heads: int, patch: int = 16) -> Variant:
+    name = f"deit3_{size}_patch{patch}_{img}"
+    return Variant(name, FAMILY, name, img, dim, depth, heads, None, patch_size=patch)
+
+
+#: timm's DeiT III architectures.
+VARIANTS = (
+    _variant("small", 224, 384, 12, 6),
+    _variant("small", 384, 384, 12, 6),
+    _variant("medium", 224, 512, 12, 8),
+    _variant("base", 224, 768, 12, 12),
+    _variant("base", 384, 768, 12, 12),
+    _variant("large", 224, 1024, 24, 16),
+    _variant("large", 384, 1024, 24, 16),
+    _variant("huge", 224, 1280, 32, 16, patch=14),
 )
 register(FAMILY, VARIANTS)

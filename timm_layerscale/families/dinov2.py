@@ -1,41 +1,16 @@
 """DINOv2 (arXiv 2304.07193): timm's own ``vit_*_patch14[_reg4]_dinov2`` already use LayerScale modules, so its models
-are this family's ``ls`` layout; the official files (``dinov2/models/vision_transformer.py``: ``mask_token``,
-``register_tokens``, a class slot in ``pos_embed``, the giant's SwiGLU ``w12``/``w3``) are its ``gamma`` layout (the
-official file, as for CaiT and DeiT-III), and transformers' ``Dinov2Model`` / ``Dinov2WithRegistersModel`` files its
-``transformers`` layout."""
+are this family's ``ls`` (and ``timm``) layout; the official files (``dinov2/models/vision_transformer.py``: bare state
+dicts with ``mask_token``, ``register_tokens``, a class slot in ``pos_embed``, the giant's SwiGLU ``w12``/``w3``) its
+``official`` layout, and transformers' ``Dinov2Model`` / ``Dinov2WithRegistersModel`` files its ``transformers``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from . import KEEP, LINEAR, Family, Rule, Variant, register
-from .transformers_layout import (
-    TRAINING_HEADS,
-    fuse_qkv,
-    native_transformers,
-    split_qkv,
-    without_training_heads,
-    zeros_like_token,
-)
-
-
-def _variant(size: str, dim: int, depth: int, heads: int, reg: bool) -> Variant:
-    name = f"vit_{size}_patch14{'_reg4' if reg else ''}_dinov2"
-    return Variant(name, "dinov2", name, 518, dim, depth, heads, 1e-5, patch_size=14)
-
-
-#: timm's DINOv2 architectures (``_reg4``: four registers, the class token's position folded into it).
-VARIANTS = tuple(
-    _variant(size, dim, depth, heads, reg)
-    for reg in (False, True)
-    for size, dim, depth, heads in (
-        ("small", 384, 12, 6),
-        ("base", 768, 12, 12),
-        ("large", 1024, 24, 16),
-        ("giant", 1536, 40, 24),
-    )
-)
+from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register, state_dict_shapes
+from .loaders import authors_keys, native_transformers, timm_model, without_training_heads
+from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
 
 
 def merge_class_slot(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,38 +61,43 @@ _B = r"blocks\.(\d+)"
 #: Keys the official layout and timm's share (the gates are ``ls1.gamma`` in both).
 _SHARED = r"(?:patch_embed\.proj|norm)" + LINEAR + r"|blocks\.\d+\.(?:(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc[12])"
 _SHARED += LINEAR + r"|ls[12]\.gamma)"
-#: Official and transformers files into timm's names.
-TO_TIMM = (
-    Rule(r"mask_token|embeddings\.mask_token", None),  # pretraining only
-    Rule(TRAINING_HEADS, None),  # the objective's heads of a training checkpoint
-    Rule(r"register_tokens|embeddings\.register_tokens", "reg_token"),
-    Rule(r"cls_token|embeddings\.cls_token", "cls_token", op=merge_class_slot),
-    Rule(r"pos_embed|embeddings\.position_embeddings", "pos_embed", op=drop_class_slot),
+#: timm's own layout, which this family's ``ls`` is.
+LS = (Rule(r"cls_token|pos_embed|reg_token|head" + LINEAR, KEEP), Rule(_SHARED, KEEP))
+#: Official files into timm's names.
+OFFICIAL = (
+    Rule(r"mask_token", None, why=UNUSED),  # the masked-image objective's token
+    training_heads(),
+    Rule(r"register_tokens", "reg_token"),
+    Rule(r"cls_token", "cls_token", op=merge_class_slot),
+    Rule(r"pos_embed", "pos_embed", op=drop_class_slot),
     Rule(rf"{_B}\.mlp\.w12({LINEAR})", r"blocks.\1.mlp.fc1\2"),
     Rule(rf"{_B}\.mlp\.w3({LINEAR})", r"blocks.\1.mlp.fc2\2"),
-    Rule(rf"embeddings\.patch_embeddings\.projection({LINEAR})", r"patch_embed.proj\1"),
-    Rule(rf"encoder\.layer\.(\d+)\.(norm[12]{LINEAR})", r"blocks.\1.\2"),
-    Rule(
-        rf"encoder\.layer\.(\d+)\.attention\.attention\.(?:query|key|value)({LINEAR})",
-        r"blocks.\1.attn.qkv\2",
-        op=fuse_qkv,
-    ),
-    Rule(rf"encoder\.layer\.(\d+)\.attention\.output\.dense({LINEAR})", r"blocks.\1.attn.proj\2"),
-    Rule(r"encoder\.layer\.(\d+)\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
-    Rule(rf"encoder\.layer\.(\d+)\.mlp\.(?:fc1|weights_in)({LINEAR})", r"blocks.\1.mlp.fc1\2"),
-    Rule(rf"encoder\.layer\.(\d+)\.mlp\.(?:fc2|weights_out)({LINEAR})", r"blocks.\1.mlp.fc2\2"),
-    Rule(rf"layernorm({LINEAR})", r"norm\1"),
-    Rule(r"reg_token|head" + LINEAR, KEEP),
     Rule(_SHARED, KEEP),
 )
+_E = r"encoder\.layer\.(\d+)"
+#: transformers' files (4.x's names, which ``save_pretrained`` still writes) into timm's.
+TRANSFORMERS = (
+    Rule(r"embeddings\.mask_token", None, why=UNUSED),
+    Rule(r"embeddings\.register_tokens", "reg_token"),
+    Rule(r"embeddings\.cls_token", "cls_token", op=merge_class_slot),
+    Rule(r"embeddings\.position_embeddings", "pos_embed", op=drop_class_slot),
+    Rule(rf"embeddings\.patch_embeddings\.projection({LINEAR})", r"patch_embed.proj\1"),
+    Rule(rf"{_E}\.(norm[12]{LINEAR})", r"blocks.\1.\2"),
+    Rule(rf"{_E}\.attention\.attention\.(?:query|key|value)({LINEAR})", r"blocks.\1.attn.qkv\2", op=fuse_qkv),
+    Rule(rf"{_E}\.attention\.output\.dense({LINEAR})", r"blocks.\1.attn.proj\2"),
+    Rule(rf"{_E}\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
+    Rule(rf"{_E}\.mlp\.(?:fc1|weights_in)({LINEAR})", r"blocks.\1.mlp.fc1\2"),
+    Rule(rf"{_E}\.mlp\.(?:fc2|weights_out)({LINEAR})", r"blocks.\1.mlp.fc2\2"),
+    Rule(rf"layernorm({LINEAR})", r"norm\1"),
+)
 #: timm's layout into the official file, with a zero ``mask_token``, a zero class slot for ``_reg4`` (whose class
-#: token holds its position), ``register_tokens`` and the giant's ``w12``/``w3``.
+#: token holds its position), ``register_tokens`` and the giant's ``w12``/``w3``; no classifier.
 TO_OFFICIAL = (
     Rule(r"cls_token", "cls_token", op=zeros_like_token(_MASK, "mask_token")),
     Rule(r"pos_embed", "pos_embed", op=zero_class_slot),
     Rule(r"reg_token", "register_tokens"),
     Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", r"blocks.\1.mlp.{}\3", op=packed_swiglu(("w12", "w3"))),
-    Rule(r"head" + LINEAR, KEEP),
+    Rule(r"head" + LINEAR, KEEP, op=no_head("the official DINOv2 model")),
     Rule(_SHARED, KEEP),
 )
 _L = r"encoder.layer.\1"
@@ -137,6 +117,7 @@ TO_TRANSFORMERS = (
     Rule(rf"{_B}\.ls([12])\.gamma", rf"{_L}.layer_scale\2.lambda1"),
     Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", rf"{_L}.mlp.{{}}\3", op=packed_swiglu(("weights_in", "weights_out"))),
     Rule(rf"norm({LINEAR})", r"layernorm\1"),
+    Rule(r"head" + LINEAR, KEEP, op=no_head("transformers' Dinov2Model")),
 )
 
 
@@ -156,19 +137,33 @@ def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]])
     )  # fmt: skip
 
 
-def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) -> Any:
-    """``ls`` and ``gamma`` (the official file): timm's own model through timm's filter (folded: ``init_values=0``),
-    taking any input size;
-    ``transformers``: transformers' ``Dinov2Model`` or ``Dinov2WithRegistersModel``."""
-    if layout == "transformers":
-        return native_transformers(transformers_config, variant, args, any_size=False)
-    import timm
+def official_keys(variant: Variant) -> set[str]:
+    """The keys of the authors' ``DinoVisionTransformer`` of a variant (``dinov2/hub/backbones.py``: ``mask_token``,
+    ``register_tokens`` with registers, the giant's packed SwiGLU ``w12``/``w3``, else ``fc1``/``fc2``; no head)."""
+    shapes = state_dict_shapes(variant, 0)
+    packed = shapes["blocks.0.mlp.fc1.weight"][0] == 2 * shapes["blocks.0.mlp.fc2.weight"][1]
+    mlp = ("mlp.w12", "mlp.w3") if packed else ("mlp.fc1", "mlp.fc2")
+    keys = {"cls_token", "pos_embed", "mask_token", *(["register_tokens"] if "reg_token" in shapes else [])}
+    keys |= {f"{m}.{p}" for m in ("patch_embed.proj", "norm") for p in ("weight", "bias")}
+    for n in range(variant.depth):
+        keys |= {
+            f"blocks.{n}.{m}.{p}" for m in ("norm1", "attn.qkv", "attn.proj", "norm2", *mlp) for p in ("weight", "bias")
+        }
+        keys |= {f"blocks.{n}.ls1.gamma", f"blocks.{n}.ls2.gamma"}
+    return keys
+
+
+def _timm(variant: Variant, folded: bool, args: dict[str, Any], official: bool = False) -> Any:
+    """timm's own model, taking any input size, read strictly or (``official``) as the authors' strict loading reads
+    the key set, then through timm's filter; folded, without LayerScale (``init_values=0``)."""
     from timm.models.vision_transformer import checkpoint_filter_fn
 
     # any input size (the position embedding resampled as the official code and transformers do), so that
     # verification also runs a second, non-square size; at 518 x 518 nothing changes
     kwargs = {**args, "dynamic_img_size": True, **({"init_values": 0.0} if folded else {})}
-    return lambda: timm.create_model(variant.name, **kwargs), without_training_heads(checkpoint_filter_fn)
+    what = f"DinoVisionTransformer of {variant.name}"
+    read = without_training_heads(authors_keys(official_keys(variant), "(?!)", what, checkpoint_filter_fn))
+    return timm_model(variant.name, kwargs, read if official else None)
 
 
 BIBTEX = """\
@@ -179,21 +174,53 @@ BIBTEX = """\
   year    = {2024}
 }"""
 
+_LS = Layout("ls", LS, LS, _timm)
 FAMILY = Family(
     "dinov2",
     "DINOv2",
-    TO_TIMM,
-    TO_OFFICIAL,
-    native=native,
-    source_layouts=(("gamma", r"mask_token"), ("transformers", r"embeddings\.patch_embeddings\.projection\.weight")),
-    targets=(("transformers", TO_TRANSFORMERS),),
-    independent=("transformers",),
-    transformers_config=transformers_config,
+    {
+        "ls": _LS,
+        "timm": _LS,
+        "official": Layout(
+            "official",
+            OFFICIAL,
+            TO_OFFICIAL,
+            lambda v, folded, args: _timm(v, folded, args, official=True),
+            tell=r"mask_token",
+        ),
+        "transformers": Layout(
+            "transformers",
+            TRANSFORMERS,
+            TO_TRANSFORMERS,
+            lambda v, folded, args: native_transformers(transformers_config, v, args, any_size=False),
+            tell=r"embeddings\.patch_embeddings\.projection\.weight",
+            library=True,
+            config=transformers_config,
+        ),
+    },
     tokens=True,
     full_title="DINOv2",
     description="a self-supervised Vision Transformer (with registers in the _reg4 models) whose residual branches "
     "are scaled by LayerScale",
     bibtex=BIBTEX,
     license="apache-2.0",
+)
+
+
+def _variant(size: str, dim: int, depth: int, heads: int, reg: bool) -> Variant:
+    name = f"vit_{size}_patch14{'_reg4' if reg else ''}_dinov2"
+    return Variant(name, FAMILY, name, 518, dim, depth, heads, 1e-5, patch_size=14)
+
+
+#: timm's DINOv2 architectures (``_reg4``: four registers, the class token's position folded into it).
+VARIANTS = tuple(
+    _variant(size, dim, depth, heads, reg)
+    for reg in (False, True)
+    for size, dim, depth, heads in (
+        ("small", 384, 12, 6),
+        ("base", 768, 12, 12),
+        ("large", 1024, 24, 16),
+        ("giant", 1536, 40, 24),
+    )
 )
 register(FAMILY, VARIANTS)

@@ -1,15 +1,14 @@
 """ViT-5 (arXiv 2602.08071): the official ``models_vit5.py`` keeps raw ``gamma_1``/``gamma_2`` and rotary buffers
 computed from constants; this package's ``vit5_*`` (:mod:`timm_layerscale.models.vit5`) LayerScale modules. timm has
-no ViT-5: :mod:`~timm_layerscale.families.vit5_official` reads the official layout."""
+no ViT-5: :mod:`~timm_layerscale.models.vit5_official` reads the official layout."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RemapError
-from . import KEEP, LINEAR, Family, Rule, Variant, get_variant, layerscale_rules, own_model, register
+from . import KEEP, LINEAR, OFFICIAL_MODELS, Family, Layout, Rule, Variant, gate_rules, register
+from .loaders import own_model
 
 if TYPE_CHECKING:
     import torch
@@ -22,74 +21,45 @@ ROPE_THETA = (10000.0, 100.0)
 _ROPE_BUFFER = r"blocks\.\d+\.attn\.rope(?:_reg)?\.freqs"
 
 
-def _variant(size: str, img: int, dim: int, depth: int, heads: int, released: bool = True) -> Variant:
-    name = f"vit5_{size}_patch16_{img}"
-    return Variant(name, "vit5", None, img, dim, depth, heads, 1e-4, official_file=f"{name}.pth" if released else None)
-
-
-#: The variants of the paper (XL has no released weights).
-VARIANTS = (
-    _variant("small", 224, 384, 12, 6),
-    _variant("base", 224, 768, 12, 12),
-    _variant("base", 384, 768, 12, 12),
-    _variant("large", 224, 1024, 24, 16),
-    _variant("large", 384, 1024, 24, 16),
-    _variant("xlarge", 224, 1152, 28, 16, released=False),
-)
-
-
-def rope_buffers(depth: int, head_dim: int, thetas: tuple[float, float] = ROPE_THETA) -> dict[str, torch.Tensor]:
+def rope_buffers(variant: Variant) -> dict[str, torch.Tensor]:
     """The official layout's persistent rotary buffers (``blocks.i.attn.rope.freqs`` and ``rope_reg.freqs``, fp32
     ``(head_dim // 4,)`` each), which its strict loading needs and this package's model computes."""
     from ..layers.rope import rope_bands
 
-    patch, reg = (rope_bands(head_dim, theta) for theta in thetas)
+    patch, reg = (rope_bands(variant.embed_dim // variant.num_heads, theta) for theta in ROPE_THETA)
     out: dict[str, torch.Tensor] = {}
-    for i in range(depth):
+    for i in range(variant.depth):
         out[f"blocks.{i}.attn.rope.freqs"] = patch.clone()
         out[f"blocks.{i}.attn.rope_reg.freqs"] = reg.clone()
     return out
 
 
-def check_rope_buffers(state_dict: Mapping[str, Any], expected: Mapping[str, torch.Tensor]) -> None:
-    """Raise :class:`~timm_layerscale.errors.RemapError` where a ``*.freqs`` buffer of an official state dict
-    (absent ones are fine) differs from the computed ``expected`` one by more than ``pow``'s spread across
-    builds (relative 1e-6): the checkpoint was made with other rotary settings."""
-    found = {k: v for k, v in state_dict.items() if re.fullmatch(_ROPE_BUFFER, k)}
-    if not found:
-        return
+def freqs_computed(key: str, freqs: Any, state_dict: Any) -> str:
+    """The proof that an official file's rotary buffer is the table the model computes (within ``pow``'s spread
+    across builds, relative 1e-6): ``"freqs computed"``.
+
+    Raises:
+        RemapError: It is another table: the checkpoint was trained with other rotary settings.
+    """
     import torch
 
-    for key, value in found.items():
-        want = expected.get(key)
-        if want is None:
-            raise RemapError(f"checkpoint has a rotary buffer {key!r} for a block the model does not have")
-        got = torch.as_tensor(value).detach().to("cpu", torch.float32)
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-6, atol=0.0):
-            raise RemapError(
-                f"checkpoint's rotary frequencies {key!r} differ from the ones the model computes "
-                f"(shape {list(got.shape)} vs {list(want.shape)}); it was trained with other rotary settings"
-            )
+    from ..layers.rope import rope_bands
+
+    got = freqs.detach().to("cpu", torch.float32)
+    want = rope_bands(4 * got.numel(), ROPE_THETA[".rope_reg." in key])
+    if got.ndim != 1 or not torch.allclose(got, want, rtol=1e-6, atol=0.0):
+        raise RemapError(
+            f"checkpoint's rotary frequencies {key!r} differ from the ones the model computes; it was trained with "
+            "other rotary settings, which this package's ViT-5 does not have"
+        )
+    return "freqs computed"
 
 
-def official_rope_buffers(variant: Variant | str, tensors: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """:func:`rope_buffers` of a variant (or its name), checked against those ``tensors`` hold
-    (:func:`check_rope_buffers`)."""
-    v = get_variant(variant) if isinstance(variant, str) else variant
-    computed = rope_buffers(v.depth, v.embed_dim // v.num_heads)
-    check_rope_buffers(tensors or {}, computed)
-    return computed
-
-
-def native(variant: Variant, layout: str, folded: bool, args: dict[str, Any]) -> Any:
-    """``gamma``: :mod:`~timm_layerscale.families.vit5_official`, with the rotary buffers where the file has none; ``ls``: this package's."""
-    if layout == "gamma":
-        from .vit5_official import build_official_vit5
-
-        computed = official_rope_buffers(variant)
-        model_args = {k: v for k, v in args.items() if k in ("num_classes", "img_size")}
-        return lambda: build_official_vit5(variant, **model_args), lambda sd, model: {**computed, **sd}
-    return own_model(variant, folded, args)
+def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
+    """The official file's consumer: the official-layout model, with the rotary buffers where the file has none."""
+    computed = rope_buffers(variant)
+    model_args = {k: v for k, v in args.items() if k in ("num_classes", "img_size")}
+    return lambda: OFFICIAL_MODELS["vit5"](variant, **model_args), lambda sd, model: {**computed, **sd}
 
 
 BIBTEX = """\
@@ -108,18 +78,42 @@ _KEEP = (
     Rule(r"patch_embed\.proj" + LINEAR + r"|norm\.weight|head" + LINEAR, KEEP),
     Rule(_BLOCK + LINEAR + ")", KEEP),
 )
+LS, RAW, TO_RAW = gate_rules(r"blocks", _KEEP)
 
 FAMILY = Family(
     "vit5",
     "ViT-5",
-    # the ls layout drops the rotary buffers (checked first), the official layout gets them back
-    *layerscale_rules(r"blocks", _KEEP, ls_only=(Rule(_ROPE_BUFFER, None),), gamma_only=(Rule(_ROPE_BUFFER, KEEP),)),
-    native=native,
-    computed=_ROPE_BUFFER,
-    official_buffers=official_rope_buffers,
+    {
+        "ls": Layout("ls", LS, LS, own_model),
+        # the official training dict: its rotary buffers, proven equal to the computed ones, dropped and written again
+        "official": Layout(
+            "official",
+            (Rule(_ROPE_BUFFER, None, why=freqs_computed), *RAW),
+            TO_RAW,
+            _official,
+            wrapper="model",
+            buffers=rope_buffers,
+        ),
+    },
     exact=False,
     description="a Vision Transformer with RMSNorm, QK-norm, 2-D rotary position embedding and register tokens, "
     "whose residual branches are scaled by LayerScale",
     bibtex=BIBTEX,
+)
+
+
+def _variant(size: str, img: int, dim: int, depth: int, heads: int, released: bool = True) -> Variant:
+    name = f"vit5_{size}_patch16_{img}"
+    return Variant(name, FAMILY, None, img, dim, depth, heads, 1e-4, official_file=f"{name}.pth" if released else None)
+
+
+#: The variants of the paper (XL has no released weights).
+VARIANTS = (
+    _variant("small", 224, 384, 12, 6),
+    _variant("base", 224, 768, 12, 12),
+    _variant("base", 384, 768, 12, 12),
+    _variant("large", 224, 1024, 24, 16),
+    _variant("large", 384, 1024, 24, 16),
+    _variant("xlarge", 224, 1152, 28, 16, released=False),
 )
 register(FAMILY, VARIANTS)

@@ -8,13 +8,14 @@ complete old or new folder, or after a kill between the renames the old one asid
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError, OutputExistsError, option
@@ -93,6 +94,18 @@ def output_path(path: str | os.PathLike[str], overwrite: bool) -> Path:
     return target
 
 
+def _place(tmp: Path, target: Path, place: Callable[[], None]) -> None:
+    """``place()`` a finished temporary at ``target``; an :class:`OutputExistsError` where that finds it taken."""
+    try:
+        place()
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+            raise
+        raise OutputExistsError(
+            f"output {target} appeared while this one was written; pass {option('overwrite')}"
+        ) from e
+
+
 def _write_error(where: Path, e: OSError) -> CheckpointError:
     return CheckpointError(
         f"writing {where} failed ({e.strerror or e}); nothing was written, free space or choose another path"
@@ -113,9 +126,13 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
         tmp.touch(exist_ok=False)
         fd = _lock(tmp)
         yield tmp
-        with contextlib.suppress(OSError):  # as cp keeps them
-            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
-        os.replace(tmp, target)
+        if overwrite:
+            with contextlib.suppress(OSError):  # as cp keeps them
+                os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+            os.replace(tmp, target)
+        else:  # a link fails where another writer put the output meanwhile, where a rename would replace it
+            _place(tmp, target, lambda: os.link(tmp, target))
+            tmp.unlink()
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -155,11 +172,12 @@ def folder_output(out: Path, overwrite: bool = False) -> Iterator[Path]:
         tmp.mkdir()
         locks.append(_lock(tmp))
         yield tmp
-        if real.is_dir():
+        if real.is_dir() and overwrite:
             os.chmod(tmp, stat.S_IMODE(real.stat().st_mode))
             locks.append(_lock(real))  # the lock follows the folder aside
             os.replace(real, old)
-        os.replace(tmp, real)
+        # a rename onto a folder succeeds only where it is empty: not where another writer put its output meanwhile
+        _place(tmp, real, lambda: os.replace(tmp, real))
         shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         if old.exists() and not real.exists():

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..conversion.keys import state_dict_of
+from ..conversion.checkpoint import container_of, state_dict_of
 from ..errors import CheckpointError, RemapError
 from .atomic import check_name
 from .hub_errors import one_line
 from .sources import resolve_source
 
-__all__ = ["check_checksums", "check_finite", "load_checkpoint", "nonfinite_tensors", "parse_dtype", "read_state_dict"]
+__all__ = ["check_checksums", "check_finite", "load_checkpoint", "nonfinite_tensors", "parse_dtype", "read_checkpoint"]
+__all__ += ["read_state_dict"]
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -118,27 +119,37 @@ def check_checksums(path: str | os.PathLike[str]) -> None:
         raise CheckpointError(f"{path} is corrupt ({e}); download it again") from None
 
 
-def read_state_dict(
+def read_checkpoint(
     source: str | os.PathLike[str], ema: bool = False, checksums: bool = True
-) -> tuple[Path, dict[str, Any]]:
-    """``(path, state_dict)``: the local file of ``source`` and its tensors (unwrapped, prefixes stripped,
-    lazy where the format allows), its zip checksums checked unless not ``checksums``.
+) -> tuple[Path, dict[str, Any], tuple[str | None, str]]:
+    """``(path, state_dict, container)``: the local file of ``source``, its tensors (unwrapped, prefixes stripped,
+    lazy where the format allows) and the container they were in
+    (:func:`~timm_layerscale.conversion.checkpoint.container_of`), its zip checksums checked unless not ``checksums``.
 
     Raises:
         CheckpointError: As :func:`load_checkpoint`, or the file holds no weights or values that are not
             tensors; every message names the file.
     """
     path = resolve_source(source)
+    checkpoint = load_checkpoint(path)
+    if checksums:
+        check_checksums(path)  # before anything is said of the values: damage can read as NaN
     try:
-        sd = state_dict_of(load_checkpoint(path), ema=ema)
+        sd, container = state_dict_of(checkpoint, ema=ema), container_of(checkpoint, ema)
     except RemapError as e:
         raise CheckpointError(f"{path}: {e}") from None
     if all(isinstance(v, Mapping) and not v for v in sd.values()):  # {} or {'state_dict': {}}
         raise CheckpointError(f"{path} holds no weights (an empty state dict); pass a checkpoint with weights")
     if bad := [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]:
         raise CheckpointError(f"{path}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
-    if checksums:
-        check_checksums(path)  # before anything is said of the values: damage can read as NaN
+    return path, sd, container
+
+
+def read_state_dict(
+    source: str | os.PathLike[str], ema: bool = False, checksums: bool = True
+) -> tuple[Path, dict[str, Any]]:
+    """``(path, state_dict)`` of :func:`read_checkpoint`."""
+    path, sd, _ = read_checkpoint(source, ema, checksums)
     return path, sd
 
 

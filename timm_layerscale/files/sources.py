@@ -93,12 +93,18 @@ def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
 
 
 def cached_url_path(url: str) -> Path:
-    """Where a URL's download is kept: ``checkpoints/<name>`` in torch.hub's folder, as torch.hub keeps it."""
+    """Where a URL's download is kept: ``checkpoints/<hash>/<name>`` in torch.hub's folder, ``hash`` the first 16 hex
+    digits of the SHA-256 of the URL without its user name and password, so that two URLs of one file name (every
+    Hub ``resolve/.../model.safetensors``) never share a file."""
+    import hashlib
+
     import torch.hub
 
     if not (name := os.path.basename(urlparse(url).path)):
         raise HubError(f"cannot tell a file name from {public_source(url)}; give the URL of the checkpoint file")
-    return Path(torch.hub.get_dir()) / "checkpoints" / name
+    parts = urlsplit(url)
+    key = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, parts.query, parts.fragment))
+    return Path(torch.hub.get_dir()) / "checkpoints" / hashlib.sha256(key.encode()).hexdigest()[:16] / name
 
 
 def _download_url(url: str) -> Path:

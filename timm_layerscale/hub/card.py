@@ -8,19 +8,12 @@ from importlib import resources
 from typing import Any
 
 from .._version import __version__
-from ..families import get_family
 from ..files.sources import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
 
 __all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "hub_license", "timm_hub_copy"]
 
 CARD_NAME = "README.md"
 PLOT_NAME = "gates.png"
-
-_GENERIC_LAYOUT_ROWS = (
-    ("blocks.N.gamma_1", "blocks.N.ls1.gamma", "attention branch gate"),
-    ("blocks.N.gamma_2", "blocks.N.ls2.gamma", "MLP branch gate"),
-)
-_PREFIX_ROW = ("module.<key>", "<key>", "DistributedDataParallel prefix removed")
 
 _DATASETS = {"in1k": "imagenet-1k", "in22k": "imagenet-22k", "in21k": "imagenet-21k"}
 
@@ -68,11 +61,17 @@ def build_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     variant = conversion.variant
-    family = get_family(variant.family)
+    family = variant.family
     architecture, library = config["architecture"], config.get("library", "timm")
     needs_package = library == "timm" and architecture != variant.reference
-    layout = "ls" if needs_package or variant.reference == variant.name else "gamma"  # timm's own: its layout
-    layout = "transformers" if library == "transformers" else layout
+    layout = conversion.target_layout
+    if library == "transformers":
+        stored = f"under the names transformers' `{architecture}` saves"
+    elif needs_package:
+        stored = "in the **LayerScale-module layout** of [timm-layerscale](https://pypi.org/project/timm-layerscale/)"
+    else:
+        stored = f"in timm's own layout for `{architecture}`"
+    source_layout = family.layouts[conversion.source_layout]
     pcfg = dict(config.get("pretrained_cfg", {}))
     tag = str(pcfg.get("tag") or "")
     full_name = f"{architecture}.{tag}" if tag else architecture
@@ -104,8 +103,6 @@ def build_model_card(
     report = conversion.report
     reference = report.reference if report is not None else variant.reference
     size = pcfg.get("input_size", (3, variant.img_size, variant.img_size))
-    rows = [_PREFIX_ROW] * bool(family.official_prefix)
-    rows += [*_GENERIC_LAYOUT_ROWS, *family.layout_rows] if layout == "ls" else []
     template = resources.files(__package__).joinpath("card_template.md").read_text(encoding="utf-8")
     card = ModelCard.from_template(
         data,
@@ -130,7 +127,10 @@ def build_model_card(
         dataset_names=", ".join(datasets or []),
         paper=paper,
         origin_url=pcfg.get("origin_url"),
-        layout_rows=rows,
+        layout_rows=conversion.renamed,
+        stored=stored,
+        changed=conversion.changed,
+        container=source_layout.container if source_layout.wrapper or source_layout.prefix else None,
         source_file=source_file,
         source_sha256=sha,
         source_layout=conversion.source_layout,

@@ -13,7 +13,6 @@ from typing import Any
 
 from ..conversion.detect import timm_args
 from ..errors import CheckpointError, option
-from ..files.sources import source_config
 
 __all__ = ["write_config", "read_label_names", "read_folder_config", "pretrained_tags"]
 
@@ -86,12 +85,11 @@ def pretrained_tags(arch: str) -> list[str]:
     return [n.partition(".")[2] for n in timm.list_pretrained(f"{arch}.*")]
 
 
-def read_folder_config(source: str | os.PathLike[str]) -> tuple[Any, dict[str, str] | None, Any]:
-    """The class names, their descriptions and the pretrained tag in the ``config.json`` beside a source's
-    weights (a folder written by this package, timm or transformers, or a Hub repository); ``None`` for
+def read_folder_config(path: Path | None) -> tuple[Any, dict[str, str] | None, Any]:
+    """The class names, their descriptions and the pretrained tag in the ``config.json`` at ``path``, beside a
+    source's weights (a folder written by this package, timm or transformers, or a Hub repository); ``None`` for
     what is missing, and for the names transformers gives a head it has no names for (``LABEL_0``, ...).
     A ``config.json`` that is no JSON object is a :class:`~timm_layerscale.errors.CheckpointError`."""
-    path = source_config(source)
     if path is None:
         return None, None, None
     try:

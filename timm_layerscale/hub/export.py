@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..errors import CheckpointError, HubError, LayerScaleError, option
-from ..families import DEFAULT_NUM_CLASSES, Variant, get_family
+from ..families import ALIAS, DEFAULT_NUM_CLASSES, Layout
 from ..files.atomic import folder_output
 from ..files.hub_errors import one_line
 from ..files.read import check_finite
@@ -28,7 +28,8 @@ class ExportResult:
     """What :func:`export_folder` wrote: the folder and its files, the
     :class:`~timm_layerscale.converter.ConversionResult`, the Hub id in the card's usage code, the parameter
     count, the architecture ``config.json`` names, the ``push`` command that uploads the folder as asked, the
-    gate plot (or ``None``, ``plot_note`` saying why), the upload (with ``push_to_hub``) and the gate rows."""
+    gate plot (or ``None``, ``plot_note`` saying why), the upload (with ``push_to_hub``), the gate rows and the line
+    saying which layout ``gamma`` named."""
 
     folder: Path
     files: list[Path]
@@ -41,13 +42,14 @@ class ExportResult:
     plot_note: str | None = None
     push: PushResult | None = None
     gates: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
 
     def summary(self) -> str:
         """What was written, for the command line."""
         c = self.conversion
         lines = [f"exported {c.source} as {c.variant.name} to {self.folder} in {c.seconds:.1f} s"]
         lines += [f"  {p.name}" for p in self.files]
-        lines += [f"note: {self.plot_note}"] if self.plot_note else []
+        lines += [f"note: {n}" for n in (self.note, self.plot_note) if n]
         lines += [c.report.format_table()] if c.report is not None else []
         lines.append(self.push.summary() if self.push is not None else f"upload with: {self.push_command}")
         return "\n".join(lines)
@@ -110,10 +112,11 @@ def _check_library_reload(folder: Path, written: Mapping[str, Any]) -> None:
         raise LayerScaleError("the exported folder loads other weights than it holds; this is a bug, please report it")
 
 
-def _library_config(variant: Variant, model_args: Mapping[str, Any], folder: Path) -> dict[str, Any]:
-    """Write transformers' ``config.json`` of ``variant`` (its family's config class, naming the model class
-    ``AutoModel`` builds) into ``folder``; return what the card reads of it: that class as ``architecture``, no
-    classifier, the variant's pretrained config (its licence and paper) without a tag.
+def _library_config(src: Any, layout: Layout, folder: Path) -> dict[str, Any]:
+    """Write transformers' ``config.json`` of the source's variant (its ``layout``'s config class, from the shapes of
+    its tensors in the ``ls`` layout, naming the model class ``AutoModel`` builds) into ``folder``; return what the
+    card reads of it: that class as ``architecture``, no classifier, the variant's pretrained config (its licence
+    and paper) without a tag.
 
     Raises:
         CheckpointError: A checkpoint with a classifier (transformers' backbone has none).
@@ -121,16 +124,16 @@ def _library_config(variant: Variant, model_args: Mapping[str, Any], folder: Pat
     import timm
     from transformers import MODEL_MAPPING
 
-    from ..families import state_dict_shapes
-
-    if model_args.get("num_classes", DEFAULT_NUM_CLASSES):
+    variant, overrides = src.detection.variant, src.detection.overrides
+    if overrides.get("num_classes", DEFAULT_NUM_CLASSES):
         raise CheckpointError(
-            f"transformers' {get_family(variant.family).title} model has no classifier to hold this checkpoint's "
+            f"transformers' {variant.family.title} model has no classifier to hold this checkpoint's "
             f"head; export the backbone, or leave out {option('to', 'transformers')}"
         )
-    config = get_family(variant.family).transformers_config(variant, state_dict_shapes(variant, 0))  # type: ignore[misc]
-    if "img_size" in model_args:
-        config.image_size = model_args["img_size"]
+    assert layout.config is not None
+    config = layout.config(variant, {k: tuple(t.shape) for k, t in src.detection.state_dict.items()})
+    if "img_size" in overrides:
+        config.image_size = overrides["img_size"]
     architecture = cast(type, MODEL_MAPPING[type(config)]).__name__
     config.architectures = [architecture]
     config.save_pretrained(folder)
@@ -138,43 +141,31 @@ def _library_config(variant: Variant, model_args: Mapping[str, Any], folder: Pat
     return {"architecture": architecture, "num_classes": 0, "library": "transformers", "pretrained_cfg": pcfg}
 
 
-def _timm_config(
-    src: Any, to: str, folder: Path, tag: str | None, folder_tag: str | None, names: Any, folder_names: Any,
-    descriptions: Any, source: Any,
+def _write_config(
+    src: Any, layout: Layout, folder: Path, tag: str | None, folder_tag: str | None, names: Any, folder_names: Any,
+    descriptions: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """Write timm's ``config.json`` of the architecture ``to`` exports (:func:`~.config.write_config`), under
-    ``tag`` or the source folder's; an error about the source folder's class names says to pass others."""
-    architecture = _architecture(src.detection.variant, to)
+    """Write the folder's ``config.json``: transformers' for a library's layout (:func:`_library_config`), else
+    timm's of the architecture exported (:func:`~.config.write_config`), under ``tag`` or the source folder's; an
+    error about the source folder's class names says to pass others. Return what the card reads of it."""
+    variant = src.detection.variant
+    if layout.library:
+        return _library_config(src, layout, folder)
+    architecture = variant.name if layout is variant.family.layouts["ls"] else str(variant.reference)
     tags = pretrained_tags(architecture)
     written_tag = tag or (folder_tag if folder_tag in tags else None)
     try:
         return write_config(
             f"{architecture}.{written_tag}" if written_tag else architecture,
             folder / CONFIG_NAME,
-            model_args=src.detection.model_args,
+            model_args=src.detection.overrides,
             label_names=names,
             label_descriptions=descriptions,
         )
     except CheckpointError as e:
         if names is None or names is not folder_names or (tag and tag not in tags):
             raise  # not about the names of the source's config.json
-        raise CheckpointError(f"{Path(source) / CONFIG_NAME}: {e}, or pass {option('label_names', 'FILE')}") from None
-
-
-def _architecture(variant: Variant, to: str) -> str:
-    """The architecture an export names: the package's model, or timm's own with ``to="gamma"``."""
-    if to == "ls":
-        return variant.name
-    if variant.reference == variant.name:  # timm's own architecture, in the module layout
-        raise CheckpointError(
-            f"a {get_family(variant.family).title} folder already uses timm's own {variant.name} architecture and "
-            f"layout; leave out {option('to', 'gamma')}"
-        )
-    if variant.reference is None:
-        raise CheckpointError(
-            f"timm has no architecture for {variant.name} to load the gamma layout; leave out {option('to', 'gamma')}"
-        )
-    return variant.reference
+        raise CheckpointError(f"{src.config_file}: {e}, or pass {option('label_names', 'FILE')}") from None
 
 
 def _placeholder_repo_id(name: str) -> str:
@@ -216,8 +207,9 @@ def export_folder(
         repo_id: Hub id for the card's usage code (default ``push_to_hub``, else ``ORG/<folder name>``).
         plot: Draw ``gates.png`` when matplotlib is installed.
         command: Command line recorded in the card (default the equivalent ``timm-layerscale export``).
-        to: ``"ls"`` (this package's architecture); for CaiT and DINOv3 ``"gamma"``: timm's own architecture; for
-            DINOv2 and DINOv3 ``"transformers"``: transformers' own folder, which ``AutoModel`` loads.
+        to: ``"ls"`` (this package's architecture); ``"timm"``: timm's own architecture (``"gamma"``, a word of one
+            release, means it); for DINOv2 and DINOv3 ``"transformers"``: transformers' own folder, which
+            ``AutoModel`` loads.
         label_names: Class names of a fine-tuned head, a list or a file
             (:func:`~timm_layerscale.hub.config.read_label_names`). Default: those of the source's
             ``config.json``, else timm's ImageNet labels for 1000 classes.
@@ -243,34 +235,28 @@ def export_folder(
     if given.exists() and out.is_dir() and given.is_relative_to(folder) and not rewritten:
         raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
     label_file = label_names if isinstance(label_names, (str, os.PathLike)) else None
-    folder_names, descriptions, folder_tag = (None, None, None) if label_names and tag else read_folder_config(source)
-    names = folder_names
-    if isinstance(label_names, (str, os.PathLike)):
-        names, descriptions = read_label_names(label_names)
-    elif label_names is not None:
-        names, descriptions = list(label_names), None
+    given_names = (
+        read_label_names(label_file) if label_file else (list(cast(Any, label_names)), None) if label_names else None
+    )
     repo = repo_id or push_to_hub or _placeholder_repo_id(out.resolve().name)
     with folder_output(out, overwrite) as tmp:
         src = read_source(source, model=model, ema=ema)
+        folder_names, descriptions, folder_tag = read_folder_config(None if label_names and tag else src.config_file)
+        names, descriptions = given_names or (folder_names, descriptions)
         src.check()  # damage inside the file can read as NaN: say that first
         check_finite(src.state_dict, src.path, "a published model must be finite, check the source checkpoint")
         src.finite = True
-        family = get_family(src.detection.variant.family)
-        family.rules(to)  # a layout the family has, or one line saying which it has
-        library = to in family.independent  # another library's own folder
-        if not library and to not in ("ls", "gamma"):
+        variant = src.detection.variant
+        layout = variant.family.layout("timm" if to == ALIAS else to, written=True)
+        if layout.name == "official":
             raise CheckpointError(
-                f"export writes folders that timm or transformers load; for the {to} layout's file, convert "
-                f"{option('to', to)}"
+                f"export writes folders that timm or transformers load; for the official file, convert {option('to', to)}"
             )
-        if library:
-            config = _library_config(src.detection.variant, src.detection.model_args, tmp)
-        else:
-            config = _timm_config(src, to, tmp, tag, folder_tag, names, folder_names, descriptions, source)
+        config = _write_config(src, layout, tmp, tag, folder_tag, names, folder_names, descriptions)
         architecture = config["architecture"]
-        conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=to, fmt="safetensors", options=options)
-        (_check_library_reload if library else _check_reload)(tmp, conv.state_dict)
-        gates = gate_rows(src.detection.state_dict if library else conv.state_dict)
+        conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=layout.name, fmt="safetensors", options=options)
+        (_check_library_reload if layout.library else _check_reload)(tmp, conv.state_dict)
+        gates = gate_rows(src.detection.state_dict if layout.library else conv.state_dict)
         summary = gate_summary(gates)
         plot_path, plot_note = None, None
         if plot:
@@ -315,6 +301,9 @@ def export_folder(
         plot=out / PLOT_NAME if plot_path else None,
         plot_note=plot_note,
         gates=gates,
+        note=f"{ALIAS!r} is a word of one release: wrote timm's own {architecture}; pass --to timm"
+        if to == ALIAS
+        else "",
     )
     if push_to_hub:
         try:

@@ -22,7 +22,8 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint_seq
 from timm.models.cait import Cait, ClassAttn, TalkingHeadAttn
 
-from ..conversion.keys import to_layerscale, unwrap_state_dict
+from ..conversion.checkpoint import unwrap_state_dict
+from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
 from ..families.cait import RELEASE_URL
 from ..layer_scale import LayerScale, cait_init_value, fold_block

@@ -20,8 +20,9 @@ from timm.layers import LayerNorm
 from timm.models import generate_default_cfgs, get_arch_pretrained_cfgs, register_model
 from timm.models.eva import Eva, EvaBlock
 
+from ..conversion.checkpoint import state_dict_of
 from ..conversion.detect import without_zero_optional
-from ..conversion.keys import state_dict_of, to_layerscale
+from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
 from ..layer_scale import LayerScale, fold_block
 from ._helpers import build_variant, count_flops, fit_state_dict, has_no_layerscale

@@ -19,9 +19,10 @@ from timm.layers import Mlp, PatchEmbed, RmsNorm, trunc_normal_, use_fused_attn
 from timm.models import generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint
 
-from ..conversion.keys import WRAPPER_KEYS, state_dict_of, to_layerscale
+from ..conversion.checkpoint import WRAPPER_KEYS, state_dict_of
+from ..conversion.rules import to_layerscale
 from ..families import DEFAULT_NUM_CLASSES, Variant, variants_of
-from ..families.vit5 import HUB_REPO, check_rope_buffers, rope_buffers
+from ..families.vit5 import HUB_REPO
 from ..layer_scale import LayerScale
 from ..layers.rope import RopeTables, Vit5RotaryEmbedding, apply_rope
 from ._helpers import (
@@ -325,14 +326,12 @@ def checkpoint_filter_fn(
 ) -> dict[str, torch.Tensor]:
     """Any ViT-5 checkpoint in this model's layout: the official training dict (its ``'model'`` weights, or
     ``'model_ema'`` with ``use_ema`` or a pretrained tag ending in ``_ema``), a bare official state dict or
-    the ``ls`` layout. The rotary buffers are checked against the computed tables and dropped, ``pos_embed``
+    the ``ls`` layout. The rotary buffers are proven equal to the computed tables and dropped, ``pos_embed``
     resampled to the model's grid, the gates folded for a ``folded_layerscale`` model. (timm's loader for
     ``pretrained_cfg_overlay=dict(file=...)`` unwraps a training dict itself first, preferring ``'model_ema'``.)"""
     if use_ema is None:
         use_ema = ((getattr(model, "pretrained_cfg", None) or {}).get("tag") or "").endswith("_ema")
     sd = state_dict_of(state_dict, ema=bool(use_ema and any(k in state_dict for k in WRAPPER_KEYS)))
-    thetas = (model.rope.theta, model.rope_reg.theta if model.rope_reg is not None else 100.0)
-    check_rope_buffers(sd, rope_buffers(len(model.blocks), model.rope.head_dim, thetas))
     return fit_state_dict(to_layerscale(sd, "vit5"), model)
 
 

@@ -9,17 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..families import Variant, get_family
+from ..families import Variant
 
-__all__ = [
-    "TOKENS_FACTOR",
-    "Tolerance",
-    "VerifyOptions",
-    "folded_bound",
-    "independent_bound",
-    "library_bound",
-    "resolve_tolerance",
-]
+__all__ = ["TOKENS_FACTOR", "Tolerance", "VerifyOptions", "folded_bound", "independent_bound", "library_bound"]
+__all__ += ["resolve_tolerance"]
 
 
 def independent_bound(depth: int, width: int, dtype: torch.dtype = torch.float32) -> float:
@@ -116,7 +109,7 @@ def resolve_tolerance(
         return Tolerance(0.0, 0.0, "exact parity requested")
     if options.atol is not None or options.rtol is not None:
         return Tolerance(options.atol or 0.0, options.rtol or 0.0, "tolerance given by the user")
-    family = get_family(variant.family)
+    family = variant.family
     depth = variant.depth + family.extra_blocks
     scale = TOKENS_FACTOR if family.tokens else 1.0
     if folded:

@@ -11,7 +11,7 @@ import torch
 from .. import progress
 from ..conversion.detect import Detection
 from ..errors import CheckpointError, option
-from ..families import get_family
+from ..families import Layout
 from .compare import ParityReport, compare_models
 from .inputs import image_inputs, seeded_inputs
 from .references import load_model, model_name
@@ -40,15 +40,17 @@ def verify_outputs(
     source: Detection,
     source_tensors: Mapping[str, torch.Tensor],
     converted: Mapping[str, torch.Tensor],
-    layout: str,
+    layout: Layout,
     *,
     dtype: torch.dtype | None = None,
     folded: bool = False,
     options: VerifyOptions | None = None,
+    args: Mapping[str, Any] | None = None,
 ) -> ParityReport:
-    """The parity report of the reference on ``source_tensors`` (the detected ``source``'s own) rounded to ``dtype``
-    (the converted file's; ``None``: the source's) against the model on ``converted`` (in ``layout``, ``folded`` or
-    not), each read by its layout's native loader, in fp32. The report's weight fields are the caller's.
+    """The parity report of the reference on ``source_tensors`` (the detected ``source``'s own, read by its layout's
+    consumer, its parameters then rounded to ``dtype``, the converted file's; ``None``: the source's) against the
+    model on ``converted`` (in ``layout``, ``folded`` or not), in fp32. ``args``: the reference's model arguments
+    (the detection's overrides, a transformers folder's own ``config``). The report's weight fields are the caller's.
 
     Raises:
         RemapError: The converted tensors do not fit the model of their layout (the keys listed).
@@ -59,12 +61,10 @@ def verify_outputs(
         raise CheckpointError(
             f"device {options.device!r}: no CUDA device is available here; pass {option('device', 'cpu')}"
         )
-    variant, args = source.variant, source.model_args
-    family = get_family(variant.family)
+    variant, family, overrides = source.variant, source.variant.family, source.overrides
     _check_memory(variant.name, sum(t.numel() for t in source_tensors.values()))
-    rounded = family.cast(source_tensors, dtype)  # the reference's file as the written dtype
-    ref = load_model(variant, source.layout, rounded, folded=False, **args)
-    out = load_model(variant, layout, converted, folded=folded, **args)
+    ref = load_model(variant, source.layout, source_tensors, dtype=dtype, **(args or overrides))
+    out = load_model(variant, layout, converted, folded=folded, **cast(dict[str, Any], overrides))
     if not any(getattr(m, "fused_attn", False) for m in ref.modules()):  # a reference that attends by hand
         for m in out.modules():
             if hasattr(m, "fused_attn"):
@@ -87,7 +87,7 @@ def verify_outputs(
         wide = (size[0], max(variant.patch_size, size[1] * 3 // 4 // variant.patch_size * variant.patch_size))
         groups.append(seeded_inputs(options.num_inputs, wide, options.seed + 1))
         at += f", {options.num_inputs} more (seed {options.seed + 1}) at {wide[0]}x{wide[1]}"
-    tokens, independent = family.tokens, bool({source.layout, layout} & set(family.independent))
+    tokens, independent = family.tokens, source.layout.library or layout.library
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
     return compare_models(
         ref,
@@ -95,7 +95,7 @@ def verify_outputs(
         groups,
         reference_name=model_name(variant, source.layout),
         model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""),
-        family=variant.family,
+        family=family.name,
         inputs_desc=" + ".join(parts) + at + (", forward_features tokens" if tokens else ""),
         batch_size=options.batch_size,
         tolerance=resolve_tolerance(variant, weights, options, folded=folded, independent=independent),

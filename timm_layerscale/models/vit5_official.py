@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..families import OFFICIAL_MODELS, Variant
 from ..layers.rope import rope_bands, rotate_pairs
-from . import Variant
 
 __all__ = ["Vit5Official", "build_official_vit5"]
 
@@ -191,3 +191,6 @@ def build_official_vit5(variant: Variant, **kwargs: Any) -> Vit5Official:
     )
     args.update(kwargs)
     return Vit5Official(**args)
+
+
+OFFICIAL_MODELS["vit5"] = build_official_vit5

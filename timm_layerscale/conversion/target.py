@@ -1,0 +1,71 @@
+"""The tensors of a conversion: a source's, in its layout, read into the ``ls`` layout (zero optional biases left
+out, gates folded where asked) and written into the target layout with the buffers its consumer stores; and the
+checks of what came out that the rules cannot make themselves (folds against ``gamma * W`` computed apart). No I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..families import GATE_KEY, Layout, Proof, Variant, state_dict_shapes
+from ..layer_scale import FOLD_TARGETS
+from .detect import without_zero_optional
+from .fold import fold_state_dict
+from .rules import Change, remap
+
+__all__ = ["cast_tensors", "check_folds", "target_tensors"]
+
+
+def target_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    variant: Variant,
+    source: Layout,
+    to: Layout,
+    fold: bool = False,
+    dtype: torch.dtype | None = None,
+    changes: list[Change] | None = None,
+    written: list[Change] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A source's tensors (in their ``source`` layout) mapped by the rules to layout ``to`` (folded with ``fold``, the
+    folds rounded once to ``dtype``), with the buffers ``to`` stores; ``changes`` gets what reading became of each
+    source key, ``written`` (default ``changes``) what writing made of each ``ls`` key."""
+    family, written = variant.family, changes if written is None else written
+    ls = remap(tensors, source.read, f"{family.title} ({source.name} layout)", changes)
+    ls = without_zero_optional(ls, family, state_dict_shapes(variant), variant.name, changes)
+    if to is family.layouts["ls"]:
+        return fold_state_dict(ls, dtype) if fold else ls
+    out = remap(ls, to.write, f"{family.title} ({to.name} layout)", written)
+    for key, value in (to.buffers(variant) if to.buffers else {}).items():  # what its consumer stores besides
+        proof = value if isinstance(value, Proof) else Proof(value, "computed")
+        out[key] = proof.tensor
+        if written is not None:
+            written.append((key, key, f"synthesised, {proof.why}"))
+    return out
+
+
+def cast_tensors(
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, keep: set[str]
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with every floating-point one but those in ``keep`` (computed buffers, fp32 in every file) as
+    ``dtype`` (``None``: as they are)."""
+    return {k: v.to(dtype) if dtype and v.is_floating_point() and k not in keep else v for k, v in tensors.items()}
+
+
+def check_folds(ls: Mapping[str, torch.Tensor], folded: Mapping[str, torch.Tensor]) -> str:
+    """The first weight of a ``folded`` state dict that is not ``gamma * W`` of the unfolded ``ls`` one computed apart
+    in float64 (exact for fp32, bf16 and fp16 factors) and rounded once to the folded dtype (``''``: none), so that a
+    fold rule that changes one gate's scale is seen where it moves a single weight by one unit in the last place."""
+    for key, gamma in ls.items():
+        m = GATE_KEY.fullmatch(key)
+        if m is None or not m["l"]:
+            continue
+        target = ".".join((m["block"], *FOLD_TARGETS[f"ls{m['l']}"]))
+        for part in ("weight", "bias"):
+            if (source := ls.get(f"{target}.{part}")) is None:
+                continue
+            got = folded[f"{target}.{part}"]
+            exact = (source.double() * gamma.double().reshape(-1, *[1] * (source.ndim - 1))).to(got.dtype)
+            if not torch.equal(got, exact) and not torch.isclose(got, exact, rtol=0, atol=0, equal_nan=True).all():
+                return f"{target}.{part} is not gamma * W rounded once"
+    return ""

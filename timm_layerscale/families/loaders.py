@@ -1,0 +1,152 @@
+"""The loaders native to layouts that several families share (``Layout.native``): this package's and timm's models
+read strictly, the authors' key set checked before timm's filter of their files, and transformers' own loading of a
+transformers folder; torch, timm and transformers (the optional extra ``timm-layerscale[transformers]``) are
+imported only when one is called."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from ..errors import RemapError, option
+from . import Variant, state_dict_shapes
+from .operations import TRAINING_HEADS
+
+__all__ = ["authors_keys", "native_transformers", "own_model", "read_config", "timm_model", "without_training_heads"]
+
+Filter = Callable[[dict[str, Any], Any], Any]
+
+
+def own_model(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
+    """The ``native`` loader of this package's own layout: its registered model, read strictly."""
+    return timm_model(variant.name, {**args, **({"folded_layerscale": True} if folded else {})})
+
+
+def timm_model(name: str, args: dict[str, Any], filter_fn: Filter | None = None) -> Any:
+    """The ``native`` loader of timm's model ``name`` built with ``args``, reading a state dict through ``filter_fn``
+    (default: as it is, strictly, as ``load_state_dict`` does)."""
+    import timm
+
+    return lambda: timm.create_model(name, **args), filter_fn or (lambda sd, model: sd)
+
+
+def without_training_heads(filter_fn: Filter) -> Filter:
+    """``filter_fn`` on a state dict without the objective's heads of a training checkpoint, which the official
+    evaluation code's loading leaves out (it loads the backbone alone)."""
+    return lambda sd, model: filter_fn({k: v for k, v in sd.items() if not re.fullmatch(TRAINING_HEADS, k)}, model)
+
+
+def authors_keys(required: Collection[str], optional: str, what: str, filter_fn: Filter) -> Filter:
+    """``filter_fn`` behind a check that a state dict has the key set of the authors' model ``what`` (its
+    ``load_state_dict(strict=True)``): every ``required`` key, and beyond them only keys matching ``optional``.
+
+    Raises:
+        RemapError: Keys missing or unexpected, the first of each named.
+    """
+
+    def check(state_dict: dict[str, Any], model: Any) -> Any:
+        missing = sorted(k for k in required if k not in state_dict)
+        unexpected = sorted(k for k in state_dict if k not in required and not re.fullmatch(optional, k))
+        if missing or unexpected:
+            found = [
+                f"{len(ks)} {kind} (first {ks[0]})"
+                for kind, ks in (("missing", missing), ("unexpected", unexpected))
+                if ks
+            ]
+            raise RemapError(f"checkpoint does not fit the authors' {what}: {'; '.join(found)}")
+        return filter_fn(state_dict, model)
+
+    return check
+
+
+#: Fields of a transformers config that shape the function its model computes at inference (others are training
+#: settings, bookkeeping, or shapes the tensors themselves check).
+_FUNCTION = {"hidden_act", "layer_norm_eps", "rope_theta", "query_bias", "key_bias", "value_bias", "proj_bias"}
+_FUNCTION |= {"mlp_bias", "use_gated_mlp", "use_swiglu_ffn", "qkv_bias", "num_attention_heads", "patch_size"}
+_FUNCTION |= {"num_register_tokens", "hidden_size", "num_hidden_layers"}
+
+
+def read_config(
+    path: Any, config: Callable[[Variant, Mapping[str, tuple[int, ...]]], Any], variant: Variant, img_size: int | None
+) -> Any:
+    """The transformers config a source folder's ``config.json`` at ``path`` holds, of the class ``config`` builds for
+    ``variant`` (at ``img_size``, default the variant's), which it must equal in every field that shapes the model.
+
+    Raises:
+        RemapError: A field differs (a fine-tune with another norm epsilon, rotary base or activation); the first
+            named, since the model this package builds would compute another function.
+    """
+    import json
+
+    want = config(variant, state_dict_shapes(variant, 0))
+    want.image_size = img_size or want.image_size
+    with open(path, encoding="utf-8") as f:
+        got = type(want).from_dict(json.load(f))
+    theirs, ours = got.to_dict(), want.to_dict()
+    for name in sorted(ours.keys() & _FUNCTION):
+        if name in theirs and theirs[name] != ours[name]:
+            raise RemapError(
+                f"{path} has {name}={theirs[name]!r} where {variant.name} has {ours[name]!r}; this package's model "
+                "would compute another function, so the folder is not converted"
+            )
+    return got
+
+
+def native_transformers(
+    config: Callable[[Any, Mapping[str, tuple[int, ...]]], Any], variant: Variant, args: dict[str, Any], any_size: bool
+) -> Any:
+    """``(build, filter)`` of transformers' model for a variant (``AutoModel``'s of its config, built from the
+    registered model's shapes by ``config(variant, shapes)``, at ``args``' ``img_size``, or the source's own config
+    given as ``args['config']``): the filter is transformers' own loading (``from_pretrained`` of a folder holding
+    the tensors, with every rename its version applies), strict. The model's ``forward_features(x)`` and ``forward(x)``
+    are its normed token sequence ``(B, N, C)``; its ``dynamic_img_size`` is ``any_size``: whether it computes timm's
+    function at every input size (rotary positions), not only at the variant's (a position embedding it resamples
+    its own way).
+
+    Raises:
+        RemapError: transformers is not installed, or the tensors leave keys of its model missing or unexpected.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise RemapError(
+            "verifying a transformers layout needs transformers: pip install 'timm-layerscale[transformers]', "
+            f"or pass {option('no_verify')}"
+        ) from None
+    import tempfile
+
+    from safetensors.torch import save_file
+    from torch import nn
+
+    cfg = args.get("config") or config(variant, state_dict_shapes(variant, 0))
+    if "img_size" in args and "config" not in args:
+        cfg.image_size = args["img_size"]
+    cls = transformers.AutoModel
+
+    class Backbone(nn.Module):
+        """transformers' model, its normed tokens as ``forward_features`` and ``forward``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = cls.from_config(cfg)
+            # what verification and the report read of a model's attention (timm's flag)
+            self.fused_attn = self.model.config._attn_implementation == "sdpa"
+            self.dynamic_img_size = any_size
+
+        def forward_features(self, x: Any) -> Any:
+            return self.model(pixel_values=x).last_hidden_state
+
+        forward = forward_features
+
+    def load(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as folder:
+            cfg.save_pretrained(folder)
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, f"{folder}/model.safetensors")
+            loaded, info = cls.from_pretrained(folder, output_loading_info=True)
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad:
+            raise RemapError(f"transformers' {type(loaded).__name__} does not take these tensors: {bad}")
+        return {f"model.{k}": v for k, v in loaded.state_dict().items()}
+
+    return Backbone, load
