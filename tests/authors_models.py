@@ -67,7 +67,7 @@ def vit5(dim: int, depth: int, heads: int, img: int, classes: int = 1000) -> tup
     block |= {"attn.rope.freqs": (hd // 4,), "attn.rope_reg.freqs": (hd // 4,), "gamma_1": (dim,)}
     block |= {**_norm("norm2", dim, False), **_linear("mlp.fc1", 4 * dim, dim), **_linear("mlp.fc2", dim, 4 * dim)}
     block |= {"gamma_2": (dim,)}
-    outside = {"cls_token": (1, 1, dim), "reg_token": (1, 4, dim), "pos_embed": (1, (img // 16) ** 2, dim)}
+    outside: Shapes = {"cls_token": (1, 1, dim), "reg_token": (1, 4, dim), "pos_embed": (1, (img // 16) ** 2, dim)}
     outside |= _norm("norm", dim, False)
     return {**outside, **_stem(dim, 16, classes), **_blocks("blocks", depth, block)}, ("model", "")
 

@@ -208,8 +208,8 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     path = tmp_path / "dinov3_official.pth"
     torch.save(official_layout(ref), path)
     file = {"file": str(path)}
-    via_timm = timm.create_model("tinytest_dinov3", pretrained=True, num_classes=0, pretrained_cfg_overlay=file)
-    ours = timm.create_model("tinytest_dinov3_ls", pretrained=True, num_classes=0, pretrained_cfg_overlay=file)
+    via_timm: Any = timm.create_model("tinytest_dinov3", pretrained=True, num_classes=0, pretrained_cfg_overlay=file)
+    ours: Any = timm.create_model("tinytest_dinov3_ls", pretrained=True, num_classes=0, pretrained_cfg_overlay=file)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         features = ref.forward_features(x)

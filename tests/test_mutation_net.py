@@ -68,8 +68,10 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
         fam, wrong = families.FAMILIES[family], _rules(family, to, mutation)
         name = fam.alias("pth") if to in ("ls", "gamma") else to
         layout = fam.layouts[name]
-        field = "read" if to == "ls" else "write"
-        changed = dataclasses.replace(layout, **{field: (*wrong, *getattr(layout, field))})
+        if to == "ls":
+            changed = dataclasses.replace(layout, read=(*wrong, *layout.read))
+        else:
+            changed = dataclasses.replace(layout, write=(*wrong, *layout.write))
         for key, value in fam.layouts.items():
             if value is layout:
                 patch.setitem(fam.layouts, key, changed)
@@ -226,7 +228,9 @@ def test_a_fold_bug_is_refused_at_every_gate_size(dtype, sources, tiny_variants,
                 code, _, err = cli(capsys, "convert", src, out, "--fold", "--dtype", dtype, *ONE)
             assert code == (1 if mutated else 0) and out.exists() != mutated, (gate, err)
             # at a released gate size the outputs move too little for their bound: the fold check alone refuses
-            assert not mutated or "is not gamma * W rounded once" in err or (gate == 0.1 and "does not match" in err), err
+            assert not mutated or "is not gamma * W rounded once" in err or (gate == 0.1 and "does not match" in err), (
+                err
+            )
             out.unlink(missing_ok=True)
 
 

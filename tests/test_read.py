@@ -216,4 +216,6 @@ def test_two_urls_of_one_file_name_never_share_a_download(monkeypatch, tmp_path)
     a = cached_url_path("https://huggingface.co/org/a/resolve/main/model.safetensors")
     b = cached_url_path("https://huggingface.co/org/b/resolve/main/model.safetensors")
     assert a.name == b.name == "model.safetensors" and a != b and a.parent.parent == b.parent.parent
-    assert cached_url_path("https://user:secret@example.org/w/S24.pth") == cached_url_path("https://example.org/w/S24.pth")
+    assert cached_url_path("https://user:secret@example.org/w/S24.pth") == cached_url_path(
+        "https://example.org/w/S24.pth"
+    )

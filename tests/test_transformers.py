@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -161,7 +161,10 @@ def test_a_fine_tune_begun_in_transformers_exports_again(folders, tmp_path: Path
     names = {i: f"kind {i}" for i in range(10)} if named else {}
     folder = folders[key]
     model = AutoModelForImageClassification.from_pretrained(
-        folder, num_labels=10, ignore_mismatched_sizes=True, **({"id2label": names} if named else {})
+        folder,
+        num_labels=10,
+        ignore_mismatched_sizes=True,
+        **cast(dict[str, Any], {"id2label": names} if named else {}),
     )
     start: Any = timm.create_model(f"local-dir:{folder}", pretrained=True)
     tuned = model.timm_model.state_dict()
@@ -235,7 +238,9 @@ def test_re_exporting_a_folder_keeps_its_class_names_and_tag(folders, tmp_path: 
     assert not (tmp_path / "out").exists()
 
 
-def test_timm_is_refused_before_converting_where_timm_has_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_timm_is_refused_before_converting_where_timm_has_no_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """ViT-5 has no timm layout (timm has no ViT-5): ``--to timm`` and the release word ``gamma`` (which means it for
     an export) are refused before the conversion and its verification, and leave no folder behind."""
     import timm_layerscale.converter
@@ -297,7 +302,10 @@ def test_cards_say_which_package_loads_the_folder_and_where_weights_come_from(fo
     assert "stored in timm's own layout for `deit3_small_patch16_224`." in cards["deit3"].text
     assert "| `blocks.N.gamma_1` | `blocks.N.ls1.gamma` |" in cards["deit3"].text  # the official file's keys
     assert "stored in timm's own layout for `cait_xxs24_224`." in cards["cait_gamma"].text
-    assert "Every key keeps its name; the source's container, `{'model': {'module.' + key: tensor}}`" in cards["cait_gamma"].text
+    assert (
+        "Every key keeps its name; the source's container, `{'model': {'module.' + key: tensor}}`"
+        in cards["cait_gamma"].text
+    )
     assert "**LayerScale-module layout** of [timm-layerscale]" in cards["cait"].text
     # The card names the source file and its SHA-256.
     for card in cards.values():

@@ -81,8 +81,8 @@ class Source:
 
     @property
     def args(self) -> dict[str, Any]:
-        """The arguments the loader native to its layout builds its model with: the detection's overrides, and the
-        config of a transformers folder."""
+        """The arguments the loader native to its layout builds its model with (the detection's overrides, and the
+        config of a transformers folder)."""
         return {**self.detection.overrides, **({"config": self.config} if self.config is not None else {})}
 
 

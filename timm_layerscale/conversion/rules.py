@@ -22,7 +22,7 @@ __all__ += ["mismatches"]
 __all__ += ["read_layout", "remap", "renamed_keys", "to_gamma", "to_layerscale", "to_layout"]
 
 V = TypeVar("V")
-#: What a conversion did to one source key: ``(source key, key it became ('': dropped), how)``, ``how`` being ``''``
+#: What a conversion did to one source key, ``(source key, key it became ('': dropped), how)``, ``how`` being ``''``
 #: (renamed or kept), a value operation's name, or a drop's or a synthesised tensor's proof.
 Change = tuple[str, str, str]
 
@@ -165,7 +165,7 @@ def to_layout(
 
 
 def to_gamma(state_dict: Mapping[str, V], family: str | Family) -> dict[str, V]:
-    """A state dict of any layout in the one ``gamma`` names for a ``.pth`` file (:meth:`Family.alias`: the official
+    """A state dict of any layout in the one ``gamma`` names for a ``.pth`` file (:meth:`~timm_layerscale.families.Family.alias`: the official
     file's keys, timm's for DINOv3), without its container; ``to_gamma(to_layerscale(sd)) == sd`` for such keys.
 
     Raises:

@@ -48,7 +48,7 @@ class Proof(NamedTuple):
 @dataclass(frozen=True)
 class Rule:
     """A regular expression matched against a whole key, and its replacement template (``\\1`` for a group;
-    ``KEEP`` keeps the key, ``None`` drops it). ``op``: a value operation (:data:`Op`), whose result maps each key
+    ``KEEP`` keeps the key, ``None`` drops it). ``op``: a value operation (``Op``), whose result maps each key
     the one becomes to a tensor or a :class:`Proof`; ``state_dict`` is the source's. ``why``: a drop's proof that the
     tensor is inert, a sentence, or ``why(key, tensor, state_dict)`` checking its values and giving the sentence
     (raising :class:`~timm_layerscale.errors.RemapError` where it is not inert)."""
@@ -86,7 +86,7 @@ class Layout:
             (the authors' release file) or ``"transformers"`` (a folder transformers' ``AutoModel`` loads).
         read: The ordered rules from this layout to the ``ls`` layout.
         write: The rules from the ``ls`` layout to this one; empty: read, never written.
-        native: The loader of its consumer (:data:`Native`): the model that reads such a file, and its filter.
+        native: The loader of its consumer (``Native``): the model that reads such a file, and its filter.
         tell: A source with a key matching this is in this layout (else the first whose rules cover its keys).
         library: Its consumer is another library's implementation: outputs within a bound, not equal.
         wrapper, prefix: Its container: a file's state dict under ``{wrapper: ...}``, every key with ``prefix``.
@@ -120,7 +120,7 @@ class Layout:
 
     @property
     def container(self) -> str:
-        """The container in words: ``"{'model': {'module.' + key: tensor}}"``, or ``"state dict"``."""
+        """The container in words, such as ``"{'model': {'module.' + key: tensor}}"``, or ``"state dict"``."""
         inner = f"{{{self.prefix!r} + key: tensor}}" if self.prefix else "state dict"
         return f"{{{self.wrapper!r}: {inner}}}" if self.wrapper else inner
 
@@ -158,7 +158,7 @@ class Family:
         return [name for name, layout in self.layouts.items() if layout.write]
 
     def alias(self, fmt: str, wrapped: bool = True) -> str:
-        """The layout :data:`ALIAS` names for an output of format ``fmt``: :attr:`gamma_file` for a ``.pth`` file
+        """The layout :data:`ALIAS` names for an output of format ``fmt``: ``gamma_file`` for a ``.pth`` file
         (``wrapped``: in its container), else ``timm``.
 
         Raises:
@@ -209,7 +209,7 @@ FAMILIES: dict[str, Family] = {}
 #: Every convertible architecture, family by family in registration order.
 VARIANTS: tuple[Variant, ...] = ()
 #: Builders of this package's models of a layout timm has no model for (ViT-5's official one), by family, filled in
-#: by :mod:`timm_layerscale.models` as it registers its models: ``build(variant, **model_args)``.
+#: by ``timm_layerscale.models`` as it registers its models: ``build(variant, **model_args)``.
 OFFICIAL_MODELS: dict[str, Callable[..., Any]] = {}
 
 

@@ -48,13 +48,9 @@ def authors_keys(required: Collection[str], optional: str, what: str, filter_fn:
     def check(state_dict: dict[str, Any], model: Any) -> Any:
         missing = sorted(k for k in required if k not in state_dict)
         unexpected = sorted(k for k in state_dict if k not in required and not re.fullmatch(optional, k))
-        if missing or unexpected:
-            found = [
-                f"{len(ks)} {kind} (first {ks[0]})"
-                for kind, ks in (("missing", missing), ("unexpected", unexpected))
-                if ks
-            ]
-            raise RemapError(f"checkpoint does not fit the authors' {what}: {'; '.join(found)}")
+        kinds = (("missing", missing), ("unexpected", unexpected))
+        if found := "; ".join(f"{len(ks)} {kind} (first {ks[0]})" for kind, ks in kinds if ks):
+            raise RemapError(f"checkpoint does not fit the authors' {what}: {found}")
         return filter_fn(state_dict, model)
 
     return check
