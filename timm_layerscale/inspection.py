@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,8 @@ def format_plan(plan: Mapping[str, Any]) -> str:
         )
         lines.append(f"  convert --to {name}: {'refused: ' if 'refused' in p else ''}{did}")
     if plan["timm_model"]:
-        unused = ", ".join(plan["timm_unused"]) or "nothing"
+        counts = Counter(re.sub(r"\.\d+\.", ".N.", key) for key in plan["timm_unused"])
+        unused = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items()) or "nothing"
         lines.append(f"  timm's own loader ({plan['timm_model']}, pretrained) would leave unused: {unused}")
     return "\n".join(lines)
 

@@ -70,7 +70,8 @@ def remap(
                 changes.append((key, "", why))
             continue
         result = rule.op(new_key, value, key, state_dict) if rule.op else {new_key: value}
-        changed = rule.op is not None and not (len(result) == 1 and next(iter(result.values())) is value)
+        kept = [t for t in result.values() if not isinstance(t, Proof)]  # besides the parts dropped or synthesised
+        changed = rule.op is not None and not (len(kept) == 1 and kept[0] is value)
         for name, tensor in result.items():
             if isinstance(tensor, Proof):  # a part dropped, or a tensor synthesised, with its proof
                 gone = tensor.tensor is None

@@ -124,7 +124,7 @@ def split_qkv_bias(prefix: str, bias: Any, key: str, state_dict: Mapping[str, An
             f"checkpoint's {key} has a non-zero k third and no bias_mask [1, 0, 1] zeroes it (mask_k_bias: false); "
             "timm's DINOv3 models hold no k bias, so it cannot be converted"
         )
-    return {f"{prefix}.q_bias": q, f"{prefix}.v_bias": v, f"{key} (k third)": Proof(None, proof)}
+    return {f"{prefix}.q_bias": q, f"{prefix}.v_bias": v, f"{key}[k]": Proof(None, proof)}
 
 
 def periods(head_dim: int) -> Any:
