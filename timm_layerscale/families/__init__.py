@@ -136,7 +136,7 @@ class Family:
     exact: bool = True  # the converted model makes the reference's kernel calls: outputs torch.equal
     tokens: bool = False  # verification compares forward_features' tokens (a pooled output would hide some)
     extra_blocks: int = 0  # blocks beyond a variant's depth (CaiT's class attention), which the bounds count
-    full_title: str = ""  # the card's: what the model is, the paper, key renames beyond gamma_1/gamma_2, licence
+    full_title: str = ""  # the card's title of the model (default: title)
     description: str = "a Vision Transformer with LayerScale"
     bibtex: str | None = None
     license: str | None = None
