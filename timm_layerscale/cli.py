@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (imports nothing heavy)."""
     parser = _Parser(
         prog=PROG,
-        description="LayerScale models for timm: convert checkpoints between the gamma_1/gamma_2 and ls1.gamma "
-        "layouts, verify output parity, export to the Hugging Face Hub.",
+        description="LayerScale models for timm: convert checkpoints between layouts (ls, timm, official, "
+        "transformers), verify output parity, export to the Hugging Face Hub.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
