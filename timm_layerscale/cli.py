@@ -258,15 +258,17 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
     from .errors import ArchitectureError
     from .files.atomic import output_path
+    from .files.read import read_checkpoint
     from .files.sources import public_source
-    from .inspection import conversion_plan, format_gate_table, format_plan, gate_profile, plot_format, plot_gates
+    from .inspection import conversion_plan, format_gate_table, format_plan, gate_rows, plot_format, plot_gates
 
     if a.plot:  # before any output or download
         plot_format(a.plot)
         output_path(a.plot, a.overwrite)
-    profile = gate_profile(a.source, model=a.model, ema=a.ema)
+    _, tensors, container = read_checkpoint(a.source, a.ema)  # read once: the gates, then the conversions
+    profile = gate_rows(tensors, model=a.model, where=public_source(a.source))
     try:
-        plan = conversion_plan(a.source, model=a.model, ema=a.ema)
+        plan = conversion_plan(tensors, model=a.model, container=container)
     except ArchitectureError as e:  # gates of a model this package does not convert
         plan = {"conversions": None, "not_convertible": " ".join(str(e).split())}
     if a.json:

@@ -17,6 +17,7 @@ import torch
 from ._version import __version__
 from .conversion.checkpoint import container_of, state_dict_of
 from .conversion.detect import Detection, detect
+from .conversion.fold import fold_state_dict
 from .conversion.rules import Change, describe_changes, renamed_keys
 from .conversion.target import cast_tensors, check_folds, target_tensors
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
@@ -174,13 +175,14 @@ def _compare_weights(
     ``None``) against the source's ``tensors`` mapped by the rules and cast as requested, and a folded file's weights
     against ``gamma * W`` computed apart; the first difference, or ``''``."""
     variant, changes = found.variant, []  # type: Variant, list[Change]
-    expected = target_tensors(tensors, variant, found.layout, to, fold, dtype, changes)
+    unfolded = target_tensors(tensors, variant, found.layout, to, changes=changes)
+    expected = fold_state_dict(unfolded, dtype) if fold else unfolded  # folding is for the ls layout only
     expected = cast_tensors(expected, dtype, to.computed(variant))  # the request, not the cast that was made
     same, count, detail = compare_weights(expected, written)
     if same and container is not None and container != (to.wrapper, to.prefix):
         same, detail = False, f"its container is not {to.container}"
     if same and fold:
-        detail = check_folds(target_tensors(tensors, variant, found.layout, to), written)
+        detail = check_folds(unfolded, written)
         same = not detail
     report.add_weights(same, count, describe_changes(changes))
     return detail
@@ -271,8 +273,10 @@ def convert_checkpoint(
             src.check()  # damage inside the file can read as NaN: say that first
             raise
     changes: list[Change] = []
-    written: list[Change] = []
-    target = target_tensors(src.state_dict, variant, src.detection.layout, layout, fold, torch_dtype, changes, written)
+    write_changes: list[Change] = []
+    target = target_tensors(
+        src.state_dict, variant, src.detection.layout, layout, fold, torch_dtype, changes, write_changes
+    )
     keep = layout.computed(variant)  # never cast
     if verify:  # verified as written; unverified, the writer casts
         target = cast_tensors(target, torch_dtype, keep)
@@ -340,7 +344,7 @@ def convert_checkpoint(
         Path(output), variant, args, public_source(src.given), src.path, metadata["source_sha256"],
         src.detection.layout.name, layout.name, metadata, report, time.perf_counter() - t0, command,
         container=layout.container if fmt == "pth" else "state dict", state_dict=target,
-        renamed=renamed_keys(changes, written), changed=describe_changes([*changes, *written]), note=note,
+        renamed=renamed_keys(changes, write_changes), changed=describe_changes([*changes, *write_changes]), note=note,
     )  # fmt: skip
 
 
@@ -370,7 +374,7 @@ def verify_checkpoint(
         conv_sd, container = state_dict_of(converted), container_of(converted)
     else:
         conv_sd, container = read_checkpoint(converted)[1:]
-    found = container if isinstance(converted, Mapping) or Path(converted).suffix != ".safetensors" else None
+    stored = container if isinstance(converted, Mapping) or Path(converted).suffix != ".safetensors" else None
     conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
     src_name = "the source" if isinstance(source, Mapping) else str(source)
     try:
@@ -386,7 +390,7 @@ def verify_checkpoint(
         report = verify_outputs(
             src.detection, src.state_dict, conv_sd, layout, dtype=dtype, folded=folded, options=options, args=src.args
         )
-        _compare_weights(src.state_dict, src.detection, layout, folded, dtype, conv_sd, found, report)
+        _compare_weights(src.state_dict, src.detection, layout, folded, dtype, conv_sd, stored, report)
         return report
     except (RemapError, ArchitectureError) as e:  # the source fits its model (detection checked it): these do not
         raise RemapError(

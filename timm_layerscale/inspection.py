@@ -10,7 +10,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .errors import LayerScaleError
 from .families import GATE_KEY
@@ -76,12 +76,19 @@ def gate_profile(
     return gate_rows(read_state_dict(source, ema)[1], model=model, where=public_source(source))
 
 
-def conversion_plan(source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False) -> dict[str, Any]:
+def conversion_plan(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    model: str | None = None,
+    ema: bool = False,
+    container: tuple[str | None, str] | None = None,
+) -> dict[str, Any]:
     """What moving a checkpoint would cost, before it is made: its family, variant and layout and, for each layout its
     family writes, how many keys that conversion renames and what it drops, takes apart or synthesises, each with its
     proof (or why it is refused): the conversion's rules and checks run on the file's tensors, as views where they can
     be; no model runs. ``timm_unused``: what timm's own loader of the architecture would leave unused in the file, for
-    a file in a layout timm reads with a filter (``None`` otherwise).
+    a file in a layout timm reads with a filter (``None`` otherwise). ``source`` may be a prefix-free state dict
+    read already, its file's ``container`` given (:func:`~timm_layerscale.files.read.read_checkpoint`).
 
     Raises:
         LayerScaleError: The checkpoint cannot be read or fits no variant.
@@ -92,11 +99,17 @@ def conversion_plan(source: str | os.PathLike[str], *, model: str | None = None,
     from .files.read import read_checkpoint
     from .parity.references import unused_by
 
-    _, tensors, container = read_checkpoint(source, ema)
+    tensors = source if isinstance(source, Mapping) else None
+    if tensors is None:
+        _, tensors, container = read_checkpoint(cast(Any, source), ema)
     found = detect(tensors, model, container)
     v, layout = found.variant, found.layout
     plans: dict[str, Any] = {}
     for name in v.family.targets():
+        same = next((n for n in plans if v.family.layouts[n] is v.family.layouts[name]), None)
+        if same is not None:  # DeiT-III's and DINOv2's timm layout is their ls record
+            plans[name] = plans[same]
+            continue
         read: list[Change] = []
         written: list[Change] = []
         try:

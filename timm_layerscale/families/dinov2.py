@@ -161,9 +161,14 @@ def _timm(variant: Variant, folded: bool, args: dict[str, Any], official: bool =
     # any input size (the position embedding resampled as the official code and transformers do), so that
     # verification also runs a second, non-square size; at 518 x 518 nothing changes
     kwargs = {**args, "dynamic_img_size": True, **({"init_values": 0.0} if folded else {})}
+    if not official:
+        return timm_model(variant.name, kwargs)
     what = f"DinoVisionTransformer of {variant.name}"
-    read = without_training_heads(authors_keys(official_keys(variant), "(?!)", what, checkpoint_filter_fn))
-    return timm_model(variant.name, kwargs, read if official else None)
+    return timm_model(
+        variant.name,
+        kwargs,
+        without_training_heads(authors_keys(official_keys(variant), "(?!)", what, checkpoint_filter_fn)),
+    )
 
 
 BIBTEX = """\
