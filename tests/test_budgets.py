@@ -7,7 +7,7 @@ import pytest
 from helpers import ROOT
 
 #: Lines allowed, counted as ``find DIR -name '*.py' -exec cat {} + | wc -l`` counts them.
-BUDGETS = {"timm_layerscale": 7710, "tests": 9000, "README.md": 450}
+BUDGETS = {"timm_layerscale": 8200, "tests": 9800, "README.md": 470}
 
 
 def lines(name: str) -> int:

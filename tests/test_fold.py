@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import timm
@@ -222,3 +223,27 @@ def test_a_folded_checkpoint_is_named_as_folded(model):
     folded = fold_state_dict(to_layerscale(timm.create_model("cait_xxs24_224").state_dict(), "cait"))
     with pytest.raises(ArchitectureError, match=r"weights of cait_xxs24_224_ls but no LayerScale gates: .* folded"):
         detect(folded, model)
+
+
+def test_a_convolutional_blocks_one_gate_folds_into_its_1x1_convolution() -> None:
+    """A block's one gate ``ls`` (ConvNeXt's, outside ``blocks.N``) folds into an ``mlp.fc2`` that is a 1x1
+    convolution, in a module and in a state dict alike; a norm's ``grn.gamma`` is no gate."""
+    from timm_layerscale.conversion.fold import fold_state_dict
+    from timm_layerscale.families import GATE_KEY
+    from timm_layerscale.layer_scale import fold_block
+
+    block: Any = nn.Module()
+    block.mlp, block.ls = nn.Module(), LayerScale(4, 0.5)
+    block.mlp.fc2 = nn.Conv2d(8, 4, 1)
+    with torch.no_grad():
+        block.ls.gamma.uniform_(0.1, 2.0)
+        x = torch.randn(2, 8, 3, 5, generator=torch.Generator().manual_seed(0))
+        want = block.ls(block.mlp.fc2(x).permute(0, 2, 3, 1))
+        sd = {f"stages.1.blocks.2.{k}": v.clone() for k, v in block.state_dict().items()}
+        fold_block(block)
+        torch.testing.assert_close(block.mlp.fc2(x).permute(0, 2, 3, 1), want)
+    assert isinstance(block.ls, nn.Identity)
+    folded = fold_state_dict(sd)
+    assert "stages.1.blocks.2.ls.gamma" not in folded
+    assert torch.equal(folded["stages.1.blocks.2.mlp.fc2.weight"], block.mlp.fc2.weight)
+    assert GATE_KEY.fullmatch("stages.1.blocks.2.ls.gamma") and not GATE_KEY.fullmatch("stages.0.0.grn.gamma")

@@ -36,11 +36,13 @@ def gate_stats(gamma: Any) -> dict[str, float]:
 
 
 def _gate(key: str) -> tuple[str, str, str] | None:
-    """``(block, "ls1" or "ls2", layout)`` of a LayerScale key in either layout; ``None`` for other keys."""
+    """``(block, "ls1" or "ls2", layout)`` of a LayerScale key in either layout (a ConvNeXt block's one gate, which
+    scales its MLP branch, as ``ls2``); ``None`` for other keys."""
     m = GATE_KEY.fullmatch(key)
     if m is None:
         return None
-    return m.group("block"), f"ls{m.group('g') or m.group('l')}", "gamma" if m.group("g") else "ls"
+    which = m["ls"] or f"ls{m['g'] or ''}"
+    return m["block"], "ls2" if which == "ls" else which, "gamma" if m["raw"] else "ls"
 
 
 def _position(block: str) -> tuple[str, int]:

@@ -15,8 +15,9 @@ __all__ += ["param_groups"]
 
 #: Attribute set to ``True`` on parameters that must not receive weight decay.
 NO_WEIGHT_DECAY_ATTR = "_no_weight_decay"
-#: The linear layer each gate of a block folds into: the attention's output projection, the MLP's second layer.
-FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2")}
+#: The layer each gate of a block folds into: the attention's output projection, the MLP's second layer (a
+#: ``Linear``, or a 1x1 ``Conv2d`` in ConvNeXt's ``conv_mlp`` blocks, whose one gate is ``ls``).
+FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2"), "ls": ("mlp", "fc2")}
 
 
 class LayerScale(nn.Module):
@@ -170,34 +171,37 @@ def fold_weights(
     return w, None if bias is None else (bias.detach().to(work) * g).to(dtype or bias.dtype)
 
 
-def fold_plan(block: nn.Module) -> list[tuple[str, nn.Linear, torch.Tensor]]:
-    """The gates ``ls1`` / ``ls2`` of ``block`` (this package's LayerScale or timm's), each with the linear
-    layer it folds into (``FOLD_TARGETS``) and its ``gamma``.
+def fold_plan(block: nn.Module) -> list[tuple[str, Any, torch.Tensor]]:
+    """The gates ``ls1`` / ``ls2`` / ``ls`` of ``block`` (this package's LayerScale or timm's), each with the layer
+    it folds into (``FOLD_TARGETS``: an ``nn.Linear`` or a 1x1 ``nn.Conv2d``) and its ``gamma``.
 
     Raises:
-        ValueError: A gate without an ``nn.Linear`` of its width there.
+        ValueError: A gate without such a layer of its width there.
     """
     from timm.layers import LayerScale as TimmLayerScale  # not at import: timm's import registers the models
 
-    plan: list[tuple[str, nn.Linear, torch.Tensor]] = []
+    plan: list[tuple[str, Any, torch.Tensor]] = []
     for name, (holder, layer) in FOLD_TARGETS.items():
         gate = block._modules.get(name)
         if not isinstance(gate, (LayerScale, TimmLayerScale)):
             continue
-        linear = getattr(block._modules.get(holder), layer, None)
-        if not isinstance(linear, nn.Linear) or tuple(gate.gamma.shape) != (linear.out_features,):
+        linear: Any = getattr(block._modules.get(holder), layer, None)
+        pointwise = isinstance(linear, nn.Linear) or (
+            isinstance(linear, nn.Conv2d) and linear.weight.shape[2:] == (1, 1)
+        )
+        if not pointwise or tuple(gate.gamma.shape) != (linear.weight.shape[0],):
             found = type(linear).__name__ if linear is not None else "nothing"
-            found += f" of {linear.out_features} outputs" if isinstance(linear, nn.Linear) else ""
+            found += f" of {linear.weight.shape[0]} outputs" if pointwise else ""
             raise ValueError(
-                f"cannot fold {name} (gamma of shape {tuple(gate.gamma.shape)}): expected an nn.Linear of that "
-                f"width at {holder}.{layer}, found {found}"
+                f"cannot fold {name} (gamma of shape {tuple(gate.gamma.shape)}): expected an nn.Linear or 1x1 "
+                f"nn.Conv2d of that width at {holder}.{layer}, found {found}"
             )
         plan.append((name, linear, gate.gamma))
     return plan
 
 
 @torch.no_grad()
-def fold_block(block: nn.Module, plan: list[tuple[str, nn.Linear, torch.Tensor]] | None = None) -> None:
+def fold_block(block: nn.Module, plan: list[tuple[str, Any, torch.Tensor]] | None = None) -> None:
     """Fold the gates of ``block`` into its linear layers in place, each becoming ``nn.Identity``; ``plan`` is
     :func:`fold_plan`'s."""
     for name, linear, gamma in fold_plan(block) if plan is None else plan:

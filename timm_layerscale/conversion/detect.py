@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +43,10 @@ def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
             if side * side in (n, n - 1):
                 info["grid"] = side
                 break
-    if "head.weight" in sd:
-        info["num_classes"] = int(sd["head.weight"].shape[0])
-    elif pe is not None and "head.bias" not in sd:
+    head = next((sd[k] for k in ("head.weight", "head.fc.weight") if k in sd), None)  # a ViT's, a ConvNeXt's
+    if head is not None:
+        info["num_classes"] = int(head.shape[0])
+    elif (pe is not None or "stem.0.weight" in sd) and "head.bias" not in sd and "head.fc.bias" not in sd:
         info["num_classes"] = 0
     return info
 
@@ -112,6 +113,16 @@ def without_zero_optional(
     return {k: v for k, v in state_dict.items() if k not in extra}
 
 
+def _twins(
+    v: Variant, candidates: Iterable[Variant], shapes: Mapping[str, Any], classes: int | None, size: int | None
+) -> list[str]:
+    """The other variants of ``v``'s family and resolution whose state dicts have ``v``'s ``shapes`` (BEiT and BEiT v2
+    of one size): a file of one cannot be told from a file of the other."""
+    alike = (w for w in candidates if w is not v and w.family is v.family and w.img_size == v.img_size)
+    same = (w for w in alike if (w.embed_dim, w.depth, w.num_heads) == (v.embed_dim, v.depth, v.num_heads))
+    return [w.name for w in same if state_dict_shapes(w, classes, size) == shapes]
+
+
 def detect(
     state_dict: Mapping[str, Any], model: str | None = None, container: tuple[str | None, str] | None = None
 ) -> Detection:
@@ -149,7 +160,8 @@ def detect(
         (layout, sd, changes), info = read[v.family], described[v.family]
         if model:  # a named variant may leave zero biases out
             sd = without_zero_optional(sd, v.family, state_dict_shapes(v), v.name)
-        size = info["grid"] * v.patch_size if "grid" in info else v.img_size  # a fine-tune at another resolution
+        # a fine-tune at another resolution, read from its position embedding (a model without one takes any size)
+        size = info["grid"] * v.patch_size if "grid" in info else None
         shapes = state_dict_shapes(v, info.get("num_classes"), size)
         count, detail = mismatches(sd, shapes)
         if count and not mismatches(sd, {k: s for k, s in shapes.items() if not GATE_KEY.fullmatch(k)})[0]:
@@ -161,10 +173,15 @@ def detect(
         if count and model:
             check_state_dict(sd, shapes, v.name)
         if not count:
+            if not model and (twins := _twins(v, candidates, shapes, info.get("num_classes"), size)):
+                raise ArchitectureError(
+                    f"checkpoint fits {v.name} and {', '.join(twins)} alike (the same shapes); name the one it is: "
+                    f"{' or '.join(option('model', name) for name in (v.name, *twins))}"
+                )
             check_floating(sd, v.name)
             classes = info.get("num_classes", DEFAULT_NUM_CLASSES)
             overrides = {"num_classes": classes} if classes != DEFAULT_NUM_CLASSES else {}
-            overrides.update({"img_size": size} if size != v.img_size else {})
+            overrides.update({"img_size": size} if size not in (None, v.img_size) else {})
             return Detection(v, overrides, sd, layout, changes)
         if best is None or count < best[0]:
             best = (count, v, detail)

@@ -27,11 +27,11 @@ def fold_state_dict(
         ValueError: A gate without its linear layer, or of another width.
     """
     out = dict(state_dict)
-    for key in [k for k in state_dict if (m := GATE_KEY.fullmatch(k)) and m["l"]]:
+    for key in [k for k in state_dict if (m := GATE_KEY.fullmatch(k)) and m["ls"]]:
         block, gate, _ = key.rsplit(".", 2)
         target = ".".join((block, *FOLD_TARGETS[gate]))
         weight, gamma = out.get(f"{target}.weight"), out.pop(key)
-        if weight is None or weight.ndim != 2 or weight.shape[0] != gamma.shape[0]:
+        if weight is None or weight.shape[2:] not in ((), (1, 1)) or weight.shape[0] != gamma.shape[0]:
             found = "nothing" if weight is None else f"a weight of shape {tuple(weight.shape)}"
             raise ValueError(
                 f"cannot fold {key!r} (shape {tuple(gamma.shape)}): expected a linear weight at {target!r}, found {found}"

@@ -96,7 +96,7 @@ def detect_gates(state_dict: Mapping[str, Any]) -> str:
         RemapError: Both kinds are present.
     """
     gates = [m for k in state_dict if (m := GATE_KEY.fullmatch(k))]
-    raw, modules = any(m["g"] for m in gates), any(m["l"] for m in gates)
+    raw, modules = any(m["raw"] for m in gates), any(m["ls"] for m in gates)
     if raw and modules:
         raise RemapError(
             "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"

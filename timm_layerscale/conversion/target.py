@@ -58,9 +58,9 @@ def check_folds(ls: Mapping[str, torch.Tensor], folded: Mapping[str, torch.Tenso
     fold rule that changes one gate's scale is seen where it moves a single weight by one unit in the last place."""
     for key, gamma in ls.items():
         m = GATE_KEY.fullmatch(key)
-        if m is None or not m["l"]:
+        if m is None or not m["ls"]:
             continue
-        target = ".".join((m["block"], *FOLD_TARGETS[f"ls{m['l']}"]))
+        target = ".".join((m["block"], *FOLD_TARGETS[m["ls"]]))
         for part in ("weight", "bias"):
             if (source := ls.get(f"{target}.{part}")) is None:
                 continue

@@ -25,9 +25,11 @@ DEFAULT_NUM_CLASSES = 1000
 ALIAS = "gamma"
 #: Every layout name ``--to`` takes, of any family, and the release word.
 LAYOUT_NAMES = ("ls", "timm", "official", "transformers", ALIAS)
-#: Matches a whole LayerScale key as timm or this package names it, giving the block and which gate (``g`` in raw
-#: ``gamma_1``/``gamma_2`` parameters, ``l`` in the module layout's ``ls1.gamma``/``ls2.gamma``).
-GATE_KEY = re.compile(r"(?P<block>.+?)\.(?:gamma_(?P<g>[12])|ls(?P<l>[12])\.gamma)")
+#: Matches a whole LayerScale key as timm or this package names it, giving a numbered ``block`` (``blocks.3``,
+#: ``stages.1.blocks.2``) and its gate, ``raw`` (a parameter: ``gamma_1``/``gamma_2``, ConvNeXt's one ``gamma``, with
+#: ``g`` its number) or ``ls`` (the module layout's ``ls1``/``ls2``/``ls`` holding ``gamma``). A block ends in a digit:
+#: ConvNeXt-V2's ``grn.gamma`` is a norm's weight, no gate.
+GATE_KEY = re.compile(r"(?P<block>.+?\d)\.(?:(?P<raw>gamma(?:_(?P<g>[12]))?)|(?P<ls>ls[12]?)\.gamma)")
 #: Replacement that keeps a key unchanged.
 KEEP = r"\g<0>"
 #: The end of a linear layer's keys.

@@ -3,7 +3,7 @@ filter's last steps, a registered variant's config and build, the operation coun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from ..families import DEFAULT_NUM_CLASSES, Variant
 from ..layer_scale import LayerScale
 
 __all__ = ["add_pos_embed", "build_variant", "check_global_pool", "count_flops", "fit_state_dict", "pretrained_cfg"]
+__all__ += ["register_variants", "twin_cfgs"]
 
 
 def check_global_pool(global_pool: str) -> None:
@@ -111,6 +112,37 @@ def pretrained_cfg(v: Variant, **kwargs: Any) -> dict[str, Any]:
         "license": "apache-2.0",
         **kwargs,
     }
+
+
+def twin_cfgs(variants: Mapping[str, Variant]) -> dict[str, Any]:
+    """timm's pretrained configs of each variant's reference (its Hub files, licence, input size) under this package's
+    names, for the tags the installed timm has, its default first."""
+    from timm.models import get_arch_pretrained_cfgs
+
+    cfgs: dict[str, Any] = {}
+    for name, v in variants.items():
+        for ref, cfg in get_arch_pretrained_cfgs(str(v.reference)).items():
+            drop = ("architecture", "tag")
+            cfgs[f"{name}.{ref.split('.', 1)[1]}"] = {k: x for k, x in cfg.to_dict().items() if k not in drop}
+    return cfgs
+
+
+def register_variants(module: str, variants: Mapping[str, Variant], build: Callable[..., Any]) -> None:
+    """Register with timm, as functions of ``module`` named like the variants, ``build(variant, pretrained, kwargs)``
+    of each variant: what a hand-written ``@register_model`` function per variant does."""
+    import sys
+
+    from timm.models import register_model
+
+    for name, v in variants.items():
+
+        def create(pretrained: bool = False, v: Variant = v, **kwargs: Any) -> Any:
+            return build(v, pretrained, kwargs)
+
+        create.__name__ = create.__qualname__ = name
+        create.__module__ = module
+        create.__doc__ = f"``{name}``, {v.family.title} with LayerScale modules (``{module}``)."
+        setattr(sys.modules[module], name, register_model(create))
 
 
 def build_variant(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from timm.layers import DropPath, Mlp, PatchEmbed
-from timm.models import generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs
 from timm.models._manipulate import checkpoint_seq
 from timm.models.cait import Cait, ClassAttn, TalkingHeadAttn
 
@@ -37,6 +37,7 @@ from ._helpers import (
     has_no_layerscale,
     pretrained_cfg,
     prune_blocks,
+    register_variants,
     reset_head,
     run_blocks,
     to_nchw,
@@ -315,55 +316,6 @@ def _cfg(v: Variant) -> dict[str, Any]:
 default_cfgs = generate_default_cfgs({f"{name}.fb_dist_in1k": _cfg(v) for name, v in VARIANTS.items()})
 
 
-def _create(name: str, pretrained: bool, kwargs: dict[str, Any]) -> CaitLS:
-    return build_variant(CaitLS, checkpoint_filter_fn, VARIANTS[name], pretrained, kwargs)
-
-
-@register_model
-def cait_xxs24_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_xxs24_224_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_xxs24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_xxs24_384_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_xxs36_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_xxs36_224_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_xxs36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_xxs36_384_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_xs24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_xs24_384_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_s24_224_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_s24_224_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_s24_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_s24_384_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_s36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_s36_384_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_m36_384_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_m36_384_ls", pretrained, kwargs)
-
-
-@register_model
-def cait_m48_448_ls(pretrained: bool = False, **kwargs: Any) -> CaitLS:
-    return _create("cait_m48_448_ls", pretrained, kwargs)
+register_variants(
+    __name__, VARIANTS, lambda v, pretrained, kwargs: build_variant(CaitLS, checkpoint_filter_fn, v, pretrained, kwargs)
+)

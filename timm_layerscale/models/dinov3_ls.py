@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import torch
 import torch.nn as nn
 from timm.layers import LayerNorm
-from timm.models import generate_default_cfgs, get_arch_pretrained_cfgs, register_model
+from timm.models import generate_default_cfgs
 from timm.models.eva import Eva, EvaBlock
 
 from ..conversion.checkpoint import state_dict_of
@@ -25,7 +25,7 @@ from ..conversion.detect import without_zero_optional
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
 from ..layer_scale import LayerScale, fold_block
-from ._helpers import build_variant, count_flops, fit_state_dict, has_no_layerscale
+from ._helpers import build_variant, count_flops, fit_state_dict, has_no_layerscale, register_variants, twin_cfgs
 
 __all__ = ["DinoV3LS", "LayerScaleEvaBlock"]
 
@@ -131,18 +131,7 @@ DINOV3_ARGS = dict(
 VARIANTS = variants_of("dinov3")
 
 
-def _cfgs() -> dict[str, Any]:
-    """timm's pretrained configs of each reference (its Hub files, licence, input size) under this package's names,
-    for the tags the installed timm has, its default first."""
-    cfgs: dict[str, Any] = {}
-    for name, v in VARIANTS.items():
-        for ref, cfg in get_arch_pretrained_cfgs(str(v.reference)).items():
-            drop = ("architecture", "tag")
-            cfgs[f"{name}.{ref.split('.', 1)[1]}"] = {k: x for k, x in cfg.to_dict().items() if k not in drop}
-    return cfgs
-
-
-default_cfgs = generate_default_cfgs(_cfgs())
+default_cfgs = generate_default_cfgs(twin_cfgs(VARIANTS))
 
 
 def build(v: Variant, pretrained: bool, kwargs: dict[str, Any]) -> DinoV3LS:
@@ -150,65 +139,4 @@ def build(v: Variant, pretrained: bool, kwargs: dict[str, Any]) -> DinoV3LS:
     return build_variant(DinoV3LS, checkpoint_filter_fn, v, pretrained, {**DINOV3_ARGS, **kwargs})
 
 
-def _create(name: str, pretrained: bool, kwargs: dict[str, Any]) -> DinoV3LS:
-    return build(VARIANTS[name], pretrained, kwargs)
-
-
-@register_model
-def vit_tiny_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_tiny_patch16_dinov3_qkvb_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_small_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_small_patch16_dinov3_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_small_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_small_patch16_dinov3_qkvb_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_small_plus_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_small_plus_patch16_dinov3_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_small_plus_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_small_plus_patch16_dinov3_qkvb_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_base_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_base_patch16_dinov3_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_base_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_base_patch16_dinov3_qkvb_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_large_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_large_patch16_dinov3_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_large_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_large_patch16_dinov3_qkvb_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_huge_plus_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_huge_plus_patch16_dinov3_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_huge_plus_patch16_dinov3_qkvb_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_huge_plus_patch16_dinov3_qkvb_ls", pretrained, kwargs)
-
-
-@register_model
-def vit_7b_patch16_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> DinoV3LS:
-    return _create("vit_7b_patch16_dinov3_ls", pretrained, kwargs)
+register_variants(__name__, VARIANTS, build)

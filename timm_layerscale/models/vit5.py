@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Mlp, PatchEmbed, RmsNorm, trunc_normal_, use_fused_attn
-from timm.models import generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs
 from timm.models._manipulate import checkpoint
 
 from ..conversion.checkpoint import WRAPPER_KEYS, state_dict_of
@@ -34,6 +34,7 @@ from ._helpers import (
     has_no_layerscale,
     pretrained_cfg,
     prune_blocks,
+    register_variants,
     reset_head,
     run_blocks,
     to_nchw,
@@ -361,35 +362,6 @@ VARIANTS = variants_of("vit5")
 default_cfgs = generate_default_cfgs({tag: cfg for v in VARIANTS.values() for tag, cfg in _tags(v).items()})
 
 
-def _create(name: str, pretrained: bool, kwargs: dict[str, Any]) -> Vit5:
-    return build_variant(Vit5, checkpoint_filter_fn, VARIANTS[name], pretrained, kwargs)
-
-
-@register_model
-def vit5_small_patch16_224(pretrained: bool = False, **kwargs: Any) -> Vit5:
-    return _create("vit5_small_patch16_224", pretrained, kwargs)
-
-
-@register_model
-def vit5_base_patch16_224(pretrained: bool = False, **kwargs: Any) -> Vit5:
-    return _create("vit5_base_patch16_224", pretrained, kwargs)
-
-
-@register_model
-def vit5_base_patch16_384(pretrained: bool = False, **kwargs: Any) -> Vit5:
-    return _create("vit5_base_patch16_384", pretrained, kwargs)
-
-
-@register_model
-def vit5_large_patch16_224(pretrained: bool = False, **kwargs: Any) -> Vit5:
-    return _create("vit5_large_patch16_224", pretrained, kwargs)
-
-
-@register_model
-def vit5_large_patch16_384(pretrained: bool = False, **kwargs: Any) -> Vit5:
-    return _create("vit5_large_patch16_384", pretrained, kwargs)
-
-
-@register_model
-def vit5_xlarge_patch16_224(pretrained: bool = False, **kwargs: Any) -> Vit5:
-    return _create("vit5_xlarge_patch16_224", pretrained, kwargs)
+register_variants(
+    __name__, VARIANTS, lambda v, pretrained, kwargs: build_variant(Vit5, checkpoint_filter_fn, v, pretrained, kwargs)
+)

@@ -162,6 +162,8 @@ def versions() -> dict[str, str]:
 def attention_path(model: nn.Module) -> str:
     """Which attention implementation a model's attention layers take."""
     flags = {bool(m.fused_attn) for m in model.modules() if hasattr(m, "fused_attn")}
+    if not any(hasattr(m, "num_heads") for m in model.modules()):
+        return "none (a convolutional network)"
     if flags == {True}:
         return "fused (scaled_dot_product_attention)"
     return "mixed: fused where timm fuses, manual talking-heads" if len(flags) > 1 else "manual (softmax(q k^T) v)"
