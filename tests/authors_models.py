@@ -10,6 +10,8 @@ their code is installed here): one block's keys, the depth, and the keys outside
   (``mask_k_bias=True``, the 7B without q/k/v bias and with ``untie_global_and_local_cls_norm``), a bare state dict.
 - DINOv2: facebookresearch/dinov2 ``models/vision_transformer.py`` as ``hub/backbones.py`` builds it (the giant's
   ``SwiGLUFFNFused``: ``w12``, ``w3``), a bare state dict.
+- ConvNeXt: facebookresearch/ConvNeXt ``models/convnext.py`` (``downsample_layers``, ``stages.S.B``, Linear MLPs),
+  ``{'model': ...}``; ``None`` for timm's own ``conv_mlp`` architectures, which the authors did not release.
 """
 
 from __future__ import annotations
@@ -110,6 +112,22 @@ def dinov2(dim: int, depth: int, heads: int, registers: int = 0, ffn: str = "mlp
     return {**outside, **stem, **_blocks("blocks", depth, block)}, (None, "")
 
 
+def convnext(depths: Any, dims: Any, classes: int = 1000) -> tuple[Shapes, Any]:
+    keys: Shapes = {"downsample_layers.0.0.weight": (dims[0], 3, 4, 4), "downsample_layers.0.0.bias": (dims[0],)}
+    keys |= _norm("downsample_layers.0.1", dims[0])
+    for s, (depth, dim) in enumerate(zip(depths, dims, strict=True)):
+        if s:
+            keys |= {
+                **_norm(f"downsample_layers.{s}.0", dims[s - 1]),
+                f"downsample_layers.{s}.1.weight": (dim, dims[s - 1], 2, 2),
+            }
+            keys[f"downsample_layers.{s}.1.bias"] = (dim,)
+        block = {"dwconv.weight": (dim, 1, 7, 7), "dwconv.bias": (dim,), **_norm("norm", dim)}
+        block |= {**_linear("pwconv1", 4 * dim, dim), **_linear("pwconv2", dim, 4 * dim), "gamma": (dim,)}
+        keys |= _blocks(f"stages.{s}", depth, block)
+    return {**keys, **_norm("norm", dims[-1]), **_linear("head", classes, dims[-1])}, ("model", "")
+
+
 def _dinov3_release(name: str) -> tuple[Shapes, Any]:
     size = name.removeprefix("vit_").split("_patch16")[0]
     dim, depth, heads = {"tiny": (192, 12, 3), "small": (384, 12, 6), "small_plus": (384, 12, 6), "base": (768, 12, 12),
@@ -119,8 +137,8 @@ def _dinov3_release(name: str) -> tuple[Shapes, Any]:
     return dinov3(dim, depth, heads, "swiglu" if "plus" in size else "mlp", 6.0 if "plus" in size else 4.0)
 
 
-def official(variant: Any) -> tuple[Shapes, Any]:
-    """The authors' keys, shapes and container of a registered variant's release."""
+def official(variant: Any) -> tuple[Shapes, Any] | None:
+    """The authors' keys, shapes and container of a registered variant's release (``None``: they released none)."""
     v, family = variant, variant.family.name
     if family == "cait":
         return cait(v.embed_dim, v.depth, v.num_heads, v.img_size)
@@ -130,6 +148,9 @@ def official(variant: Any) -> tuple[Shapes, Any]:
         return vit5(v.embed_dim, v.depth, v.num_heads, v.img_size)
     if family == "dinov3":
         return _dinov3_release(v.name)
+    if family == "convnext":
+        args = dict(v.args)
+        return None if args.get("conv_mlp") or "head_hidden_size" in args else convnext(args["depths"], args["dims"])
     return dinov2(
         v.embed_dim, v.depth, v.num_heads, 4 if "_reg4" in v.name else 0, "swiglufused" if "giant" in v.name else "mlp"
     )

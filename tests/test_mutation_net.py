@@ -31,10 +31,13 @@ GATES = {
 #: The dropped ``blocks.1.attn.proj.bias`` in the error of a target layout's model (transformers 5 names DINOv2's
 #: ``attention.output.dense`` as it loads it).
 DROPPED = {"transformers": {"dinov3": "layer.1.attention.o_proj.bias", "dinov2": "encoder.layer.1.attention."}}
+DROPPED |= {to: {"convnext": "stages.2."} for to in ("ls", "gamma", "official")}
 
 
 def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
     """The wrong rules put in front of the ``to`` direction's table."""
+    if family == "convnext":  # one gate a block: swapped with the block's norm weight, or moved between blocks
+        return _convnext_rules(to, mutation)
     src, dst = ("gamma_{i}", "blocks.{b}.ls{i}.gamma") if to == "ls" else ("ls{i}.gamma", "blocks.{b}.gamma_{i}")
     if family == "dinov2" and to in ("ls", "gamma"):  # the official file holds ls1.gamma too
         src, dst = "ls{i}.gamma", "blocks.{b}.ls{i}.gamma"
@@ -50,6 +53,23 @@ def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
     return (Rule(r"blocks\.1\.attn\.proj\.bias", None),)  # "drop"
 
 
+def _convnext_rules(to: str, mutation: str) -> tuple[Rule, ...]:
+    """ConvNeXt's wrong rules in stage 2 (two blocks of one width): reading timm's ``stages.2.blocks.N`` (``to="ls"``),
+    or writing it or the authors' ``stages.2.N``."""
+    reading = to == "ls"
+    a, b = r"stages\.2\.blocks\.{}\.", "stages.2.{}." if to == "official" else "stages.2.blocks.{}."
+    gate, norm = ("gamma", "ls.gamma") if reading else ("ls\\.gamma", "gamma"), (r"norm\.weight", "norm.weight")
+
+    def wrong(src: int, dst: int, what: tuple[str, str], into: tuple[str, str]) -> Rule:
+        return Rule(a.format(src) + what[0], b.format(dst) + into[1])
+
+    if mutation == "swap":
+        return (wrong(1, 1, gate, norm), wrong(1, 1, norm, gate))
+    if mutation == "move":
+        return (wrong(0, 1, gate, gate), wrong(1, 0, gate, gate))
+    return (Rule(a.format(1) + r"mlp\.fc2\.bias", None),)
+
+
 def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> None:
     """Inject ``mutation`` into the ``to`` direction of ``family``'s conversion, undone with ``patch``: reading the
     source's layout (``to="ls"``), or writing the layout ``to`` names."""
@@ -58,7 +78,9 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
 
         def cast(tensors, dtype, keep):
             out = real(tensors, dtype, keep)
-            key = next(k for k in out if k.endswith(("ls1.gamma", "gamma_1", "layer_scale1.lambda1")))
+            key = next(
+                k for k in out if k.endswith(("ls1.gamma", "gamma_1", "layer_scale1.lambda1", "ls.gamma", "0.gamma"))
+            )
             out[key] = out[key].clone()
             out[key][0] *= 1.01
             return out
@@ -92,10 +114,18 @@ def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
         torch.save(gamma_file(sd, v.family), out[v.family.name, "ls"])
         out[v.family.name, "gamma"] = folder / f"{v.family.name}_ls.pth"
         torch.save(to_layerscale(sd, v.family), out[v.family.name, "gamma"])
-        for to in ("official", "transformers"):  # from the ls layout, without the classifier these have no place for
+        for to in (
+            "official",
+            "transformers",
+            "timm",
+        ):  # from the ls layout, without the classifier some have no place for
             out[v.family.name, to] = folder / f"{v.family.name}_backbone.pth"
             torch.save(
-                {k: t for k, t in to_layerscale(sd, v.family).items() if not k.startswith("head.")},
+                {
+                    k: t
+                    for k, t in to_layerscale(sd, v.family).items()
+                    if not re.match(r"head\.(?:fc\.)?(?:weight|bias)", k)
+                },
                 out[v.family.name, to],
             )
     return out
@@ -115,9 +145,13 @@ def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path
 
 
 CASES = [
-    (f, to, d) for f in ("cait", "deit3", "vit5", "dinov3", "dinov2") for to in ("ls", "gamma") for d in (None, "bf16")
+    (f, to, d)
+    for f in ("cait", "deit3", "vit5", "dinov3", "dinov2", "convnext")
+    for to in ("ls", "gamma")
+    for d in (None, "bf16")
 ]
 CASES += [("dinov3", "official", None), ("dinov3", "transformers", None), ("dinov2", "transformers", None)]
+CASES += [("convnext", "official", None)]
 
 
 @pytest.mark.parametrize(("family", "to", "dtype"), CASES)
@@ -132,7 +166,8 @@ def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variant
 
 @pytest.mark.parametrize(
     ("family", "to"),
-    [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls"), ("dinov2", "ls")],
+    [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls"), ("dinov2", "ls")]
+    + [("convnext", "ls")],
 )
 def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:
@@ -140,7 +175,7 @@ def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_p
             _inject(patch, family, "ls", mutation)
             folder = tmp_path / mutation
             code, stdout, err = cli(capsys, "export", sources[family, "ls"], folder, "--to", to, *ONE)
-        _assert_refused(mutation, code, stdout, err, folder)
+        _assert_refused(mutation, code, stdout, err, folder, dropped=DROPPED["ls"].get(family, ""))
         assert mutation != "clean" or (folder / "model.safetensors").is_file()
 
 

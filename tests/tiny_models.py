@@ -7,12 +7,13 @@ from typing import Any
 
 from timm.models import generate_default_cfgs, register_model
 from timm.models.cait import _create_cait
+from timm.models.convnext import _create_convnext
 from timm.models.deit import _create_deit
 from timm.models.eva import _create_eva
 from timm.models.vision_transformer import _create_vision_transformer
 
 from timm_layerscale.families import FAMILIES, Variant
-from timm_layerscale.models import cait_ls, dinov3_ls, vit5
+from timm_layerscale.models import cait_ls, convnext_ls, dinov3_ls, vit5
 from timm_layerscale.models._helpers import build_variant, pretrained_cfg
 
 CAIT = Variant("tinytest_cait_layerscale", FAMILIES["cait"], "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
@@ -23,12 +24,20 @@ DINOV3 = Variant(
     "tinytest_dinov3_ls", FAMILIES["dinov3"], "tinytest_dinov3", 32, 32, 3, 2, 1e-5, patch_size=8, args=_SWIGLU_QKVB
 )
 DINOV2 = Variant("tinytest_dinov2", FAMILIES["dinov2"], "tinytest_dinov2", 32, 32, 3, 2, 1e-5, patch_size=8)
+_CONVNEXT = (("depths", (1, 1, 2, 1)), ("dims", (8, 16, 24, 32)))
+CONVNEXT = Variant(
+    "tinytest_convnext_ls", FAMILIES["convnext"], "tinytest_convnext", 32, 8, 5, 0, 1e-6, 4, args=_CONVNEXT
+)
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
-TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2)
+TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT)
 
 _CFGS: dict[str, Any] = {v.name: pretrained_cfg(v, url="") for v in TINY}
 default_cfgs = generate_default_cfgs(
     {"tinytest_cait": pretrained_cfg(CAIT, url=""), "tinytest_dinov3": pretrained_cfg(DINOV3, url=""), **_CFGS}
+    | {
+        n: pretrained_cfg(CONVNEXT, url="", first_conv="stem.0", classifier="head.fc", fixed_input_size=False)
+        for n in ("tinytest_convnext", CONVNEXT.name)
+    }
 )
 
 
@@ -71,3 +80,14 @@ def tinytest_dinov3_ls(pretrained: bool = False, **kwargs: Any) -> Any:
 def tinytest_dinov2(pretrained: bool = False, **kwargs: Any) -> Any:
     args = _args(DINOV2, {"reg_tokens": 4, "no_embed_class": True, "num_classes": 0, **kwargs})
     return _create_vision_transformer("tinytest_dinov2", pretrained, **args)
+
+
+@register_model
+def tinytest_convnext(pretrained: bool = False, **kwargs: Any) -> Any:
+    return _create_convnext("tinytest_convnext", pretrained, **{**dict(_CONVNEXT), **kwargs})
+
+
+@register_model
+def tinytest_convnext_ls(pretrained: bool = False, **kwargs: Any) -> Any:
+    return convnext_ls.build(CONVNEXT, pretrained, kwargs)
+

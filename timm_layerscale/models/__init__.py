@@ -1,8 +1,10 @@
 """The model files; importing this package registers every model with timm."""
 
-from . import cait_ls, dinov3_ls, vit5, vit5_official
+from . import cait_ls, convnext_ls, dinov3_ls, vit5, vit5_official
 from .cait_ls import CaitLS
+from .convnext_ls import ConvNeXtLS
 from .dinov3_ls import DinoV3LS
 from .vit5 import Vit5
 
-__all__ = ["CaitLS", "DinoV3LS", "Vit5", "cait_ls", "dinov3_ls", "vit5", "vit5_official"]
+__all__ = ["CaitLS", "ConvNeXtLS", "DinoV3LS", "Vit5", "cait_ls", "convnext_ls", "dinov3_ls"]
+__all__ += ["vit5", "vit5_official"]

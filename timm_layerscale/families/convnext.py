@@ -1,0 +1,128 @@
+"""ConvNeXt (arXiv 2201.03545): timm's ``convnext_*`` keep each block's gate as a raw ``gamma`` parameter, this
+package's ``convnext_*_ls`` (:mod:`timm_layerscale.models.convnext_ls`) a LayerScale module ``ls.gamma``; the authors'
+files (facebookresearch/ConvNeXt ``{'model': ...}``, tiny to xlarge) name the stem and downsampling layers
+``downsample_layers`` and the blocks ``stages.S.B``. ConvNeXt-V2's ``grn.gamma`` is a norm's weight: its files are
+another family's."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import RemapError, option
+from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register
+from .loaders import own_model, timm_model
+
+_B = r"stages\.(\d+)\.blocks\.(\d+)"
+_KEEP = (
+    Rule(r"(?:stem\.\d+|stages\.\d+\.downsample\.\d+|norm_pre|head\.(?:norm|fc|pre_logits\.fc))" + LINEAR, KEEP),
+    Rule(rf"{_B}\.(?:conv_dw|norm|mlp\.fc[12])" + LINEAR, KEEP),
+)
+LS = (Rule(rf"{_B}\.ls\.gamma", KEEP), *_KEEP)
+#: timm's raw ``gamma`` into the ``ls`` layout, and back.
+RAW = (Rule(rf"{_B}\.gamma", r"stages.\1.blocks.\2.ls.gamma"), *_KEEP)
+TO_RAW = (Rule(rf"{_B}\.ls\.gamma", r"stages.\1.blocks.\2.gamma"), *_KEEP)
+
+
+def _linear_mlp(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """An MLP weight as the authors' ``Linear`` holds it; a ``conv_mlp`` model's 1x1 convolution is refused in one line
+    (the authors released none: atto to nano and ``tiny_hnf`` are timm's own)."""
+    if tensor.ndim > 2:
+        raise RemapError(
+            f"{key!r} is a 1x1 convolution: the authors' ConvNeXt has no conv_mlp model; pass {option('to', 'timm')}"
+        )
+    return {target: tensor}
+
+
+_S = r"stages\.(\d+)\.(\d+)"
+_T = r"stages.\1.blocks.\2"
+#: The authors' names into timm's (what timm's ``checkpoint_filter_fn`` does to them), and back.
+OFFICIAL = (
+    Rule(rf"downsample_layers\.0\.([01])({LINEAR})", r"stem.\1\2"),
+    Rule(rf"downsample_layers\.(\d+)\.([01])({LINEAR})", r"stages.\1.downsample.\2\3"),
+    Rule(rf"{_S}\.dwconv({LINEAR})", rf"{_T}.conv_dw\3"),
+    Rule(rf"{_S}\.norm({LINEAR})", rf"{_T}.norm\3"),
+    Rule(rf"{_S}\.pwconv([12])({LINEAR})", rf"{_T}.mlp.fc\3\4"),
+    Rule(rf"{_S}\.gamma", rf"{_T}.ls.gamma"),
+    Rule(rf"norm({LINEAR})", r"head.norm\1"),
+    Rule(rf"head({LINEAR})", r"head.fc\1"),
+)
+TO_OFFICIAL = (
+    Rule(rf"stem\.([01])({LINEAR})", r"downsample_layers.0.\1\2"),
+    Rule(rf"stages\.(\d+)\.downsample\.([01])({LINEAR})", r"downsample_layers.\1.\2\3"),
+    Rule(rf"{_B}\.conv_dw({LINEAR})", r"stages.\1.\2.dwconv\3"),
+    Rule(rf"{_B}\.norm({LINEAR})", r"stages.\1.\2.norm\3"),
+    Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", r"stages.\1.\2.pwconv\3\4", op=_linear_mlp),
+    Rule(rf"{_B}\.ls\.gamma", r"stages.\1.\2.gamma"),
+    Rule(rf"head\.norm({LINEAR})", r"norm\1"),
+    Rule(rf"head\.fc({LINEAR})", r"head\1"),
+)
+
+
+def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
+    """The authors' file's consumer: timm's ``convnext_*`` (the authors' math) through timm's own filter."""
+    from timm.models.convnext import checkpoint_filter_fn
+
+    return timm_model(str(variant.reference), args, checkpoint_filter_fn)
+
+
+BIBTEX = """\
+@inproceedings{liu2022convnet,
+  title     = {A {ConvNet} for the 2020s},
+  author    = {Liu, Zhuang and Mao, Hanzi and Wu, Chao-Yuan and Feichtenhofer, Christoph and Darrell, Trevor and Xie, Saining},
+  booktitle = {Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
+  pages     = {11976--11986},
+  year      = {2022}
+}"""
+
+FAMILY = Family(
+    "convnext",
+    "ConvNeXt",
+    {
+        "ls": Layout("ls", LS, LS, own_model),
+        "timm": Layout("timm", RAW, TO_RAW, lambda v, folded, args: timm_model(str(v.reference), args)),
+        "official": Layout(
+            "official", OFFICIAL, TO_OFFICIAL, _official, tell=r"downsample_layers\.0\.0\.weight", wrapper="model"
+        ),
+    },
+    full_title="ConvNeXt",
+    description="a convolutional network of depthwise-convolution blocks whose residual branches are scaled by "
+    "LayerScale",
+    bibtex=BIBTEX,
+    license="apache-2.0",
+    gamma_file="timm",
+)
+
+
+def _variant(size: str, depths: tuple[int, ...], dims: tuple[int, ...], img: int = 224, **args: Any) -> Variant:
+    """A ConvNeXt architecture: ``embed_dim`` is its first stage's width (what a file's first gate says), ``depth``
+    its blocks, ``patch_size`` its stem's stride; ``args`` are timm's ``ConvNeXt`` arguments."""
+    ref = f"convnext_{size}"
+    args = {"depths": depths, "dims": dims, **args}
+    return Variant(f"{ref}_ls", FAMILY, ref, img, dims[0], sum(depths), 0, 1e-6, patch_size=4, args=tuple(args.items()))
+
+
+_SMALL, _FEMTO, _ZEPTO = (2, 2, 6, 2), (48, 96, 192, 384), ((2, 2, 4, 2), (32, 64, 128, 256))
+#: timm's ConvNeXt architectures (``conv_mlp``: 1x1 convolutions for the MLP; ``_ols``: an overlapping stem).
+VARIANTS = (
+    _variant("zepto_rms", *_ZEPTO, conv_mlp=True, norm_layer="simplenorm"),
+    _variant("zepto_rms_ols", *_ZEPTO, conv_mlp=True, norm_layer="simplenorm", stem_type="overlap_act"),
+    _variant("atto", _SMALL, (40, 80, 160, 320), conv_mlp=True),
+    _variant("atto_ols", _SMALL, (40, 80, 160, 320), conv_mlp=True, stem_type="overlap_tiered"),
+    _variant("atto_rms", _SMALL, (40, 80, 160, 320), conv_mlp=True, norm_layer="rmsnorm2d"),
+    _variant("femto", _SMALL, _FEMTO, conv_mlp=True),
+    _variant("femto_ols", _SMALL, _FEMTO, conv_mlp=True, stem_type="overlap_tiered"),
+    _variant("pico", _SMALL, (64, 128, 256, 512), conv_mlp=True),
+    _variant("pico_ols", _SMALL, (64, 128, 256, 512), conv_mlp=True, stem_type="overlap_tiered"),
+    _variant("nano", (2, 2, 8, 2), (80, 160, 320, 640), conv_mlp=True),
+    _variant("nano_ols", (2, 2, 8, 2), (80, 160, 320, 640), conv_mlp=True, stem_type="overlap"),
+    _variant("tiny_hnf", (3, 3, 9, 3), (96, 192, 384, 768), head_norm_first=True, conv_mlp=True),
+    _variant("tiny", (3, 3, 9, 3), (96, 192, 384, 768)),
+    _variant("small", (3, 3, 27, 3), (96, 192, 384, 768)),
+    _variant("base", (3, 3, 27, 3), (128, 256, 512, 1024)),
+    _variant("large", (3, 3, 27, 3), (192, 384, 768, 1536)),
+    _variant("large_mlp", (3, 3, 27, 3), (192, 384, 768, 1536), img=320, head_hidden_size=1536),
+    _variant("xlarge", (3, 3, 27, 3), (256, 512, 1024, 2048)),
+    _variant("xxlarge", (3, 4, 30, 3), (384, 768, 1536, 3072), img=256, norm_eps=1e-5),
+)
+register(FAMILY, VARIANTS)
