@@ -10,6 +10,8 @@ their code is installed here): one block's keys, the depth, and the keys outside
   (``mask_k_bias=True``, the 7B without q/k/v bias and with ``untie_global_and_local_cls_norm``), a bare state dict.
 - DINOv2: facebookresearch/dinov2 ``models/vision_transformer.py`` as ``hub/backbones.py`` builds it (the giant's
   ``SwiGLUFFNFused``: ``w12``, ``w3``), a bare state dict.
+- BEiT: microsoft/unilm ``beit/modeling_finetune.py`` (mean pooling: ``fc_norm``, no ``norm``; each block's
+  ``relative_position_index`` buffer persistent), ``{'model': ...}``.
 - ConvNeXt: facebookresearch/ConvNeXt ``models/convnext.py`` (``downsample_layers``, ``stages.S.B``, Linear MLPs),
   ``{'model': ...}``; ``None`` for timm's own ``conv_mlp`` architectures, which the authors did not release.
 """
@@ -128,6 +130,22 @@ def convnext(depths: Any, dims: Any, classes: int = 1000) -> tuple[Shapes, Any]:
     return {**keys, **_norm("norm", dims[-1]), **_linear("head", classes, dims[-1])}, ("model", "")
 
 
+def beit(dim: int, depth: int, heads: int, img: int, classes: int = 1000) -> tuple[Shapes, Any]:
+    n = (img // 16) ** 2
+    attn = {
+        "attn.q_bias": (dim,),
+        "attn.v_bias": (dim,),
+        "attn.qkv.weight": (3 * dim, dim),
+        **_linear("attn.proj", dim, dim),
+    }
+    attn |= {"attn.relative_position_bias_table": ((2 * img // 16 - 1) ** 2 + 3, heads)}
+    attn |= {"attn.relative_position_index": (n + 1, n + 1)}
+    block = {"gamma_1": (dim,), "gamma_2": (dim,), **_norm("norm1", dim), **attn, **_norm("norm2", dim)}
+    block |= {**_linear("mlp.fc1", 4 * dim, dim), **_linear("mlp.fc2", dim, 4 * dim)}
+    outside = {"cls_token": (1, 1, dim), **_norm("fc_norm", dim), **_stem(dim, 16, classes)}
+    return {**outside, **_blocks("blocks", depth, block)}, ("model", "")
+
+
 def _dinov3_release(name: str) -> tuple[Shapes, Any]:
     size = name.removeprefix("vit_").split("_patch16")[0]
     dim, depth, heads = {"tiny": (192, 12, 3), "small": (384, 12, 6), "small_plus": (384, 12, 6), "base": (768, 12, 12),
@@ -148,6 +166,8 @@ def official(variant: Any) -> tuple[Shapes, Any] | None:
         return vit5(v.embed_dim, v.depth, v.num_heads, v.img_size)
     if family == "dinov3":
         return _dinov3_release(v.name)
+    if family == "beit":
+        return beit(v.embed_dim, v.depth, v.num_heads, v.img_size)
     if family == "convnext":
         args = dict(v.args)
         return None if args.get("conv_mlp") or "head_hidden_size" in args else convnext(args["depths"], args["dims"])

@@ -26,7 +26,7 @@ def _written(v: Variant, layout: str, num_classes: int | None = None) -> dict[st
 #: device); every other behind ``slow``.
 QUICK = {"cait_xxs24_224_ls", "deit3_small_patch16_224", "vit5_small_patch16_224", "vit_small_patch16_dinov3_ls"}
 QUICK |= {"vit_small_plus_patch16_dinov3_qkvb_ls", "vit_7b_patch16_dinov3_ls", "vit_small_patch14_reg4_dinov2"}
-QUICK |= {"vit_giant_patch14_dinov2", "convnext_tiny_ls", "convnext_atto_ls"}
+QUICK |= {"vit_giant_patch14_dinov2", "convnext_tiny_ls", "convnext_atto_ls", "beit_base_patch16_224_ls"}
 ALL = [pytest.param(v.name, marks=[pytest.mark.slow] * (v.name not in QUICK)) for v in VARIANTS]
 
 

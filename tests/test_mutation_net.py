@@ -146,12 +146,12 @@ def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path
 
 CASES = [
     (f, to, d)
-    for f in ("cait", "deit3", "vit5", "dinov3", "dinov2", "convnext")
+    for f in ("cait", "deit3", "vit5", "dinov3", "dinov2", "convnext", "beit")
     for to in ("ls", "gamma")
     for d in (None, "bf16")
 ]
 CASES += [("dinov3", "official", None), ("dinov3", "transformers", None), ("dinov2", "transformers", None)]
-CASES += [("convnext", "official", None)]
+CASES += [("convnext", "official", None), ("beit", "official", None)]
 
 
 @pytest.mark.parametrize(("family", "to", "dtype"), CASES)
@@ -167,7 +167,7 @@ def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variant
 @pytest.mark.parametrize(
     ("family", "to"),
     [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls"), ("dinov2", "ls")]
-    + [("convnext", "ls")],
+    + [("convnext", "ls"), ("beit", "ls")],
 )
 def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from timm.models import generate_default_cfgs, register_model
+from timm.models.beit import _create_beit
 from timm.models.cait import _create_cait
 from timm.models.convnext import _create_convnext
 from timm.models.deit import _create_deit
@@ -13,7 +14,7 @@ from timm.models.eva import _create_eva
 from timm.models.vision_transformer import _create_vision_transformer
 
 from timm_layerscale.families import FAMILIES, Variant
-from timm_layerscale.models import cait_ls, convnext_ls, dinov3_ls, vit5
+from timm_layerscale.models import beit_ls, cait_ls, convnext_ls, dinov3_ls, vit5
 from timm_layerscale.models._helpers import build_variant, pretrained_cfg
 
 CAIT = Variant("tinytest_cait_layerscale", FAMILIES["cait"], "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
@@ -28,12 +29,15 @@ _CONVNEXT = (("depths", (1, 1, 2, 1)), ("dims", (8, 16, 24, 32)))
 CONVNEXT = Variant(
     "tinytest_convnext_ls", FAMILIES["convnext"], "tinytest_convnext", 32, 8, 5, 0, 1e-6, 4, args=_CONVNEXT
 )
+_BEIT = (("use_abs_pos_emb", False), ("use_rel_pos_bias", True))
+BEIT = Variant("tinytest_beit_ls", FAMILIES["beit"], "tinytest_beit", 32, 32, 3, 2, 0.1, patch_size=8, args=_BEIT)
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
-TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT)
+TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT)
 
 _CFGS: dict[str, Any] = {v.name: pretrained_cfg(v, url="") for v in TINY}
 default_cfgs = generate_default_cfgs(
     {"tinytest_cait": pretrained_cfg(CAIT, url=""), "tinytest_dinov3": pretrained_cfg(DINOV3, url=""), **_CFGS}
+    | {"tinytest_beit": pretrained_cfg(BEIT, url="")}
     | {
         n: pretrained_cfg(CONVNEXT, url="", first_conv="stem.0", classifier="head.fc", fixed_input_size=False)
         for n in ("tinytest_convnext", CONVNEXT.name)
@@ -91,3 +95,12 @@ def tinytest_convnext(pretrained: bool = False, **kwargs: Any) -> Any:
 def tinytest_convnext_ls(pretrained: bool = False, **kwargs: Any) -> Any:
     return convnext_ls.build(CONVNEXT, pretrained, kwargs)
 
+
+@register_model
+def tinytest_beit(pretrained: bool = False, **kwargs: Any) -> Any:
+    return _create_beit("tinytest_beit", pretrained, **_args(BEIT, kwargs))
+
+
+@register_model
+def tinytest_beit_ls(pretrained: bool = False, **kwargs: Any) -> Any:
+    return beit_ls.build(BEIT, pretrained, {"img_size": 32, **kwargs})

@@ -273,4 +273,4 @@ def gate_rules(blocks: str, keep: tuple[Rule, ...]) -> tuple[tuple[Rule, ...], t
     return (Rule(ls, KEEP), *keep), (Rule(gamma, r"\1.ls\2.gamma"), *keep), (Rule(ls, r"\1.gamma_\2"), *keep)
 
 
-from . import cait, vit5, deit3, dinov3, dinov2, convnext  # noqa: E402, F401, I001  (the registry: each registers its family)
+from . import cait, vit5, deit3, dinov3, dinov2, convnext, beit  # noqa: E402, F401, I001  (the registry: each registers its family)

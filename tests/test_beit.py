@@ -1,0 +1,134 @@
+"""BEiT and BEiT v2 with LayerScale modules: timm's ``Beit`` with ``ls1``/``ls2``, outputs ``torch.equal`` to timm's
+``beit_*``/``beitv2_*`` with their per-block relative position bias at any built size, the tags remapped as they
+load, folding, features; the authors' files (with ``relative_position_index``) converted both ways; a file that fits
+a BEiT and a BEiT v2 model alike is not guessed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from timm.models.beit import Beit
+from timm.utils import reparameterize_model
+
+import timm_layerscale  # noqa: F401
+from helpers import cli, randomize
+from timm_layerscale.conversion import rules
+from timm_layerscale.conversion.target import target_tensors
+from timm_layerscale.families import get_variant, variants_of
+from timm_layerscale.layer_scale import LayerScale
+from timm_layerscale.models.beit_ls import checkpoint_filter_fn
+
+VARIANTS = variants_of("beit")
+SMALL: dict[str, Any] = {"depth": 2, "embed_dim": 64, "num_heads": 4}
+
+
+def pair(name: str = "beitv2_base_patch16_224", **kwargs: Any) -> tuple[Any, Any]:
+    """timm's BEiT of two blocks with random weights and gates, and this package's model loaded through the filter."""
+    ref = randomize(timm.create_model(name, **SMALL, **kwargs)).eval()
+    ours: Any = timm.create_model(f"{name}_ls", **SMALL, **kwargs).eval()
+    ours.load_state_dict(checkpoint_filter_fn(ref.state_dict(), ours))
+    return ref, ours
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_is_timms_model_with_layerscale_modules(name) -> None:
+    reference = str(VARIANTS[name].reference)
+    with torch.device("meta"):
+        ref: Any = timm.create_model(reference)
+        ours: Any = timm.create_model(name)
+    assert ours.pretrained_cfg["input_size"] == ref.pretrained_cfg["input_size"] and isinstance(ours, Beit)
+    gates = [m for m in ours.modules() if isinstance(m, LayerScale)]
+    assert len(gates) == 2 * len(ref.blocks) and all(
+        g.promote and g.init_value == ref.blocks[0].init_values for g in gates
+    )
+    as_timm = {k: tuple(v.shape) for k, v in rules.to_layout(ours.state_dict(), "beit", "timm").items()}
+    assert as_timm == {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    tags = {n.split(".", 1)[1] for n in timm.list_pretrained(f"{reference}.*")}
+    assert {n.split(".", 1)[1] for n in timm.list_pretrained(f"{name}.*")} == tags
+
+
+@pytest.mark.parametrize("img_size", [224, 160])
+def test_outputs_and_gradients_equal_timms(img_size) -> None:
+    """Batch 1 to 3, fused attention and not, bf16 autocast, one thread, at the released and another built size (each
+    block's bias table resized by timm's filter), compiled: equal bit for bit; a training step's gradients too."""
+    ref, ours = pair(img_size=img_size)
+    threads = torch.get_num_threads()
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, img_size, img_size, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            for fused in (True, False):
+                for m in (m for model in (ref, ours) for m in model.modules() if hasattr(m, "fused_attn")):
+                    m.fused_attn = fused
+                assert torch.equal(ours.forward_features(x), ref.forward_features(x)) and torch.equal(ours(x), ref(x))
+            with torch.autocast("cpu", torch.bfloat16):
+                assert torch.equal(ours(x), ref(x))
+            try:
+                torch.set_num_threads(1)
+                assert torch.equal(ours(x), ref(x))
+            finally:
+                torch.set_num_threads(threads)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(ours, backend="aot_eager")(x), torch.compile(ref, backend="aot_eager")(x))
+    ref.train()(x).square().mean().backward()
+    ours.train()(x).square().mean().backward()
+    grads = {k: p.grad for k, p in ours.named_parameters()}
+    for key, p in rules.to_layerscale(dict(ref.named_parameters()), "beit").items():
+        assert torch.equal(grads[key], p.grad), key
+
+
+def test_intermediates_features_fold_and_pretrained_files(tmp_path) -> None:
+    """``forward_intermediates`` and ``features_only`` as timm's; ``reparameterize_model`` folds; timm's and the
+    authors' files load through ``pretrained_cfg_overlay`` into the module layout and a folded model."""
+    ref, ours = pair()
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    v = get_variant("beitv2_base_patch16_224_ls")
+    official = v.family.layouts["official"]
+    ls = rules.to_layerscale(ref.state_dict(), "beit")
+    save_file({k: t.contiguous() for k, t in ref.state_dict().items()}, str(timm_file := tmp_path / "t.safetensors"))
+    authors = official.wrap(target_tensors(ls, dataclasses.replace(v, depth=2), v.family.layouts["ls"], official))
+    torch.save(authors, fb := tmp_path / "fb.pth")
+    with torch.no_grad():
+        final, inter = ours.forward_intermediates(x, indices=1)
+        want_final, want_inter = ref.forward_intermediates(x, indices=1)
+        assert torch.equal(final, want_final) and all(map(torch.equal, inter, want_inter))
+        for path in (timm_file, fb):
+            args: dict[str, Any] = {"pretrained_cfg_overlay": {"file": str(path)}, **SMALL}
+            loaded: Any = timm.create_model("beitv2_base_patch16_224_ls", pretrained=True, **args).eval()
+            assert torch.equal(loaded(x), ref(x))
+            features = timm.create_model(
+                "beitv2_base_patch16_224_ls", pretrained=True, features_only=True, out_indices=(1,), **args
+            )
+            assert torch.equal(features(x)[-1], ref.forward_intermediates(x, indices=1, intermediates_only=True)[-1])
+        folded = reparameterize_model(ours)
+        assert folded.folded_layerscale and not any(isinstance(m, LayerScale) for m in folded.modules())
+        torch.testing.assert_close(folded(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_authors_file_converts_both_ways_and_a_twin_is_not_guessed(tmp_path, capsys) -> None:
+    """``beit_base_patch16_224`` at its real size: its authors' file fits BEiT v2's base alike, so detection asks for
+    ``--model`` in one line; named, it converts to ``ls`` and back, each bit-exact, the computed index dropped with its
+    proof and written again; an index of another grid is refused."""
+    v = get_variant("beit_base_patch16_224_ls")
+    official = v.family.layouts["official"]
+    ls = rules.to_layerscale(randomize(timm.create_model("beit_base_patch16_224")).state_dict(), "beit")
+    authors = target_tensors(ls, v, v.family.layouts["ls"], official)
+    torch.save(official.wrap(authors), src := tmp_path / "beit.pth")
+    code, _, err = cli(capsys, "convert", src, tmp_path / "x.safetensors", "--no-verify")
+    assert code == 2 and "--model beitv2_base_patch16_224_ls" in err and len(err.splitlines()) == 1, err
+    one = ("--num-inputs", "1", "--model", v.name)
+    code, out, err = cli(capsys, "convert", src, ls_file := tmp_path / "ls.safetensors", *one)
+    assert code == 0 and "PASS (bit-exact)" in out and "relative_position_index (index computed) x12" in out, err
+    code, out, err = cli(capsys, "convert", ls_file, back := tmp_path / "back.pth", "--to", "official", *one)
+    assert code == 0 and "PASS (bit-exact)" in out, err
+    again = torch.load(back, weights_only=True)["model"]
+    assert authors.keys() == again.keys() and all(torch.equal(authors[k], again[k]) for k in authors)
+    authors["blocks.3.attn.relative_position_index"] = authors["blocks.3.attn.relative_position_index"].flip(0)
+    torch.save(official.wrap(authors), src)
+    code, _, err = cli(capsys, "convert", src, tmp_path / "y.safetensors", *one)
+    assert code == 2 and "blocks.3.attn.relative_position_index is not the index" in err, err
