@@ -4,7 +4,7 @@ filter's last steps, a registered variant's config and build, the operation coun
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ from ..families import DEFAULT_NUM_CLASSES, Variant
 from ..layer_scale import LayerScale
 
 __all__ = ["add_pos_embed", "build_variant", "check_global_pool", "count_flops", "fit_state_dict", "pretrained_cfg"]
-__all__ += ["register_variants", "twin_cfgs"]
+__all__ += ["LayerScaleModel", "register_variants", "twin_cfgs"]
 
 
 def check_global_pool(global_pool: str) -> None:
@@ -40,6 +40,23 @@ def add_pos_embed(x: torch.Tensor, pos_embed: torch.Tensor, grid: tuple[int, int
 def has_no_layerscale(model: nn.Module) -> bool:
     """A model's ``folded_layerscale``: it has no LayerScale modules, its gates (if any) folded into its linears."""
     return not any(isinstance(m, LayerScale) for m in model.modules())
+
+
+class LayerScaleModel:
+    """What a timm model whose blocks were turned into LayerScale-module blocks adds to its class (a mixin placed
+    before it): ``folded_layerscale`` and ``flop_count``."""
+
+    __jit_unused_properties__: ClassVar[list[str]] = ["folded_layerscale"]  # not compiled by TorchScript
+
+    @property
+    def folded_layerscale(self) -> bool:
+        """The model has no LayerScale modules (built folded, or folded since)."""
+        return has_no_layerscale(cast(nn.Module, self))
+
+    @torch.jit.ignore
+    def flop_count(self, batch_size: int = 1) -> int:
+        """Multiplications of one forward pass at the model's input size (:func:`count_flops`)."""
+        return count_flops(self, batch_size)
 
 
 def run_blocks(

@@ -10,7 +10,7 @@ of the twin is registered and remapped as it loads.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,7 @@ from ..conversion.fold import fold_state_dict
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
 from ..layer_scale import LayerScale, fold_block
-from ._helpers import build_variant, count_flops, has_no_layerscale, register_variants, twin_cfgs
+from ._helpers import LayerScaleModel, build_variant, register_variants, twin_cfgs
 
 __all__ = ["BeitLS", "LayerScaleBeitBlock"]
 
@@ -65,7 +65,7 @@ class LayerScaleBeitBlock(Block):
         return block  # type: ignore[return-value]
 
 
-class BeitLS(Beit):
+class BeitLS(LayerScaleModel, Beit):
     """timm's ``Beit`` whose blocks are :class:`LayerScaleBeitBlock` s.
 
     Args:
@@ -77,18 +77,6 @@ class BeitLS(Beit):
         super().__init__(**kwargs)
         for block in self.blocks:
             LayerScaleBeitBlock.from_block(cast(Block, block), folded_layerscale)
-
-    __jit_unused_properties__: ClassVar[list[str]] = ["folded_layerscale"]  # not compiled by TorchScript
-
-    @property
-    def folded_layerscale(self) -> bool:
-        return has_no_layerscale(self)
-
-    @torch.jit.ignore
-    def flop_count(self, batch_size: int = 1) -> int:
-        """Multiplications of one forward pass at the model's input size
-        (:func:`~timm_layerscale.models._helpers.count_flops`)."""
-        return count_flops(self, batch_size)
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: BeitLS) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ LayerScale module instead of the raw ``gamma``, so the model stays timm's class 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,7 @@ from ..conversion.fold import fold_state_dict
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
 from ..layer_scale import LayerScale, fold_block
-from ._helpers import count_flops, has_no_layerscale, register_variants, twin_cfgs
+from ._helpers import LayerScaleModel, register_variants, twin_cfgs
 
 __all__ = ["ConvNeXtLS", "LayerScaleConvNeXtBlock"]
 
@@ -65,7 +65,7 @@ class LayerScaleConvNeXtBlock(ConvNeXtBlock):
         return block  # type: ignore[return-value]
 
 
-class ConvNeXtLS(ConvNeXt):
+class ConvNeXtLS(LayerScaleModel, ConvNeXt):
     """timm's ``ConvNeXt`` whose blocks are :class:`LayerScaleConvNeXtBlock` s.
 
     Args:
@@ -79,18 +79,6 @@ class ConvNeXtLS(ConvNeXt):
         for stage in self.stages:
             for block in cast(nn.Sequential, stage.blocks):
                 LayerScaleConvNeXtBlock.from_block(cast(ConvNeXtBlock, block), init_value, folded_layerscale)
-
-    __jit_unused_properties__: ClassVar[list[str]] = ["folded_layerscale"]  # not compiled by TorchScript
-
-    @property
-    def folded_layerscale(self) -> bool:
-        return has_no_layerscale(self)
-
-    @torch.jit.ignore
-    def flop_count(self, batch_size: int = 1) -> int:
-        """Multiplications of one forward pass at the model's input size
-        (:func:`~timm_layerscale.models._helpers.count_flops`)."""
-        return count_flops(self, batch_size)
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: ConvNeXtLS) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -25,7 +25,7 @@ from ..conversion.detect import without_zero_optional
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
 from ..layer_scale import LayerScale, fold_block
-from ._helpers import build_variant, count_flops, fit_state_dict, has_no_layerscale, register_variants, twin_cfgs
+from ._helpers import LayerScaleModel, build_variant, fit_state_dict, register_variants, twin_cfgs
 
 __all__ = ["DinoV3LS", "LayerScaleEvaBlock"]
 
@@ -83,7 +83,7 @@ class LayerScaleEvaBlock(EvaBlock):
         return block  # type: ignore[return-value]
 
 
-class DinoV3LS(Eva):
+class DinoV3LS(LayerScaleModel, Eva):
     """timm's ``Eva`` (DINOv3 settings) whose blocks are :class:`LayerScaleEvaBlock` s.
 
     Args:
@@ -95,17 +95,6 @@ class DinoV3LS(Eva):
         super().__init__(**kwargs)
         for block in self.blocks:
             LayerScaleEvaBlock.from_eva_block(cast(EvaBlock, block), folded_layerscale)
-
-    __jit_unused_properties__: ClassVar[list[str]] = ["folded_layerscale"]  # not compiled by TorchScript
-
-    @property
-    def folded_layerscale(self) -> bool:
-        return has_no_layerscale(self)
-
-    def flop_count(self, batch_size: int = 1) -> int:
-        """Multiplications of one forward pass at the model's input size
-        (:func:`~timm_layerscale.models._helpers.count_flops`)."""
-        return count_flops(self, batch_size)
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: DinoV3LS) -> dict[str, torch.Tensor]:
