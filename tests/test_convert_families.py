@@ -116,3 +116,25 @@ def test_vit5_ema_and_gamma_round_trip(vit5_training_dict, tmp_path):
             assert torch.equal(restored[k], v), k
     ref = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
     ref.load_state_dict(restored, strict=True)
+
+
+@pytest.mark.parametrize("family", ["convnext", "beit"])
+def test_a_convolutional_or_beit_training_checkpoint_converts_its_model_or_its_ema(
+    family, tiny_variants, tmp_path, capsys
+):
+    """A DDP training checkpoint of timm's layout (``{'model': {'module.' + key}, 'model_ema': ..., 'epoch'}``) gives
+    its model's weights, and with ``--ema`` its EMA's, each verified bit-exact."""
+    from helpers import cli, randomize
+    from timm_layerscale import to_layerscale
+
+    v = next(t for t in tiny_variants if t.family.name == family)
+    sd = randomize(timm.create_model(str(v.reference))).state_dict()
+    ema = {k: t * 1.5 if "gamma" in k else t for k, t in sd.items()}
+    checkpoint = {"model": {f"module.{k}": t for k, t in sd.items()}, "model_ema": ema, "epoch": 3}
+    torch.save(checkpoint, src := tmp_path / "checkpoint.pth")
+    for extra, want in (((), sd), (("--ema",), ema)):
+        out = tmp_path / f"out{len(extra)}.safetensors"
+        code, stdout, err = cli(capsys, "convert", src, out, *extra, "--num-inputs", "1")
+        assert code == 0 and "PASS (bit-exact)" in stdout, err
+        got = load_checkpoint(out)
+        assert got.keys() == (ls := to_layerscale(want, family)).keys() and all(torch.equal(got[k], ls[k]) for k in ls)
