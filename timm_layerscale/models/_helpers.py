@@ -19,7 +19,7 @@ from ..families import DEFAULT_NUM_CLASSES, Variant
 from ..layer_scale import LayerScale
 
 __all__ = ["add_pos_embed", "build_variant", "check_global_pool", "count_flops", "fit_state_dict", "pretrained_cfg"]
-__all__ += ["LayerScaleModel", "register_variants", "twin_cfgs"]
+__all__ += ["LayerScaleModel", "gates_to_modules", "register_variants", "twin_cfgs"]
 
 
 def check_global_pool(global_pool: str) -> None:
@@ -40,6 +40,19 @@ def add_pos_embed(x: torch.Tensor, pos_embed: torch.Tensor, grid: tuple[int, int
 def has_no_layerscale(model: nn.Module) -> bool:
     """A model's ``folded_layerscale``: it has no LayerScale modules, its gates (if any) folded into its linears."""
     return not any(isinstance(m, LayerScale) for m in model.modules())
+
+
+def gates_to_modules(block: nn.Module, names: Mapping[str, str], init_value: Any, folded: bool = False) -> None:
+    """Each raw gate parameter of ``block`` that ``names`` maps (``gamma_1`` -> ``ls1``) moved into a LayerScale module
+    of that name (the same parameter object, so values, device and dtype stay; ``promote=True``, as timm's raw product
+    promotes under autocast), or ``nn.Identity`` where the block has none or ``folded``."""
+    for raw, name in names.items():
+        gamma = block._parameters.pop(raw, None)
+        gate: nn.Module = nn.Identity()
+        if gamma is not None and not folded:
+            gate = LayerScale(gamma.shape[0], init_value, promote=True, device="meta")
+            gate.gamma = gamma
+        setattr(block, name, gate)
 
 
 class LayerScaleModel:

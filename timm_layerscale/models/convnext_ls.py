@@ -21,8 +21,8 @@ from ..conversion.checkpoint import state_dict_of
 from ..conversion.fold import fold_state_dict
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
-from ..layer_scale import LayerScale, fold_block
-from ._helpers import LayerScaleModel, register_variants, twin_cfgs
+from ..layer_scale import fold_block
+from ._helpers import LayerScaleModel, gates_to_modules, register_variants, twin_cfgs
 
 __all__ = ["ConvNeXtLS", "LayerScaleConvNeXtBlock"]
 
@@ -56,12 +56,7 @@ class LayerScaleConvNeXtBlock(ConvNeXtBlock):
         """``block`` itself, its class changed and its raw gate moved into a LayerScale module (the same parameter
         object, so values, device and dtype stay); ``folded``: no gate at all."""
         block.__class__ = cls
-        gamma = block._parameters.pop("gamma", None)
-        gate: nn.Module = nn.Identity()
-        if gamma is not None and not folded:
-            gate = LayerScale(gamma.shape[0], init_value, promote=True, device="meta")
-            gate.gamma = gamma
-        block.ls = gate
+        gates_to_modules(block, {"gamma": "ls"}, init_value, folded)
         return block  # type: ignore[return-value]
 
 

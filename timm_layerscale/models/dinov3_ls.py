@@ -25,7 +25,7 @@ from ..conversion.detect import without_zero_optional
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
 from ..layer_scale import LayerScale, fold_block
-from ._helpers import LayerScaleModel, build_variant, fit_state_dict, register_variants, twin_cfgs
+from ._helpers import LayerScaleModel, build_variant, fit_state_dict, gates_to_modules, register_variants, twin_cfgs
 
 __all__ = ["DinoV3LS", "LayerScaleEvaBlock"]
 
@@ -73,13 +73,7 @@ class LayerScaleEvaBlock(EvaBlock):
         """``block`` itself, its class changed and each raw gate moved into a LayerScale module (the same
         parameter object, so values, device and dtype stay); ``folded``: no gates at all."""
         block.__class__ = cls
-        for i in (1, 2):
-            gamma = block._parameters.pop(f"gamma_{i}", None)
-            gate: nn.Module = nn.Identity()
-            if gamma is not None and not folded:
-                gate = LayerScale(gamma.shape[0], cast(float, block.init_values), promote=True, device="meta")
-                gate.gamma = gamma
-            setattr(block, f"ls{i}", gate)
+        gates_to_modules(block, {"gamma_1": "ls1", "gamma_2": "ls2"}, block.init_values, folded)
         return block  # type: ignore[return-value]
 
 
