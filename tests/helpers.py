@@ -11,12 +11,14 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from timm_layerscale.cli import main
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 #: The repository's root.
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +147,7 @@ def assert_one_line_error(
     return lines[0]
 
 
-def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+def randomize(model: M, seed: int = 0) -> M:
     """Every parameter random, in place; gammas with std 0.1 so that every branch matters."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -24,7 +24,7 @@ def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
     ``num_classes`` (0 for a backbone saved without its head), where they can be read."""
     info: dict[str, int] = {}
     pe = sd.get("patch_embed.proj.weight")
-    gate = next((t for k, t in sd.items() if GATE_KEY.fullmatch(k)), None)
+    gate = sd[min(gates)] if (gates := [k for k in sd if GATE_KEY.fullmatch(k)]) else None  # the first stage's
     if pe is not None:
         info.update(embed_dim=int(pe.shape[0]), patch_size=int(pe.shape[-1]))
     elif gate is not None:  # a gate is as wide as the blocks

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
-from .loaders import own_model, timm_model
+from .loaders import own_model, timm_filtered, timm_model
 
 _B = r"blocks\.\d+"
 _KEEP = (
@@ -67,13 +67,6 @@ def _index(variant: Variant) -> dict[str, Any]:
     return {f"blocks.{n}.attn.relative_position_index": index for n in range(variant.depth)}
 
 
-def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
-    """The authors' file's consumer: timm's model of it (the authors' math) through timm's own filter."""
-    from timm.models.beit import checkpoint_filter_fn
-
-    return timm_model(str(variant.reference), args, checkpoint_filter_fn)
-
-
 BIBTEX = """\
 @inproceedings{bao2022beit,
   title     = {{BEiT}: {BERT} Pre-Training of Image Transformers},
@@ -92,7 +85,7 @@ FAMILY = Family(
             "official",
             OFFICIAL,
             TO_RAW,
-            _official,
+            timm_filtered("beit"),
             tell=r".+\.relative_position_index",
             wrapper="model",
             buffers=_index,

@@ -3,10 +3,8 @@ this package's ``cait_*_ls`` (:mod:`timm_layerscale.models.cait_ls`) LayerScale 
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
-from .loaders import own_model, timm_model
+from .loaders import own_model, timm_filtered, timm_model
 
 #: Where the official checkpoints are published (``+ Variant.official_file``).
 RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
@@ -31,14 +29,6 @@ _KEEP = (
 )
 
 
-def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
-    """The official file's consumer: timm's ``cait_*`` (the official math bit for bit) through timm's own
-    ``checkpoint_filter_fn``, which takes the DDP prefix off."""
-    from timm.models.cait import checkpoint_filter_fn
-
-    return timm_model(str(variant.reference), args, checkpoint_filter_fn)
-
-
 LS, RAW, TO_RAW = gate_rules(r"blocks(?:_token_only)?", _KEEP)
 FAMILY = Family(
     "cait",
@@ -46,7 +36,7 @@ FAMILY = Family(
     {
         "ls": Layout("ls", LS, LS, own_model),
         "timm": Layout("timm", RAW, TO_RAW, lambda v, folded, args: timm_model(str(v.reference), args)),
-        "official": Layout("official", RAW, TO_RAW, _official, wrapper="model", prefix="module."),
+        "official": Layout("official", RAW, TO_RAW, timm_filtered("cait"), wrapper="model", prefix="module."),
     },
     extra_blocks=2,
     full_title="CaiT (Class-Attention in Image Transformers)",

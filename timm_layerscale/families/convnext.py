@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import RemapError, option
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register
-from .loaders import own_model, timm_model
+from .loaders import own_model, timm_filtered, timm_model
 
 _B = r"stages\.(\d+)\.blocks\.(\d+)"
 _KEEP = (
@@ -59,13 +59,6 @@ TO_OFFICIAL = (
 )
 
 
-def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
-    """The authors' file's consumer: timm's ``convnext_*`` (the authors' math) through timm's own filter."""
-    from timm.models.convnext import checkpoint_filter_fn
-
-    return timm_model(str(variant.reference), args, checkpoint_filter_fn)
-
-
 BIBTEX = """\
 @inproceedings{liu2022convnet,
   title     = {A {ConvNet} for the 2020s},
@@ -82,7 +75,12 @@ FAMILY = Family(
         "ls": Layout("ls", LS, LS, own_model),
         "timm": Layout("timm", RAW, TO_RAW, lambda v, folded, args: timm_model(str(v.reference), args)),
         "official": Layout(
-            "official", OFFICIAL, TO_OFFICIAL, _official, tell=r"downsample_layers\.0\.0\.weight", wrapper="model"
+            "official",
+            OFFICIAL,
+            TO_OFFICIAL,
+            timm_filtered("convnext"),
+            tell=r"downsample_layers\.0\.0\.weight",
+            wrapper="model",
         ),
     },
     full_title="ConvNeXt",

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register, state_dict_shapes
-from .loaders import authors_keys, native_transformers, timm_model, without_training_heads
+from .loaders import authors_keys, timm_model, transformers_layout, without_training_heads
 from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
 
 
@@ -120,6 +120,8 @@ TO_TRANSFORMERS = (
     Rule(r"head" + LINEAR, KEEP, op=no_head("transformers' Dinov2Model")),
 )
 
+_TELL = r"embeddings\.patch_embeddings\.projection\.weight"  # a transformers file's key
+
 
 def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:
     """transformers' ``Dinov2Config`` (``Dinov2WithRegistersConfig`` with registers) of a variant, from its shapes."""
@@ -193,15 +195,7 @@ FAMILY = Family(
             lambda v, folded, args: _timm(v, folded, args, official=True),
             tell=r"mask_token",
         ),
-        "transformers": Layout(
-            "transformers",
-            TRANSFORMERS,
-            TO_TRANSFORMERS,
-            lambda v, folded, args: native_transformers(transformers_config, v, args, any_size=False),
-            tell=r"embeddings\.patch_embeddings\.projection\.weight",
-            library=True,
-            config=transformers_config,
-        ),
+        "transformers": transformers_layout(TRANSFORMERS, TO_TRANSFORMERS, transformers_config, _TELL, False),
     },
     tokens=True,
     full_title="DINOv2",

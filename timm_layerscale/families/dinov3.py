@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Proof, Rule, Variant, gate_rules, register
-from .loaders import authors_keys, native_transformers, own_model, timm_model, without_training_heads
+from .loaders import authors_keys, own_model, timm_model, transformers_layout, without_training_heads
 from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
 
 #: timm's names of the authors' SwiGLU ``w1``, ``w2``, ``w3``.
@@ -211,6 +211,8 @@ TO_TRANSFORMERS = (
     Rule(r"head" + LINEAR, KEEP, op=no_head("transformers' DINOv3ViTModel")),
 )
 
+_TELL = r"embeddings\.patch_embeddings\.weight"  # a transformers file's key
+
 
 def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:
     """transformers' ``DINOv3ViTConfig`` of a variant, from its registered model's shapes (``ls`` layout)."""
@@ -299,15 +301,7 @@ FAMILY = Family(
         "official": Layout(
             "official", (*OFFICIAL, *_SHARED), TO_OFFICIAL, _official, tell=r"storage_tokens", buffers=official_buffers
         ),
-        "transformers": Layout(
-            "transformers",
-            TRANSFORMERS,
-            TO_TRANSFORMERS,
-            lambda v, folded, args: native_transformers(transformers_config, v, args, any_size=True),
-            tell=r"embeddings\.patch_embeddings\.weight",
-            library=True,
-            config=transformers_config,
-        ),
+        "transformers": transformers_layout(TRANSFORMERS, TO_TRANSFORMERS, transformers_config, _TELL, True),
     },
     tokens=True,
     full_title="DINOv3",

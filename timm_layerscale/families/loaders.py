@@ -10,10 +10,11 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..errors import RemapError, option
-from . import Variant, state_dict_shapes
+from . import DEFAULT_NUM_CLASSES, Layout, Rule, Variant, state_dict_shapes
 from .operations import TRAINING_HEADS
 
-__all__ = ["authors_keys", "native_transformers", "own_model", "read_config", "timm_model", "without_training_heads"]
+__all__ = ["authors_keys", "native_transformers", "own_model", "read_config", "timm_model", "transformers_layout"]
+__all__ += ["timm_filtered", "without_training_heads"]
 
 Filter = Callable[[dict[str, Any], Any], Any]
 
@@ -29,6 +30,19 @@ def timm_model(name: str, args: dict[str, Any], filter_fn: Filter | None = None)
     import timm
 
     return lambda: timm.create_model(name, **args), filter_fn or (lambda sd, model: sd)
+
+
+def timm_filtered(module: str) -> Callable[[Variant, bool, dict[str, Any]], Any]:
+    """The ``native`` loader of the authors' files that timm reads: a variant's timm twin (the authors' math) through
+    the ``checkpoint_filter_fn`` of ``timm.models.<module>`` (which also takes a DDP prefix off)."""
+
+    def native(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
+        import importlib
+
+        filter_fn = importlib.import_module(f"timm.models.{module}").checkpoint_filter_fn
+        return timm_model(str(variant.reference), args, filter_fn)
+
+    return native
 
 
 def without_training_heads(filter_fn: Filter) -> Filter:
@@ -115,13 +129,16 @@ def native_transformers(
     from safetensors.torch import save_file
     from torch import nn
 
-    cfg = args.get("config") or config(variant, state_dict_shapes(variant, 0))
+    classes = args.get("num_classes", DEFAULT_NUM_CLASSES)
+    cfg = args.get("config") or config(variant, state_dict_shapes(variant, classes))
     if "img_size" in args and "config" not in args:
         cfg.image_size = args["img_size"]
-    cls = transformers.AutoModel
+    cls = transformers.AutoModelForImageClassification if classes else transformers.AutoModel
+    cfg.num_labels = classes or cfg.num_labels
 
     class Backbone(nn.Module):
-        """transformers' model, its normed tokens as ``forward_features`` and ``forward``."""
+        """transformers' model: its normed tokens as ``forward_features``; as ``forward``, its logits where it has a
+        classifier, else its pooled output (a family compared on its tokens: the tokens)."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -133,7 +150,9 @@ def native_transformers(
         def forward_features(self, x: Any) -> Any:
             return self.model(pixel_values=x).last_hidden_state
 
-        forward = forward_features
+        def forward(self, x: Any) -> Any:
+            out = self.model(pixel_values=x)
+            return out.logits if classes else out.last_hidden_state if variant.family.tokens else out.pooler_output
 
     def load(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as folder:
@@ -146,3 +165,12 @@ def native_transformers(
         return {f"model.{k}": v for k, v in loaded.state_dict().items()}
 
     return Backbone, load
+
+
+def transformers_layout(
+    read: tuple[Rule, ...], write: tuple[Rule, ...], config: Callable[..., Any], tell: str, any_size: bool
+) -> Layout:
+    """A family's ``transformers`` layout: its rules, its ``tell``, ``config(variant, shapes)`` of its model, read by
+    :func:`native_transformers` (``any_size``: transformers' model computes timm's function at every input size)."""
+    native = lambda v, folded, args: native_transformers(config, v, args, any_size)  # noqa: E731
+    return Layout("transformers", read, write, native, tell=tell, library=True, config=config)

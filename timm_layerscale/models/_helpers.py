@@ -16,10 +16,10 @@ from timm.models._manipulate import checkpoint
 
 from ..conversion.fold import fold_state_dict
 from ..families import DEFAULT_NUM_CLASSES, Variant
-from ..layer_scale import LayerScale
+from ..layer_scale import LayerScale, fold_block
 
 __all__ = ["add_pos_embed", "build_variant", "check_global_pool", "count_flops", "fit_state_dict", "pretrained_cfg"]
-__all__ += ["LayerScaleModel", "gates_to_modules", "register_variants", "twin_cfgs"]
+__all__ += ["GatedBlock", "LayerScaleModel", "register_variants", "twin_cfgs"]
 
 
 def check_global_pool(global_pool: str) -> None:
@@ -42,17 +42,36 @@ def has_no_layerscale(model: nn.Module) -> bool:
     return not any(isinstance(m, LayerScale) for m in model.modules())
 
 
-def gates_to_modules(block: nn.Module, names: Mapping[str, str], init_value: Any, folded: bool = False) -> None:
-    """Each raw gate parameter of ``block`` that ``names`` maps (``gamma_1`` -> ``ls1``) moved into a LayerScale module
-    of that name (the same parameter object, so values, device and dtype stay; ``promote=True``, as timm's raw product
-    promotes under autocast), or ``nn.Identity`` where the block has none or ``folded``."""
-    for raw, name in names.items():
-        gamma = block._parameters.pop(raw, None)
-        gate: nn.Module = nn.Identity()
-        if gamma is not None and not folded:
-            gate = LayerScale(gamma.shape[0], init_value, promote=True, device="meta")
-            gate.gamma = gamma
-        setattr(block, name, gate)
+class GatedBlock:
+    """What a timm block whose raw gates became LayerScale modules adds to its class (a mixin placed before it):
+    ``GATES`` maps each raw parameter to its module's name (``gamma_1`` -> ``ls1``)."""
+
+    GATES: ClassVar[dict[str, str]] = {"gamma_1": "ls1", "gamma_2": "ls2"}
+
+    def reset_parameters(self) -> None:
+        """Each gate to its initial value (timm's block resets its raw gammas)."""
+        for name in self.GATES.values():
+            if isinstance(gate := getattr(self, name), LayerScale):
+                gate.reset_parameters()
+
+    def reparameterize(self) -> None:
+        """Fold each gate into the layer before it, as ``timm.utils.reparameterize_model`` asks (:func:`fold_block`)."""
+        fold_block(cast(nn.Module, self))
+
+    @classmethod
+    def from_block(cls, block: Any, init_value: Any, folded: bool = False) -> Any:
+        """``block`` itself, its class changed and each raw gate moved into a LayerScale module (the same parameter
+        object, so values, device and dtype stay; ``promote=True``, as timm's raw product promotes under autocast), or
+        ``nn.Identity`` where the block has none or ``folded``."""
+        block.__class__ = cls
+        for raw, name in cls.GATES.items():
+            gamma = block._parameters.pop(raw, None)
+            gate: nn.Module = nn.Identity()
+            if gamma is not None and not folded:
+                gate = LayerScale(gamma.shape[0], init_value, promote=True, device="meta")
+                gate.gamma = gamma
+            setattr(block, name, gate)
+        return block
 
 
 class LayerScaleModel:

@@ -22,13 +22,12 @@ from ..conversion.checkpoint import state_dict_of
 from ..conversion.fold import fold_state_dict
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
-from ..layer_scale import LayerScale, fold_block
-from ._helpers import LayerScaleModel, build_variant, gates_to_modules, register_variants, twin_cfgs
+from ._helpers import GatedBlock, LayerScaleModel, build_variant, register_variants, twin_cfgs
 
 __all__ = ["BeitLS", "LayerScaleBeitBlock"]
 
 
-class LayerScaleBeitBlock(Block):
+class LayerScaleBeitBlock(GatedBlock, Block):
     """timm's BEiT ``Block`` with LayerScale modules ``ls1`` / ``ls2`` where it has ``gamma_1`` / ``gamma_2``
     (``nn.Identity`` without them); ``promote=True``, so under autocast the product promotes as timm's does."""
 
@@ -39,24 +38,6 @@ class LayerScaleBeitBlock(Block):
     def forward(self, x: torch.Tensor, shared_rel_pos_bias: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), shared_rel_pos_bias=shared_rel_pos_bias)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-
-    def reset_parameters(self) -> None:
-        """Each gate to its initial value (timm's block resets its raw gammas)."""
-        for gate in (self.ls1, self.ls2):
-            if isinstance(gate, LayerScale):
-                gate.reset_parameters()
-
-    def reparameterize(self) -> None:
-        """Fold ``ls1`` into ``attn.proj`` and ``ls2`` into ``mlp.fc2``, as ``timm.utils.reparameterize_model`` asks."""
-        fold_block(self)
-
-    @classmethod
-    def from_block(cls, block: Block, folded: bool = False) -> LayerScaleBeitBlock:
-        """``block`` itself, its class changed and each raw gate moved into a LayerScale module (the same
-        parameter object); ``folded``: no gates at all."""
-        block.__class__ = cls
-        gates_to_modules(block, {"gamma_1": "ls1", "gamma_2": "ls2"}, block.init_values, folded)
-        return block  # type: ignore[return-value]
 
 
 class BeitLS(LayerScaleModel, Beit):
@@ -70,7 +51,7 @@ class BeitLS(LayerScaleModel, Beit):
     def __init__(self, folded_layerscale: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         for block in self.blocks:
-            LayerScaleBeitBlock.from_block(cast(Block, block), folded_layerscale)
+            LayerScaleBeitBlock.from_block(block, cast(Block, block).init_values, folded_layerscale)
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: BeitLS) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ LayerScale module instead of the raw ``gamma``, so the model stays timm's class 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn as nn
@@ -21,13 +21,12 @@ from ..conversion.checkpoint import state_dict_of
 from ..conversion.fold import fold_state_dict
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
-from ..layer_scale import fold_block
-from ._helpers import LayerScaleModel, gates_to_modules, register_variants, twin_cfgs
+from ._helpers import GatedBlock, LayerScaleModel, register_variants, twin_cfgs
 
 __all__ = ["ConvNeXtLS", "LayerScaleConvNeXtBlock"]
 
 
-class LayerScaleConvNeXtBlock(ConvNeXtBlock):
+class LayerScaleConvNeXtBlock(GatedBlock, ConvNeXtBlock):
     """timm's ``ConvNeXtBlock`` with a LayerScale module ``ls`` where it has ``gamma`` (``nn.Identity`` without).
 
     The gate scales the channels-last view of the branch's output (``(B, H, W, C)``, the last dimension its
@@ -35,6 +34,7 @@ class LayerScaleConvNeXtBlock(ConvNeXtBlock):
     the memory format timm's ``x.mul(gamma.reshape(1, -1, 1, 1))`` gives, so the residual sum and the next blocks run
     the same kernels and outputs are ``torch.equal`` to timm's."""
 
+    GATES: ClassVar[dict[str, str]] = {"gamma": "ls"}
     if TYPE_CHECKING:  # an annotation TorchScript would try to resolve
         ls: nn.Module
 
@@ -46,18 +46,6 @@ class LayerScaleConvNeXtBlock(ConvNeXtBlock):
         else:
             x = self.ls(self.mlp(self.norm(x.permute(0, 2, 3, 1)))).permute(0, 3, 1, 2)
         return self.drop_path(x) + self.shortcut(shortcut)
-
-    def reparameterize(self) -> None:
-        """Fold ``ls`` into ``mlp.fc2`` (a ``Linear`` or 1x1 convolution), as ``timm.utils.reparameterize_model`` asks."""
-        fold_block(self)
-
-    @classmethod
-    def from_block(cls, block: ConvNeXtBlock, init_value: float, folded: bool = False) -> LayerScaleConvNeXtBlock:
-        """``block`` itself, its class changed and its raw gate moved into a LayerScale module (the same parameter
-        object, so values, device and dtype stay); ``folded``: no gate at all."""
-        block.__class__ = cls
-        gates_to_modules(block, {"gamma": "ls"}, init_value, folded)
-        return block  # type: ignore[return-value]
 
 
 class ConvNeXtLS(LayerScaleModel, ConvNeXt):
@@ -73,7 +61,7 @@ class ConvNeXtLS(LayerScaleModel, ConvNeXt):
         init_value = kwargs.get("ls_init_value", 1e-6)
         for stage in self.stages:
             for block in cast(nn.Sequential, stage.blocks):
-                LayerScaleConvNeXtBlock.from_block(cast(ConvNeXtBlock, block), init_value, folded_layerscale)
+                LayerScaleConvNeXtBlock.from_block(block, init_value, folded_layerscale)
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: ConvNeXtLS) -> dict[str, torch.Tensor]:

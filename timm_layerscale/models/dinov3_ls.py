@@ -24,13 +24,12 @@ from ..conversion.checkpoint import state_dict_of
 from ..conversion.detect import without_zero_optional
 from ..conversion.rules import to_layerscale
 from ..families import Variant, variants_of
-from ..layer_scale import LayerScale, fold_block
-from ._helpers import LayerScaleModel, build_variant, fit_state_dict, gates_to_modules, register_variants, twin_cfgs
+from ._helpers import GatedBlock, LayerScaleModel, build_variant, fit_state_dict, register_variants, twin_cfgs
 
 __all__ = ["DinoV3LS", "LayerScaleEvaBlock"]
 
 
-class LayerScaleEvaBlock(EvaBlock):
+class LayerScaleEvaBlock(GatedBlock, EvaBlock):
     """timm's ``EvaBlock`` with LayerScale modules ``ls1`` / ``ls2`` where it has ``gamma_1`` / ``gamma_2``
     (``nn.Identity`` without them). ``promote=True``: under autocast the product with the fp32 gate promotes,
     as timm's raw-parameter product does, so outputs are ``torch.equal`` to timm's."""
@@ -59,23 +58,6 @@ class LayerScaleEvaBlock(EvaBlock):
             x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask)))
             return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
-    def reset_parameters(self) -> None:
-        for gate in (self.ls1, self.ls2):
-            if isinstance(gate, LayerScale):
-                gate.reset_parameters()
-
-    def reparameterize(self) -> None:
-        """Fold the gates into ``attn.proj`` and ``mlp.fc2`` (``timm.utils.reparameterize_model`` calls it)."""
-        fold_block(self)
-
-    @classmethod
-    def from_eva_block(cls, block: EvaBlock, folded: bool = False) -> LayerScaleEvaBlock:
-        """``block`` itself, its class changed and each raw gate moved into a LayerScale module (the same
-        parameter object, so values, device and dtype stay); ``folded``: no gates at all."""
-        block.__class__ = cls
-        gates_to_modules(block, {"gamma_1": "ls1", "gamma_2": "ls2"}, block.init_values, folded)
-        return block  # type: ignore[return-value]
-
 
 class DinoV3LS(LayerScaleModel, Eva):
     """timm's ``Eva`` (DINOv3 settings) whose blocks are :class:`LayerScaleEvaBlock` s.
@@ -88,7 +70,7 @@ class DinoV3LS(LayerScaleModel, Eva):
     def __init__(self, folded_layerscale: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         for block in self.blocks:
-            LayerScaleEvaBlock.from_eva_block(cast(EvaBlock, block), folded_layerscale)
+            LayerScaleEvaBlock.from_block(block, cast(EvaBlock, block).init_values, folded_layerscale)
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: DinoV3LS) -> dict[str, torch.Tensor]:
