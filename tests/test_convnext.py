@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import timm
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from timm.models.convnext import ConvNeXt
 from timm.utils import reparameterize_model
 
@@ -160,3 +160,37 @@ def test_a_convnext_v2_file_is_not_read_as_convnext() -> None:
         with pytest.raises(ArchitectureError, match="does not fit"):
             detect(sd)
     assert not rules.GATE_KEY.fullmatch("stages.0.0.grn.gamma")
+
+
+def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys) -> None:
+    """``ConvNextForImageClassification`` as ``save_pretrained`` writes it (``convnext.`` keys and a classifier) and
+    ``ConvNextModel`` into timm's layout, verified against transformers' own model; the backbone back to the names
+    transformers wrote and exported to a folder it loads with the same pooled output; a classifier is refused for
+    the backbone, and a folder with transformers' default final-norm epsilon, in one line each."""
+    import transformers
+
+    from timm_layerscale.families.convnext import transformers_config
+    from tiny_models import CONVNEXT
+
+    one = ("--num-inputs", "1")
+    for cls in (transformers.ConvNextForImageClassification, transformers.ConvNextModel):
+        randomize(cls(transformers_config(CONVNEXT, {}))).save_pretrained(hf := tmp_path / cls.__name__)
+        code, out, err = cli(capsys, "convert", hf, ls := tmp_path / f"{cls.__name__}.safetensors", *one)
+        assert code == 0 and "(transformers layout)" in out and "another library" in out and "PASS" in out, err
+    code, _, err = cli(capsys, "convert", tmp_path / "ConvNextForImageClassification.safetensors",
+                       tmp_path / "no.safetensors", "--to", "transformers", "--no-verify")  # fmt: skip
+    assert code == 2 and "no classifier" in err and len(err.splitlines()) == 1, err
+    code, out, err = cli(capsys, "convert", ls, back := tmp_path / "back.safetensors", "--to", "transformers", *one)
+    assert code == 0 and load_file(back).keys() == load_file(hf / "model.safetensors").keys(), err
+    code, out, err = cli(capsys, "export", ls, tmp_path / "tf", "--to", "transformers", *one)
+    assert code == 0 and "PASS" in out, err
+    cfg = transformers_config(CONVNEXT, {})
+    cfg.layer_norm_eps = 1e-12  # transformers' default: another function than the authors' 1e-6
+    transformers.ConvNextModel(cfg).save_pretrained(tmp_path / "eps")
+    code, _, err = cli(capsys, "convert", tmp_path / "eps", tmp_path / "eps.safetensors", "--no-verify")
+    assert code == 2 and "layer_norm_eps=1e-12" in err.splitlines()[-1], err
+    theirs, again = (transformers.AutoModel.from_pretrained(p).eval() for p in (hf, tmp_path / "tf"))
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert type(again) is transformers.ConvNextModel
+        assert torch.equal(again(x).pooler_output, theirs(x).pooler_output)

@@ -11,7 +11,8 @@ from typing import Any
 
 from ..errors import RemapError, option
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register
-from .loaders import own_model, timm_filtered, timm_model
+from .loaders import own_model, timm_filtered, timm_model, transformers_layout
+from .operations import no_head
 
 _B = r"stages\.(\d+)\.blocks\.(\d+)"
 _KEEP = (
@@ -29,7 +30,7 @@ def _linear_mlp(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any
     (the authors released none: atto to nano and ``tiny_hnf`` are timm's own)."""
     if tensor.ndim > 2:
         raise RemapError(
-            f"{key!r} is a 1x1 convolution: the authors' ConvNeXt has no conv_mlp model; pass {option('to', 'timm')}"
+            f"{key!r} is a 1x1 convolution: the authors' and transformers' ConvNeXt have no conv_mlp model; pass {option('to', 'timm')}"
         )
     return {target: tensor}
 
@@ -59,6 +60,56 @@ TO_OFFICIAL = (
 )
 
 
+_C = r"(?:convnext\.)?"  # ConvNextForImageClassification's prefix
+_H = rf"{_C}encoder\.stages\.(\d+)\.layers\.(\d+)"
+#: transformers' ``ConvNextModel`` names (``ConvNextForImageClassification``'s under ``convnext.``, its classifier)
+#: into timm's, and back (the backbone's, which both classes load).
+TRANSFORMERS = (
+    Rule(rf"{_C}embeddings\.patch_embeddings({LINEAR})", r"stem.0\1"),
+    Rule(rf"{_C}embeddings\.layernorm({LINEAR})", r"stem.1\1"),
+    Rule(rf"{_C}encoder\.stages\.(\d+)\.downsampling_layer\.([01])({LINEAR})", r"stages.\1.downsample.\2\3"),
+    Rule(rf"{_H}\.dwconv({LINEAR})", rf"{_T}.conv_dw\3"),
+    Rule(rf"{_H}\.layernorm({LINEAR})", rf"{_T}.norm\3"),
+    Rule(rf"{_H}\.pwconv([12])({LINEAR})", rf"{_T}.mlp.fc\3\4"),
+    Rule(rf"{_H}\.layer_scale_parameter", rf"{_T}.ls.gamma"),
+    Rule(rf"{_C}layernorm({LINEAR})", r"head.norm\1"),
+    Rule(rf"classifier({LINEAR})", r"head.fc\1"),
+)
+_E = r"encoder.stages.\1"
+TO_TRANSFORMERS = (
+    Rule(rf"stem\.0({LINEAR})", r"embeddings.patch_embeddings\1"),
+    Rule(rf"stem\.1({LINEAR})", r"embeddings.layernorm\1"),
+    Rule(rf"stages\.(\d+)\.downsample\.([01])({LINEAR})", rf"{_E}.downsampling_layer.\2\3"),
+    Rule(rf"{_B}\.conv_dw({LINEAR})", rf"{_E}.layers.\2.dwconv\3"),
+    Rule(rf"{_B}\.norm({LINEAR})", rf"{_E}.layers.\2.layernorm\3"),
+    Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", rf"{_E}.layers.\2.pwconv\3\4", op=_linear_mlp),
+    Rule(rf"{_B}\.ls\.gamma", rf"{_E}.layers.\2.layer_scale_parameter"),
+    Rule(rf"head\.norm({LINEAR})", r"layernorm\1"),
+    Rule(r"head\.fc" + LINEAR, KEEP, op=no_head("transformers' ConvNextModel")),
+)
+
+_TELL = rf"{_C}embeddings\.patch_embeddings\.weight"  # a transformers file's key
+
+
+def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """transformers' ``ConvNextConfig`` of a variant, its final norm's epsilon the authors' 1e-6 (transformers'
+    default, 1e-12, is another function: a folder saying so is refused).
+
+    Raises:
+        RemapError: An architecture transformers' ConvNeXt cannot compute (another stem, norm or epsilon, a head MLP).
+    """
+    from transformers import ConvNextConfig
+
+    args = dict(variant.args)
+    if set(args) - {"depths", "dims"}:
+        raise RemapError(
+            f"transformers' ConvNextModel has no {variant.reference} (stem, norm or head); pass {option('to', 'timm')}"
+        )
+    return ConvNextConfig(
+        hidden_sizes=list(args["dims"]), depths=list(args["depths"]), image_size=variant.img_size, layer_norm_eps=1e-6
+    )
+
+
 BIBTEX = """\
 @inproceedings{liu2022convnet,
   title     = {A {ConvNet} for the 2020s},
@@ -82,6 +133,7 @@ FAMILY = Family(
             tell=r"downsample_layers\.0\.0\.weight",
             wrapper="model",
         ),
+        "transformers": transformers_layout(TRANSFORMERS, TO_TRANSFORMERS, transformers_config, _TELL, True),
     },
     full_title="ConvNeXt",
     description="a convolutional network of depthwise-convolution blocks whose residual branches are scaled by "
