@@ -132,3 +132,37 @@ def test_the_authors_file_converts_both_ways_and_a_twin_is_not_guessed(tmp_path,
     torch.save(official.wrap(authors), src)
     code, _, err = cli(capsys, "convert", src, tmp_path / "y.safetensors", *one)
     assert code == 2 and "blocks.3.attn.relative_position_index is not the index" in err, err
+
+
+def test_transformers_folders_and_5x_names_convert_both_ways(tmp_path, tiny_variants, capsys) -> None:
+    """``BeitForImageClassification`` and ``BeitModel`` as ``save_pretrained`` writes them (4.x's names, q/k/v apart
+    with no k bias, ``lambda_1``), and a state dict in 5.x's names (``layers.N.attention.q_proj``), into timm's layout,
+    verified against transformers' own model; the backbone back to the names transformers wrote, exported to a folder
+    it loads with the same pooled output; a shared pretraining bias table refused in one line."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from timm_layerscale.families import state_dict_shapes
+    from timm_layerscale.families.beit import transformers_config
+    from tiny_models import BEIT
+
+    one, cfg = ("--num-inputs", "1"), transformers_config(BEIT, state_dict_shapes(BEIT, 0))
+    theirs = randomize(transformers.BeitModel(cfg)).eval()
+    randomize(transformers.BeitForImageClassification(cfg)).save_pretrained(tmp_path / "cls")
+    theirs.save_pretrained(tmp_path / "hf")
+    save_file(theirs.state_dict(), tmp_path / "5x.safetensors")
+    for src in (tmp_path / "cls", tmp_path / "hf", tmp_path / "5x.safetensors"):
+        code, out, err = cli(capsys, "convert", src, ls := tmp_path / f"{src.stem}-ls.safetensors", *one)
+        assert code == 0 and "(transformers layout)" in out and "another library" in out and "PASS" in out, err
+    code, out, err = cli(capsys, "convert", ls, back := tmp_path / "back.safetensors", "--to", "transformers", *one)
+    assert code == 0 and load_file(back).keys() == load_file(tmp_path / "hf" / "model.safetensors").keys(), err
+    shared = {**load_file(back), "encoder.relative_position_bias.relative_position_bias_table": torch.zeros(52, 2)}
+    save_file(shared, tmp_path / "shared.safetensors")
+    code, _, err = cli(capsys, "convert", tmp_path / "shared.safetensors", tmp_path / "s.safetensors", "--no-verify")
+    assert code == 2 and "shared by every block" in err and len(err.splitlines()) == 1, err
+    code, out, err = cli(capsys, "export", ls, tmp_path / "tf", "--to", "transformers", *one)
+    assert code == 0 and "PASS" in out, err
+    again = transformers.AutoModel.from_pretrained(tmp_path / "tf").eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert type(again) is transformers.BeitModel and torch.equal(again(x).pooler_output, theirs(x).pooler_output)

@@ -31,43 +31,68 @@ GATES = {
 #: The dropped ``blocks.1.attn.proj.bias`` in the error of a target layout's model (transformers 5 names DINOv2's
 #: ``attention.output.dense`` as it loads it).
 DROPPED = {"transformers": {"dinov3": "layer.1.attention.o_proj.bias", "dinov2": "encoder.layer.1.attention."}}
-DROPPED |= {to: {"convnext": "stages.2."} for to in ("ls", "gamma", "official")}
+DROPPED["transformers"] |= {"convnext": "stages.2.", "beit": "layers.1.attention.o_proj.bias"}
+DROPPED |= {to: {"convnext": "stages.2."} for to in ("ls", "gamma", "official", "from:official", "from:transformers")}
+GATES |= {("convnext", "transformers"): "", ("beit", "transformers"): "encoder.layer.{b}.lambda_{i}"}
+#: Reading a layout other than the one ``gamma`` names (``to`` ``from:LAYOUT``): a block's gate ``i`` and the bias
+#: the drop mutation loses, in that layout's names.
+READS = {
+    "beit:transformers": (r"encoder\.layer\.{a}\.lambda_{i}", r"encoder\.layer\.1\.attention\.output\.dense\.bias")
+}
 
 
 def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
-    """The wrong rules put in front of the ``to`` direction's table."""
+    """The wrong rules put in front of the ``to`` direction's table (``from:LAYOUT``: reading LAYOUT)."""
     if family == "convnext":  # one gate a block: swapped with the block's norm weight, or moved between blocks
         return _convnext_rules(to, mutation)
-    src, dst = ("gamma_{i}", "blocks.{b}.ls{i}.gamma") if to == "ls" else ("ls{i}.gamma", "blocks.{b}.gamma_{i}")
+    reading = to == "ls" or to.startswith("from:")
+    src, dst = ("gamma_{i}", "blocks.{b}.ls{i}.gamma") if reading else ("ls{i}.gamma", "blocks.{b}.gamma_{i}")
     if family == "dinov2" and to in ("ls", "gamma"):  # the official file holds ls1.gamma too
         src, dst = "ls{i}.gamma", "blocks.{b}.ls{i}.gamma"
     dst = GATES.get((family, to), dst)
+    gate, drop = READS.get(
+        f"{family}:{to[5:]}", (r"blocks\.{a}\." + src.replace(".", r"\."), r"blocks\.1\.attn\.proj\.bias")
+    )
 
     def wrong(a: int, b: int, i: int, j: int) -> Rule:  # block a's gate i sent to block b's gate j
-        return Rule(rf"blocks\.{a}\.{re.escape(src.format(i=i))}", dst.format(b=b, i=j))
+        return Rule(gate.format(a=a, i=i), dst.format(b=b, i=j))
 
     if mutation == "swap":  # the two gates of block 1 exchanged
         return (wrong(1, 1, 1, 2), wrong(1, 1, 2, 1))
     if mutation == "move":  # block 0's gates sent to block 1 and block 1's to block 0
         return tuple(wrong(a, b, i, i) for a, b in ((0, 1), (1, 0)) for i in (1, 2))
-    return (Rule(r"blocks\.1\.attn\.proj\.bias", None),)  # "drop"
+    return (Rule(drop, None),)  # "drop"
+
+
+_STAGE = (r"stages\.2\.blocks\.{}\.", "stages.2.blocks.{}.")
+#: ConvNeXt's stage-2 block (a pattern, a template), its gate, norm weight and MLP output bias in each layout.
+_CONVNEXT = {
+    "timm": (*_STAGE, "gamma", "norm.weight", "mlp.fc2.bias"),
+    "ls": (*_STAGE, "ls.gamma", "norm.weight", "mlp.fc2.bias"),
+    "official": (r"stages\.2\.{}\.", "stages.2.{}.", "gamma", "norm.weight", "pwconv2.bias"),
+    "transformers": (r"encoder\.stages\.2\.layers\.{}\.", "encoder.stages.2.layers.{}.", "layer_scale_parameter",
+                     "layernorm.weight", "pwconv2.bias"),
+}  # fmt: skip
 
 
 def _convnext_rules(to: str, mutation: str) -> tuple[Rule, ...]:
-    """ConvNeXt's wrong rules in stage 2 (two blocks of one width): reading timm's ``stages.2.blocks.N`` (``to="ls"``),
-    or writing it or the authors' ``stages.2.N``."""
-    reading = to == "ls"
-    a, b = r"stages\.2\.blocks\.{}\.", "stages.2.{}." if to == "official" else "stages.2.blocks.{}."
-    gate, norm = ("gamma", "ls.gamma") if reading else ("ls\\.gamma", "gamma"), (r"norm\.weight", "norm.weight")
+    """ConvNeXt's wrong rules in stage 2 (two blocks of one width), reading timm's layout (``to="ls"``) or another
+    (``from:LAYOUT``), or writing a layout (``gamma``: timm's)."""
+    reading = to == "ls" or to.startswith("from:")
+    src, dst = (
+        (_CONVNEXT[to[5:] or "timm"], _CONVNEXT["ls"])
+        if reading
+        else (_CONVNEXT["ls"], _CONVNEXT[{"gamma": "timm"}.get(to, to)])
+    )
 
-    def wrong(src: int, dst: int, what: tuple[str, str], into: tuple[str, str]) -> Rule:
-        return Rule(a.format(src) + what[0], b.format(dst) + into[1])
+    def wrong(a: int, b: int, what: int, into: int) -> Rule:  # block a's gate (2) or norm (3) sent to block b's
+        return Rule(src[0].format(a) + re.escape(src[what]), dst[1].format(b) + dst[into])
 
     if mutation == "swap":
-        return (wrong(1, 1, gate, norm), wrong(1, 1, norm, gate))
+        return (wrong(1, 1, 2, 3), wrong(1, 1, 3, 2))
     if mutation == "move":
-        return (wrong(0, 1, gate, gate), wrong(1, 0, gate, gate))
-    return (Rule(a.format(1) + r"mlp\.fc2\.bias", None),)
+        return (wrong(0, 1, 2, 2), wrong(1, 0, 2, 2))
+    return (Rule(src[0].format(1) + re.escape(src[4]), None),)
 
 
 def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> None:
@@ -79,7 +104,11 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
         def cast(tensors, dtype, keep):
             out = real(tensors, dtype, keep)
             key = next(
-                k for k in out if k.endswith(("ls1.gamma", "gamma_1", "layer_scale1.lambda1", "ls.gamma", "0.gamma"))
+                k
+                for k in out
+                if k.endswith(
+                    ("ls1.gamma", "gamma_1", "layer_scale1.lambda1", "ls.gamma", "0.gamma", "lambda_1", "_parameter")
+                )
             )
             out[key] = out[key].clone()
             out[key][0] *= 1.01
@@ -88,9 +117,9 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
         patch.setattr(converter, "cast_tensors", cast)
     elif mutation != "clean":
         fam, wrong = families.FAMILIES[family], _rules(family, to, mutation)
-        name = fam.alias("pth") if to in ("ls", "gamma") else to
+        name = fam.alias("pth") if to in ("ls", "gamma") else to.removeprefix("from:")
         layout = fam.layouts[name]
-        if to == "ls":
+        if to == "ls" or to.startswith("from:"):
             changed = dataclasses.replace(layout, read=(*wrong, *layout.read))
         else:
             changed = dataclasses.replace(layout, write=(*wrong, *layout.write))
@@ -104,6 +133,7 @@ def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """Per family: an official-layout file (the source of ``--to ls``) and its ``ls`` conversion (of ``--to gamma``)."""
     import tiny_models
     from timm_layerscale import to_gamma, to_layerscale
+    from timm_layerscale.conversion.target import target_tensors
     from timm_layerscale.parity.inputs import seed_parameters_
     from timm_layerscale.parity.references import build_reference
 
@@ -128,6 +158,13 @@ def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
                 },
                 out[v.family.name, to],
             )
+        for name in ("official", "transformers"):  # the authors' and transformers' files, for reading them
+            if name in v.family.layouts and v.family.name in ("convnext", "beit"):
+                layout = v.family.layouts[name]
+                sd = torch.load(out[v.family.name, name], weights_only=True)
+                tensors = target_tensors(sd, v, v.family.layouts["ls"], layout)
+                out[v.family.name, f"from:{name}"] = folder / f"{v.family.name}-{name}.pth"
+                torch.save(layout.wrap(tensors), out[v.family.name, f"from:{name}"])
     return out
 
 
@@ -151,7 +188,8 @@ CASES = [
     for d in (None, "bf16")
 ]
 CASES += [("dinov3", "official", None), ("dinov3", "transformers", None), ("dinov2", "transformers", None)]
-CASES += [("convnext", "official", None), ("beit", "official", None)]
+CASES += [(f, to, None) for f in ("convnext", "beit") for to in ("official", "transformers", "from:official")]
+CASES += [(f, "from:transformers", None) for f in ("convnext", "beit")]
 
 
 @pytest.mark.parametrize(("family", "to", "dtype"), CASES)
@@ -160,7 +198,8 @@ def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variant
         with pytest.MonkeyPatch.context() as patch:
             _inject(patch, family, to, mutation)
             out, extra = tmp_path / f"{mutation}.pth", ("--dtype", dtype) if dtype else ()
-            code, stdout, err = cli(capsys, "convert", sources[family, to], out, "--to", to, *extra, *ONE)
+            target = "ls" if to.startswith("from:") else to
+            code, stdout, err = cli(capsys, "convert", sources[family, to], out, "--to", target, *extra, *ONE)
         _assert_refused(mutation, code, stdout, err, out, dropped=DROPPED.get(to, {}).get(family, ""))
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
-from .loaders import own_model, timm_filtered, timm_model
+from .loaders import own_model, timm_filtered, timm_model, transformers_layout
+from .operations import fuse_qkv, no_head, split_qkv
 
 _B = r"blocks\.\d+"
 _KEEP = (
@@ -67,6 +68,67 @@ def _index(variant: Variant) -> dict[str, Any]:
     return {f"blocks.{n}.attn.relative_position_index": index for n in range(variant.depth)}
 
 
+_P = r"(?:beit\.)?"  # BeitForImageClassification's prefix
+_L = rf"{_P}(?:encoder\.layer|layers)\.(\d+)"  # save_pretrained's names; 5.x's in memory
+_A = rf"{_L}\.attention\.(?:attention\.)?"
+_T = r"blocks.\1"
+#: transformers' ``BeitModel`` files (``BeitForImageClassification``'s under ``beit.``, its classifier) into timm's
+#: names: q, k and v fused, the k bias timm's zero third.
+TRANSFORMERS = (
+    Rule(rf"{_P}embeddings\.cls_token", "cls_token"),
+    Rule(rf"{_P}embeddings\.patch_embeddings\.projection({LINEAR})", r"patch_embed.proj\1"),
+    Rule(rf"{_A}(?:query|key|value|[qkv]_proj)\.weight", rf"{_T}.attn.qkv.weight", op=fuse_qkv),
+    Rule(rf"{_A}(?:query|q_proj)\.bias", rf"{_T}.attn.q_bias"),
+    Rule(rf"{_A}(?:value|v_proj)\.bias", rf"{_T}.attn.v_bias"),
+    Rule(rf"{_A}(?:output\.dense|o_proj)({LINEAR})", rf"{_T}.attn.proj\2"),
+    Rule(rf"{_L}\.(?:attention\.attention\.)?relative_position_bias\.(\w+)", rf"{_T}.attn.\2"),
+    Rule(rf"{_L}\.layernorm_before({LINEAR})", rf"{_T}.norm1\2"),
+    Rule(rf"{_L}\.layernorm_after({LINEAR})", rf"{_T}.norm2\2"),
+    Rule(rf"{_L}\.(?:intermediate\.dense|mlp\.fc1)({LINEAR})", rf"{_T}.mlp.fc1\2"),
+    Rule(rf"{_L}\.(?:output\.dense|mlp\.fc2)({LINEAR})", rf"{_T}.mlp.fc2\2"),
+    Rule(rf"{_L}\.lambda_([12])", rf"{_T}.ls\2.gamma"),
+    Rule(rf"{_P}pooler\.layernorm({LINEAR})", r"fc_norm\1"),
+    Rule(rf"classifier({LINEAR})", r"head\1"),
+    Rule(rf"{_P}encoder\.relative_position_bias\..+", None, why=_shared),
+)
+_O = r"encoder.layer.\1"
+_N = r"blocks\.(\d+)"
+#: The ``ls`` layout into the names ``save_pretrained`` writes (4.x's, which 5.x reads).
+TO_TRANSFORMERS = (
+    Rule(r"cls_token", "embeddings.cls_token"),
+    Rule(rf"patch_embed\.proj({LINEAR})", r"embeddings.patch_embeddings.projection\1"),
+    Rule(
+        rf"{_N}\.attn\.qkv\.weight", rf"{_O}.attention.attention.{{}}.weight", op=split_qkv(("query", "key", "value"))
+    ),
+    Rule(rf"{_N}\.attn\.q_bias", rf"{_O}.attention.attention.query.bias"),
+    Rule(rf"{_N}\.attn\.v_bias", rf"{_O}.attention.attention.value.bias"),
+    Rule(rf"{_N}\.attn\.proj({LINEAR})", rf"{_O}.attention.output.dense\2"),
+    Rule(rf"{_N}\.attn\.(relative_position_bias_table)", rf"{_O}.attention.attention.relative_position_bias.\2"),
+    Rule(rf"{_N}\.norm1({LINEAR})", rf"{_O}.layernorm_before\2"),
+    Rule(rf"{_N}\.norm2({LINEAR})", rf"{_O}.layernorm_after\2"),
+    Rule(rf"{_N}\.mlp\.fc1({LINEAR})", rf"{_O}.intermediate.dense\2"),
+    Rule(rf"{_N}\.mlp\.fc2({LINEAR})", rf"{_O}.output.dense\2"),
+    Rule(rf"{_N}\.ls([12])\.gamma", rf"{_O}.lambda_\2"),
+    Rule(rf"fc_norm({LINEAR})", r"pooler.layernorm\1"),
+    Rule(r"head" + LINEAR, KEEP, op=no_head("transformers' BeitModel")),
+)
+
+_TELL = rf"{_P}embeddings\.patch_embeddings\.projection\.weight"  # a transformers file's key
+
+
+def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """transformers' ``BeitConfig`` of a variant: each block's relative position bias, mean pooling, timm's norm
+    epsilon 1e-6 (transformers' default, 1e-12, is another function: a folder saying so is refused)."""
+    from transformers import BeitConfig
+
+    return BeitConfig(
+        hidden_size=variant.embed_dim, num_hidden_layers=variant.depth, num_attention_heads=variant.num_heads,
+        intermediate_size=shapes["blocks.0.mlp.fc1.weight"][0], image_size=variant.img_size,
+        patch_size=variant.patch_size, use_relative_position_bias=True, use_absolute_position_embeddings=False,
+        use_mean_pooling=True, layer_scale_init_value=float(variant.init_value or 0.1), layer_norm_eps=1e-6,
+    )  # fmt: skip
+
+
 BIBTEX = """\
 @inproceedings{bao2022beit,
   title     = {{BEiT}: {BERT} Pre-Training of Image Transformers},
@@ -90,6 +152,7 @@ FAMILY = Family(
             wrapper="model",
             buffers=_index,
         ),
+        "transformers": transformers_layout(TRANSFORMERS, TO_TRANSFORMERS, transformers_config, _TELL, False),
     },
     full_title="BEiT",
     description="a Vision Transformer with a relative position bias in every block, pretrained by masked image "
