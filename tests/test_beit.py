@@ -112,7 +112,7 @@ def test_intermediates_features_fold_and_pretrained_files(tmp_path) -> None:
 
 def test_the_authors_file_converts_both_ways_and_a_twin_is_not_guessed(tmp_path, capsys) -> None:
     """``beit_base_patch16_224`` at its real size: its authors' file fits BEiT v2's base alike, so detection asks for
-    ``--model`` in one line; named, it converts to ``ls`` and back, each bit-exact, the computed index dropped with its
+    ``--model`` in one line, or reads the architecture a timm folder's config names; named, it converts to ``ls`` and back, each bit-exact, the computed index dropped with its
     proof and written again; an index of another grid is refused."""
     v = get_variant("beit_base_patch16_224_ls")
     official = v.family.layouts["official"]
@@ -121,6 +121,12 @@ def test_the_authors_file_converts_both_ways_and_a_twin_is_not_guessed(tmp_path,
     torch.save(official.wrap(authors), src := tmp_path / "beit.pth")
     code, _, err = cli(capsys, "convert", src, tmp_path / "x.safetensors", "--no-verify")
     assert code == 2 and "--model beitv2_base_patch16_224_ls" in err and len(err.splitlines()) == 1, err
+    hub = tmp_path / "hub"  # a timm folder's config.json names the architecture, as a Hub repository's does
+    hub.mkdir()
+    save_file({k: t.contiguous() for k, t in ls.items()}, hub / "model.safetensors")
+    (hub / "config.json").write_text('{"architecture": "beitv2_base_patch16_224"}')
+    code, out, err = cli(capsys, "convert", hub, tmp_path / "v2.safetensors", "--no-verify", "--json")
+    assert code == 0 and '"model": "beitv2_base_patch16_224_ls"' in out, err
     one = ("--num-inputs", "1", "--model", v.name)
     code, out, err = cli(capsys, "convert", src, ls_file := tmp_path / "ls.safetensors", *one)
     assert code == 0 and "PASS (bit-exact)" in out and "relative_position_index (index computed) x12" in out, err

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from . import families
 from ._version import __version__
 from .conversion.checkpoint import container_of, state_dict_of
-from .conversion.detect import Detection, detect
+from .conversion.detect import Detection, Twins, detect
 from .conversion.fold import fold_state_dict
 from .conversion.rules import Change, describe_changes, renamed_keys
 from .conversion.target import cast_tensors, check_folds, target_tensors
@@ -101,12 +102,27 @@ def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema
     path, sd, container = read_checkpoint(source, ema, checksums=False)
     intact = _background(check_checksums, path)
     try:
-        found, file, config = detect(sd, model, container), source_config(source), None
+        file, config = source_config(source), None
+        try:
+            found = detect(sd, model, container)
+        except Twins:  # told apart by the architecture a timm folder's config.json or a Hub repository names
+            if not (named := _named_variant(file)):
+                raise
+            found = detect(sd, named, container)
         if found.layout.config is not None and file is not None:
             config = read_config(file, found.layout.config, found.variant, found.overrides.get("img_size"))
         return Source(os.fspath(source), path, sd, found, intact=intact, ema=ema, config_file=file, config=config)
     except (ArchitectureError, RemapError) as e:
         raise type(e)(f"{path}: {e}") from None
+
+
+def _named_variant(config: Path | None) -> str | None:
+    """The registered variant (or its twin: ``beitv2_base_patch16_224``) that a timm folder's or Hub repository's
+    ``config.json`` names (``architecture``); ``None`` where it names none."""
+    import json
+
+    name = str(json.loads(config.read_text(encoding="utf-8")).get("architecture", "")) if config else ""
+    return next((v.name for v in families.VARIANTS if name.split(".")[0] in (v.name, v.reference)), None)
 
 
 @dataclass
@@ -162,15 +178,9 @@ def _failed(report: ParityReport, weights: str | None = None) -> ParityError:
 
 
 def _compare_weights(
-    tensors: Mapping[str, torch.Tensor],
-    found: Detection,
-    to: Layout,
-    fold: bool,
-    dtype: torch.dtype | None,
-    written: Mapping[str, torch.Tensor],
-    container: tuple[str | None, str] | None,
-    report: ParityReport,
-) -> str:
+    tensors: Mapping[str, torch.Tensor], found: Detection, to: Layout, fold: bool, dtype: torch.dtype | None,
+    written: Mapping[str, torch.Tensor], container: tuple[str | None, str] | None, report: ParityReport,
+) -> str:  # fmt: skip
     """The one weight comparison, recorded in ``report``: the ``written`` tensors (in ``container``, unless
     ``None``) against the source's ``tensors`` mapped by the rules and cast as requested, and a folded file's weights
     against ``gamma * W`` computed apart; the first difference, or ``''``."""

@@ -83,12 +83,9 @@ def _unlikeliness(v: Variant, info: Mapping[str, int]) -> float:
 
 
 def without_zero_optional(
-    state_dict: Mapping[str, Any],
-    family: str | Family,
-    expected: Container[str],
-    name: str,
+    state_dict: Mapping[str, Any], family: str | Family, expected: Container[str], name: str,
     changes: list[Change] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """An ``ls``-layout state dict without the keys that a model (called ``name``, its state dict's keys
     ``expected``) lacks and its ``family`` leaves out where they are zero
     (its ``ls`` layout's ``optional_zero``: DINOv3's q and v biases); ``changes`` gets them.
@@ -121,6 +118,10 @@ def _twins(
     alike = (w for w in candidates if w is not v and w.family is v.family and w.img_size == v.img_size)
     same = (w for w in alike if (w.embed_dim, w.depth, w.num_heads) == (v.embed_dim, v.depth, v.num_heads))
     return [w.name for w in same if state_dict_shapes(w, classes, size) == shapes]
+
+
+class Twins(ArchitectureError):
+    """A state dict fits two registered variants alike; the message names them."""
 
 
 def detect(
@@ -174,7 +175,7 @@ def detect(
             check_state_dict(sd, shapes, v.name)
         if not count:
             if not model and (twins := _twins(v, candidates, shapes, info.get("num_classes"), size)):
-                raise ArchitectureError(
+                raise Twins(
                     f"checkpoint fits {v.name} and {', '.join(twins)} alike (the same shapes); name the one it is: "
                     f"{' or '.join(option('model', name) for name in (v.name, *twins))}"
                 )

@@ -15,9 +15,8 @@ from typing import Any, NamedTuple
 from ..errors import ArchitectureError, RemapError, option
 
 __all__ = ["ALIAS", "LAYOUT_NAMES", "DEFAULT_NUM_CLASSES", "FAMILIES", "GATE_KEY", "KEEP", "VARIANTS", "Family"]
-__all__ += ["Layout", "Proof"]
-__all__ += ["OFFICIAL_MODELS", "Rule", "Variant", "get_family", "get_variant", "register", "state_dict_shapes"]
-__all__ += ["variants_of"]
+__all__ += ["Layout", "OFFICIAL_MODELS", "Proof", "Rule", "Variant", "get_family", "get_variant", "register"]
+__all__ += ["state_dict_shapes", "variants_of"]
 
 #: Classifier outputs of every released model (ImageNet-1k).
 DEFAULT_NUM_CLASSES = 1000

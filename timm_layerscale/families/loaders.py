@@ -74,7 +74,8 @@ def authors_keys(required: Collection[str], optional: str, what: str, filter_fn:
 #: settings, bookkeeping, or shapes the tensors themselves check).
 _FUNCTION = {"hidden_act", "layer_norm_eps", "rope_theta", "query_bias", "key_bias", "value_bias", "proj_bias"}
 _FUNCTION |= {"mlp_bias", "use_gated_mlp", "use_swiglu_ffn", "qkv_bias", "num_attention_heads", "patch_size"}
-_FUNCTION |= {"num_register_tokens", "hidden_size", "num_hidden_layers"}
+_FUNCTION |= {"num_register_tokens", "hidden_size", "num_hidden_layers", "use_mean_pooling"}
+_FUNCTION |= {"use_relative_position_bias", "use_absolute_position_embeddings"}
 
 
 def read_config(
