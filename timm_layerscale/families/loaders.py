@@ -130,7 +130,8 @@ def native_transformers(
     from safetensors.torch import save_file
     from torch import nn
 
-    classes = args.get("num_classes", DEFAULT_NUM_CLASSES)
+    # a family compared on its tokens is read as transformers' backbone, which has no classifier
+    classes = 0 if variant.family.tokens else args.get("num_classes", DEFAULT_NUM_CLASSES)
     cfg = args.get("config") or config(variant, state_dict_shapes(variant, classes))
     if "img_size" in args and "config" not in args:
         cfg.image_size = args["img_size"]
