@@ -160,6 +160,7 @@ def test_transformers_folders_and_5x_names_convert_both_ways(tmp_path, tiny_vari
     for src in (tmp_path / "cls", tmp_path / "hf", tmp_path / "5x.safetensors"):
         code, out, err = cli(capsys, "convert", src, ls := tmp_path / f"{src.stem}-ls.safetensors", *one)
         assert code == 0 and "(transformers layout)" in out and "another library" in out and "PASS" in out, err
+        assert "convolutional" not in out  # transformers' attention is told as attention
     code, out, err = cli(capsys, "convert", ls, back := tmp_path / "back.safetensors", "--to", "transformers", *one)
     assert code == 0 and load_file(back).keys() == load_file(tmp_path / "hf" / "model.safetensors").keys(), err
     shared = {**load_file(back), "encoder.relative_position_bias.relative_position_bias_table": torch.zeros(52, 2)}

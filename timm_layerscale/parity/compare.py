@@ -162,7 +162,7 @@ def versions() -> dict[str, str]:
 def attention_path(model: nn.Module) -> str:
     """Which attention implementation a model's attention layers take."""
     flags = {bool(m.fused_attn) for m in model.modules() if hasattr(m, "fused_attn")}
-    if not any(hasattr(m, "num_heads") for m in model.modules()):
+    if not any(hasattr(m, "num_heads") or hasattr(m, "num_attention_heads") for m in model.modules()):  # timm's, HF's
         return "none (a convolutional network)"
     if flags == {True}:
         return "fused (scaled_dot_product_attention)"
