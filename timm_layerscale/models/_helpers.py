@@ -55,7 +55,7 @@ class GatedBlock:
                 gate.reset_parameters()
 
     def reparameterize(self) -> None:
-        """Fold each gate into the layer before it, as ``timm.utils.reparameterize_model`` asks (:func:`fold_block`)."""
+        """Fold each gate into the layer before it, as ``timm.utils.reparameterize_model`` asks."""
         fold_block(cast(nn.Module, self))
 
     @classmethod
