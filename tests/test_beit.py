@@ -173,3 +173,21 @@ def test_transformers_folders_and_5x_names_convert_both_ways(tmp_path, tiny_vari
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert type(again) is transformers.BeitModel and torch.equal(again(x).pooler_output, theirs(x).pooler_output)
+
+
+@pytest.mark.slow  # about a minute: a real-size model through transformers' loading twice
+def test_real_size_transformers_folder_converts_bit_exactly_both_ways(tmp_path, capsys) -> None:
+    """``beit_base_patch16_224``'s ``BeitModel`` folder into timm's layout and back, each against transformers' own
+    model: bit-exact on seeded weights."""
+    import transformers
+
+    from timm_layerscale.families import state_dict_shapes
+    from timm_layerscale.families.beit import transformers_config
+
+    v = get_variant("beit_base_patch16_224_ls")
+    randomize(transformers.BeitModel(transformers_config(v, state_dict_shapes(v, 0)))).save_pretrained(tmp_path / "hf")
+    one = ("--num-inputs", "1", "--model", v.name)
+    code, out, err = cli(capsys, "convert", tmp_path / "hf", ls := tmp_path / "ls.safetensors", *one)
+    assert code == 0 and "PASS (bit-exact)" in out and "transformers/beit_base_patch16_224" in out, err
+    code, out, err = cli(capsys, "convert", ls, tmp_path / "back.safetensors", "--to", "transformers", *one)
+    assert code == 0 and "PASS (bit-exact)" in out, err

@@ -194,3 +194,20 @@ def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys)
     with torch.no_grad():
         assert type(again) is transformers.ConvNextModel
         assert torch.equal(again(x).pooler_output, theirs(x).pooler_output)
+
+
+@pytest.mark.slow  # about a minute: a real-size model through transformers' loading three times
+def test_real_size_transformers_folders_convert_bit_exactly_both_ways(tmp_path, capsys) -> None:
+    """``convnext_tiny``'s ``ConvNextForImageClassification`` and ``ConvNextModel`` folders into timm's layout and the
+    backbone back, each against transformers' own model: bit-exact on seeded weights."""
+    import transformers
+
+    from timm_layerscale.families.convnext import transformers_config
+
+    cfg, one = transformers_config(get_variant("convnext_tiny_ls"), {}), ("--num-inputs", "1")
+    for cls in (transformers.ConvNextForImageClassification, transformers.ConvNextModel):
+        randomize(cls(cfg)).save_pretrained(hf := tmp_path / cls.__name__)
+        code, out, err = cli(capsys, "convert", hf, ls := tmp_path / f"{cls.__name__}.safetensors", *one)
+        assert code == 0 and "PASS (bit-exact)" in out and "transformers/convnext_tiny" in out, err
+    code, out, err = cli(capsys, "convert", ls, tmp_path / "back.safetensors", "--to", "transformers", *one)
+    assert code == 0 and "PASS (bit-exact)" in out, err
