@@ -139,6 +139,10 @@ def test_the_authors_file_converts_to_every_layout_and_back(tmp_path, capsys) ->
     assert code == 0 and "PASS (bit-exact)" in out and "attention              none" in out, err
     source, again = torch.load(src, weights_only=True)["model"], torch.load(back, weights_only=True)["model"]
     assert source.keys() == again.keys() and all(torch.equal(source[k], again[k]) for k in source)
+    bare = {k: t for k, t in source.items() if not k.startswith("head.")}  # a headless bare file, as DINOv3's
+    torch.save(bare, src)
+    code, out, err = cli(capsys, "convert", src, tmp_path / "bare.safetensors", *one)
+    assert code == 0 and "PASS (bit-exact)" in out and "(official layout" in out, err
 
 
 def test_a_conv_mlp_model_is_not_written_in_the_authors_layout(tmp_path, capsys) -> None:
