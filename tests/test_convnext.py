@@ -4,7 +4,7 @@ convolution, features; the authors' files converted to every layout and back; Co
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import timm
@@ -167,18 +167,26 @@ def test_a_convnext_v2_file_is_not_read_as_convnext() -> None:
 
 
 def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys) -> None:
-    """``ConvNextForImageClassification`` as ``save_pretrained`` writes it (``convnext.`` keys and a classifier) and
-    ``ConvNextModel`` into timm's layout, verified against transformers' own model; the backbone back to the names
-    transformers wrote and exported to a folder it loads with the same pooled output; a classifier is refused for
-    the backbone, and a folder with transformers' default final-norm epsilon, in one line each."""
+    """``ConvNextForImageClassification`` as ``save_pretrained`` writes it (``convnext.`` keys and a classifier),
+    ``DINOv3ConvNextModel`` (``model.stages``) and ``ConvNextModel`` into timm's layout, verified against transformers'
+    own model; the backbone back to the names transformers wrote and exported to a folder it loads with the same pooled
+    output; a classifier is refused for the backbone, and a folder with transformers' default final-norm epsilon, in
+    one line each."""
     import transformers
 
     from timm_layerscale.families.convnext import transformers_config
     from tiny_models import CONVNEXT
 
-    one = ("--num-inputs", "1")
-    for cls in (transformers.ConvNextForImageClassification, transformers.ConvNextModel):
-        randomize(cls(transformers_config(CONVNEXT, {}))).save_pretrained(hf := tmp_path / cls.__name__)
+    one, cfg = ("--num-inputs", "1"), transformers_config(CONVNEXT, {})
+    dinov3 = transformers.DINOv3ConvNextConfig(hidden_sizes=cfg.hidden_sizes, depths=cfg.depths, image_size=32)
+    for cls in (
+        transformers.ConvNextForImageClassification,
+        transformers.DINOv3ConvNextModel,
+        transformers.ConvNextModel,
+    ):
+        randomize(cast(Any, cls)(dinov3 if "DINO" in cls.__name__ else cfg)).save_pretrained(
+            hf := tmp_path / cls.__name__
+        )
         code, out, err = cli(capsys, "convert", hf, ls := tmp_path / f"{cls.__name__}.safetensors", *one)
         assert code == 0 and "(transformers layout)" in out and "another library" in out and "PASS" in out, err
     code, _, err = cli(capsys, "convert", tmp_path / "ConvNextForImageClassification.safetensors",
@@ -202,15 +210,22 @@ def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys)
 
 @pytest.mark.slow  # about a minute: a real-size model through transformers' loading three times
 def test_real_size_transformers_folders_convert_bit_exactly_both_ways(tmp_path, capsys) -> None:
-    """``convnext_tiny``'s ``ConvNextForImageClassification`` and ``ConvNextModel`` folders into timm's layout and the
-    backbone back, each against transformers' own model: bit-exact on seeded weights."""
+    """``convnext_tiny``'s ``ConvNextForImageClassification``, ``DINOv3ConvNextModel`` and ``ConvNextModel`` folders into
+    timm's layout and the backbone back, each against transformers' own model: bit-exact on seeded weights."""
     import transformers
 
     from timm_layerscale.families.convnext import transformers_config
 
     cfg, one = transformers_config(get_variant("convnext_tiny_ls"), {}), ("--num-inputs", "1")
-    for cls in (transformers.ConvNextForImageClassification, transformers.ConvNextModel):
-        randomize(cls(cfg)).save_pretrained(hf := tmp_path / cls.__name__)
+    dinov3 = transformers.DINOv3ConvNextConfig(hidden_sizes=cfg.hidden_sizes, depths=cfg.depths)
+    for cls in (
+        transformers.ConvNextForImageClassification,
+        transformers.DINOv3ConvNextModel,
+        transformers.ConvNextModel,
+    ):
+        randomize(cast(Any, cls)(dinov3 if "DINO" in cls.__name__ else cfg)).save_pretrained(
+            hf := tmp_path / cls.__name__
+        )
         code, out, err = cli(capsys, "convert", hf, ls := tmp_path / f"{cls.__name__}.safetensors", *one)
         assert code == 0 and "PASS (bit-exact)" in out and "transformers/convnext_tiny" in out, err
     code, out, err = cli(capsys, "convert", ls, tmp_path / "back.safetensors", "--to", "transformers", *one)

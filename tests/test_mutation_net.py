@@ -33,6 +33,7 @@ GATES = {
 DROPPED = {"transformers": {"dinov3": "layer.1.attention.o_proj.bias", "dinov2": "encoder.layer.1.attention."}}
 DROPPED["transformers"] |= {"convnext": "stages.2.", "beit": "layers.1.attention.o_proj.bias"}
 DROPPED |= {to: {"convnext": "stages.2."} for to in ("ls", "gamma", "official", "from:official", "from:transformers")}
+DROPPED["from:dinov3"] = DROPPED["ls"]
 GATES |= {("convnext", "transformers"): "", ("beit", "transformers"): "encoder.layer.{b}.lambda_{i}"}
 #: Reading a layout other than the one ``gamma`` names (``to`` ``from:LAYOUT``): a block's gate ``i`` and the bias
 #: the drop mutation loses, in that layout's names.
@@ -72,6 +73,7 @@ _CONVNEXT = {
     "official": (r"stages\.2\.{}\.", "stages.2.{}.", "gamma", "norm.weight", "pwconv2.bias"),
     "transformers": (r"encoder\.stages\.2\.layers\.{}\.", "encoder.stages.2.layers.{}.", "layer_scale_parameter",
                      "layernorm.weight", "pwconv2.bias"),
+    "dinov3": (r"stages\.2\.layers\.{}\.", "stages.2.layers.{}.", "gamma", "layer_norm.weight", "pointwise_conv2.bias"),
 }  # fmt: skip
 
 
@@ -117,7 +119,7 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
         patch.setattr(converter, "cast_tensors", cast)
     elif mutation != "clean":
         fam, wrong = families.FAMILIES[family], _rules(family, to, mutation)
-        name = fam.alias("pth") if to in ("ls", "gamma") else to.removeprefix("from:")
+        name = fam.alias("pth") if to in ("ls", "gamma") else to.removeprefix("from:").replace("dinov3", "transformers")
         layout = fam.layouts[name]
         if to == "ls" or to.startswith("from:"):
             changed = dataclasses.replace(layout, read=(*wrong, *layout.read))
@@ -165,6 +167,16 @@ def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
                 tensors = target_tensors(sd, v, v.family.layouts["ls"], layout)
                 out[v.family.name, f"from:{name}"] = folder / f"{v.family.name}-{name}.pth"
                 torch.save(layout.wrap(tensors), out[v.family.name, f"from:{name}"])
+        if v.family.name == "convnext":  # DINOv3ConvNextModel's folder (the other names transformers reads)
+            import transformers
+
+            from timm_layerscale.families.convnext import transformers_config
+
+            c = transformers_config(v, {})
+            cfg = transformers.DINOv3ConvNextConfig(hidden_sizes=c.hidden_sizes, depths=c.depths, image_size=v.img_size)
+            seed_parameters_(model := transformers.DINOv3ConvNextModel(cfg), seed=1)
+            model.save_pretrained(folder / "dinov3-convnext")
+            out[v.family.name, "from:dinov3"] = folder / "dinov3-convnext"
     return out
 
 
@@ -189,7 +201,7 @@ CASES = [
 ]
 CASES += [("dinov3", "official", None), ("dinov3", "transformers", None), ("dinov2", "transformers", None)]
 CASES += [(f, to, None) for f in ("convnext", "beit") for to in ("official", "transformers", "from:official")]
-CASES += [(f, "from:transformers", None) for f in ("convnext", "beit")]
+CASES += [(f, "from:transformers", None) for f in ("convnext", "beit")] + [("convnext", "from:dinov3", None)]
 
 
 @pytest.mark.parametrize(("family", "to", "dtype"), CASES)

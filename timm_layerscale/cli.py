@@ -94,13 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-nonfinite", action="store_true", help="convert even if tensors hold NaN/Inf")
     add_verify_args(p)
 
-    p = add(
-        "verify",
-        "compare the reference on SOURCE with the model loaded from CONVERTED",
-        "source",
-        "converted",
-        source=True,
-    )
+    p = add("verify", "compare the reference on SOURCE with the model on CONVERTED", "source", "converted", source=True)
     add_verify_args(p)
 
     p = add("list", "list the registered models, their references and pretrained tags")

@@ -61,18 +61,20 @@ TO_OFFICIAL = (
 
 
 _C = r"(?:convnext\.)?"  # ConvNextForImageClassification's prefix
-_H = rf"{_C}encoder\.stages\.(\d+)\.layers\.(\d+)"
+_D = rf"(?:{_C}encoder\.|(?:model\.)?)stages\.(\d+)"  # ConvNextModel's, DINOv3ConvNextModel's
+_H = rf"{_D}\.layers\.(\d+)"
 #: transformers' ``ConvNextModel`` names (``ConvNextForImageClassification``'s under ``convnext.``, its classifier)
-#: into timm's, and back (the backbone's, which both classes load).
+#: and ``DINOv3ConvNextModel``'s (``stages``, read only) into timm's; back to ``ConvNextModel``'s (the backbone).
 TRANSFORMERS = (
     Rule(rf"{_C}embeddings\.patch_embeddings({LINEAR})", r"stem.0\1"),
     Rule(rf"{_C}embeddings\.layernorm({LINEAR})", r"stem.1\1"),
-    Rule(rf"{_C}encoder\.stages\.(\d+)\.downsampling_layer\.([01])({LINEAR})", r"stages.\1.downsample.\2\3"),
-    Rule(rf"{_H}\.dwconv({LINEAR})", rf"{_T}.conv_dw\3"),
-    Rule(rf"{_H}\.layernorm({LINEAR})", rf"{_T}.norm\3"),
-    Rule(rf"{_H}\.pwconv([12])({LINEAR})", rf"{_T}.mlp.fc\3\4"),
-    Rule(rf"{_H}\.layer_scale_parameter", rf"{_T}.ls.gamma"),
-    Rule(rf"{_C}layernorm({LINEAR})", r"head.norm\1"),
+    Rule(rf"(?:model\.)?stages\.0\.downsample_layers\.([01])({LINEAR})", r"stem.\1\2"),
+    Rule(rf"{_D}\.downsampl(?:ing_layer|e_layers)\.([01])({LINEAR})", r"stages.\1.downsample.\2\3"),
+    Rule(rf"{_H}\.(?:dwconv|depthwise_conv)({LINEAR})", rf"{_T}.conv_dw\3"),
+    Rule(rf"{_H}\.(?:layernorm|layer_norm)({LINEAR})", rf"{_T}.norm\3"),
+    Rule(rf"{_H}\.(?:pwconv|pointwise_conv)([12])({LINEAR})", rf"{_T}.mlp.fc\3\4"),
+    Rule(rf"{_H}\.(?:layer_scale_parameter|gamma)", rf"{_T}.ls.gamma"),
+    Rule(rf"(?:{_C}layernorm|layer_norm)({LINEAR})", r"head.norm\1"),
     Rule(rf"classifier({LINEAR})", r"head.fc\1"),
 )
 _E = r"encoder.stages.\1"
@@ -88,7 +90,7 @@ TO_TRANSFORMERS = (
     Rule(r"head\.fc" + LINEAR, KEEP, op=no_head("transformers' ConvNextModel")),
 )
 
-_TELL = rf"{_C}embeddings\.patch_embeddings\.weight"  # a transformers file's key
+_TELL = rf"{_C}embeddings\.patch_embeddings\.weight|(?:model\.)?stages\.0\.downsample_layers\.0\.weight"  # both
 
 
 def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:
