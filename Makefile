@@ -7,7 +7,7 @@ DOCS_STAMP := $(VENV)/.docs-installed
 LINT_STAMP := $(VENV)/.lint-installed
 LINT_PATHS := timm_layerscale convert tests benchmarks compat
 
-.PHONY: demo test test-all test-compat bench docs lint clean
+.PHONY: demo test test-full test-all test-compat bench docs lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# What make test leaves out of the default suite for time (CI runs it after make test).
+test-full: $(STAMP)
+	$(PY) -m pytest -q -m 'full and not slow'
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''

@@ -36,6 +36,7 @@ def pair(name: str = "beitv2_base_patch16_224", **kwargs: Any) -> tuple[Any, Any
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.full
 def test_every_variant_is_timms_model_with_layerscale_modules(name) -> None:
     reference = str(VARIANTS[name].reference)
     with torch.device("meta"):
@@ -140,6 +141,7 @@ def test_the_authors_file_converts_both_ways_and_a_twin_is_not_guessed(tmp_path,
     assert code == 2 and "blocks.3.attn.relative_position_index is not the index" in err, err
 
 
+@pytest.mark.full
 def test_transformers_folders_and_5x_names_convert_both_ways(tmp_path, tiny_variants, capsys) -> None:
     """``BeitForImageClassification`` and ``BeitModel`` as ``save_pretrained`` writes them (4.x's names, q/k/v apart
     with no k bias, ``lambda_1``), and a state dict in 5.x's names (``layers.N.attention.q_proj``), into timm's layout,

@@ -28,6 +28,7 @@ def test_help_prints_the_usage_and_writes_nothing(script):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures where CUDA is present")
+@pytest.mark.full
 def test_bench_cuda_without_cuda_says_so_and_measures_nothing():
     before = RESULTS.read_bytes()
     done = _run("benchmarks/bench_cuda.py", "--quick")

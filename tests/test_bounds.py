@@ -14,6 +14,8 @@ from timm_layerscale.parity.inputs import seed_parameters_, seeded_inputs
 from timm_layerscale.parity.references import build_reference, load_model
 from timm_layerscale.parity.tolerance import TOKENS_FACTOR, folded_bound, independent_bound, library_bound
 
+pytestmark = pytest.mark.full  # make test leaves this file to make test-full
+
 SMALL = {"cait_xxs24_224_ls", "vit5_small_patch16_224", "deit3_small_patch16_224", "vit_small_patch16_dinov3_ls"}
 
 

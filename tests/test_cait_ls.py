@@ -52,6 +52,7 @@ def test_the_model_is_timms_cait():
 
 @pytest.mark.compat
 @pytest.mark.parametrize("name", [n for n in timm.list_models("*_ls") if n in VARIANTS])
+@pytest.mark.full
 def test_registry_meta_build_and_pretrained_cfg(name):
     model = create_model(name, device="meta")
     assert all(p.is_meta for p in model.parameters())
@@ -169,6 +170,7 @@ def test_unfused_attention_equals_official_math(images):
 
 
 @pytest.mark.parametrize(("amp", "fused"), [(False, True), (True, False)], ids=["fp32-fused", "bf16-unfused"])
+@pytest.mark.full
 def test_compiled_models_make_one_graph(tiny_cait_kwargs, fused, amp):  # each value of each setting once
     """``torch.compile`` makes timm's ATen graph of the converted model, in fp32 and under bf16
     autocast, up to the order of independent calls and of a multiply's operands (timm's
@@ -274,6 +276,7 @@ def test_model_contract(tiny_cait_kwargs):
 @pytest.mark.compat
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.full
 def test_fx_feature_extraction_and_torchscript(tiny_cait_kwargs, dynamic, device):
     torch.manual_seed(0)
     kwargs = dict(tiny_cait_kwargs, dynamic_img_size=dynamic)

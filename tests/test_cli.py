@@ -157,6 +157,7 @@ def test_convert_json(official, tmp_path, capsys):
     assert "ls1.gamma" not in str(list(torch.load(tmp_path / "g.pth", weights_only=True)["model"]))
 
 
+@pytest.mark.full
 def test_convert_fold_then_verify_and_load_the_folded_file(official, tmp_path, capsys):
     import timm
 
@@ -196,6 +197,7 @@ def test_convert_refuses_an_output_suffix_that_names_no_format(light_sd, tmp_pat
     assert folder_names(tmp_path) == ["src.pth"]
 
 
+@pytest.mark.full
 def test_export_json(official, tmp_path, capsys):
     folder = tmp_path / "folder"
     code, stdout, err = cli(capsys, "export", official, folder, "--json")
@@ -207,6 +209,7 @@ def test_export_json(official, tmp_path, capsys):
     assert res["report"]["passed"] is True and res["push"] is None
 
 
+@pytest.mark.full
 def test_the_push_command_an_export_prints_keeps_private(official, tmp_path, capsys):
     """The ``push`` command that ``export`` prints, after the folder or in the error of a failed
     upload, keeps ``--private`` and ``--commit-message``: run as printed, it must not create a
@@ -261,6 +264,7 @@ def test_verify_exit_0_when_parity_holds(official, converted, capsys):
     assert any(line.split()[:2] == ["result", "PASS"] for line in stdout.splitlines())
 
 
+@pytest.mark.full
 def test_verify_exit_1_when_one_weight_differs(official, perturbed, capsys):
     code, stdout, err = cli(capsys, "verify", official, perturbed, "--num-inputs", "1", "--json")
     assert code == 1, err
@@ -298,6 +302,7 @@ def test_json_output_is_standard_json_when_values_are_not_finite(official, conve
     assert rep["passed"] is False and rep["max_abs_diff"] is None
 
 
+@pytest.mark.full
 def test_verify_exit_2_for_bad_input(official, converted, tmp_path, capsys):
     assert_one_line_error(*cli(capsys, "verify", official, tmp_path / "nope.safetensors"), "not found")
     assert_one_line_error(*cli(capsys, "verify", tmp_path / "nope.pth", converted), "not found")
@@ -326,6 +331,7 @@ def test_json_says_a_user_error_on_stdout_too(official, converted, tmp_path, cap
     assert not (tmp_path / "out.safetensors").exists()
 
 
+@pytest.mark.full
 def test_list(capsys, monkeypatch):
     from timm_layerscale import catalog
 
@@ -475,6 +481,7 @@ def test_bad_input(kind, name, extra, expect, light_sd, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.full
 def test_a_nonfinite_weight_converts_and_verifies_with_allow_nonfinite(value, official, tmp_path, capsys):
     """With allow_nonfinite the parity check still runs: the weight is copied as it is and both
     models compute NaN (or Inf) in the same places, which is parity, not weights that differ."""
@@ -551,6 +558,7 @@ def test_an_internal_error_exits_3_with_the_common_prefix(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("reader", ["left", "full device"])
+@pytest.mark.full
 def test_an_output_that_refuses_the_table(reader, tmp_path):
     """``| head`` may leave before the table (or the help) is written: the command ends quietly,
     with 141 as a Unix tool killed by SIGPIPE; a full device is one error line. Python's own flush
@@ -669,6 +677,7 @@ def test_inspect_never_replaces_a_plot_without_overwrite(official, tmp_path, cap
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.full
 def test_export_never_replaces_the_folder_that_holds_its_source(official, tmp_path, capsys):
     folder = tmp_path / "downloads"
     folder.mkdir()
@@ -763,6 +772,7 @@ def test_every_export_and_push_option_reaches_the_library(tmp_path, capsys, monk
     )
 
 
+@pytest.mark.full
 def test_progress_bars_show_on_a_terminal_and_not_with_quiet(official, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(progress, "enabled", lambda: not progress._disabled)
     monkeypatch.setattr(progress, "DELAY", 0)
@@ -808,6 +818,7 @@ def test_push_offline_fails_before_reading_a_token(tmp_path, capsys, monkeypatch
     )
 
 
+@pytest.mark.full
 def test_a_failure_after_reading_exits_without_waiting_for_the_checksums(official, tmp_path):
     """The source's checksums run in the background; a command that fails meanwhile exits at once."""
     script = (

@@ -113,6 +113,7 @@ def test_safetensors_metadata(converted, official):
     assert meta["parity_reference"] == REFERENCE and meta["parity_dtype"] == "float32"
 
 
+@pytest.mark.full
 def test_a_model_computing_on_the_written_file_gives_timms_outputs_for_one_image(ls_sd, reference, tmp_path):
     """``load_state_dict(load_file(path), assign=True)``, as transformers loads, computes on the file's
     memory, where a weight's alignment decides how a one-row GEMM is summed: at every header length
@@ -224,6 +225,7 @@ def test_model_ema_is_taken_only_when_asked(gamma_sd, ls_sd, tmp_path):
 
 
 @pytest.mark.compat
+@pytest.mark.full
 def test_to_gamma_round_trip_gives_back_the_official_file(official, official_sd, converted, tmp_path, few_inputs):
     back = tmp_path / "gamma.pth"
     res = convert_checkpoint(converted.output, back, to="gamma")
@@ -248,6 +250,7 @@ def test_to_gamma_round_trip_gives_back_the_official_file(official, official_sd,
     assert_same_tensors(load_output(again), load_output(converted.output))
 
 
+@pytest.mark.full
 def test_a_gamma_file_to_gamma_is_resaved_in_timms_layout(official, official_sd, tmp_path):
     # The official .pth re-saved as the bare safetensors file timm's cait_* loads, verified.
     res = convert_checkpoint(official, tmp_path / "timm.safetensors", to="gamma")
@@ -311,6 +314,7 @@ def test_verified_models_compute_on_fresh_copies_built_on_meta_unless_they_compu
             assert loaded.data_ptr() % 64 == 0  # a fresh allocation, whatever the source's alignment
 
 
+@pytest.mark.full
 def test_verify_takes_state_dicts_and_image_files(gamma_sd, ls_sd, converted, official, tmp_path):
     from PIL import Image
 
@@ -354,6 +358,7 @@ def test_verify_names_converted_weights_of_another_model(official, ls_sd, tmp_pa
         verify_checkpoint(torch.load(official, weights_only=True), {**ls_sd, "reg_token": ls_sd["cls_token"]})
 
 
+@pytest.mark.full
 def test_a_backbone_saved_without_its_head_converts_as_one(gamma_sd, tmp_path, few_inputs):
     """A model trained or kept as a feature extractor (timm's ``num_classes=0``) has no ``head``."""
     sd = {k: v for k, v in gamma_sd.items() if not k.startswith("head.")}
@@ -391,6 +396,7 @@ def test_each_family_is_detected_without_its_head_or_at_another_resolution(name,
     assert found.variant == variant and found.overrides == args
 
 
+@pytest.mark.full
 def test_a_checkpoint_fine_tuned_at_another_resolution_converts(gamma_sd, tmp_path, few_inputs):
     """timm's cait_xxs24_224 fine-tuned at 256 x 256 (``img_size=256``): its position embedding has a
     16 x 16 grid, which no CaiT variant is registered with."""

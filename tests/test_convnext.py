@@ -37,6 +37,7 @@ def pair(conv_mlp: bool, **kwargs: Any) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.full
 def test_every_variant_is_timms_model_with_layerscale_modules(name) -> None:
     reference = str(VARIANTS[name].reference)
     with torch.device("meta"):
@@ -85,6 +86,7 @@ def test_outputs_and_gradients_equal_timms(conv_mlp) -> None:
 
 
 @pytest.mark.parametrize("conv_mlp", [False, True])
+@pytest.mark.full
 def test_compile_intermediates_features_and_fold(conv_mlp, tmp_path) -> None:
     ref, ours = pair(conv_mlp)
     x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(0))

@@ -83,6 +83,7 @@ def pair(name: str = "tinytest_dinov3", **kwargs: Any) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.full
 def test_every_variant_is_timms_model_with_layerscale_modules(name) -> None:
     reference = str(VARIANTS[name].reference)
     if not timm.is_model(reference):
@@ -107,6 +108,7 @@ def small() -> tuple[Any, Any]:
 @pytest.mark.parametrize(
     ("name", "batch", "size"), [("tiny", 1, (32, 32)), ("tiny", 3, (40, 24)), ("small", 2, (256, 224))]
 )
+@pytest.mark.full
 def test_outputs_equal_timms(name, batch, size, small, fused_attn) -> None:
     """Fused and math attention, fp32 and bf16 autocast, square and not: the class, register and patch tokens
     and the pooled output of timm's DINOv3, bit for bit."""
@@ -121,6 +123,7 @@ def test_outputs_equal_timms(name, batch, size, small, fused_attn) -> None:
         assert torch.equal(ours(x), ref(x))
 
 
+@pytest.mark.full
 def test_settings_of_the_cait_promise_hold() -> None:
     """Threads, token pooling, another image size at build, dropout off in eval, compile: still equal."""
     ref, ours = pair(global_pool="token", img_size=48)
@@ -137,6 +140,7 @@ def test_settings_of_the_cait_promise_hold() -> None:
         assert torch.equal(torch.compile(ours, backend="aot_eager")(x), torch.compile(ref, backend="aot_eager")(x))
 
 
+@pytest.mark.full
 def test_fx_torchscript_and_export_as_timms_tests_check_them() -> None:
     """timm's test_models checks: FX feature extraction, TorchScript, ``torch.export`` with a dynamic batch (timm's
     Eva fixes its rotary grid when exported, for its own model too, so height and width stay static)."""
@@ -182,6 +186,7 @@ def test_fold_features_and_intermediates() -> None:
 
 
 @pytest.mark.compat
+@pytest.mark.full
 def test_timms_file_loads_remapped_and_folded(tmp_path) -> None:
     """A file in timm's layout (as its Hub copies are) through ``pretrained_cfg_overlay``, into the module layout
     and into a ``folded_layerscale`` model."""
@@ -254,6 +259,7 @@ def test_an_official_file_converts_and_loads_as_timms_loader_reads_it(tmp_path, 
     assert code == 1 and "FAIL" in out and not (tmp_path / "wrong.safetensors").exists(), err
 
 
+@pytest.mark.full
 def test_a_model_without_q_and_v_biases_takes_them_only_where_they_are_zero(tmp_path, capsys) -> None:
     """The distilled releases' zero q and v biases (a random k third, which the official mask zeroes) load into the
     plain model and convert to it, verified against timm's plain model; non-zero ones are refused, naming ``_qkvb``."""

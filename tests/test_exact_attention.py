@@ -149,6 +149,7 @@ def test_attention_workspace_shares_buffers_and_keeps_outputs_apart(buffered_cal
 
 @pytest.mark.compat
 @pytest.mark.parametrize("name,fused", [("cait_xxs24_224", True), ("cait_xxs24_224", False)])
+@pytest.mark.full
 def test_cait_xxs24_bit_exact_eval_and_train(name, fused, fused_attn, buffered_calls):
     fused_attn(fused)
     ref = randomize(timm.create_model(name)).eval()
@@ -214,6 +215,7 @@ def run_under_dispatch(
 @pytest.mark.parametrize(
     "dispatch", [pytest.param(d, marks=pytest.mark.compat) if d == "aten-default" else d for d in DISPATCHES]
 )
+@pytest.mark.full
 def test_exact_parity_under_other_kernel_dispatch(dispatch):
     result = run_under_dispatch(dispatch, "exact_parity_check.py")
     failed = [name for name, ok in result["checks"].items() if not ok]
@@ -237,6 +239,7 @@ def test_fast_attention_within_its_bound(B, N, C, H, dtype):
     assert err <= bound
 
 
+@pytest.mark.full
 def test_fast_model_within_its_bound_and_trains_like_the_reference():
     ref = randomize(timm.create_model("cait_xxs24_224")).eval()
     fast = timm.create_model("cait_xxs24_224_ls", attn_impl="fast").eval()

@@ -135,6 +135,7 @@ def _tiny_vit5(folded: bool) -> nn.Module:
         "vit5_folded-dynamo_exporter",
     ],
 )
+@pytest.mark.full
 def test_onnx_export_runs_in_onnxruntime_at_any_batch_size(tmp_path, build, dynamo):
     """The exported graph, with a dynamic batch, gives the model's outputs in onnxruntime at other batch sizes.
     ViT-5 takes the dynamo exporter only: the TorchScript one has no ONNX operator for torch's rms_norm."""
@@ -177,6 +178,7 @@ def test_fold_state_dict_equals_module_fold(tmp_path):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("layout", ["official", "ls"])
+@pytest.mark.full
 def test_folded_model_loads_pretrained_weights(tmp_path, layout):
     from safetensors.torch import save_file
 

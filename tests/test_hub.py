@@ -601,6 +601,7 @@ def test_export_writes_a_folder_timm_loads_bit_exactly(exported) -> None:
         assert torch.equal(model(x), reference(x))
 
 
+@pytest.mark.full
 def test_a_pushed_folder_loads_from_the_hub_as_its_card_and_summary_say(
     exported, hub: FakeHub, tmp_path: Path, monkeypatch, capsys
 ) -> None:
@@ -702,6 +703,7 @@ def test_export_model_card(exported) -> None:
     assert "`timm-layerscale inspect hf-hub:my-org/cait_xxs24_224_ls.fb_dist_in1k` prints the full table." in text
 
 
+@pytest.mark.full
 def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Path, monkeypatch, capsys) -> None:
     """A presigned URL's query, or a user name and password in it, stay out of the card and the summary."""
     from timm_layerscale.files.sources import cached_url_path

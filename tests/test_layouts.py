@@ -31,6 +31,7 @@ ALL = [pytest.param(v.name, marks=[pytest.mark.slow] * (v.name not in QUICK)) fo
 
 
 @pytest.mark.parametrize("name", ALL)
+@pytest.mark.full
 def test_every_written_layout_is_what_its_consumer_loads(name):
     v = get_variant(name)
     for layout in v.family.targets():
@@ -95,6 +96,7 @@ def _source(v: Variant, folder, dtype: torch.dtype = torch.float32):
 
 
 @pytest.mark.usefixtures("few_inputs")
+@pytest.mark.full
 def test_verify_checks_every_layout_convert_writes(tiny_variants, tmp_path):
     """``verify`` tells a written file's layout as detection does, and passes each conversion of every family."""
     from timm_layerscale.converter import convert_checkpoint, verify_checkpoint
@@ -131,6 +133,7 @@ def test_a_bf16_source_folds_to_fp32_once(tiny_variants, tmp_path):
 
 
 @pytest.mark.usefixtures("few_inputs")
+@pytest.mark.full
 def test_dinov2_to_transformers_at_another_size(tmp_path):
     """A DINOv2 fine-tuned at 224 (its position embedding for that grid) into transformers' layout: its config takes
     that ``image_size``, and transformers' model is checked at the file's own size."""

@@ -220,6 +220,7 @@ def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variant
     [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls"), ("dinov2", "ls")]
     + [("convnext", "ls"), ("beit", "ls")],
 )
+@pytest.mark.full
 def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:
         with pytest.MonkeyPatch.context() as patch:
@@ -294,6 +295,7 @@ def test_a_tensor_is_dropped_only_where_its_values_prove_it_inert(case, sources,
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.full
 def test_a_fold_bug_is_refused_at_every_gate_size(dtype, sources, tiny_variants, tmp_path, capsys):
     """A fold rule that scales every gate by 1.01 reaches both sides of the weight comparison; the fold check,
     ``gamma * W`` computed apart in float64, refuses it at released gate sizes too."""

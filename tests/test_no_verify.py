@@ -35,6 +35,7 @@ def _official_file(path: Path, sd: dict[str, torch.Tensor], dtype: torch.dtype =
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.full
 def test_same_tensors_as_the_verified_conversion(official_sd, tmp_path, dtype, few_inputs):
     src = _official_file(tmp_path / "XXS24_224.pth", official_sd, dtype)
     fast = converter.convert_checkpoint(src, tmp_path / "fast.safetensors", verify=False)

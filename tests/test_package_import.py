@@ -44,6 +44,7 @@ def outputs() -> dict[str, str]:
     return {key: out.strip() for key, ((out, _), _) in done.items()}
 
 
+@pytest.mark.full
 def test_import_loads_neither_torch_nor_timm(outputs):
     assert outputs["neither"] == "False False"
 

@@ -12,6 +12,8 @@ import torch
 from test_exact_attention import run_under_dispatch
 from timm_layerscale.cli import main as cli_main
 
+pytestmark = pytest.mark.full  # make test leaves this file to make test-full
+
 #: Setting -> (CPU kernel dispatch, device, scope, threads, fp32 matmul precision). The settings of one
 #: dispatch and device run in one interpreter, one after another (:func:`net_runs`).
 SETTINGS = {

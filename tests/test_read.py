@@ -190,6 +190,7 @@ print(missed)
 
 
 @pytest.mark.parametrize("dispatch", ["native", "default"])
+@pytest.mark.full
 def test_nonfinite_found_in_every_dtype_and_place_under_each_dispatch(dispatch):
     """NaN or Inf anywhere in a tensor of any floating dtype is found, wherever the vectorised
     kernels' lanes, tails and chunk boundaries put it, also under the scalar kernels."""

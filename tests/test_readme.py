@@ -219,6 +219,7 @@ def test_fence_parser_reads_languages_bodies_and_indented_fences():
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+@pytest.mark.full
 def test_readme_block_runs_as_written(block: Block, workdir: Path, offline_env: dict[str, str], few_inputs):
     if block.language in ("bash", "sh", "shell", "console"):
         for line in block.code.splitlines():

@@ -120,6 +120,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory):
     return code, out, sources, hub, stdout.getvalue(), stderr.getvalue()
 
 
+@pytest.mark.full
 def test_pipeline_runs_on_after_a_failure_and_exits_1(pipeline) -> None:
     code, out, _, _, stdout, stderr = pipeline
     assert code == 1

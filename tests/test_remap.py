@@ -15,6 +15,7 @@ from timm_layerscale.models.cait_ls import VARIANTS
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.full
 def test_round_trip_every_variant_on_meta(name):
     ref = timm.create_model(str(VARIANTS[name].reference), device="meta").state_dict()
     ls = to_layerscale(ref, "cait")

@@ -7,9 +7,12 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
 
 
+@pytest.mark.full
 def test_a_passing_run_leaves_no_temporary_files(tmp_path):
     # A run with this project's settings and set-up, its temporary folder redirected to look at.
     inner = tmp_path / "inner"

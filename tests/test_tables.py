@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import timm
 
 import timm_layerscale  # noqa: F401  (registers the models)
@@ -35,6 +36,7 @@ def _tags(name: str) -> str:
     return ", ".join(tags) if tags else "none released"
 
 
+@pytest.mark.full
 def test_model_table_is_the_variant_table() -> None:
     rows = _table("| model | timm reference twin |")
     ours = [v for v in VARIANTS if v.reference != v.name]  # the models this package registers

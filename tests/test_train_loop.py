@@ -133,6 +133,7 @@ def test_train_py_checkpoint_holds_what_train_py_writes(trained):
 @pytest.mark.parametrize(
     "ema", [pytest.param(False, id="model"), pytest.param(True, id="ema", marks=pytest.mark.compat)]
 )
+@pytest.mark.full
 def test_train_py_checkpoint_converts_to_gamma_and_loads_into_timm_cait(trained, ema, tmp_path, capsys, monkeypatch):
     model, ema_model, path = trained
     expected = ema_model if ema else model
@@ -189,6 +190,7 @@ def assert_timms_gradients(ref: torch.nn.Module, ours: torch.nn.Module) -> None:
 @pytest.mark.parametrize(  # every value of each setting, in pairs
     ("amp", "drop", "fused"), [(False, 0.1, True), (False, 0.0, False), (True, 0.1, False), (True, 0.0, True)]
 )
+@pytest.mark.full
 def test_compiled_training_is_timms(fused, drop, amp, fused_attn):
     """``torch.compile`` makes timm's forward and backward graphs of a training step, up to the
     order of independent calls and of a multiply's operands (autograd computes LayerScale's two

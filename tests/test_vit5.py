@@ -309,6 +309,7 @@ def test_filter_resamples_pos_embed_for_another_img_size() -> None:
 @pytest.mark.compat
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.full
 def test_fx_feature_extraction_and_torchscript(dynamic: bool, device: str) -> None:
     torch.manual_seed(0)
     features = tiny(32, dynamic_img_size=dynamic, features_only=True, feature_cls="fx", out_indices=(1,))
