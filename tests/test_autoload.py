@@ -13,7 +13,7 @@ import pytest
 
 from helpers import ROOT
 
-pytestmark = pytest.mark.compat
+pytestmark = [pytest.mark.compat, pytest.mark.full]  # make test leaves this file to make test-full
 
 
 HOOK = "_timm_layerscale_autoload"
@@ -303,7 +303,6 @@ STARTUP_STATE = (
 )
 
 
-@pytest.mark.full
 def test_wheel_ships_startup_files_at_its_root_and_the_package_data(wheel):
     import zipfile
 
@@ -315,7 +314,6 @@ def test_wheel_ships_startup_files_at_its_root_and_the_package_data(wheel):
     assert not any("__pycache__" in n or n.startswith(("tests/", "convert/", "benchmarks/")) for n in names)
 
 
-@pytest.mark.full
 def test_startup_files_installed_and_entry_point_resolves(installed):
     for name, text in STARTUP_FILES.items():
         assert (installed.site_packages / name).read_text() == text
@@ -344,7 +342,6 @@ def test_switch_keeps_hook_out_of_startup(wheel_env, value):
 
 
 @pytest.mark.parametrize("kind", ["wheel", "editable"])
-@pytest.mark.full
 def test_validate_like_run_without_import(kind, timm_runs, reference, project, home, request):
     """timm.create_model by name, with a weights file and from a Hub-style folder."""
     import torch

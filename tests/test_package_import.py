@@ -10,6 +10,8 @@ import pytest
 
 from helpers import ROOT
 
+pytestmark = pytest.mark.full  # make test leaves this file to make test-full
+
 CREATE = "m = timm.create_model('cait_xxs24_224_ls', device='meta'); print(type(m).__name__)"
 #: What each fresh interpreter runs (with ``-W error``), and its environment.
 RUNS = {
@@ -44,7 +46,6 @@ def outputs() -> dict[str, str]:
     return {key: out.strip() for key, ((out, _), _) in done.items()}
 
 
-@pytest.mark.full
 def test_import_loads_neither_torch_nor_timm(outputs):
     assert outputs["neither"] == "False False"
 

@@ -13,6 +13,8 @@ import torch
 from convert.release import PipelineError, main, releases, select
 from test_hub import FakeHub, _point_at
 
+pytestmark = pytest.mark.full  # make test leaves this file to make test-full
+
 ONLY = [
     "cait_xxs24_224",
     "XXS24_384",
@@ -120,7 +122,6 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory):
     return code, out, sources, hub, stdout.getvalue(), stderr.getvalue()
 
 
-@pytest.mark.full
 def test_pipeline_runs_on_after_a_failure_and_exits_1(pipeline) -> None:
     code, out, _, _, stdout, stderr = pipeline
     assert code == 1

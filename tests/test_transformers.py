@@ -18,13 +18,12 @@ from timm_layerscale.errors import CheckpointError, RemapError
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.parity.tolerance import VerifyOptions
 
-pytestmark = pytest.mark.full  # make test leaves this file to make test-full
-
 LABELS = [f"class {i}" for i in range(10)]
 #: One seeded input: what these tests need of an export is its folder and its reload check.
 ONE = VerifyOptions(num_inputs=1)
 
-pytestmark = pytest.mark.usefixtures("few_inputs")  # one seeded image: these tests do not count them
+# make test leaves this file to make test-full; one seeded image: these tests do not count them
+pytestmark = [pytest.mark.full, pytest.mark.usefixtures("few_inputs")]
 
 
 @pytest.fixture(scope="module")
