@@ -186,7 +186,6 @@ def test_fold_features_and_intermediates() -> None:
 
 
 @pytest.mark.compat
-@pytest.mark.full
 def test_timms_file_loads_remapped_and_folded(tmp_path) -> None:
     """A file in timm's layout (as its Hub copies are) through ``pretrained_cfg_overlay``, into the module layout
     and into a ``folded_layerscale`` model."""
