@@ -4,7 +4,8 @@ convolution, features; the authors' files converted to every layout and back; Co
 
 from __future__ import annotations
 
-from typing import Any, cast
+from pathlib import Path
+from typing import Any
 
 import pytest
 import timm
@@ -168,6 +169,24 @@ def test_a_convnext_v2_file_is_not_read_as_convnext() -> None:
     assert not rules.GATE_KEY.fullmatch("stages.0.0.grn.gamma")
 
 
+def _folders(cfg: Any, folder: Path) -> list[Path]:
+    """Seeded ``ConvNextForImageClassification``, ``DINOv3ConvNextModel`` and ``ConvNextModel`` folders (in this
+    order) of the widths and depths of ``cfg`` (a ``ConvNextConfig``), as ``save_pretrained`` writes them."""
+    import transformers
+
+    dinov3 = transformers.DINOv3ConvNextConfig(
+        hidden_sizes=cfg.hidden_sizes, depths=cfg.depths, image_size=cfg.image_size
+    )
+    classes: Any = (
+        transformers.ConvNextForImageClassification,
+        transformers.DINOv3ConvNextModel,
+        transformers.ConvNextModel,
+    )
+    for cls in classes:
+        randomize(cls(dinov3 if "DINO" in cls.__name__ else cfg)).save_pretrained(folder / cls.__name__)
+    return [folder / cls.__name__ for cls in classes]
+
+
 def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys) -> None:
     """``ConvNextForImageClassification`` as ``save_pretrained`` writes it (``convnext.`` keys and a classifier),
     ``DINOv3ConvNextModel`` (``model.stages``) and ``ConvNextModel`` into timm's layout, verified against transformers'
@@ -179,17 +198,9 @@ def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys)
     from timm_layerscale.families.convnext import transformers_config
     from tiny_models import CONVNEXT
 
-    one, cfg = ("--num-inputs", "1"), transformers_config(CONVNEXT, {})
-    dinov3 = transformers.DINOv3ConvNextConfig(hidden_sizes=cfg.hidden_sizes, depths=cfg.depths, image_size=32)
-    for cls in (
-        transformers.ConvNextForImageClassification,
-        transformers.DINOv3ConvNextModel,
-        transformers.ConvNextModel,
-    ):
-        randomize(cast(Any, cls)(dinov3 if "DINO" in cls.__name__ else cfg)).save_pretrained(
-            hf := tmp_path / cls.__name__
-        )
-        code, out, err = cli(capsys, "convert", hf, ls := tmp_path / f"{cls.__name__}.safetensors", *one)
+    one = ("--num-inputs", "1")
+    for hf in _folders(transformers_config(CONVNEXT, {}), tmp_path):
+        code, out, err = cli(capsys, "convert", hf, ls := tmp_path / f"{hf.name}.safetensors", *one)
         assert code == 0 and "(transformers layout)" in out and "another library" in out and "PASS" in out, err
     code, _, err = cli(capsys, "convert", tmp_path / "ConvNextForImageClassification.safetensors",
                        tmp_path / "no.safetensors", "--to", "transformers", "--no-verify")  # fmt: skip
@@ -214,21 +225,12 @@ def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys)
 def test_real_size_transformers_folders_convert_bit_exactly_both_ways(tmp_path, capsys) -> None:
     """``convnext_tiny``'s ``ConvNextForImageClassification``, ``DINOv3ConvNextModel`` and ``ConvNextModel`` folders into
     timm's layout and the backbone back, each against transformers' own model: bit-exact on seeded weights."""
-    import transformers
 
     from timm_layerscale.families.convnext import transformers_config
 
-    cfg, one = transformers_config(get_variant("convnext_tiny_ls"), {}), ("--num-inputs", "1")
-    dinov3 = transformers.DINOv3ConvNextConfig(hidden_sizes=cfg.hidden_sizes, depths=cfg.depths)
-    for cls in (
-        transformers.ConvNextForImageClassification,
-        transformers.DINOv3ConvNextModel,
-        transformers.ConvNextModel,
-    ):
-        randomize(cast(Any, cls)(dinov3 if "DINO" in cls.__name__ else cfg)).save_pretrained(
-            hf := tmp_path / cls.__name__
-        )
-        code, out, err = cli(capsys, "convert", hf, ls := tmp_path / f"{cls.__name__}.safetensors", *one)
+    one = ("--num-inputs", "1")
+    for hf in _folders(transformers_config(get_variant("convnext_tiny_ls"), {}), tmp_path):
+        code, out, err = cli(capsys, "convert", hf, ls := tmp_path / f"{hf.name}.safetensors", *one)
         assert code == 0 and "PASS (bit-exact)" in out and "transformers/convnext_tiny" in out, err
     code, out, err = cli(capsys, "convert", ls, tmp_path / "back.safetensors", "--to", "transformers", *one)
     assert code == 0 and "PASS (bit-exact)" in out, err
