@@ -5,9 +5,10 @@ but for the 7B, SwiGLU ``w1``/``w2``/``w3``, ``rope_embed.periods``, the 7B's ``
 time: ``vit_huge_plus_patch16_dinov3`` (about 1.7 GB) and ``vit_7b_patch16_dinov3`` (about 13.4 GB). Then, for
 each, runs ``python -c "import torch"`` and the conversion to the module layout ``--repeats`` times in turn, each in
 a fresh process, and measures wall time and peak anonymous memory (``RssAnon``: a mapped source's pages are the
-page cache's). Target: the conversion's peak at most ``import torch``'s + 256 MiB for both sizes. Last, the 7B
-converted with verification: where the machine has less memory than its two fp32 models need, one line and exit
-2 before anything is built. ``--quick`` measures the huge model only, once.
+page cache's), and prints one more run's phases (``--json``). Target: the conversion's peak at most ``import
+torch``'s + 256 MiB for both sizes. Last, the 7B converted with verification: where the machine has less memory
+than its two fp32 models need, one line and exit 2 before anything is built. ``--quick`` measures the huge model
+only, once.
 
 Usage::
 
@@ -79,7 +80,7 @@ def main(argv: list[str]) -> int:
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_convert_7b-", dir=args.workdir))
-    python, rows, met, refusal = sys.executable, [], [], ""
+    python, rows, met, refusal, phases = sys.executable, [], [], "", {}
     try:
         for name in models:
             src, out = work / f"{name}.safetensors", work / "out.safetensors"
@@ -97,6 +98,8 @@ def main(argv: list[str]) -> int:
             met.append(r[convert] <= r[torch_] + 256)
             size = src.stat().st_size / 1e9
             rows += [f"| {name} | {size:.1f} | {c} | {w[c]:.1f} | {r[c]:.0f} |" for c in commands]
+            once = subprocess.run([*commands[convert], "--json", "-q"], env=env, capture_output=True, check=True)
+            phases[name] = json.loads(once.stdout)["phases"]  # one more run's, for where the time goes
             if "7b" in name:
                 out.unlink(missing_ok=True)
                 done = subprocess.run(
@@ -119,6 +122,10 @@ def main(argv: list[str]) -> int:
         f"target: the conversion's peak RssAnon at most `import torch`'s + 256 MiB for every size: "
         f"{'met' if all(met[: len(models)]) else 'NOT met'}",
     ]
+    names = list(next(iter(phases.values()), {}))
+    lines += ["", "Phases of one more conversion of each (`--json`, seconds):", ""]
+    lines += ["| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines += [f"| {m} | " + " | ".join(f"{p[k]:.2f}" for k in names) + " |" for m, p in phases.items()]
     if refusal:
         lines += ["", f"the 7B with verification, on this machine: {refusal}"]
     print("\n".join(lines))

@@ -148,10 +148,16 @@ def test_convert_json(official, tmp_path, capsys):
     rep = res["report"]
     assert rep["bit_exact"] is True and rep["passed"] is True and rep["max_abs_diff"] == 0
     assert {"max_rel_diff", "cosine_min", "top1_agreement", "top5_agreement", "dtype", "attention"} <= set(rep)
+    # each phase's wall seconds, together within the conversion's; the models' as the report has them
+    phases = res["phases"]
+    assert list(phases) == ["read", "rules", "reference", "converted model", "write", "weight check"], phases
+    assert all(t >= 0 for t in phases.values()) and sum(phases.values()) <= res["seconds"] + 0.01
+    assert rep["seconds"] == {k: phases[k] for k in ("reference", "converted model")} and phases["reference"] > 0
 
     code, stdout, _ = cli(capsys, "convert", out, tmp_path / "g.pth", "--to", "gamma", "--no-verify", "--json")
     res = json.loads(stdout)
     assert code == 0 and res["report"] is None and res["target_layout"] == "official"
+    assert list(res["phases"]) == ["read", "rules", "write"]
     assert res["note"] == "'gamma' is a word of one release: wrote CaiT's official layout; pass --to official"
     assert res["container"] == "{'model': {'module.' + key: tensor}}"
     assert "ls1.gamma" not in str(list(torch.load(tmp_path / "g.pth", weights_only=True)["model"]))

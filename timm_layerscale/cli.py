@@ -190,6 +190,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
         "container": res.container,
         "note": res.note or None,
         "seconds": round(res.seconds, 3),
+        "phases": res.phases,
         "metadata": res.metadata,
         "report": res.report.to_dict() if res.report else None,
     }

@@ -132,7 +132,9 @@ class ConversionResult:
     SHA-256, both layouts, the safetensors metadata, the parity report (``None`` unverified), wall seconds, a
     command line that reproduces it, the container, the tensors written, the keys renamed (source and written
     names, block numbers as ``N``), the tensors dropped, taken apart or synthesised with their proofs
-    (:func:`~timm_layerscale.conversion.rules.describe_changes`) and the line saying which layout ``gamma`` named.
+    (:func:`~timm_layerscale.conversion.rules.describe_changes`), the line saying which layout ``gamma`` named, and
+    the wall seconds of each phase (``read``, ``rules``, ``reference``, ``converted model``, ``write``, ``weight
+    check``; ``write`` includes waiting for the source's SHA-256).
     """
 
     output: Path
@@ -152,6 +154,7 @@ class ConversionResult:
     renamed: list[tuple[str, str]] = field(default_factory=list, repr=False)
     changed: str = ""
     note: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def target_layout(variant: Variant, to: str, fmt: str, plain: bool = False) -> tuple[Layout, str]:
@@ -252,7 +255,13 @@ def convert_checkpoint(
         ParityError: The converted model does not match the reference, or the written file the source (nothing
             written).
     """
-    t0 = time.perf_counter()
+    phases: dict[str, float] = {}
+    clock = [t0 := time.perf_counter()]
+
+    def lap(phase: str) -> None:  # the seconds since the previous lap, added to ``phase``
+        phases[phase] = round(phases.get(phase, 0.0) + time.perf_counter() - clock[0], 3)
+        clock[0] = time.perf_counter()
+
     fmt = output_format(output, fmt)
     if to not in LAYOUT_NAMES:
         raise LayerScaleError(f"unknown target layout {to!r}; use one of: {', '.join(LAYOUT_NAMES)}")
@@ -266,6 +275,7 @@ def convert_checkpoint(
     torch_dtype = parse_dtype(dtype) if dtype else None
     src = source if isinstance(source, Source) else read_source(source, model=model, ema=ema)
     variant, args = src.detection.variant, src.detection.overrides
+    lap("read")
     layout, note = target_layout(variant, to, fmt, plain)
     if layout.wrapper and fmt != "pth":
         raise CheckpointError(
@@ -298,6 +308,7 @@ def convert_checkpoint(
             f"which the cast makes Inf; {wider}leave out {option('dtype', dtype)}"
         )
     report = None
+    lap("rules")
     if verify:
         report = verify_outputs(
             src.detection,
@@ -311,6 +322,8 @@ def convert_checkpoint(
         )
         if not report.passed:
             raise _failed(report)
+        phases.update(report.seconds)
+        clock[0] = time.perf_counter()
     metadata = {
         "format": "pt",
         "source_file": src.path.name,
@@ -334,7 +347,9 @@ def convert_checkpoint(
     def check(written: Path) -> None:  # the written file, before it is put in place
         metadata["source_sha256"] = digest.result()
         if report is not None:
+            lap("write")
             _check_written(written, src, layout, fold, torch_dtype, report)
+            lap("weight check")
 
     if fmt == "pth":
         src.check()
@@ -344,6 +359,7 @@ def convert_checkpoint(
         save_safetensors(
             output, target, metadata, overwrite=overwrite, dtype=torch_dtype, keep=keep, late_metadata=late, check=check
         )
+    lap("write")
     command = command_line(
         ("timm-layerscale", "convert", public_source(src.given), output), options if verify else None,
         model=model, to=None if to == "ls" else to, dtype=dtype, overwrite=overwrite or None, no_verify=not verify,
@@ -355,6 +371,7 @@ def convert_checkpoint(
         src.detection.layout.name, layout.name, metadata, report, time.perf_counter() - t0, command,
         container=layout.container if fmt == "pth" else "state dict", state_dict=target,
         renamed=renamed_keys(changes, write_changes), changed=describe_changes([*changes, *write_changes]), note=note,
+        phases=phases,
     )  # fmt: skip
 
 

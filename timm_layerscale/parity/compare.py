@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -55,6 +56,7 @@ class ParityReport:
             compared); how many. ``dropped``: the source's keys the conversion drops or takes apart, by name.
         passed: The outputs are within the tolerance and the weights equal (where compared).
         compute_dtype, versions: What both models computed in; this package's, timm's, torch's, Python's versions.
+        seconds: Wall seconds of each model's forward passes (``reference``, ``converted model``; verify adds loading).
     """
 
     reference: str
@@ -80,6 +82,7 @@ class ParityReport:
     dropped: str = ""
     compute_dtype: str = "float32"
     versions: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def add_weights(self, equal: bool, compared: int, dropped: str = "") -> None:
         """Record the weight comparison: every one of ``compared`` tensors equal, or not (the check then fails), and
@@ -218,11 +221,13 @@ def compare_models(
     p = next(reference.parameters())
     dtype, device = p.dtype, p.device
     groups = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    outs_ref, outs = [], []
+    outs_ref, outs, seconds = [], [], [0.0, 0.0]
     for chunk in (progress or iter)([c for g in groups for c in g.split(batch_size)]):
-        x = chunk.to(device=device, dtype=dtype)
+        x, t0 = chunk.to(device=device, dtype=dtype), time.perf_counter()
         outs_ref.append(forward(reference, x).float().cpu())
+        t1 = time.perf_counter()
         outs.append(forward(model, x).float().cpu())
+        seconds = [seconds[0] + t1 - t0, seconds[1] + time.perf_counter() - t1]
     for a, b in zip(outs_ref, outs, strict=True):
         if a.shape != b.shape:
             raise ValueError(f"output shapes differ: reference {tuple(a.shape)}, converted {tuple(b.shape)}")
@@ -270,4 +275,5 @@ def compare_models(
         tolerance_reason=tolerance.reason,
         compute_dtype=str(dtype).replace("torch.", ""),
         versions=versions(),
+        seconds={"reference": seconds[0], "converted model": seconds[1]},
     )

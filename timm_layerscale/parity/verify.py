@@ -3,6 +3,7 @@ converted ones, each through the loader native to its layout (:mod:`.references`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -63,8 +64,11 @@ def verify_outputs(
         )
     variant, family, overrides = source.variant, source.variant.family, source.overrides
     _check_memory(variant.name, sum(t.numel() for t in source_tensors.values()))
+    t0 = time.perf_counter()
     ref = load_model(variant, source.layout, source_tensors, dtype=dtype, **(args or overrides))
+    t1 = time.perf_counter()
     out = load_model(variant, layout, converted, folded=folded, **cast(dict[str, Any], overrides))
+    loading = {"reference": t1 - t0, "converted model": time.perf_counter() - t1}
     if not any(getattr(m, "fused_attn", False) for m in ref.modules()):  # a reference that attends by hand
         for m in out.modules():
             if hasattr(m, "fused_attn"):
@@ -89,7 +93,7 @@ def verify_outputs(
         at += f", {options.num_inputs} more (seed {options.seed + 1}) at {wide[0]}x{wide[1]}"
     tokens, independent = family.tokens, source.layout.library or layout.library
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
-    return compare_models(
+    report = compare_models(
         ref,
         out,
         groups,
@@ -103,3 +107,5 @@ def verify_outputs(
         forward=(lambda m, x: cast(Any, m).forward_features(x)) if tokens else None,
         progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
     )
+    report.seconds = {k: round(v + loading[k], 3) for k, v in report.seconds.items()}
+    return report
