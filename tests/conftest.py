@@ -13,6 +13,7 @@ atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = os.path.join(_HOME, "hf")
 os.environ["TORCH_HOME"] = os.path.join(_HOME, "torch")
+os.environ["TIMM_LAYERSCALE_CACHE"] = os.path.join(_HOME, "cache")  # the shape table
 os.environ.setdefault("TIMM_LAYERSCALE_AUTOLOAD", "1")
 
 from pathlib import Path  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,28 @@ def test_conversion_without_verification_runs_no_model(official, tmp_path, capsy
 
     monkeypatch.setattr(references, "build_loaded", refused)
     assert cli(capsys, "convert", official, tmp_path / "x.safetensors", "--no-verify")[0] == 0
+
+
+def test_no_timm_once_the_shape_table_holds_the_variant(official, tmp_path, monkeypatch):
+    """A conversion without verification reads the registered model's shapes from the shape table: the first run
+    (in a fresh table) builds them with timm, a second imports no timm and writes the same file; the table's name
+    changes with the package's source."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    from timm_layerscale import families
+
+    monkeypatch.setenv("TIMM_LAYERSCALE_CACHE", str(tmp_path / "cache"))
+    run = "import sys; from timm_layerscale.cli import main; main(sys.argv[1:]); print('timm' in sys.modules)"
+    outs = [tmp_path / "cold.safetensors", tmp_path / "warm.safetensors"]
+    for out, imported in zip(outs, ("True", "False"), strict=True):
+        done = subprocess.run([sys.executable, "-c", run, "convert", str(official), str(out), "--no-verify", "-q"],
+                              cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.split()[-1] == imported, done.stderr
+    assert read(outs[0])[0].keys() == read(outs[1])[0].keys() and sha256(outs[0]) == sha256(outs[1])
+    table = families.shape_table()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [table.name]
+    source = Path(families.__file__)
+    monkeypatch.setattr(Path, "stat", lambda p, **k: os.stat_result((0,) * 10) if p == source else os.stat(p, **k))
+    assert families.shape_table() != table

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
+import json
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ArchitectureError, RemapError, option
@@ -224,19 +228,53 @@ def state_dict_shapes(
     variant: Variant, num_classes: int | None = None, img_size: int | None = None
 ) -> dict[str, tuple[int, ...]]:
     """Keys and shapes of the state dict of ``variant``'s registered model (the ``ls`` layout) with ``num_classes``
-    outputs (default 1000, 0: none) at ``img_size`` (default the variant's), built on the meta device."""
+    outputs (default 1000, 0: none) at ``img_size`` (default the variant's), built on the meta device once and kept
+    in a shape table on disk (:func:`shape_table`), so that a conversion without verification imports no timm."""
     return dict(_shapes(variant, num_classes, img_size))
+
+
+def shape_table() -> Path:
+    """The shape table's file: one per version of this package's source (its files' sizes and times), timm and
+    torch, in ``$TIMM_LAYERSCALE_CACHE`` (default ``~/.cache/timm-layerscale``); a table that cannot be read or
+    written is rebuilt or skipped, never trusted half."""
+    from importlib.metadata import version
+
+    files = sorted(Path(__file__).parents[1].rglob("*.py"))
+    stamp = "\n".join(
+        [*(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files), version("timm"), version("torch")]
+    )
+    root = os.environ.get("TIMM_LAYERSCALE_CACHE") or os.path.expanduser("~/.cache/timm-layerscale")
+    return Path(root) / f"shapes-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
+
+
+def _read_table(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return {}
 
 
 @functools.lru_cache(maxsize=256)
 def _shapes(variant: Variant, num_classes: int | None, img_size: int | None) -> dict[str, tuple[int, ...]]:
+    path, key = shape_table(), f"{variant.name}/{num_classes}/{img_size}"
+    if key in (table := _read_table(path)):
+        return {k: tuple(s) for k, s in table[key].items()}
     import timm
     import torch
 
     args: dict[str, Any] = {k: v for k, v in (("num_classes", num_classes), ("img_size", img_size)) if v is not None}
     with torch.device("meta"):
         model = timm.create_model(variant.name, **args)
-    return {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    try:  # written whole under another name, then renamed: a reader sees the old table or the new one
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (tmp := path.with_name(f"{path.name}.{os.getpid()}.tmp")).write_text(
+            json.dumps({**_read_table(path), key: shapes})
+        )
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: the shapes are built in each process
+    return shapes
 
 
 def get_family(name: str | Family) -> Family:

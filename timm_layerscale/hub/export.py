@@ -177,23 +177,12 @@ def _placeholder_repo_id(name: str) -> str:
 
 
 def export_folder(
-    source: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    model: str | None = None,
-    overwrite: bool = False,
-    push_to_hub: str | None = None,
-    ema: bool = False,
-    options: Any = None,
-    private: bool = False,
-    commit_message: str | None = None,
-    repo_id: str | None = None,
-    plot: bool = True,
-    command: str | None = None,
-    to: str = "ls",
-    label_names: Sequence[str] | str | os.PathLike[str] | None = None,
+    source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, model: str | None = None,
+    overwrite: bool = False, push_to_hub: str | None = None, ema: bool = False, options: Any = None,
+    private: bool = False, commit_message: str | None = None, repo_id: str | None = None, plot: bool = True,
+    command: str | None = None, to: str = "ls", label_names: Sequence[str] | str | os.PathLike[str] | None = None,
     tag: str | None = None,
-) -> ExportResult:
+) -> ExportResult:  # fmt: skip
     """Convert and verify a checkpoint into a folder that timm and transformers load, and optionally upload it.
 
     The files are built in a hidden folder beside ``out_dir``, loaded back with
@@ -288,23 +277,15 @@ def export_folder(
         card.save(tmp / CARD_NAME)
     out = folder  # the folder itself, through links and ``..``
     conv.output, conv.state_dict = out / WEIGHTS_NAME, {}
-    result = ExportResult(
-        folder=out,
-        files=sorted(p for p in out.iterdir() if p.is_file()),
-        conversion=conv,
-        repo_id=repo,
-        num_params=num_params,
-        architecture=architecture,
-        push_command=command_line(
-            ("timm-layerscale", "push", out, push_to_hub or repo), private=private, commit_message=commit_message
-        ),
-        plot=out / PLOT_NAME if plot_path else None,
-        plot_note=plot_note,
-        gates=gates,
-        note=f"{ALIAS!r} is a word of one release: wrote timm's own {architecture}; pass --to timm"
-        if to == ALIAS
-        else "",
+    push = command_line(
+        ("timm-layerscale", "push", out, push_to_hub or repo), private=private, commit_message=commit_message
     )
+    note = f"{ALIAS!r} is a word of one release: wrote timm's own {architecture}; pass --to timm"
+    result = ExportResult(
+        folder=out, files=sorted(p for p in out.iterdir() if p.is_file()), conversion=conv, repo_id=repo,
+        num_params=num_params, architecture=architecture, push_command=push, plot_note=plot_note, gates=gates,
+        plot=out / PLOT_NAME if plot_path else None, note=note if to == ALIAS else "",
+    )  # fmt: skip
     if push_to_hub:
         try:
             result.push = push_folder(out, push_to_hub, private=private, commit_message=commit_message)

@@ -152,15 +152,10 @@ def push_folder(
             f"{path / CONFIG_NAME} is not a timm config (JSON naming its 'architecture'); export the folder again with: {export} --overwrite"
         )
     plan = PushResult(
-        repo_id=repo_id,
-        folder=path,
-        files=files,
+        repo_id=repo_id, folder=path, files=files, private=private, create_pr=create_pr, endpoint=constants.ENDPOINT,
         commit_message=commit_message or f"Upload {arch} weights (timm-layerscale {__version__})",
-        private=private,
         revision=None if revision in (None, "main") else revision,
-        create_pr=create_pr,
-        endpoint=constants.ENDPOINT,
-    )
+    )  # fmt: skip
     if dry_run:
         return plan
     from huggingface_hub import HfApi

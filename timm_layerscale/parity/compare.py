@@ -255,25 +255,11 @@ def compare_models(
     if attention_path(model) != attn:
         attn = f"reference: {attn}; converted: {attention_path(model)}"
     return ParityReport(
-        reference=reference_name,
-        model=model_name,
-        family=family,
-        inputs=inputs_desc,
-        num_inputs=sum(int(g.shape[0]) for g in groups),
-        dtype=weights_dtype or str(dtype).replace("torch.", ""),
-        device=str(device),
-        attention=attn,
-        max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
-        max_rel_diff=float(rel.max()) if rel.numel() else 0.0,
-        cosine_min=float(cos.min()),
-        top1_agreement=top1,
-        top5_agreement=top5,
-        bit_exact=bit_exact,
-        atol=float(tolerance.atol),
-        rtol=float(tolerance.rtol),
-        passed=passed,
-        tolerance_reason=tolerance.reason,
-        compute_dtype=str(dtype).replace("torch.", ""),
-        versions=versions(),
-        seconds={"reference": seconds[0], "converted model": seconds[1]},
-    )
+        reference=reference_name, model=model_name, family=family, inputs=inputs_desc,
+        num_inputs=sum(int(g.shape[0]) for g in groups), dtype=weights_dtype or str(dtype).replace("torch.", ""),
+        device=str(device), attention=attn, max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
+        max_rel_diff=float(rel.max()) if rel.numel() else 0.0, cosine_min=float(cos.min()), top1_agreement=top1,
+        top5_agreement=top5, bit_exact=bit_exact, atol=float(tolerance.atol), rtol=float(tolerance.rtol),
+        passed=passed, tolerance_reason=tolerance.reason, compute_dtype=str(dtype).replace("torch.", ""),
+        versions=versions(), seconds={"reference": seconds[0], "converted model": seconds[1]},
+    )  # fmt: skip

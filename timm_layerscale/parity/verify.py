@@ -94,18 +94,13 @@ def verify_outputs(
     tokens, independent = family.tokens, source.layout.library or layout.library
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
     report = compare_models(
-        ref,
-        out,
-        groups,
-        reference_name=model_name(variant, source.layout),
-        model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""),
-        family=family.name,
+        ref, out, groups, reference_name=model_name(variant, source.layout),
+        model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""), family=family.name,
         inputs_desc=" + ".join(parts) + at + (", forward_features tokens" if tokens else ""),
-        batch_size=options.batch_size,
+        batch_size=options.batch_size, weights_dtype=str(weights).removeprefix("torch."),
         tolerance=resolve_tolerance(variant, weights, options, folded=folded, independent=independent),
-        weights_dtype=str(weights).removeprefix("torch."),
         forward=(lambda m, x: cast(Any, m).forward_features(x)) if tokens else None,
         progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
-    )
+    )  # fmt: skip
     report.seconds = {k: round(v + loading[k], 3) for k, v in report.seconds.items()}
     return report
