@@ -229,7 +229,7 @@ def state_dict_shapes(
 ) -> dict[str, tuple[int, ...]]:
     """Keys and shapes of the state dict of ``variant``'s registered model (the ``ls`` layout) with ``num_classes``
     outputs (default 1000, 0: none) at ``img_size`` (default the variant's), built on the meta device once and kept
-    in a shape table on disk (:func:`shape_table`), so that a conversion without verification imports no timm."""
+    in a shape table on disk (``shape_table()``), so that a conversion without verification imports no timm."""
     return dict(_shapes(variant, num_classes, img_size))
 
 
