@@ -239,10 +239,8 @@ def shape_table() -> Path:
     written is rebuilt or skipped, never trusted half."""
     from importlib.metadata import version
 
-    files = sorted(Path(__file__).parents[1].rglob("*.py"))
-    stamp = "\n".join(
-        [*(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files), version("timm"), version("torch")]
-    )
+    files = [(f, f.stat()) for f in sorted(Path(__file__).parents[1].rglob("*.py"))]
+    stamp = "\n".join([*(f"{f}:{s.st_size}:{s.st_mtime_ns}" for f, s in files), version("timm"), version("torch")])
     root = os.environ.get("TIMM_LAYERSCALE_CACHE") or os.path.expanduser("~/.cache/timm-layerscale")
     return Path(root) / f"shapes-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
