@@ -123,9 +123,9 @@ class Net:
 
     def reference(self, family: str, name: str) -> torch.nn.Module:
         """timm's reference model (``cait_*``, ``deit3_*``) on the official file, loaded from the zip."""
-        from timm_layerscale.files.read import read_state_dict
+        from timm_layerscale.files.read import read_checkpoint
 
-        return load_model(name, "gamma", read_state_dict(self.workdir / f"{family}.pth")[1]).to(DEVICE)
+        return load_model(name, "gamma", read_checkpoint(self.workdir / f"{family}.pth")[1]).to(DEVICE)
 
     def from_file(self, name: str, file: Path, **kwargs: Any) -> torch.nn.Module:
         overlay = dict(file=str(file))
@@ -210,9 +210,9 @@ class Net:
     def vit5_autocast(self) -> None:
         """ViT-5 against its reference under bf16 and fp16 autocast, within the independent bound of that dtype."""
         from timm_layerscale.conversion.rules import to_layerscale
-        from timm_layerscale.files.read import read_state_dict
+        from timm_layerscale.files.read import read_checkpoint
 
-        sd = read_state_dict(self.workdir / "vit5.pth")[1]
+        sd = read_checkpoint(self.workdir / "vit5.pth")[1]
         ref = load_model(VIT5, "gamma", sd).to(DEVICE)
         model = load_model(VIT5, "ls", to_layerscale(sd, "vit5")).to(DEVICE)
         for m in model.modules():  # the reference attends by hand

@@ -672,7 +672,7 @@ def test_inspect_never_replaces_a_plot_without_overwrite(official, tmp_path, cap
         read.append(args)
         return {}
 
-    monkeypatch.setattr("timm_layerscale.files.read.read_state_dict", load)
+    monkeypatch.setattr("timm_layerscale.files.read.read_checkpoint", load)
     code, out, err = cli(capsys, "inspect", official, "--plot", plot)
     assert_one_line_error(code, out, err, f"output {plot} exists; pass --overwrite to replace it", stdout="")
     assert plot.read_bytes() == b"kept" and read == []  # refused before the checkpoint is read
@@ -829,7 +829,7 @@ def test_a_failure_after_reading_exits_without_waiting_for_the_checksums(officia
     """The source's checksums run in the background; a command that fails meanwhile exits at once."""
     script = (
         "import sys, time\nfrom timm_layerscale import cli, converter\n"
-        "converter.check_checksums = lambda path: time.sleep(900)\n"
+        "converter.scan_file = lambda path: time.sleep(900)\n"
         f"sys.exit(cli.main(['convert', {str(official)!r}, {str(tmp_path / 'out.safetensors')!r}, "
         "'--model', 'cait_s24_224_ls']))"
     )

@@ -653,8 +653,6 @@ def test_a_pushed_folder_loads_from_the_hub_as_its_card_and_summary_say(
 def test_export_files_config_and_metadata(exported) -> None:
     from safetensors import safe_open
 
-    from timm_layerscale.files.read import sha256_file
-
     result, _, _, source = exported
     names = sorted(p.name for p in result.folder.iterdir())
     assert names == ["README.md", "config.json", "gates.png", "model.safetensors"] or (
@@ -665,7 +663,7 @@ def test_export_files_config_and_metadata(exported) -> None:
         assert any(k.endswith("ls1.gamma") for k in f.keys())  # noqa: SIM118  (safe_open has no __iter__)
         assert not any("gamma_1" in k for k in f.keys())  # noqa: SIM118
     assert meta["format"] == "pt"
-    assert meta["source_sha256"] == sha256_file(source)
+    assert meta["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
     assert meta["architecture"] == "cait_xxs24_224_ls"
     config = json.loads((result.folder / "config.json").read_text())
     assert config["architecture"] == "cait_xxs24_224_ls"

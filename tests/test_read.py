@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from safetensors.torch import save_file
 
 from helpers import assert_same_tensors, damage_inside, header_bytes, make_tensor, mixed_state_dict
 from timm_layerscale.errors import CheckpointError
-from timm_layerscale.files.read import check_checksums, check_finite, load_checkpoint, parse_dtype
+from timm_layerscale.files.read import check_finite, load_checkpoint, parse_dtype, scan_file
 
 
 @pytest.mark.compat
@@ -110,11 +112,29 @@ def test_checksums_find_a_file_damaged_inside(tmp_path):
     torch.save({"w": w}, tmp_path / "damaged.pth")
     damage_inside(tmp_path / "damaged.pth", w, 64)
     assert torch.load(tmp_path / "damaged.pth", weights_only=True)["w"].count_nonzero() < w.numel()  # torch loads it
-    check_checksums(tmp_path / "good.pth")
+    scan_file(tmp_path / "good.pth", digest=False)
     with pytest.raises(CheckpointError, match=r"damaged.pth is corrupt \(Bad CRC-32 for file '.*data/0'\); download"):
-        check_checksums(tmp_path / "damaged.pth")
+        scan_file(tmp_path / "damaged.pth", digest=False)
     save_file({"w": w}, str(tmp_path / "w.safetensors"))
-    check_checksums(tmp_path / "w.safetensors")  # no checksums to check
+    scan_file(tmp_path / "w.safetensors", digest=False)  # no checksums to check
+    for name in ("good.pth", "w.safetensors"):  # one pass gives the digest too
+        assert scan_file(tmp_path / name) == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+    with pytest.raises(CheckpointError, match=r"damaged.pth is corrupt \(Bad CRC-32 for file '.*data/0'\)"):
+        scan_file(tmp_path / "damaged.pth")
+
+
+def test_checksums_of_compressed_records(tmp_path):
+    """A zip whose records are compressed (torch writes none) is checked through zipfile: damage is found."""
+    with zipfile.ZipFile(tmp_path / "z.pth", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data/0", bytes(range(256)) * 64)
+    scan_file(tmp_path / "z.pth", digest=False)
+    data = bytearray((tmp_path / "z.pth").read_bytes())
+    with zipfile.ZipFile(tmp_path / "z.pth") as z:
+        info = z.infolist()[0]
+    data[info.header_offset + 30 + len(info.filename) + 2] ^= 1  # a byte inside the compressed stream
+    (tmp_path / "bad.pth").write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"bad\.pth is corrupt"):
+        scan_file(tmp_path / "bad.pth", digest=False)
 
 
 def test_checksums_skip_records_saved_without_one(tmp_path):
@@ -124,7 +144,7 @@ def test_checksums_skip_records_saved_without_one(tmp_path):
         torch.save({"w": make_tensor((8, 8), torch.float32)}, tmp_path / "nocrc.pth")
     finally:
         save.compute_crc32 = True
-    check_checksums(tmp_path / "nocrc.pth")
+    scan_file(tmp_path / "nocrc.pth", digest=False)
 
 
 class _Payload:

@@ -25,15 +25,7 @@ from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityE
 from .families import ALIAS, LAYOUT_NAMES, Layout, Variant, get_variant
 from .families.loaders import read_config
 from .files.atomic import output_path
-from .files.read import (
-    check_checksums,
-    check_finite,
-    load_checkpoint,
-    nonfinite_tensors,
-    parse_dtype,
-    read_checkpoint,
-    sha256_file,
-)
+from .files.read import check_finite, load_checkpoint, nonfinite_tensors, parse_dtype, read_checkpoint, scan_file
 from .files.save import output_format, save_pth, save_safetensors
 from .files.sources import public_source, source_config
 from .options import command_line
@@ -64,22 +56,23 @@ class Source:
     """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped, prefix-free,
     in their own layout, memory-mapped), their :class:`~timm_layerscale.conversion.detect.Detection`, whether they
     were found finite, the zip checksums being checked in a thread, whether ``'model_ema'`` was read, the
-    ``config.json`` beside the weights (a folder's, a Hub repository's) and for a transformers folder its config."""
+    ``config.json`` beside the weights (a folder's, a Hub repository's) and for a transformers folder its config.
+    ``intact`` computes the file's SHA-256 in a thread, its zip checksums checked in the same pass."""
 
     given: str
     path: Path
     state_dict: dict[str, torch.Tensor]
     detection: Detection
     finite: bool = False
-    intact: Future[None] | None = None
+    intact: Future[str] | None = None
     ema: bool = False
     config_file: Path | None = None
     config: Any = None
 
-    def check(self) -> None:
-        """Wait for the zip checksums; a :class:`~timm_layerscale.errors.CheckpointError` if one fails."""
-        if self.intact is not None:
-            self.intact.result()
+    def check(self) -> str:
+        """Wait for the zip checksums and return the file's SHA-256 (``''`` for no file); a
+        :class:`~timm_layerscale.errors.CheckpointError` if a checksum fails."""
+        return "" if self.intact is None else self.intact.result()
 
     @property
     def args(self) -> dict[str, Any]:
@@ -100,7 +93,7 @@ def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema
     if model:
         get_variant(model)  # a wrong name is the caller's mistake, not the file's
     path, sd, container = read_checkpoint(source, ema, checksums=False)
-    intact = _background(check_checksums, path)
+    intact = _background(scan_file, path)
     try:
         file, config = source_config(source), None
         try:
@@ -134,7 +127,7 @@ class ConversionResult:
     names, block numbers as ``N``), the tensors dropped, taken apart or synthesised with their proofs
     (:func:`~timm_layerscale.conversion.rules.describe_changes`), the line saying which layout ``gamma`` named, and
     the wall seconds of each phase (``read``, ``rules``, ``reference``, ``converted model``, ``write``, ``weight
-    check``; ``write`` includes waiting for the source's SHA-256).
+    check``; ``write`` includes waiting for the source's SHA-256 and checksums).
     """
 
     output: Path
@@ -284,7 +277,6 @@ def convert_checkpoint(
         )
     if target_file.exists() and target_file.samefile(src.path):  # replacing it would lose the source
         raise CheckpointError(f"output {output} is the source file itself; choose another output path")
-    digest = _background(sha256_file, src.path)
     if not allow_nonfinite and not src.finite:
         advice = f"check the source checkpoint, or pass {option('allow_nonfinite')} to convert anyway"
         try:
@@ -311,15 +303,9 @@ def convert_checkpoint(
     lap("rules")
     if verify:
         report = verify_outputs(
-            src.detection,
-            src.state_dict,
-            target,
-            layout,
-            dtype=torch_dtype,
-            folded=fold,
-            options=options,
+            src.detection, src.state_dict, target, layout, dtype=torch_dtype, folded=fold, options=options,
             args=src.args,
-        )
+        )  # fmt: skip
         if not report.passed:
             raise _failed(report)
         phases.update(report.seconds)
@@ -341,11 +327,10 @@ def convert_checkpoint(
     }
 
     def late() -> dict[str, str]:  # once the tensors are written, before the output is put in place
-        src.check()
-        return {"source_sha256": digest.result()}
+        return {"source_sha256": src.check()}
 
     def check(written: Path) -> None:  # the written file, before it is put in place
-        metadata["source_sha256"] = digest.result()
+        metadata["source_sha256"] = src.check()
         if report is not None:
             lap("write")
             _check_written(written, src, layout, fold, torch_dtype, report)

@@ -58,10 +58,7 @@ def _stage_order(stage: str) -> tuple[Any, ...]:
 
 
 def gate_profile(
-    source: str | os.PathLike[str] | Mapping[str, Any],
-    *,
-    model: str | None = None,
-    ema: bool = False,
+    source: str | os.PathLike[str] | Mapping[str, Any], *, model: str | None = None, ema: bool = False
 ) -> list[dict[str, Any]]:
     """The :func:`gate_rows` of a checkpoint file, an exported folder, an ``https://`` URL, ``hf-hub:`` id or a
     state dict (wrapped or not, prefixed or not); ``ema`` reads a training checkpoint's ``'model_ema'``.
@@ -70,12 +67,12 @@ def gate_profile(
         LayerScaleError: The checkpoint cannot be read, holds no gates, or its gates do not fit ``model``.
     """
     from .conversion.checkpoint import state_dict_of
-    from .files.read import read_state_dict
+    from .files.read import read_checkpoint
     from .files.sources import public_source
 
     if isinstance(source, Mapping):
         return gate_rows(state_dict_of(source, ema), model=model)
-    return gate_rows(read_state_dict(source, ema)[1], model=model, where=public_source(source))
+    return gate_rows(read_checkpoint(source, ema)[1], model=model, where=public_source(source))
 
 
 def conversion_plan(

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import mmap
 import os
 import re
 import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,8 @@ from .atomic import check_name
 from .hub_errors import one_line
 from .sources import resolve_source
 
-__all__ = ["check_checksums", "check_finite", "load_checkpoint", "nonfinite_tensors", "parse_dtype", "read_checkpoint"]
-__all__ += ["read_state_dict"]
+__all__ = ["check_finite", "load_checkpoint", "nonfinite_tensors", "parse_dtype", "read_checkpoint"]
+__all__ += ["scan_file"]
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -102,21 +105,40 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     return obj
 
 
-def check_checksums(path: str | os.PathLike[str]) -> None:
-    """Raise :class:`~timm_layerscale.errors.CheckpointError` if a record of a PyTorch zip file fails its
-    CRC-32, which ``torch.load`` skips: a file damaged inside would read as wrong weights. Other formats pass."""
-    with open(path, "rb") as f:
-        if f.read(4) != _ZIP_MAGIC:
-            return
-    try:
-        with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                if info.CRC:  # 0: saved without one
-                    with z.open(info) as record:  # raises at the end of a record that fails
-                        while record.read(_CHUNK):
-                            pass
-    except zipfile.BadZipFile as e:
-        raise CheckpointError(f"{path} is corrupt ({e}); download it again") from None
+def scan_file(path: str | os.PathLike[str], digest: bool = True) -> str:
+    """The SHA-256 of a file as 64 lowercase hex digits (``''`` without ``digest``), read once through a read-only
+    mapping; in the same pass each record of a PyTorch zip file is checked against its CRC-32, which ``torch.load``
+    skips: a file damaged inside would read as wrong weights. Compressed records, which torch does not write, are
+    read through ``zipfile``.
+
+    Raises:
+        CheckpointError: A record fails its CRC-32, or the zip directory is damaged.
+    """
+    sha, pos = hashlib.sha256(), 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+        try:
+            with zipfile.ZipFile(f) if view[:4] == _ZIP_MAGIC else contextlib.nullcontext() as z:
+                records = []
+                for info in z.infolist() if z else []:
+                    if z and info.compress_type != zipfile.ZIP_STORED:
+                        with z.open(info) as record:  # raises at the end of a record that fails
+                            while record.read(_CHUNK):
+                                pass
+                    elif info.CRC:  # 0: saved without one
+                        start = info.header_offset + 30 + sum(struct.unpack_from("<HH", view, info.header_offset + 26))
+                        records.append((start, start + info.compress_size, info.CRC, info.filename))
+        except (zipfile.BadZipFile, zlib.error) as e:  # a damaged directory, or compressed stream
+            raise CheckpointError(f"{path} is corrupt ({e}); download it again") from None
+        for start, end, crc, name in [*sorted(records), (len(view),) * 2 + (0, "")] if digest else sorted(records):
+            for lo, hi, value in ((pos, start, None), (start, end, 0)):  # the bytes before the record, the record
+                for i in range(lo, hi, _CHUNK):
+                    if digest:  # the slices are not kept: the mapping closes only once none is left
+                        sha.update(view[i : min(i + _CHUNK, hi)])
+                    value = None if value is None else zlib.crc32(view[i : min(i + _CHUNK, hi)], value)
+            if value != crc:
+                raise CheckpointError(f"{path} is corrupt (Bad CRC-32 for file {name!r}); download it again")
+            pos = end
+    return sha.hexdigest() if digest else ""
 
 
 def read_checkpoint(
@@ -133,7 +155,7 @@ def read_checkpoint(
     path = resolve_source(source)
     checkpoint = load_checkpoint(path)
     if checksums:
-        check_checksums(path)  # before anything is said of the values: damage can read as NaN
+        scan_file(path, digest=False)  # before anything is said of the values: damage can read as NaN
     try:
         sd, container = state_dict_of(checkpoint, ema=ema), container_of(checkpoint, ema)
     except RemapError as e:
@@ -143,23 +165,6 @@ def read_checkpoint(
     if bad := [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]:
         raise CheckpointError(f"{path}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
     return path, sd, container
-
-
-def read_state_dict(
-    source: str | os.PathLike[str], ema: bool = False, checksums: bool = True
-) -> tuple[Path, dict[str, Any]]:
-    """``(path, state_dict)`` of :func:`read_checkpoint`."""
-    path, sd, _ = read_checkpoint(source, ema, checksums)
-    return path, sd
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """The SHA-256 of a file, as 64 lowercase hex digits."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def nonfinite_tensors(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[str]:

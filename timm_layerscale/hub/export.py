@@ -255,25 +255,14 @@ def export_folder(
                 plot_note = f"no {PLOT_NAME}: {e}"
         num_params = sum(t.numel() for t in conv.state_dict.values())
         cmd = command or command_line(
-            ("timm-layerscale", "export", published_path(source), published_path(out_dir)),
-            published_options(options),
-            model=model,
-            ema=ema,
-            push_to_hub=push_to_hub,
-            private=bool(push_to_hub and private),
-            to=None if to == "ls" else to,
-            label_names=label_file and published_path(label_file),
-            tag=tag,
-        )
+            ("timm-layerscale", "export", published_path(source), published_path(out_dir)), published_options(options),
+            model=model, ema=ema, push_to_hub=push_to_hub, private=bool(push_to_hub and private),
+            to=None if to == "ls" else to, label_names=label_file and published_path(label_file), tag=tag,
+        )  # fmt: skip
         card = build_model_card(
-            conv,
-            repo_id=repo,
-            config=config,
-            num_params=num_params,
-            command=cmd,
-            gate_summary=summary,
+            conv, repo_id=repo, config=config, num_params=num_params, command=cmd, gate_summary=summary,
             plot=PLOT_NAME if plot_path else None,
-        )
+        )  # fmt: skip
         card.save(tmp / CARD_NAME)
     out = folder  # the folder itself, through links and ``..``
     conv.output, conv.state_dict = out / WEIGHTS_NAME, {}

@@ -169,14 +169,9 @@ def push_folder(
         if plan.revision and not create_pr:
             api.create_branch(repo_id, branch=plan.revision, repo_type="model", exist_ok=True)
         info = api.upload_folder(
-            repo_id=repo_id,
-            repo_type="model",
-            folder_path=str(path),
-            commit_message=plan.commit_message,
-            revision=plan.revision,
-            create_pr=create_pr,
-            ignore_patterns=list(_UPLOAD_IGNORE),
-        )
+            repo_id=repo_id, repo_type="model", folder_path=str(path), commit_message=plan.commit_message,
+            revision=plan.revision, create_pr=create_pr, ignore_patterns=list(_UPLOAD_IGNORE),
+        )  # fmt: skip
     plan.dry_run = False
     plan.commit_url, plan.pr_url = getattr(info, "commit_url", None), getattr(info, "pr_url", None)
     return plan

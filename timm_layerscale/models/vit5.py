@@ -338,15 +338,10 @@ def checkpoint_filter_fn(
 
 def _cfg(v: Variant, **kwargs: Any) -> dict[str, Any]:
     return pretrained_cfg(
-        v,
-        url="",
-        hf_hub_id=HUB_REPO if v.official_file else None,
-        hf_hub_filename=v.official_file,
-        paper_ids="arXiv:2602.08071",
-        paper_name="ViT-5: Vision Transformers for the Mid-2020s",
-        origin_url="https://github.com/wangf3014/ViT-5",
-        **kwargs,
-    )
+        v, url="", hf_hub_id=HUB_REPO if v.official_file else None, hf_hub_filename=v.official_file,
+        paper_ids="arXiv:2602.08071", paper_name="ViT-5: Vision Transformers for the Mid-2020s",
+        origin_url="https://github.com/wangf3014/ViT-5", **kwargs,
+    )  # fmt: skip
 
 
 def _tags(v: Variant) -> dict[str, dict[str, Any]]:
