@@ -94,6 +94,54 @@ def test_views_and_shared_memory_written_as_copies(tmp_path):
     assert safetensors_contents(tmp_path / "v.safetensors") == safetensors_contents(tmp_path / "ref.safetensors")
 
 
+@pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="Linux's copy_file_range")
+@pytest.mark.parametrize("source", ["pth", "safetensors"])
+def test_mapped_tensors_are_copied_in_the_kernel_and_written_where_it_refuses(tmp_path, monkeypatch, source):
+    """A mapped source's unchanged tensors go to the output by ``os.copy_file_range``, the rest (a cast, a view, a
+    fresh tensor) from memory; where the copy fails, or the file of the mapping's name is not the mapped one, they are
+    written from memory: the file is ``save_file``'s each time."""
+    sd = {"a": make_tensor((64, 33), torch.float32), "b": make_tensor((7,), torch.bfloat16, 1)}
+    if source == "pth":
+        torch.save({"model": sd}, tmp_path / "src.pth")
+    else:
+        save_file(sd, str(tmp_path / "src.pth"))
+    real, copied = os.copy_file_range, []
+
+    def copy(*args):
+        copied.append(args[2])
+        return real(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", copy)
+    mapped = load_checkpoint(tmp_path / "src.pth")
+    mapped = mapped.get("model", mapped)
+    tensors = {**mapped, "view": mapped["a"][:, 1], "fresh": torch.ones(3)}
+
+    def check(dtype=None):  # the file save_file writes of the tensors cast as save_safetensors casts them
+        cast = {k: v.to(dtype or v.dtype).contiguous().clone() if k != "b" else v.clone() for k, v in tensors.items()}
+        save_file(cast, str(tmp_path / "ref.safetensors"))
+        save_safetensors(tmp_path / "ours.safetensors", tensors, overwrite=True, dtype=dtype, keep=("b",))
+        assert safetensors_contents(tmp_path / "ours.safetensors") == safetensors_contents(tmp_path / "ref.safetensors")
+
+    check()
+    assert sorted(copied) == [14, 64 * 33 * 4]  # a and b, each in one call
+    check(torch.float16)  # a is cast: b alone is copied
+    assert sorted(copied) == [14, 14, 64 * 33 * 4]
+
+    def refuse(*args):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    check()
+    monkeypatch.setattr(os, "copy_file_range", copy)
+    os.replace(tmp_path / "src.pth", tmp_path / "moved.pth")
+    check()  # a rename is followed: the mapping names the file where it is now
+    assert len(copied) == 5
+    (tmp_path / "moved.pth").unlink()  # the mapping's name is now "moved.pth (deleted)": another file of that name
+    (tmp_path / "moved.pth (deleted)").write_bytes(b"\0" * 9000)
+    check()
+    assert len(copied) == 5
+
+
 def _save(path, sd, fmt, **kwargs):
     save = save_pth if output_format(path, fmt) == "pth" else save_safetensors
     save(path, sd, **kwargs)

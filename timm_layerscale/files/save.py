@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -21,6 +22,7 @@ __all__ = ["output_format", "save_pth", "save_safetensors"]
 
 _ST_TAGS = """float64:F64 float32:F32 bfloat16:BF16 float16:F16 int64:I64 int32:I32 int16:I16 int8:I8 uint8:U8
     uint16:U16 uint32:U32 uint64:U64 bool:BOOL complex64:C64 float8_e4m3fn:F8_E4M3 float8_e5m2:F8_E5M2"""
+_Map = tuple[int, int, int, int, int, str]  # a file mapping: start, end, offset, device, inode, path
 _ST_DTYPES = {getattr(torch, n): tag for n, tag in (p.split(":") for p in _ST_TAGS.split()) if hasattr(torch, n)}
 
 
@@ -58,6 +60,41 @@ def _header(
     return struct.pack("<Q", len(encoded)) + encoded, [(name, out, nbytes) for name, out, _, nbytes in plan]
 
 
+def _file_maps() -> list[_Map]:
+    """This process's file mappings as ``/proc/self/maps`` lists them: start and end address, file offset, device,
+    inode, path; none where there is no such listing or no ``os.copy_file_range`` (not Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            rows = [r.split(maxsplit=5) for r in f if hasattr(os, "copy_file_range")]
+    except OSError:
+        return []
+    maps = []
+    for r in (r for r in rows if len(r) == 6 and r[5].startswith("/")):
+        (lo, hi), (major, minor) = (int(a, 16) for a in r[0].split("-")), (int(x, 16) for x in r[3].split(":"))
+        maps.append((lo, hi, int(r[2], 16), os.makedev(major, minor), int(r[4]), r[5].rstrip("\n")))
+    return maps
+
+
+def _copy_mapped(t: torch.Tensor, f: IO[bytes], maps: list[_Map], fds: dict[str, int]) -> bool:
+    """Append ``t``'s bytes to ``f`` by ``os.copy_file_range`` from the file that a mapping holding them shows (a
+    mapped source's tensor, whose pages a conversion never writes), copied in the kernel; false, with nothing
+    appended, where no file holds them, the file is not the one mapped (device and inode) or its file system refuses."""
+    p, start, done = t.data_ptr(), f.tell(), 0
+    lo, _, off, dev, ino, path = next((m for m in maps if m[0] <= p and p + t.nbytes <= m[1]), (0, 0, 0, 0, 0, ""))
+    if path and path not in fds:
+        with contextlib.suppress(OSError):
+            fds[path] = os.open(path, os.O_RDONLY)
+    with contextlib.suppress(KeyError, OSError):
+        if (os.fstat(fds[path]).st_dev, os.fstat(fds[path]).st_ino) == (dev, ino):
+            f.flush()
+            while done < t.nbytes and (
+                n := os.copy_file_range(fds[path], f.fileno(), t.nbytes - done, p - lo + off + done, start + done)
+            ):
+                done += n
+    f.seek(start + done if done == t.nbytes else start)  # the offsets given leave the file position where it was
+    return done == t.nbytes
+
+
 def save_safetensors(
     path: str | os.PathLike[str],
     tensors: Mapping[str, torch.Tensor],
@@ -86,11 +123,18 @@ def save_safetensors(
     head, plan = _header(tensors, dtype, metadata, keep)
     total = len(head) + sum(n for *_, n in plan)
     with atomic_output(path, overwrite) as tmp:
-        with open(tmp, "wb") as f, progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar:
+        maps, fds = _file_maps(), {}  # type: list[_Map], dict[str, int]
+        with open(tmp, "r+b") as f, progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar:
             bar.update(f.write(head))
-            for name, out, _ in plan:
-                data = tensors[name].detach().to(device="cpu", dtype=out).contiguous().reshape(-1).view(torch.uint8)
-                bar.update(f.write(data.numpy().data))
+            try:  # unchanged bytes of a mapped source are copied in the kernel, the rest written from memory
+                for name, out, n in plan:
+                    t = tensors[name].detach()
+                    if not (t.dtype == out and t.is_contiguous() and t.is_cpu and _copy_mapped(t, f, maps, fds)):
+                        f.write(t.to(device="cpu", dtype=out).contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                    bar.update(n)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
             if late_metadata is not None:
                 final, _ = _header(tensors, dtype, {**(metadata or {}), **late_metadata()}, keep)
                 if len(final) != len(head):
