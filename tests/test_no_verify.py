@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -108,3 +109,44 @@ def test_no_timm_once_the_shape_table_holds_the_variant(official, tmp_path, monk
     source = Path(families.__file__)
     monkeypatch.setattr(Path, "stat", lambda p, **k: os.stat_result((0,) * 10) if p == source else os.stat(p, **k))
     assert families.shape_table() != table
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch16_dinov3_ls", "beit_base_patch16_224_ls"])
+def test_buffers_an_official_file_stores_are_proven_without_timm(name, tmp_path, monkeypatch):
+    """DINOv3's rotary periods and BEiT's relative position indices are proven computed by this package's formulas,
+    equal to timm's (compared here): an official file of either converts without verification importing no timm,
+    the buffers dropped by their proofs."""
+    import subprocess
+    import sys
+
+    from timm.layers.pos_embed_sincos import RotaryEmbeddingDinoV3
+    from timm.models.beit import gen_relative_position_index
+
+    from helpers import ROOT
+    from timm_layerscale.demo import write_official_checkpoint
+    from timm_layerscale.families import beit, dinov3
+
+    for n in (8, 32, 64, 80, 128):
+        assert torch.equal(dinov3.periods(n), cast(torch.Tensor, RotaryEmbeddingDinoV3(n, temperature=100).periods))
+    for side in (1, 2, 7, 14, 24):
+        assert torch.equal(beit.position_index(side), gen_relative_position_index((side, side)))
+    monkeypatch.setenv("TIMM_LAYERSCALE_CACHE", str(tmp_path / "cache"))
+    write_official_checkpoint(tmp_path / "timm.pth", name)
+    converter.convert_checkpoint(tmp_path / "timm.pth", official := tmp_path / "official.pth", model=name,
+                                 to="official", verify=False)  # fmt: skip
+    saved = torch.load(official, weights_only=True)
+    sd = saved.get("model", saved)
+    key = next(k for k in sd if k.endswith(("periods", "relative_position_index")))
+    sd[key] = sd[key] + 1  # other periods or another index: refused on their values
+    torch.save(saved, bad := tmp_path / "bad.pth")
+    run = "import sys; from timm_layerscale.cli import main; print(main(sys.argv[1:]), 'timm' in sys.modules)"
+    for i, (source, code, said) in enumerate(((official, 0, ""), (official, 0, "ls layout"), (bad, 2, "computes"))):
+        argv = ["convert", str(source), str(tmp_path / f"{source.stem}.safetensors"), "--model", name, "--no-verify"]
+        done = subprocess.run(
+            [sys.executable, "-c", run, *argv, "--overwrite"], cwd=ROOT, capture_output=True, text=True
+        )
+        printed = done.stdout.split()[-2:]  # the exit code, whether timm was imported: the first run may fill the table
+        assert printed[0] == str(code) and (i == 0 or printed[1] == "False"), done.stderr
+        assert said in done.stdout + done.stderr, done.stderr
+        assert (f"{source.stem}.safetensors" in os.listdir(tmp_path)) == (code == 0)
+    assert key not in read(tmp_path / "official.safetensors")[0]

@@ -25,10 +25,17 @@ LS, RAW, TO_RAW = gate_rules("blocks", _KEEP)
 
 def position_index(side: int) -> Any:
     """The relative position index of a ``side`` x ``side`` patch grid and the class token, ``(N + 1, N + 1)`` int64
-    (``N = side ** 2``), as timm and the authors' attention compute it."""
-    from timm.models.beit import gen_relative_position_index
+    (``N = side ** 2``), as timm's ``gen_relative_position_index`` and the authors' attention compute it (a test
+    compares): a patch pair's row and column offsets, each shifted to start at 0, into ``(2 side - 1) ** 2`` cells;
+    then the class token's row, column and own cell."""
+    import torch
 
-    return gen_relative_position_index((side, side))
+    n, d = side * side, 2 * side - 1
+    i, j = torch.arange(n) // side, torch.arange(n) % side
+    index = torch.full((n + 1, n + 1), d * d + 1)  # column 0: a patch to the class token
+    index[1:, 1:] = (i[:, None] - i[None] + side - 1) * d + j[:, None] - j[None] + side - 1
+    index[0, 1:], index[0, 0] = d * d, d * d + 2
+    return index
 
 
 def index_computed(key: str, value: Any, state_dict: Mapping[str, Any]) -> str:

@@ -128,11 +128,11 @@ def split_qkv_bias(prefix: str, bias: Any, key: str, state_dict: Mapping[str, An
 
 
 def periods(head_dim: int) -> Any:
-    """The rotary periods ``(head_dim // 4,)`` of a head ``head_dim`` wide, as timm (and the authors' code) computes
-    them: fp32, base 100, coordinates normalised per axis."""
-    from timm.layers.pos_embed_sincos import RotaryEmbeddingDinoV3
+    """The rotary periods ``(head_dim // 4,)`` of a head ``head_dim`` wide, fp32, base 100, as timm's
+    ``RotaryEmbeddingDinoV3`` (and the authors' code) computes them, by the same operations (a test compares)."""
+    import torch
 
-    return RotaryEmbeddingDinoV3(head_dim, temperature=_PERIODS_BASE).periods
+    return _PERIODS_BASE ** (2.0 * torch.arange(head_dim // 4, dtype=torch.float32) / (head_dim // 2))
 
 
 def periods_computed(key: str, value: Any, state_dict: Mapping[str, Any]) -> str:

@@ -40,10 +40,6 @@ def _lock(path: Path) -> int | None:
     return fd
 
 
-def _remove(p: Path) -> None:
-    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-
-
 def remove_stale(folder: Path, name: str) -> None:
     """Remove the temporaries of ``folder / name`` that no living writer holds; move back the old folder a killed
     swap left aside where ``name`` itself is missing, and remove it where the new one is in place."""
@@ -56,7 +52,7 @@ def remove_stale(folder: Path, name: str) -> None:
                 if m["kind"] == "old" and not (folder / name).exists():
                     os.replace(p, folder / name)
                 else:
-                    _remove(p)
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             finally:
                 os.close(fd)
 

@@ -63,12 +63,9 @@ def _header(
 def _file_maps() -> list[_Map]:
     """This process's file mappings as ``/proc/self/maps`` lists them: start and end address, file offset, device,
     inode, path; none where there is no such listing or no ``os.copy_file_range`` (not Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            rows = [r.split(maxsplit=5) for r in f if hasattr(os, "copy_file_range")]
-    except OSError:
-        return []
-    maps = []
+    rows, maps = [], []
+    with contextlib.suppress(OSError), open("/proc/self/maps") as f:
+        rows = [r.split(maxsplit=5) for r in f if hasattr(os, "copy_file_range")]
     for r in (r for r in rows if len(r) == 6 and r[5].startswith("/")):
         (lo, hi), (major, minor) = (int(a, 16) for a in r[0].split("-")), (int(x, 16) for x in r[3].split(":"))
         maps.append((lo, hi, int(r[2], 16), os.makedev(major, minor), int(r[4]), r[5].rstrip("\n")))
