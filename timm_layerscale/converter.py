@@ -70,7 +70,7 @@ class Source:
     config: Any = None
 
     def check(self) -> str:
-        """Wait for the zip checksums and return the file's SHA-256 (``''`` for no file); a
+        """Wait for the zip checksums and return the file's SHA-256 (``''`` where none was computed); a
         :class:`~timm_layerscale.errors.CheckpointError` if a checksum fails."""
         return "" if self.intact is None else self.intact.result()
 
@@ -81,10 +81,12 @@ class Source:
         return {**self.detection.overrides, **({"config": self.config} if self.config is not None else {})}
 
 
-def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False) -> Source:
-    """Resolve, read (zip checksums checked meanwhile) and detect a local file or folder, ``https://`` URL or
-    ``hf-hub:ORG/REPO[/FILE]``; ``model`` overrides detection, ``ema`` takes the ``'model_ema'`` weights. A
-    transformers folder's ``config.json`` is read and must describe the variant detected.
+def read_source(
+    source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False, digest: bool = True
+) -> Source:
+    """Resolve, read (zip checksums checked meanwhile, with ``digest`` in the same pass the SHA-256) and detect a local
+    file or folder, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``; ``model`` overrides detection, ``ema`` takes the
+    ``'model_ema'`` weights. A transformers folder's ``config.json`` is read and must describe the variant detected.
 
     Raises:
         LayerScaleError: The source cannot be read or fits no variant, or its config disagrees; the message names
@@ -93,7 +95,7 @@ def read_source(source: str | os.PathLike[str], *, model: str | None = None, ema
     if model:
         get_variant(model)  # a wrong name is the caller's mistake, not the file's
     path, sd, container = read_checkpoint(source, ema, checksums=False)
-    intact = _background(scan_file, path)
+    intact = _background(lambda p: scan_file(p, digest), path)
     try:
         file, config = source_config(source), None
         try:
@@ -380,7 +382,7 @@ def verify_checkpoint(
     if isinstance(source, Mapping):
         src = Source("the source", Path("."), (tensors := state_dict_of(source, ema=ema)), detect(tensors, model))
     else:
-        (src := read_source(source, model=model, ema=ema)).check()
+        (src := read_source(source, model=model, ema=ema, digest=False)).check()  # the checksums alone
     variant = src.detection.variant
     if isinstance(converted, Mapping):
         conv_sd, container = state_dict_of(converted), container_of(converted)

@@ -225,10 +225,6 @@ def _check_model(have: Mapping[tuple[str, str], int], model: str) -> None:
     raise LayerScaleError(f"checkpoint gates do not fit {model}: {what}; check the model name")
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else "nan" if math.isnan(x) else f"{x:.3e}"
-
-
 def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
     """The gate profile as an aligned table: per block its key prefix, ``CA`` or ``SA``, the channels and
     mean / min / max ``|gamma|`` of ``ls1`` and ``ls2``; a footer names the extreme blocks."""
@@ -238,7 +234,7 @@ def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = Non
         cells = [r["block"], "CA" if r["class_attn"] else "SA", str(r["dim"] if r["dim"] is not None else "-")]
         for which in ("ls1", "ls2"):
             s = r[which]
-            cells += [_fmt(s[k] if s else None) for k in _STATS]
+            cells += [f"{s[k]:.3e}" if s else "-" for k in _STATS]  # NaN prints as nan
         body.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(header)]
 
