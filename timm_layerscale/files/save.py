@@ -163,7 +163,7 @@ def save_pth(
         plain[name] = t if whole else t.clone(memory_format=torch.contiguous_format)
     total = sum(t.nbytes for t in plain.values())
     with atomic_output(path, overwrite) as tmp:
-        with open(tmp, "wb") as f:
+        with open(tmp, "r+b") as f:  # created empty: opened truncating, ext4 would flush it on close
             try:
                 with progress.bar(total=total, desc=f"writing {Path(path).name}", unit="B") as bar:
                     saved = wrap(plain) if wrap else plain
