@@ -16,6 +16,9 @@ from timm_layerscale import converter
 from timm_layerscale.conversion.checkpoint import strip_prefixes, unwrap_state_dict
 from timm_layerscale.files.read import load_checkpoint
 
+#: A command line run in a fresh process, printing its exit code and whether it imported timm.
+RUN = "import sys; from timm_layerscale.cli import main; print(main(sys.argv[1:]), 'timm' in sys.modules)"
+
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -97,10 +100,9 @@ def test_no_timm_once_the_shape_table_holds_the_variant(official, tmp_path, monk
     from timm_layerscale import families
 
     monkeypatch.setenv("TIMM_LAYERSCALE_CACHE", str(tmp_path / "cache"))
-    run = "import sys; from timm_layerscale.cli import main; main(sys.argv[1:]); print('timm' in sys.modules)"
     outs = [tmp_path / "cold.safetensors", tmp_path / "warm.safetensors"]
     for out, imported in zip(outs, ("True", "False"), strict=True):
-        done = subprocess.run([sys.executable, "-c", run, "convert", str(official), str(out), "--no-verify", "-q"],
+        done = subprocess.run([sys.executable, "-c", RUN, "convert", str(official), str(out), "--no-verify", "-q"],
                               cwd=ROOT, capture_output=True, text=True)  # fmt: skip
         assert done.returncode == 0 and done.stdout.split()[-1] == imported, done.stderr
     assert read(outs[0])[0].keys() == read(outs[1])[0].keys() and sha256(outs[0]) == sha256(outs[1])
@@ -139,11 +141,10 @@ def test_buffers_an_official_file_stores_are_proven_without_timm(name, tmp_path,
     key = next(k for k in sd if k.endswith(("periods", "relative_position_index")))
     sd[key] = sd[key] + 1  # other periods or another index: refused on their values
     torch.save(saved, bad := tmp_path / "bad.pth")
-    run = "import sys; from timm_layerscale.cli import main; print(main(sys.argv[1:]), 'timm' in sys.modules)"
     for i, (source, code, said) in enumerate(((official, 0, ""), (official, 0, "ls layout"), (bad, 2, "computes"))):
         argv = ["convert", str(source), str(tmp_path / f"{source.stem}.safetensors"), "--model", name, "--no-verify"]
         done = subprocess.run(
-            [sys.executable, "-c", run, *argv, "--overwrite"], cwd=ROOT, capture_output=True, text=True
+            [sys.executable, "-c", RUN, *argv, "--overwrite"], cwd=ROOT, capture_output=True, text=True
         )
         printed = done.stdout.split()[-2:]  # the exit code, whether timm was imported: the first run may fill the table
         assert printed[0] == str(code) and (i == 0 or printed[1] == "False"), done.stderr

@@ -55,9 +55,9 @@ def _background(fn: Callable[[Path], Any], path: Path) -> Future[Any]:
 class Source:
     """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped, prefix-free,
     in their own layout, memory-mapped), their :class:`~timm_layerscale.conversion.detect.Detection`, whether they
-    were found finite, the zip checksums being checked in a thread, whether ``'model_ema'`` was read, the
-    ``config.json`` beside the weights (a folder's, a Hub repository's) and for a transformers folder its config.
-    ``intact`` computes the file's SHA-256 in a thread, its zip checksums checked in the same pass."""
+    were found finite, the scan of the file in a thread (its zip checksums and, unless not asked, its SHA-256),
+    whether ``'model_ema'`` was read, the ``config.json`` beside the weights (a folder's, a Hub repository's) and for
+    a transformers folder its config."""
 
     given: str
     path: Path

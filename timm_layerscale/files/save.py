@@ -64,8 +64,9 @@ def _file_maps() -> list[_Map]:
     """This process's file mappings as ``/proc/self/maps`` lists them: start and end address, file offset, device,
     inode, path; none where there is no such listing or no ``os.copy_file_range`` (not Linux)."""
     rows, maps = [], []
-    with contextlib.suppress(OSError), open("/proc/self/maps") as f:
-        rows = [r.split(maxsplit=5) for r in f if hasattr(os, "copy_file_range")]
+    if hasattr(os, "copy_file_range"):
+        with contextlib.suppress(OSError), open("/proc/self/maps") as f:
+            rows = [r.split(maxsplit=5) for r in f]
     for r in (r for r in rows if len(r) == 6 and r[5].startswith("/")):
         (lo, hi), (major, minor) = (int(a, 16) for a in r[0].split("-")), (int(x, 16) for x in r[3].split(":"))
         maps.append((lo, hi, int(r[2], 16), os.makedev(major, minor), int(r[4]), r[5].rstrip("\n")))
@@ -82,7 +83,7 @@ def _copy_mapped(t: torch.Tensor, f: IO[bytes], maps: list[_Map], fds: dict[str,
         with contextlib.suppress(OSError):
             fds[path] = os.open(path, os.O_RDONLY)
     with contextlib.suppress(KeyError, OSError):
-        if (os.fstat(fds[path]).st_dev, os.fstat(fds[path]).st_ino) == (dev, ino):
+        if ((st := os.fstat(fds[path])).st_dev, st.st_ino) == (dev, ino):
             f.flush()
             while done < t.nbytes and (
                 n := os.copy_file_range(fds[path], f.fileno(), t.nbytes - done, p - lo + off + done, start + done)
