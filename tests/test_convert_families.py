@@ -13,7 +13,7 @@ import timm_layerscale  # noqa: F401
 from timm_layerscale.cli import main
 from timm_layerscale.families import get_variant
 from timm_layerscale.files.read import load_checkpoint
-from timm_layerscale.models import vit5_official
+from timm_layerscale.families.vit5 import official_model
 from timm_layerscale.parity.inputs import seed_parameters_
 from timm_layerscale.parity.tolerance import independent_bound
 
@@ -23,7 +23,7 @@ BOUND = independent_bound(12, 384)  # ViT-5 small
 @pytest.fixture(scope="module")
 def vit5_training_dict(tmp_path_factory):
     """An official-layout ViT-5 small training dict with distinct 'model' and 'model_ema' weights."""
-    ref = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
+    ref = official_model(get_variant("vit5_small_patch16_224"))
     seed_parameters_(ref, seed=7)
     model_sd = {k: v.clone() for k, v in ref.state_dict().items()}
     seed_parameters_(ref, seed=8)
@@ -43,7 +43,7 @@ def vit5_training_dict(tmp_path_factory):
 
 
 def _official_logits(sd, x):
-    ref = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
+    ref = official_model(get_variant("vit5_small_patch16_224"))
     ref.load_state_dict(sd, strict=True)
     with torch.no_grad():
         return ref.eval()(x)
@@ -114,7 +114,7 @@ def test_vit5_ema_and_gamma_round_trip(vit5_training_dict, tmp_path):
             assert torch.allclose(restored[k], v, rtol=1e-6, atol=0), k
         else:
             assert torch.equal(restored[k], v), k
-    ref = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
+    ref = official_model(get_variant("vit5_small_patch16_224"))
     ref.load_state_dict(restored, strict=True)
 
 

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "timm_layerscale"
 
 LAYERS = [
     {"_version", "errors", "progress", "layer_scale"},
-    {"layers"},
+    {"layers", "authors"},
     {"families"},
     {"conversion"},
     {"files"},

@@ -81,14 +81,14 @@ def prepared(tmp_path_factory) -> Path:
     from timm_layerscale.conversion.rules import to_gamma
     from timm_layerscale.demo import write_official_checkpoint
     from timm_layerscale.families import get_variant
-    from timm_layerscale.models import vit5_official
+    from timm_layerscale.families.vit5 import official_model
     from timm_layerscale.parity.inputs import seed_parameters_
 
     work = tmp_path_factory.mktemp("prepared")
     write_official_checkpoint(work / "XXS24_224.pth", "cait_xxs24_224", seed=0)
     deit3 = seed_parameters_(timm.create_model("deit3_small_patch16_224"), seed=3)
     torch.save(gamma_file(to_gamma(deit3.state_dict(), "deit3"), "deit3"), work / "deit_3_small_224_1k.pth")
-    vit5 = vit5_official.build_official_vit5(get_variant("vit5_small_patch16_224"))
+    vit5 = official_model(get_variant("vit5_small_patch16_224"))
     model_sd = {k: v.clone() for k, v in seed_parameters_(vit5, seed=7).state_dict().items()}
     ema_sd = {k: v.clone() for k, v in seed_parameters_(vit5, seed=8).state_dict().items()}
     torch.save(

@@ -17,7 +17,9 @@ from timm_layerscale.conversion import rules as remap
 from timm_layerscale.errors import RemapError
 from timm_layerscale.families import get_variant
 from timm_layerscale.families.vit5 import rope_buffers
-from timm_layerscale.models import vit5, vit5_official
+from timm_layerscale.authors import vit5 as vit5_official
+from timm_layerscale.families.vit5 import official_model
+from timm_layerscale.models import vit5
 from timm_layerscale.parity.references import load_model, model_name
 
 NAMES = list(vit5.VARIANTS)
@@ -219,7 +221,7 @@ def test_official_freqs_equal_computed_tables(name: str) -> None:
     v = vit5.VARIANTS[name]
     computed = rope_buffers(v)
     with torch.device("meta"):
-        keys = [k for k in vit5_official.build_official_vit5(v).state_dict() if k.endswith(".freqs")]
+        keys = [k for k in official_model(v).state_dict() if k.endswith(".freqs")]
     one = vit5_official.Attention(v.embed_dim, v.num_heads, v.img_size // v.patch_size, 4, 100)  # every block's
     official = {k: one.state_dict()[k.split(".", 3)[3]] for k in keys}
     assert computed.keys() == official.keys()
@@ -246,7 +248,7 @@ def test_filter_checks_and_drops_freqs() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_layout_matches_official_reference_on_meta(name: str) -> None:
     with torch.device("meta"):
-        ref = vit5_official.build_official_vit5(vit5.VARIANTS[name])
+        ref = official_model(vit5.VARIANTS[name])
         model = create_model(name)
     official = {**ref.state_dict(), **rope_buffers(vit5.VARIANTS[name])}  # the buffers' values, proven computed
     converted = remap.to_layerscale(official, "vit5")

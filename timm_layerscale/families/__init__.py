@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ..errors import ArchitectureError, RemapError, option
 
 __all__ = ["ALIAS", "LAYOUT_NAMES", "DEFAULT_NUM_CLASSES", "FAMILIES", "GATE_KEY", "KEEP", "VARIANTS", "Family"]
-__all__ += ["Layout", "OFFICIAL_MODELS", "Proof", "Rule", "Variant", "get_family", "get_variant", "register"]
+__all__ += ["Layout", "Proof", "Rule", "Variant", "get_family", "get_variant", "register"]
 __all__ += ["state_dict_shapes", "variants_of"]
 
 #: Classifier outputs of every released model (ImageNet-1k).
@@ -213,9 +213,6 @@ class Variant:
 FAMILIES: dict[str, Family] = {}
 #: Every convertible architecture, family by family in registration order.
 VARIANTS: tuple[Variant, ...] = ()
-#: Builders of this package's models of a layout timm has no model for (ViT-5's official one), by family, filled in
-#: by ``timm_layerscale.models`` as it registers its models: ``build(variant, **model_args)``.
-OFFICIAL_MODELS: dict[str, Callable[..., Any]] = {}
 
 
 def register(family: Family, variants: tuple[Variant, ...]) -> None:

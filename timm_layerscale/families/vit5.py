@@ -1,13 +1,13 @@
 """ViT-5 (arXiv 2602.08071): the official ``models_vit5.py`` keeps raw ``gamma_1``/``gamma_2`` and rotary buffers
 computed from constants; this package's ``vit5_*`` (:mod:`timm_layerscale.models.vit5`) LayerScale modules. timm has
-no ViT-5: :mod:`~timm_layerscale.models.vit5_official` reads the official layout."""
+no ViT-5: :mod:`~timm_layerscale.authors.vit5` reads the official layout."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RemapError
-from . import KEEP, LINEAR, OFFICIAL_MODELS, Family, Layout, Rule, Variant, gate_rules, register
+from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import own_model
 
 if TYPE_CHECKING:
@@ -55,11 +55,19 @@ def freqs_computed(key: str, freqs: Any, state_dict: Any) -> str:
     return "freqs computed"
 
 
+def official_model(variant: Variant, **kwargs: Any) -> Any:
+    """The authors' model of a ViT-5 variant (:class:`~timm_layerscale.authors.vit5.Vit5Official`) with random
+    weights; ``kwargs`` (``num_classes``, ``img_size``) override its arguments."""
+    from ..authors.vit5 import Vit5Official
+
+    return Vit5Official(**{"img_size": variant.img_size, **variant.model_args, **kwargs})
+
+
 def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
     """The official file's consumer: the official-layout model, with the rotary buffers where the file has none."""
     computed = rope_buffers(variant)
     model_args = {k: v for k, v in args.items() if k in ("num_classes", "img_size")}
-    return lambda: OFFICIAL_MODELS["vit5"](variant, **model_args), lambda sd, model: {**computed, **sd}
+    return lambda: official_model(variant, **model_args), lambda sd, model: {**computed, **sd}
 
 
 BIBTEX = """\

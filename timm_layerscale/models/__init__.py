@@ -1,6 +1,6 @@
 """The model files; importing this package registers every model with timm."""
 
-from . import beit_ls, cait_ls, convnext_ls, dinov3_ls, vit5, vit5_official
+from . import beit_ls, cait_ls, convnext_ls, dinov3_ls, vit5
 from .beit_ls import BeitLS
 from .cait_ls import CaitLS
 from .convnext_ls import ConvNeXtLS
@@ -8,4 +8,4 @@ from .dinov3_ls import DinoV3LS
 from .vit5 import Vit5
 
 __all__ = ["BeitLS", "CaitLS", "ConvNeXtLS", "DinoV3LS", "Vit5", "beit_ls", "cait_ls", "convnext_ls", "dinov3_ls"]
-__all__ += ["vit5", "vit5_official"]
+__all__ += ["vit5"]

@@ -1,3 +1,3 @@
 """Output and weight parity: tolerances (:mod:`.tolerance`), inputs (:mod:`.inputs`), comparison and its
-report (:mod:`.compare`), the references (:mod:`.references`, :mod:`.vit5_official`) and the verification
+report (:mod:`.compare`), the references (:mod:`.references`) and the verification
 of a conversion (:mod:`.verify`)."""

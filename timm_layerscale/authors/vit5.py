@@ -7,7 +7,8 @@ embedding plus ``pos_embed``; tokens ``[cls, patches..., registers...]``; per bl
 ``x + gamma_1 * attn(RMSNorm(x))`` then ``x + gamma_2 * mlp(RMSNorm(x))``, where attention RMS-normalises q
 and k per head, rotates the patches' (positions ``i / n * n_train``, theta 10000) and the registers' (a 2 x 2
 grid, theta 100) and computes ``softmax(q k^T / sqrt(d)) v``; the final RMSNorm, the class token and the
-head. It shares only the frequency table and the pair rotation with :mod:`timm_layerscale.models.vit5`.
+head. It shares only the frequency table and the pair rotation with :mod:`timm_layerscale.models.vit5`;
+:func:`timm_layerscale.families.vit5.official_model` builds it for a variant.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..families import OFFICIAL_MODELS, Variant
 from ..layers.rope import rope_bands, rotate_pairs
 
-__all__ = ["Vit5Official", "build_official_vit5"]
+__all__ = ["Vit5Official"]
 
 
 class RMSNorm(nn.Module):
@@ -178,19 +178,3 @@ class Vit5Official(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x))
-
-
-def build_official_vit5(variant: Variant, **kwargs: Any) -> Vit5Official:
-    """The official-layout model of a ViT-5 variant with random weights; ``kwargs`` override its arguments."""
-    args: dict[str, Any] = dict(
-        img_size=variant.img_size,
-        patch_size=variant.patch_size,
-        embed_dim=variant.embed_dim,
-        depth=variant.depth,
-        num_heads=variant.num_heads,
-    )
-    args.update(kwargs)
-    return Vit5Official(**args)
-
-
-OFFICIAL_MODELS["vit5"] = build_official_vit5
