@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import cast
@@ -169,3 +170,26 @@ def test_verify_waits_for_the_checksums_not_the_hash(official, tmp_path, monkeyp
     converter.convert_checkpoint(official, converted := tmp_path / "ls.safetensors", verify=False)
     assert converter.verify_checkpoint(official, converted, options=VerifyOptions(num_inputs=1)).passed
     assert asked == [True, False]
+
+
+@pytest.mark.parametrize("text", ["[1]", "null", '{"x": 3}', '{"x": {"k": "s"}}', "{", "not json"])
+def test_a_malformed_shape_table_is_rebuilt(text, tmp_path, monkeypatch, caplog):
+    """A shape table of another shape, or one that does not parse, is rebuilt (a debug line says so) instead of
+    crashing every command that runs detection; a folder in the table's place leaves no temporary behind."""
+    from timm_layerscale import families
+
+    monkeypatch.setenv("TIMM_LAYERSCALE_CACHE", str(tmp_path))
+    families._shapes.cache_clear()
+    table = families.shape_table()
+    table.write_text(text)
+    variant = families.get_variant("cait_xxs24_224_ls")
+    with caplog.at_level("DEBUG", logger=families.__name__):
+        shapes = families.state_dict_shapes(variant)
+    assert shapes["blocks.0.ls1.gamma"] == (192,) and "rebuilding" in caplog.text
+    assert json.loads(table.read_text())[f"{variant.name}/None/None"]["blocks.0.ls1.gamma"] == [192]
+    families._shapes.cache_clear()
+    table.unlink()
+    table.mkdir()
+    assert families.state_dict_shapes(variant) == shapes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [table.name]
+    families._shapes.cache_clear()

@@ -5,10 +5,12 @@ variants, its layouts with their rules and loaders, tolerance and card facts), i
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -242,11 +244,23 @@ def shape_table() -> Path:
     return Path(root) / f"shapes-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
 
+def _valid_entry(entry: Any) -> bool:
+    """Whether a table entry is a mapping of key to a shape (a list of whole numbers)."""
+    shapes = entry.values() if isinstance(entry, dict) else [None]
+    return all(isinstance(s, list) and all(type(n) is int for n in s) for s in shapes)
+
+
 def _read_table(path: Path) -> dict[str, Any]:
+    """The shape table at ``path``; empty (to be rebuilt) where it is missing, unreadable or of another shape."""
     try:
-        return dict(json.loads(path.read_text(encoding="utf-8")))
+        table = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {}
+        table = None
+    if isinstance(table, dict) and all(_valid_entry(e) for e in table.values()):
+        return table
+    if path.exists():
+        logging.getLogger(__name__).debug("shape table %s is not a table of shapes; rebuilding it", path)
+    return {}
 
 
 @functools.lru_cache(maxsize=256)
@@ -261,14 +275,14 @@ def _shapes(variant: Variant, num_classes: int | None, img_size: int | None) -> 
     with torch.device("meta"):
         model = timm.create_model(variant.name, **args)
     shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:  # written whole under another name, then renamed: a reader sees the old table or the new one
         path.parent.mkdir(parents=True, exist_ok=True)
-        (tmp := path.with_name(f"{path.name}.{os.getpid()}.tmp")).write_text(
-            json.dumps({**_read_table(path), key: shapes})
-        )
+        tmp.write_text(json.dumps({**_read_table(path), key: shapes}))
         os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache: the shapes are built in each process
+    except OSError:  # a read-only cache, or a folder in the table's place: the shapes are built in each process
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return shapes
 
 
