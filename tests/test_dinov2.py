@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import timm
 import torch
 from safetensors.torch import load_file
@@ -92,3 +93,15 @@ def test_the_real_size_small_official_file_converts_bit_exactly(tmp_path, capsys
         and "at 518x518, 1 more (seed 1) at 518x378" in out
         and "bit-exact" in out
     ), err
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch14_dinov2", "vit_small_patch14_reg4_dinov2"])
+def test_timms_own_state_dict_is_read_as_timms_layout(name) -> None:
+    """timm's ``vit_*_dinov2`` state dict as it is (the authors' keys but for ``mask_token``) is read as timm's layout,
+    not as an authors' file missing a key (the routes test converts it to every layout in fresh processes)."""
+    from helpers import detected
+
+    with torch.device("meta"):
+        state_dict = timm.create_model(name).state_dict()
+    found = detected(state_dict)
+    assert (found.variant.name, found.layout.name) == (name, "ls")

@@ -111,8 +111,9 @@ def read_layout(
     changes: list[Change] | None = None,
 ) -> tuple[Layout, dict[str, V]]:
     """The layout of a prefix-free state dict and its tensors in the ``ls`` layout: the layouts whose ``tell`` one of
-    its keys matches, else every layout, tried in the family's order; of those whose rules cover every key, the one
-    whose container is ``container`` (``(wrapper, prefix)`` of the file), else the first.
+    its keys matches, else every layout in :meth:`~timm_layerscale.families.Family.source_layouts`' order (timm's
+    DINOv2 state dict is the authors' without ``mask_token``); of those whose rules cover every key, the one whose
+    container is ``container`` (``(wrapper, prefix)`` of the file), else the first.
 
     Raises:
         UncoveredKeys: No layout's rules cover the keys; the error of the closest.

@@ -179,9 +179,10 @@ class Family:
         return name
 
     def source_layouts(self) -> list[Layout]:
-        """Each layout once, in the order a source is matched against them (those with a ``tell`` first)."""
+        """Each layout once, in the order a source whose keys match no ``tell`` is matched against them: those without
+        a ``tell`` first (a file lacking the key that tells a layout is more likely another's)."""
         unique = list({id(v): v for v in self.layouts.values()}.values())
-        return sorted(unique, key=lambda layout: layout.tell == "(?!)")
+        return sorted(unique, key=lambda layout: layout.tell != "(?!)")
 
 
 @dataclass(frozen=True)
