@@ -111,12 +111,19 @@ def split_qkv_bias(prefix: str, bias: Any, key: str, state_dict: Mapping[str, An
 
     Raises:
         RemapError: A k third that is not zero and no ``[1, 0, 1]`` mask zeroes (the training config's
-            ``mask_k_bias: false``).
+            ``mask_k_bias: false``), or one holding NaN or Inf, which a mask keeps.
     """
+    import torch
+
     q, k, v = bias.chunk(3)
     mask = state_dict.get(f"{key}_mask")
     if not k.any():
         proof = "k third zero"
+    elif mask is not None and not torch.isfinite(k).all():
+        raise RemapError(
+            f"checkpoint's {key} has NaN or Inf in its k third; the authors' model computes bias * bias_mask, which "
+            "keeps them (NaN * 0 is NaN), so every output would be NaN: it cannot be converted"
+        )
     elif mask is not None and mask_101(f"{key}_mask", mask, state_dict):
         proof = "k third masked by bias_mask [1, 0, 1]"
     else:
@@ -153,10 +160,27 @@ def periods_computed(key: str, value: Any, state_dict: Mapping[str, Any]) -> str
     return "periods computed"
 
 
+def mask_token_finite(key: str, token: Any, state_dict: Mapping[str, Any]) -> str:
+    """The proof that the authors' ``mask_token`` is inert at inference: their model adds ``0 * mask_token`` to the
+    class token, which is zero only where the token is finite.
+
+    Raises:
+        RemapError: The token holds NaN or Inf, which reach every output of the authors' model.
+    """
+    import torch
+
+    if not torch.isfinite(token).all():
+        raise RemapError(
+            f"checkpoint's {key} holds NaN or Inf; the authors' DINOv3 adds 0 * {key} to the class token, so every "
+            "output would be NaN: it cannot be converted"
+        )
+    return f"finite, added times zero: {UNUSED}"
+
+
 #: The official layout's keys (``dinov3/models/vision_transformer.py``) into timm's names; each drop with its proof.
 OFFICIAL = (
     Rule(r"storage_tokens", "reg_token"),
-    Rule(r"mask_token", None, why=UNUSED),  # the masked-image objective's token
+    Rule(r"mask_token", None, why=mask_token_finite),  # the masked-image objective's token
     Rule(r"rope_embed\.periods", None, why=periods_computed),
     Rule(r"blocks\.\d+\.attn\.qkv\.bias_mask", None, why=mask_101),
     Rule(r"local_cls_norm" + LINEAR, None, why=UNUSED),  # the norm of local crops' class tokens, in training
