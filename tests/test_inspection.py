@@ -182,3 +182,28 @@ def test_a_plot_of_a_url_is_titled_without_its_query(official: dict, tmp_path: P
     assert main(["inspect", url, "--plot", str(tmp_path / "gates.svg")]) == 0
     svg = (tmp_path / "gates.svg").read_text()  # matplotlib keeps each text as a comment
     assert "ckpt.pth: LayerScale gates" in svg and "s3cr3t" not in svg
+
+
+def test_inspect_reads_every_layout_and_explains_a_refusal(tmp_path, tiny_variants, capsys) -> None:
+    """Gates named otherwise (transformers' ``layer_scale1.lambda1``) are read through the file's layout; a file whose
+    conversion is refused (rotary periods of another base) still shows its gate table, then the reason, naming the
+    file; a file with no gates at all is an error naming the file."""
+    from helpers import cli
+    from timm_layerscale import to_gamma
+    from timm_layerscale.conversion.rules import to_layout
+    from timm_layerscale.families.dinov3 import official_buffers
+    from tiny_models import DINOV3
+
+    ls = to_layerscale(to_gamma(seed_parameters_(timm.create_model("tinytest_dinov3")).state_dict(), "dinov3"), "dinov3")
+    ls.pop("head.weight"), ls.pop("head.bias")
+    save_file(to_layout(ls, "dinov3", "transformers"), hf := tmp_path / "hf.safetensors")
+    code, out, err = cli(capsys, "inspect", hf)
+    assert code == 0 and "blocks.2" in out and "hf.safetensors: DINOv3 tinytest_dinov3_ls, transformers layout" in out
+    official = {**to_layout(ls, "dinov3", "official"), **official_buffers(DINOV3)}
+    official["rope_embed.periods"] = official["rope_embed.periods"] * 1.5
+    torch.save(official, off := tmp_path / "off.pth")
+    code, out, err = cli(capsys, "inspect", off)
+    assert code == 0 and "ls2 mean" in out and "off.pth: refused: checkpoint's rope_embed.periods are not" in out
+    save_file({"x.weight": torch.ones(2)}, none := tmp_path / "none.safetensors")
+    code, out, err = cli(capsys, "inspect", none)
+    assert code == 2 and "none.safetensors holds no LayerScale gates" in err and len(err.splitlines()) == 1

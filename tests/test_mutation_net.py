@@ -252,8 +252,9 @@ def test_a_file_damaged_between_write_and_read_back_is_refused(suffix, sources, 
     assert "the written file differs from the source" in err and "NOT all equal" in stdout
 
 
-def _official_dinov3(sources, tmp_path, change) -> Path:
-    """The tiny DINOv3's official file with ``change(state_dict)`` made to its tensors."""
+def _official_dinov3(sources, tmp_path, change, name="official.pth") -> Path:
+    """The tiny DINOv3's official file with ``change(state_dict)`` made to its tensors, at ``name`` (a file a
+    conversion read is not rewritten: its checksums may still be read in the background)."""
     from timm_layerscale.conversion.target import target_tensors as _target
     from timm_layerscale.families import get_variant
 
@@ -261,7 +262,7 @@ def _official_dinov3(sources, tmp_path, change) -> Path:
     ls = torch.load(sources["dinov3", "official"], weights_only=True)
     sd = {k: t.clone() for k, t in _target(ls, v, v.family.layouts["ls"], v.family.layouts["official"]).items()}
     change(sd)
-    torch.save(sd, path := tmp_path / "official.pth")
+    torch.save(sd, path := tmp_path / name)
     return path
 
 
@@ -292,7 +293,8 @@ def test_a_tensor_is_dropped_only_where_its_values_prove_it_inert(case, sources,
     change, status, said = DROPS[case]
     out = tmp_path / "out.safetensors"
     for allow in ((), ("--allow-nonfinite",)):  # a proof holds on finite values only, allowed or not
-        code, stdout, err = cli(capsys, "convert", _official_dinov3(sources, tmp_path, change), out, *ONE, *allow)
+        source = _official_dinov3(sources, tmp_path, change, f"official{len(allow)}.pth")
+        code, stdout, err = cli(capsys, "convert", source, out, *ONE, *allow)
         assert code == status and out.exists() == (status == 0), err
         assert said in (stdout if status == 0 else err)
         if status:
@@ -347,3 +349,33 @@ def test_official_key_names_the_authors_code_does_not_load_are_refused(
         out = tmp_path / "official.pth"
         code, _, err = cli(capsys, "convert", sources[family, "official"], out, "--to", "official", *ONE)
     assert code == 2 and not out.exists() and "does not fit the authors' DinoVisionTransformer" in err, err
+
+
+def _as_released(sd) -> None:
+    """An official DINOv3 file as released: periods rounded to bf16, a live k third under [1, 0, 1], a mask token."""
+    sd["rope_embed.periods"] = sd["rope_embed.periods"].bfloat16()
+    sd["mask_token"].normal_(generator=torch.Generator().manual_seed(3))
+    _live_k(sd, "101")
+
+
+def test_an_official_file_verifies_against_its_copy_and_its_conversions(sources, tiny_variants, tmp_path, capsys):
+    """``verify`` reads both files by their own layouts' rules: what either drops or synthesises is proven inert on
+    its own values, the rest equal. A released official file passes against a byte copy, against its ``ls``
+    conversion, and its conversion to its own layout keeps every stored value (and says so); a file whose rotary
+    periods differ fails, naming the tensor."""
+    import shutil
+
+    source = _official_dinov3(sources, tmp_path, _as_released)
+    shutil.copy(source, copy := tmp_path / "copy.pth")
+    for args in (("convert", source, tmp_path / "ls.safetensors"), ("convert", source, tmp_path / "again.pth")):
+        code, out, err = cli(capsys, *args, "--to", Path(args[2]).stem.replace("again", "official"), *ONE)
+        assert code == 0, err
+    assert "rope_embed.periods (kept as stored)" in out and "qkv.bias (kept as stored) x3" in out
+    again, original = torch.load(tmp_path / "again.pth", weights_only=True), torch.load(source, weights_only=True)
+    assert again.keys() == original.keys() and all(torch.equal(again[k], original[k]) for k in original)
+    for pair in ((source, copy), (tmp_path / "ls.safetensors", source), (source, tmp_path / "again.pth")):
+        code, out, err = cli(capsys, "verify", *pair, *ONE)
+        assert code == 0 and "PASS" in out, (pair, err, out)
+    off = _official_dinov3(sources, tmp_path, lambda sd: (_as_released(sd), sd["blocks.1.ls2.gamma"].mul_(2)), "b.pth")
+    code, out, err = cli(capsys, "verify", source, off, *ONE)
+    assert code == 1 and "blocks.1.ls2.gamma differs from its source by up to" in out, out

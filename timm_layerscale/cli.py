@@ -251,29 +251,18 @@ def cmd_push(a: argparse.Namespace) -> int:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .errors import ArchitectureError
     from .files.atomic import output_path
-    from .files.read import read_checkpoint
     from .files.sources import public_source
-    from .inspection import conversion_plan, format_gate_table, format_plan, gate_rows, plot_format, plot_gates
+    from .inspection import format_gate_table, format_plan, inspect_checkpoint, plot_format, plot_gates
 
     if a.plot:  # before any output or download
         plot_format(a.plot)
         output_path(a.plot, a.overwrite)
-    _, tensors, container = read_checkpoint(a.source, a.ema)  # read once: the gates, then the conversions
-    profile = gate_rows(tensors, model=a.model, where=public_source(a.source))
-    try:
-        plan = conversion_plan(tensors, model=a.model, container=container)
-    except ArchitectureError as e:  # gates of a model this package does not convert
-        plan = {"conversions": None, "not_convertible": " ".join(str(e).split())}
-    if a.json:
-        print_json({**plan, "gates": profile})
-    else:
-        said = format_plan(plan) if plan["conversions"] is not None else f"not convertible: {plan['not_convertible']}"
-        write_out(f"{format_gate_table(profile)}\n\n{said}")
+    seen = inspect_checkpoint(a.source, model=a.model, ema=a.ema)
+    print_json(seen) if a.json else write_out(f"{format_gate_table(seen['gates'])}\n\n{format_plan(seen)}")
     if a.plot:
         name = Path(public_source(a.source)).name  # a URL's query can hold credentials
-        plot_gates(profile, a.plot, title=f"{name}: LayerScale gates", overwrite=a.overwrite)
+        plot_gates(seen["gates"], a.plot, title=f"{name}: LayerScale gates", overwrite=a.overwrite)
         if not a.json:
             write_out(f"plot written to {a.plot}")
     return 0

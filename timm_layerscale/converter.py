@@ -178,21 +178,27 @@ def _failed(report: ParityReport, weights: str | None = None) -> ParityError:
 def _compare_weights(
     tensors: Mapping[str, torch.Tensor], found: Detection, to: Layout, fold: bool, dtype: torch.dtype | None,
     written: Mapping[str, torch.Tensor], container: tuple[str | None, str] | None, report: ParityReport,
+    meaning: bool = False,
 ) -> str:  # fmt: skip
-    """The one weight comparison, recorded in ``report``: the ``written`` tensors (in ``container``, unless
+    """The one weight comparison, recorded in ``report``: the ``written`` tensors (in ``to``, in ``container`` unless
     ``None``) against the source's ``tensors`` mapped by the rules and cast as requested, and a folded file's weights
-    against ``gamma * W`` computed apart; the first difference, or ``''``."""
+    against ``gamma * W`` computed apart; the first difference, or ``''``. With ``meaning`` (two files of one model,
+    not a file and the conversion that wrote it) both sides are read into the ``ls`` layout by their own layouts'
+    rules, so that what either drops or synthesises is proven inert on its own values (a stored ``periods`` equal to
+    the computed ones within its rounding, a masked k third) and the rest compared."""
     variant, changes = found.variant, []  # type: Variant, list[Change]
-    unfolded = target_tensors(tensors, variant, found.layout, to, changes=changes)
+    ls = variant.family.layouts["ls"]
+    unfolded = target_tensors(tensors, variant, found.layout, ls if meaning else to, changes=changes)
     expected = fold_state_dict(unfolded, dtype) if fold else unfolded  # folding is for the ls layout only
     expected = cast_tensors(expected, dtype, to.computed(variant))  # the request, not the cast that was made
-    same, count, detail = compare_weights(expected, written)
+    got = target_tensors(written, variant, to, ls) if meaning else written
+    same, count, detail = compare_weights(expected, got)
     if same and container is not None and container != (to.wrapper, to.prefix):
         same, detail = False, f"its container is not {to.container}"
     if same and fold:
-        detail = check_folds(unfolded, written)
+        detail = check_folds(unfolded, got)
         same = not detail
-    report.add_weights(same, count, describe_changes(changes))
+    report.add_weights(same, count, describe_changes(changes), detail)
     return detail
 
 
@@ -404,7 +410,7 @@ def verify_checkpoint(
         report = verify_outputs(
             src.detection, src.state_dict, conv_sd, layout, dtype=dtype, folded=folded, options=options, args=src.args
         )
-        _compare_weights(src.state_dict, src.detection, layout, folded, dtype, conv_sd, stored, report)
+        _compare_weights(src.state_dict, src.detection, layout, folded, dtype, conv_sd, stored, report, meaning=True)
         return report
     except (RemapError, ArchitectureError) as e:  # the source fits its model (detection checked it): these do not
         raise RemapError(

@@ -10,12 +10,16 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
 from .errors import LayerScaleError
 from .families import GATE_KEY
 
+if TYPE_CHECKING:
+    from .conversion.detect import Detection
+
 __all__ = ["MissingPlotDependency", "conversion_plan", "format_plan", "format_gate_table", "gate_profile"]
+__all__ += ["inspect_checkpoint"]
 __all__ += ["gate_rows", "gate_stats", "gate_summary", "plot_format", "plot_gates"]
 
 _BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")  # blocks.3, blocks_token_only.0, stages.1.blocks.2
@@ -75,33 +79,47 @@ def gate_profile(
     return gate_rows(read_checkpoint(source, ema)[1], model=model, where=public_source(source))
 
 
-def conversion_plan(
-    source: str | os.PathLike[str] | Mapping[str, Any],
-    *,
-    model: str | None = None,
-    ema: bool = False,
-    container: tuple[str | None, str] | None = None,
+def inspect_checkpoint(
+    source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False
 ) -> dict[str, Any]:
-    """What moving a checkpoint would cost, before it is made: its family, variant and layout and, for each layout its
-    family writes, how many keys that conversion renames and what it drops, takes apart or synthesises, each with its
-    proof (or why it is refused): the conversion's rules and checks run on the file's tensors, as views where they can
-    be; no model runs. ``timm_unused``: what timm's own loader of the architecture would leave unused in the file, for
-    a file in a layout timm reads with a filter (``None`` otherwise). ``source`` may be a prefix-free state dict
-    read already, its file's ``container`` given (:func:`~timm_layerscale.files.read.read_checkpoint`).
+    """What ``timm-layerscale inspect`` shows of a checkpoint file, folder, URL or ``hf-hub:`` id: ``source`` (as
+    shown), ``gates`` (:func:`gate_rows`, by the file's own key names, or through its layout's rules where it names
+    its gates otherwise: transformers' ``lambda1``) and its conversion plan (:func:`conversion_plan`); where no
+    variant is found, ``refused`` (the one-line reason) or ``ambiguous`` (the variants it fits alike) instead.
 
     Raises:
-        LayerScaleError: The checkpoint cannot be read or fits no variant.
+        LayerScaleError: The checkpoint cannot be read or holds no gates; the message names it.
     """
-    from .conversion.detect import detect
+    from .conversion.detect import Twins, detect
+    from .files.read import read_checkpoint
+    from .files.sources import public_source
+
+    _, tensors, container = read_checkpoint(source, ema)
+    where, found, plan = public_source(source), None, {}
+    try:
+        found = detect(tensors, model, container)
+    except Twins as e:
+        plan = {"ambiguous": e.names}
+    except LayerScaleError as e:
+        plan = {"refused": " ".join(str(e).split())}
+    named = found is None or any(GATE_KEY.fullmatch(k) for k in tensors)
+    rows = gate_rows(tensors if named else found.state_dict, model=model, where=where)
+    if found is not None:
+        plan = conversion_plan(tensors, found)
+    return {"source": where, **plan, "gates": rows}
+
+
+def conversion_plan(tensors: Mapping[str, Any], found: Detection) -> dict[str, Any]:
+    """What moving a checkpoint's prefix-free ``tensors`` (detected as ``found``, a
+    :class:`~timm_layerscale.conversion.detect.Detection`) would cost, before it is made: its family, variant and
+    layout and, for each layout its family writes, how many keys that conversion renames and what it drops, takes
+    apart or synthesises, each with its proof (or why it is refused): the conversion's rules and checks run on the
+    tensors, as views where they can be; no model runs. ``timm_unused``: what timm's own loader of the architecture
+    would leave unused in the file, for a file in a layout timm reads with a filter (``None`` otherwise)."""
     from .conversion.rules import Change, describe_changes, renamed_keys
     from .conversion.target import target_tensors
-    from .files.read import read_checkpoint
     from .parity.references import unused_by
 
-    tensors = source if isinstance(source, Mapping) else None
-    if tensors is None:
-        _, tensors, container = read_checkpoint(cast(Any, source), ema)
-    found = detect(tensors, model, container)
     v, layout = found.variant, found.layout
     plans: dict[str, Any] = {}
     for name in v.family.targets():
@@ -130,8 +148,13 @@ def conversion_plan(
 
 
 def format_plan(plan: Mapping[str, Any]) -> str:
-    """:func:`conversion_plan` as lines: the source, then per layout what converting there would do."""
-    lines = [f"{plan['family']} {plan['variant']}, {plan['layout']} layout ({plan['container']})"]
+    """:func:`inspect_checkpoint`'s plan as lines: the source, then per layout what converting there would do (or why
+    no variant is read)."""
+    if "refused" in plan:
+        return f"{plan['source']}: refused: {plan['refused']}"
+    if "ambiguous" in plan:
+        return f"{plan['source']}: ambiguous: fits {' and '.join(plan['ambiguous'])} alike; pass --model NAME"
+    lines = [f"{plan['source']}: {plan['family']} {plan['variant']}, {plan['layout']} layout ({plan['container']})"]
     for name, p in plan["conversions"].items():
         did = (
             p.get("refused")

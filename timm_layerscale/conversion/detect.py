@@ -121,7 +121,11 @@ def _twins(
 
 
 class Twins(ArchitectureError):
-    """A state dict fits two registered variants alike; the message names them."""
+    """A state dict fits two registered variants alike (``names``); the message names them."""
+
+    def __init__(self, message: str, names: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.names = names
 
 
 def detect(
@@ -177,7 +181,8 @@ def detect(
             if not model and (twins := _twins(v, candidates, shapes, info.get("num_classes"), size)):
                 raise Twins(
                     f"checkpoint fits {v.name} and {', '.join(twins)} alike (the same shapes); name the one it is: "
-                    f"{' or '.join(option('model', name) for name in (v.name, *twins))}"
+                    f"{' or '.join(option('model', name) for name in (v.name, *twins))}",
+                    (v.name, *twins),
                 )
             check_floating(sd, v.name)
             classes = info.get("num_classes", DEFAULT_NUM_CLASSES)

@@ -23,18 +23,33 @@ def target_tensors(
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """A source's tensors (in their ``source`` layout) mapped by the rules to layout ``to`` (folded with ``fold``, the
     folds rounded once to ``dtype``), with the buffers ``to`` stores; ``changes`` gets what reading became of each
-    source key, ``written`` (default ``changes``) what writing made of each ``ls`` key."""
+    source key, ``written`` (default ``changes``) what writing made of each ``ls`` key. A layout written to itself
+    keeps the source's stored values of what the rules drop and synthesise (rotary periods, masks, tokens: its
+    consumer sees the same numbers), those that differ from what the rules would write recorded as
+    ``"kept as stored"``."""
     family, written = variant.family, changes if written is None else written
-    ls = remap(tensors, source.read, f"{family.title} ({source.name} layout)", changes)
-    ls = without_zero_optional(ls, family, state_dict_shapes(variant), variant.name, changes)
+    read: list[Change] = []
+    ls = remap(tensors, source.read, f"{family.title} ({source.name} layout)", read)
+    ls = without_zero_optional(ls, family, state_dict_shapes(variant), variant.name, read)
     if to is family.layouts["ls"]:
+        if changes is not None:
+            changes.extend(read)
         return fold_state_dict(ls, dtype) if fold else ls
-    out = remap(ls, to.write, f"{family.title} ({to.name} layout)", written)
+    made: list[Change] = []
+    out = remap(ls, to.write, f"{family.title} ({to.name} layout)", made)
     for key, value in (to.buffers(variant) if to.buffers else {}).items():  # what its consumer stores besides
         proof = value if isinstance(value, Proof) else Proof(value, "computed")
         out[key] = proof.tensor
-        if written is not None:
-            written.append((key, key, f"synthesised, {proof.why}"))
+        made.append((key, key, f"synthesised, {proof.why}"))
+    if to is source:  # to itself: each key kept holds its stored value; only what is left out is said
+        stored = {k: tensors[k] for k, t in out.items() if k in tensors and t is not tensors[k]}
+        made = [(k, k, "kept as stored") for k, t in stored.items() if t.dtype != out[k].dtype or not t.equal(out[k])]
+        read = [c for c in read if not c[1] and c[0].split("[")[0] not in out]  # a training head, say
+        out.update(stored)
+    if changes is not None:
+        changes.extend(read)
+    if written is not None:
+        written.extend(made)
     return out
 
 

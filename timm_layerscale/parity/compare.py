@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,8 +34,11 @@ def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torc
         return False, 0, f"keys differ (missing {missing[:3]}, unexpected {extra[:3]})"
     for key in sorted(expected):
         a, b = expected[key], got[key]
-        if a.dtype != b.dtype or a.shape != b.shape or not _equal(a, b):
-            return False, len(expected), f"{key} differs from its source"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False, len(expected), f"{key} is {b.dtype} {list(b.shape)} where the source's is {a.dtype} {list(a.shape)}"
+        if not _equal(a, b):
+            by = f" by up to {float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max()):.3g}"
+            return False, len(expected), f"{key} differs from its source{by if a.is_floating_point() else ''}"
     return True, len(expected), ""
 
 
@@ -79,15 +83,17 @@ class ParityReport:
     tolerance_reason: str = ""
     weights_equal: bool | None = None
     weights_compared: int = 0
+    weights_detail: str = ""
     dropped: str = ""
     compute_dtype: str = "float32"
     versions: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
-    def add_weights(self, equal: bool, compared: int, dropped: str = "") -> None:
-        """Record the weight comparison: every one of ``compared`` tensors equal, or not (the check then fails), and
-        the source keys ``dropped``."""
+    def add_weights(self, equal: bool, compared: int, dropped: str = "", detail: str = "") -> None:
+        """Record the weight comparison: every one of ``compared`` tensors equal, or not (the check then fails, its
+        first difference ``detail``), and the source keys ``dropped``."""
         self.weights_equal, self.weights_compared, self.dropped = equal, compared, dropped
+        self.weights_detail = detail
         self.passed = self.passed and equal
 
     @property
@@ -117,6 +123,7 @@ class ParityReport:
         if self.tolerance_reason:
             tol += f" ({self.tolerance_reason})"
         weights = f"{self.weights_compared} tensors of the converted file {'equal to' if self.weights_equal else 'NOT all equal to'} the source's"
+        weights += f" ({self.weights_detail})" if self.weights_detail else ""
         return [
             ("weights", "not compared" if self.weights_equal is None else weights),
             *((("dropped / split", self.dropped),) if self.dropped else ()),
