@@ -3,6 +3,7 @@ replaced without overwrite, and the next write removes what a killed run left.""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import subprocess
@@ -211,3 +212,32 @@ def test_of_two_writers_without_overwrite_only_one_places_its_output(tmp_path, k
     assert first.returncode != 0 and "OutputExistsError" in err and "appeared while this one was written" in err
     assert (target / "model.bin" if kind == "folder" else target).read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "out"]
+
+
+@pytest.mark.parametrize("refusal", [errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.EMLINK])
+def test_where_hard_links_are_refused_the_name_is_claimed_then_renamed_onto(tmp_path, monkeypatch, refusal):
+    """A filesystem without hard links (vfat, exFAT, FUSE: ``link`` refused) still gets its output, placed by a rename
+    onto a name claimed by an exclusive create: never onto a file that appeared meanwhile; a failed rename removes
+    the claim, and a claim a killed run left (its lock free) is cleared by the next run."""
+
+    def no_links(src, dst):
+        raise OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(atomic.os, "link", no_links)
+    out = tmp_path / "out.bin"
+    with atomic_output(out) as tmp:
+        tmp.write_bytes(b"new")
+    assert out.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+    with pytest.raises(OutputExistsError, match="appeared while"), atomic_output(tmp_path / "b.bin") as tmp:
+        (tmp_path / "b.bin").write_bytes(b"theirs")  # another writer's output, placed meanwhile
+    assert (tmp_path / "b.bin").read_bytes() == b"theirs"
+    monkeypatch.setattr(atomic.os, "replace", lambda a, b: no_links(a, b))
+    with pytest.raises(CheckpointError, match=r"failed \(.+\); nothing was written, choose another path"):
+        with atomic_output(tmp_path / "c.bin") as tmp:
+            tmp.write_bytes(b"new")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "out.bin"]
+    (tmp_path / "c.bin").write_bytes(atomic.CLAIM)  # a run killed after its claim, before its rename
+    with atomic_output(tmp_path / "c.bin") as tmp:
+        tmp.write_bytes(b"again")
+    assert (tmp_path / "c.bin").read_bytes() == b"again"

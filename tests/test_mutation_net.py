@@ -379,3 +379,25 @@ def test_an_official_file_verifies_against_its_copy_and_its_conversions(sources,
     off = _official_dinov3(sources, tmp_path, lambda sd: (_as_released(sd), sd["blocks.1.ls2.gamma"].mul_(2)), "b.pth")
     code, out, err = cli(capsys, "verify", source, off, *ONE)
     assert code == 1 and "blocks.1.ls2.gamma differs from its source by up to" in out, out
+
+
+def test_a_source_edited_during_its_conversion_is_refused(sources, tiny_variants, tmp_path, capsys, monkeypatch):
+    """Another process writes into the source after it was read: its hash would not name the bytes converted, so
+    nothing is written and the one-line error says why."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    save_file(torch.load(sources["cait", "gamma"], weights_only=True), source := tmp_path / "ls.safetensors")
+    verify = converter.verify_outputs
+
+    def edited_meanwhile(*args, **kwargs):
+        edit = "import sys; f = open(sys.argv[1], 'r+b'); f.seek(-4, 2); f.write(bytes([0, 0, 128, 63]))"
+        subprocess.run([sys.executable, "-c", edit, str(source)], check=True)
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(converter, "verify_outputs", edited_meanwhile)
+    code, _, err = cli(capsys, "convert", source, out := tmp_path / "out.pth", "--to", "official", *ONE)
+    assert code == 2 and err.endswith("ls.safetensors changed while it was converted; nothing written\n"), err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ls.safetensors"]

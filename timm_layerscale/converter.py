@@ -68,6 +68,13 @@ class Source:
     ema: bool = False
     config_file: Path | None = None
     config: Any = None
+    stamp: tuple[int, int, int] = (0, 0, 0)
+
+    def unchanged(self) -> None:
+        """A :class:`~timm_layerscale.errors.CheckpointError` where the file's size, modification time or inode
+        differ from when it was read (another process wrote into it): the hash would not name the bytes converted."""
+        if _stamp(self.path) != self.stamp:
+            raise CheckpointError(f"{self.path} changed while it was converted; nothing written")
 
     def check(self) -> str:
         """Wait for the zip checksums and return the file's SHA-256 (``''`` where none was computed); a
@@ -79,6 +86,11 @@ class Source:
         """The arguments the loader native to its layout builds its model with (the detection's overrides, and the
         config of a transformers folder)."""
         return {**self.detection.overrides, **({"config": self.config} if self.config is not None else {})}
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def read_source(
@@ -95,6 +107,7 @@ def read_source(
     if model:
         get_variant(model)  # a wrong name is the caller's mistake, not the file's
     path, sd, container = read_checkpoint(source, ema, checksums=False)
+    stamp = _stamp(path)
     intact = _background(lambda p: scan_file(p, digest), path)
     try:
         file, config = source_config(source), None
@@ -106,7 +119,9 @@ def read_source(
             found = detect(sd, named, container)
         if found.layout.config is not None and file is not None:
             config = read_config(file, found.layout.config, found.variant, found.overrides.get("img_size"))
-        return Source(os.fspath(source), path, sd, found, intact=intact, ema=ema, config_file=file, config=config)
+        return Source(
+            os.fspath(source), path, sd, found, intact=intact, ema=ema, config_file=file, config=config, stamp=stamp
+        )
     except (ArchitectureError, RemapError) as e:
         raise type(e)(f"{path}: {e}") from None
 
@@ -338,6 +353,7 @@ def convert_checkpoint(
         return {"source_sha256": src.check()}
 
     def check(written: Path) -> None:  # the written file, before it is put in place
+        src.unchanged()
         metadata["source_sha256"] = src.check()
         if report is not None:
             lap("write")

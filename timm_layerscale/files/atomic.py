@@ -1,6 +1,7 @@
 """Atomic writes: a hidden temporary ``.{name}.tmp-{hex}`` beside the output, renamed onto it when complete. Its
 writer holds an exclusive ``flock`` on it; the kernel drops a dead writer's lock (in any container on the host), so
-the next write of the output removes the temporaries it can lock. A folder is built beside the old one and swapped
+the next write of the output removes the temporaries it can lock. Without ``overwrite`` the output is placed by a
+hard link, or where the filesystem has none by a rename onto a name claimed by an exclusive create. A folder is built beside the old one and swapped
 in by renames (the old one aside as ``.{name}.old-{hex}``, then removed), so that an interruption leaves the
 complete old or new folder, or after a kill between the renames the old one aside, which the next write moves back.
 """
@@ -77,6 +78,8 @@ def output_path(path: str | os.PathLike[str], overwrite: bool) -> Path:
         )
     check_name(Path(text))
     shown, target = Path(text), Path(os.path.realpath(text)) if os.path.islink(text) else Path(text)
+    if _stale_claim(target):  # a write killed between claiming the name and its rename
+        target.unlink()
     if target.is_dir():
         raise CheckpointError(f"output {shown} is a directory; pass a file path such as {shown / 'model.safetensors'}")
     if target.exists() and not target.is_file():
@@ -88,6 +91,49 @@ def output_path(path: str | os.PathLike[str], overwrite: bool) -> Path:
     if not os.access(target.parent, os.W_OK | os.X_OK):
         raise CheckpointError(f"output folder {target.parent} is not writable; choose another output path")
     return target
+
+
+#: What a claimed output name holds until the finished file is renamed onto it (where hard links are refused).
+CLAIM = b"timm-layerscale: a write in progress claims this name\n"
+#: What ``link`` says on a filesystem without hard links (vfat, exFAT, many FUSE mounts), or at a link limit.
+NO_LINKS = (errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.EMLINK)
+
+
+def _stale_claim(target: Path) -> bool:
+    """Whether ``target`` is the claim of a write killed before its rename: :data:`CLAIM` alone, its lock free."""
+    try:
+        if target.stat().st_size != len(CLAIM) or target.read_bytes() != CLAIM or (fd := _lock(target)) is None:
+            return False
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def _put(tmp: Path, target: Path) -> None:
+    """Put the finished ``tmp`` at ``target`` without replacing a name that appeared meanwhile: a hard link (then
+    ``tmp`` removed), or where the filesystem has none the name claimed by an exclusive create (locked, holding
+    :data:`CLAIM`) and ``tmp`` renamed onto the claim; a failed rename removes the claim. ``FileExistsError`` where
+    the name is taken."""
+    try:
+        os.link(tmp, target)
+    except OSError as e:
+        if e.errno not in NO_LINKS:
+            raise
+    else:
+        tmp.unlink()
+        return
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a living claim: another run leaves it
+        os.write(fd, CLAIM)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _place(tmp: Path, target: Path, place: Callable[[], None]) -> None:
@@ -103,9 +149,8 @@ def _place(tmp: Path, target: Path, place: Callable[[], None]) -> None:
 
 
 def _write_error(where: Path, e: OSError) -> CheckpointError:
-    return CheckpointError(
-        f"writing {where} failed ({e.strerror or e}); nothing was written, free space or choose another path"
-    )
+    advice = "free space or choose another path" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "choose another path"
+    return CheckpointError(f"writing {where} failed ({e.strerror or e}); nothing was written, {advice}")
 
 
 @contextlib.contextmanager
@@ -126,9 +171,8 @@ def atomic_output(path: str | os.PathLike[str], overwrite: bool = False) -> Iter
             with contextlib.suppress(OSError):  # as cp keeps them
                 os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
             os.replace(tmp, target)
-        else:  # a link fails where another writer put the output meanwhile, where a rename would replace it
-            _place(tmp, target, lambda: os.link(tmp, target))
-            tmp.unlink()
+        else:  # never onto an output another writer put there meanwhile, which a rename would replace
+            _place(tmp, target, lambda: _put(tmp, target))
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
