@@ -146,7 +146,8 @@ def test_transformers_folders_and_5x_names_convert_both_ways(tmp_path, tiny_vari
     """``BeitForImageClassification`` and ``BeitModel`` as ``save_pretrained`` writes them (4.x's names, q/k/v apart
     with no k bias, ``lambda_1``), and a state dict in 5.x's names (``layers.N.attention.q_proj``), into timm's layout,
     verified against transformers' own model; the backbone back to the names transformers wrote, exported to a folder
-    it loads with the same pooled output; a shared pretraining bias table refused in one line."""
+    it loads with the same pooled output; a shared pretraining bias table refused in one line; a folder with
+    transformers' default epsilon (1e-12) converts, the bound covering the epsilons' measured effect."""
     import transformers
     from safetensors.torch import load_file
 
@@ -175,6 +176,10 @@ def test_transformers_folders_and_5x_names_convert_both_ways(tmp_path, tiny_vari
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert type(again) is transformers.BeitModel and torch.equal(again(x).pooler_output, theirs(x).pooler_output)
+    cfg.layer_norm_eps = 1e-12  # transformers' default in every LayerNorm, as the public folders have it
+    randomize(transformers.BeitModel(cfg)).save_pretrained(tmp_path / "eps")
+    code, out, err = cli(capsys, "convert", tmp_path / "eps", tmp_path / "eps.safetensors", *one)
+    assert code == 0 and "PASS" in out and "the folder's layer_norm_eps 1e-12, the model's 1e-06" in out, err
 
 
 @pytest.mark.slow  # about a minute: a real-size model through transformers' loading twice

@@ -128,7 +128,9 @@ def test_timms_file_loads_remapped_and_folded(tmp_path) -> None:
 
 def test_the_authors_file_converts_to_every_layout_and_back(tmp_path, capsys) -> None:
     """``convnext_tiny`` at its real size: the authors' ``{'model': ...}`` file to ``ls``, ``timm`` and back to theirs,
-    each verified bit-exact against the source read by its own loader; the round trip gives the same tensors."""
+    each verified bit-exact against the source read by its own loader; the round trip gives the same tensors. A
+    DINOv3 ConvNeXt file (bare, headless, its final norm also as ``norms.3``) converts, ``norms.3`` proven to be
+    ``norm`` and written back; one that differs is refused."""
     v = get_variant("convnext_tiny_ls")
     official = v.family.layouts["official"]
     ls = rules.to_layerscale(randomize(timm.create_model("convnext_tiny")).state_dict(), "convnext")
@@ -143,9 +145,18 @@ def test_the_authors_file_converts_to_every_layout_and_back(tmp_path, capsys) ->
     source, again = torch.load(src, weights_only=True)["model"], torch.load(back, weights_only=True)["model"]
     assert source.keys() == again.keys() and all(torch.equal(source[k], again[k]) for k in source)
     bare = {k: t for k, t in source.items() if not k.startswith("head.")}  # a headless bare file, as DINOv3's
+    bare |= {f"norms.3.{p}": bare[f"norm.{p}"].clone() for p in ("weight", "bias")}  # its final norm twice
     torch.save(bare, src)
     code, out, err = cli(capsys, "convert", src, tmp_path / "bare.safetensors", *one)
     assert code == 0 and "PASS (bit-exact)" in out and "(official layout" in out, err
+    assert "norms.N.weight (the final norm itself)" in out
+    code, out, err = cli(capsys, "convert", tmp_path / "bare.safetensors", back, "--to", "official", "--overwrite")
+    again = torch.load(back, weights_only=True)["model"]
+    assert code == 0 and again.keys() == bare.keys() and torch.equal(again["norms.3.bias"], bare["norm.bias"]), err
+    bare["norms.3.bias"] += 1
+    torch.save(bare, src)
+    code, _, err = cli(capsys, "convert", src, tmp_path / "x.safetensors", "--no-verify")
+    assert code == 2 and "norms.3.bias differs from norm.bias" in err and len(err.splitlines()) == 1, err
 
 
 def test_a_conv_mlp_model_is_not_written_in_the_authors_layout(tmp_path, capsys) -> None:
@@ -191,8 +202,8 @@ def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys)
     """``ConvNextForImageClassification`` as ``save_pretrained`` writes it (``convnext.`` keys and a classifier),
     ``DINOv3ConvNextModel`` (``model.stages``) and ``ConvNextModel`` into timm's layout, verified against transformers'
     own model; the backbone back to the names transformers wrote and exported to a folder it loads with the same pooled
-    output; a classifier is refused for the backbone, and a folder with transformers' default final-norm epsilon, in
-    one line each."""
+    output; a classifier is refused for the backbone in one line; a folder with transformers' default final-norm
+    epsilon (1e-12) converts, the bound covering the epsilons' measured effect, which the report names."""
     import transformers
 
     from timm_layerscale.families.convnext import transformers_config
@@ -210,10 +221,10 @@ def test_transformers_folders_convert_both_ways(tmp_path, tiny_variants, capsys)
     code, out, err = cli(capsys, "export", ls, tmp_path / "tf", "--to", "transformers", *one)
     assert code == 0 and "PASS" in out, err
     cfg = transformers_config(CONVNEXT, {})
-    cfg.layer_norm_eps = 1e-12  # transformers' default: another function than the authors' 1e-6
-    transformers.ConvNextModel(cfg).save_pretrained(tmp_path / "eps")
-    code, _, err = cli(capsys, "convert", tmp_path / "eps", tmp_path / "eps.safetensors", "--no-verify")
-    assert code == 2 and "layer_norm_eps=1e-12" in err.splitlines()[-1], err
+    cfg.layer_norm_eps = 1e-12  # transformers' default, as the public folders have it; the authors' is 1e-6
+    randomize(transformers.ConvNextModel(cfg)).save_pretrained(tmp_path / "eps")
+    code, out, err = cli(capsys, "convert", tmp_path / "eps", tmp_path / "eps.safetensors", *one)
+    assert code == 0 and "PASS" in out and "the folder's layer_norm_eps 1e-12, the model's 1e-06" in out, err
     theirs, again = (transformers.AutoModel.from_pretrained(p).eval() for p in (hf, tmp_path / "tf"))
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

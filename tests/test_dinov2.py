@@ -72,8 +72,10 @@ def test_a_transformers_folder_converts_both_ways(tmp_path, tiny_variants, capsy
     assert load_file(tmp_path / "back.safetensors").keys() == load_file(tmp_path / "hf" / "model.safetensors").keys()
     # an export: a folder transformers loads natively, with the registers model's config
     code, out, err = cli(capsys, "export", tmp_path / "ls.safetensors", tmp_path / "tf", "--to", "transformers",
-                         "--num-inputs", "1")  # fmt: skip
-    assert code == 0, err
+                         "--num-inputs", "1", "-q")  # fmt: skip
+    assert code == 0 and err == "", err  # no third-party progress output either
+    card = (tmp_path / "tf" / "README.md").read_text()
+    assert "`Dinov2WithRegistersModel` returns `last_hidden_state` and `pooler_output`" in card
     again = transformers.AutoModel.from_pretrained(tmp_path / "tf").eval()
     x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

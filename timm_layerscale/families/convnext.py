@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import RemapError, option
-from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register
+from . import KEEP, LINEAR, Family, Layout, Proof, Rule, Variant, register
 from .loaders import own_model, timm_filtered, timm_model, transformers_layout
 from .operations import no_head
 
@@ -35,6 +35,30 @@ def _linear_mlp(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any
     return {target: tensor}
 
 
+def final_norm_twice(key: str, tensor: Any, state_dict: Mapping[str, Any]) -> str:
+    """The proof that a DINOv3 ConvNeXt file's ``norms.3`` is inert: it is its final ``norm`` (the authors append that
+    module to ``norms``), equal value for value.
+
+    Raises:
+        RemapError: It differs from ``norm``: not the authors' model.
+    """
+    twin = state_dict.get(key.replace("norms.3.", "norm."))
+    if twin is None or twin.shape != tensor.shape or not twin.equal(tensor):
+        raise RemapError(
+            f"checkpoint's {key} differs from {key.replace('norms.3.', 'norm.')}; DINOv3's ConvNeXt holds its final "
+            "norm under both names, so the file is not one of its"
+        )
+    return "the final norm itself"
+
+
+def with_norms_3(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """timm's head norm as the authors' final ``norm``; for a file without a classifier (DINOv3's ConvNeXt, whose
+    model holds the final norm as ``norm`` and ``norms.3``) under both names."""
+    if any(k.startswith("head.fc.") for k in state_dict):
+        return {target: tensor}
+    return {target: tensor, target.replace("norm.", "norms.3.", 1): Proof(tensor, "the final norm itself")}
+
+
 _S = r"stages\.(\d+)\.(\d+)"
 _T = r"stages.\1.blocks.\2"
 #: The authors' names into timm's (what timm's ``checkpoint_filter_fn`` does to them), and back.
@@ -46,6 +70,7 @@ OFFICIAL = (
     Rule(rf"{_S}\.pwconv([12])({LINEAR})", rf"{_T}.mlp.fc\3\4"),
     Rule(rf"{_S}\.gamma", rf"{_T}.ls.gamma"),
     Rule(rf"norm({LINEAR})", r"head.norm\1"),
+    Rule(r"norms\.3" + LINEAR, None, why=final_norm_twice),
     Rule(rf"head({LINEAR})", r"head.fc\1"),
 )
 TO_OFFICIAL = (
@@ -55,7 +80,7 @@ TO_OFFICIAL = (
     Rule(rf"{_B}\.norm({LINEAR})", r"stages.\1.\2.norm\3"),
     Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", r"stages.\1.\2.pwconv\3\4", op=_linear_mlp),
     Rule(rf"{_B}\.ls\.gamma", r"stages.\1.\2.gamma"),
-    Rule(rf"head\.norm({LINEAR})", r"norm\1"),
+    Rule(rf"head\.norm({LINEAR})", r"norm\1", op=with_norms_3),
     Rule(rf"head\.fc({LINEAR})", r"head\1"),
 )
 
@@ -94,8 +119,8 @@ _TELL = rf"{_C}embeddings\.patch_embeddings\.weight|(?:model\.)?stages\.0\.downs
 
 
 def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:
-    """transformers' ``ConvNextConfig`` of a variant, its final norm's epsilon the authors' 1e-6 (transformers'
-    default, 1e-12, is another function: a folder saying so is refused).
+    """transformers' ``ConvNextConfig`` of a variant, its final norm's epsilon the authors' 1e-6 (a folder with
+    transformers' default, 1e-12, is verified with the epsilons' measured effect added to the bound).
 
     Raises:
         RemapError: An architecture transformers' ConvNeXt cannot compute (another stem, norm or epsilon, a head MLP).

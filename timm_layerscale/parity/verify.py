@@ -12,11 +12,11 @@ import torch
 from .. import progress
 from ..conversion.detect import Detection
 from ..errors import CheckpointError, option
-from ..families import Layout
+from ..families import Layout, state_dict_shapes
 from .compare import ParityReport, compare_models
 from .inputs import image_inputs, seeded_inputs
 from .references import load_model, model_name
-from .tolerance import VerifyOptions, resolve_tolerance
+from .tolerance import Tolerance, VerifyOptions, resolve_tolerance
 
 __all__ = ["verify_outputs"]
 
@@ -35,6 +35,21 @@ def _check_memory(name: str, numel: int) -> None:
             f"verifying {name} needs about {needed / 2**30:.0f} GiB for two fp32 copies and "
             f"{available / 2**30:.0f} GiB is available; verify on a larger machine, or pass {option('no_verify')}"
         )
+
+
+def _epsilon_shift(ref: torch.nn.Module, batches: list[torch.Tensor], forward: Any, eps: float, ours: float) -> float:
+    """The largest change of the reference's outputs on ``batches`` when its LayerNorms of epsilon ``eps`` (a
+    transformers folder's ``layer_norm_eps``) compute with ``ours`` (the converted model's) instead: the part of the
+    difference the epsilons make, measured, so that a bound can cover it."""
+    norms = [m for m in ref.modules() if isinstance(m, torch.nn.LayerNorm) and m.eps == eps]
+    device = next(ref.parameters()).device
+    outputs = []
+    for value in (ours, eps):  # the folder's own epsilon restored last
+        for m in norms:
+            m.eps = value
+        with torch.no_grad():
+            outputs.append([forward(ref.eval(), x.to(device)).float().cpu() for x in batches])
+    return max(float((a - b).abs().max()) for a, b in zip(*outputs, strict=True))
 
 
 def verify_outputs(
@@ -93,13 +108,20 @@ def verify_outputs(
         at += f", {options.num_inputs} more (seed {options.seed + 1}) at {wide[0]}x{wide[1]}"
     tokens, independent = family.tokens, source.layout.library or layout.library
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
+    forward = (lambda m, x: cast(Any, m).forward_features(x)) if tokens else (lambda m, x: m(x))
+    tolerance = resolve_tolerance(variant, weights, options, folded=folded, independent=independent)
+    eps = getattr((args or {}).get("config"), "layer_norm_eps", None)
+    ours = source.layout.config(variant, state_dict_shapes(variant, 0)).layer_norm_eps if eps else None
+    if eps is not None and eps != ours:  # a folder computing with another epsilon (transformers' default 1e-12)
+        shift = _epsilon_shift(ref, [x for g in groups for x in g.split(options.batch_size)], forward, eps, ours)
+        why = f"; the folder's layer_norm_eps {eps:g}, the model's {ours:g}: twice their measured {shift:.3g} added"
+        tolerance = Tolerance(tolerance.atol + 2 * shift, tolerance.rtol, tolerance.reason + why)
     report = compare_models(
         ref, out, groups, reference_name=model_name(variant, source.layout),
         model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""), family=family.name,
         inputs_desc=" + ".join(parts) + at + (", forward_features tokens" if tokens else ""),
         batch_size=options.batch_size, weights_dtype=str(weights).removeprefix("torch."),
-        tolerance=resolve_tolerance(variant, weights, options, folded=folded, independent=independent),
-        forward=(lambda m, x: cast(Any, m).forward_features(x)) if tokens else None,
+        tolerance=tolerance, forward=forward,
         progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
     )  # fmt: skip
     report.seconds = {k: round(v + loading[k], 3) for k, v in report.seconds.items()}

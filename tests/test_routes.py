@@ -1,0 +1,112 @@
+"""The routes as users run them: the command line in fresh processes, each family with its own shape table, first
+empty (cold), then filled by the commands before (warm), on files this package did not write (seeded weights in
+timm's layout, the authors' training dict for ViT-5) and on what it writes from them.
+
+``make test`` converts each family's official file twice, cold then warm; ``make test-full`` runs the whole matrix:
+per layout a family writes, ``convert --to X`` (cold), then ``convert X`` back to ``ls``, ``verify SRC X``,
+``verify X X_ls`` and ``inspect X``, each exiting 0 with nothing on stderr (no third-party progress output either).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import ROOT, randomize
+from timm_layerscale.conversion.rules import to_layerscale
+from timm_layerscale.conversion.target import target_tensors
+from timm_layerscale.families import FAMILIES, get_variant
+from timm_layerscale.families.vit5 import official_model
+
+#: Per family, its smallest real variant that every layout of the family can hold.
+SMALLEST = {
+    "cait": "cait_xxs24_224_ls",
+    "vit5": "vit5_small_patch16_224",
+    "deit3": "deit3_small_patch16_224",
+    "dinov3": "vit_small_patch16_dinov3_ls",
+    "dinov2": "vit_small_patch14_dinov2",
+    "convnext": "convnext_tiny_ls",
+    "beit": "beit_base_patch16_224_ls",
+}
+#: Families whose files fit another variant alike (BEiT and BEiT v2 of one size): named on every command.
+NAMED = {"beit"}
+ONE = ("--num-inputs", "1")
+
+
+def test_every_family_has_a_route():
+    assert set(SMALLEST) == set(FAMILIES)
+
+
+def run(cache: Path, *args: Any) -> str:
+    """``timm-layerscale -q ARGS`` in a fresh process with the shape table in ``cache``: its stdout; a failure (or
+    anything on stderr) fails the test with the command and what it said."""
+    env = {**os.environ, "TIMM_LAYERSCALE_CACHE": str(cache)}
+    argv = [sys.executable, "-m", "timm_layerscale", "-q", *map(str, args)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and not done.stderr, (" ".join(argv[3:]), done.returncode, done.stderr)
+    return done.stdout
+
+
+def source(family: str, folder: Path) -> Path:
+    """A seeded file of the family's smallest variant as others write it: the authors' training dict for ViT-5
+    (timm has none), else timm's own model's state dict."""
+    v = get_variant(SMALLEST[family])
+    if v.reference is None:
+        weights = randomize(official_model(v)).state_dict()
+        torch.save({"model": weights, "model_ema": weights, "optimizer": {}, "epoch": 3}, path := folder / "src.pth")
+        return path
+    save_file(randomize(timm.create_model(v.reference)).state_dict(), path := folder / "src.safetensors")
+    return path
+
+
+def official(family: str, folder: Path) -> Path:
+    """The family's official file of the same weights, in its container, written by the rules in this process."""
+    src = source(family, folder)
+    if src.suffix == ".pth":
+        return src
+    v = get_variant(SMALLEST[family])
+    layouts = v.family.layouts
+    tensors = target_tensors(to_layerscale(load_file(src), v.family), v, layouts["ls"], layouts["official"])
+    torch.save(layouts["official"].wrap(tensors), path := folder / "official.pth")
+    return path
+
+
+@pytest.mark.parametrize("family", SMALLEST)
+def test_an_official_file_converts_cold_then_warm(family, tmp_path):
+    """The same conversion twice, with an empty shape table and then with the table the first run filled (which
+    imports no model module): both pass and write the same tensors."""
+    src, cache = official(family, tmp_path), tmp_path / "cache"
+    named = ("--model", SMALLEST[family]) if family in NAMED else ()
+    for out in ("cold.safetensors", "warm.safetensors"):
+        assert "PASS" in run(cache, "convert", src, tmp_path / out, *named, *ONE)
+    cold, warm = load_file(tmp_path / "cold.safetensors"), load_file(tmp_path / "warm.safetensors")
+    assert cold.keys() == warm.keys() and all(torch.equal(cold[k], warm[k]) for k in cold)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", SMALLEST)
+def test_every_layout_a_family_writes_routes_both_ways(family, tmp_path):
+    src, cache = source(family, tmp_path), tmp_path / "cache"
+    named = ("--model", SMALLEST[family]) if family in NAMED else ()
+    layouts = FAMILIES[family].layouts
+    for to in dict.fromkeys(FAMILIES[family].targets(), None):
+        if layouts[to] is layouts["ls"] and to != "ls":
+            continue  # DeiT-III's and DINOv2's timm layout is their ls record
+        shutil.rmtree(cache, ignore_errors=True)  # each layout's first conversion cold
+        out = tmp_path / f"{to}.{'pth' if layouts[to].wrapper else 'safetensors'}"
+        assert "PASS" in run(cache, "convert", src, out, "--to", to, *named, *ONE)
+        back = tmp_path / f"{to}-ls.safetensors"
+        assert "PASS" in run(cache, "convert", out, back, *named, *ONE)
+        assert "PASS" in run(cache, "verify", src, out, *named, *ONE)
+        assert "PASS" in run(cache, "verify", out, back, *named, *ONE)
+        said = run(cache, "inspect", out)
+        assert "ambiguous: fits" in said if family in NAMED else f"{SMALLEST[family]}, {to} layout" in said, said
