@@ -232,9 +232,9 @@ def test_where_hard_links_are_refused_the_name_is_claimed_then_renamed_onto(tmp_
         (tmp_path / "b.bin").write_bytes(b"theirs")  # another writer's output, placed meanwhile
     assert (tmp_path / "b.bin").read_bytes() == b"theirs"
     monkeypatch.setattr(atomic.os, "replace", lambda a, b: no_links(a, b))
-    with pytest.raises(CheckpointError, match=r"failed \(.+\); nothing was written, choose another path"):
-        with atomic_output(tmp_path / "c.bin") as tmp:
-            tmp.write_bytes(b"new")
+    refused = pytest.raises(CheckpointError, match=r"failed \(.+\); nothing was written, choose another path")
+    with refused, atomic_output(tmp_path / "c.bin") as tmp:
+        tmp.write_bytes(b"new")
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "out.bin"]
     (tmp_path / "c.bin").write_bytes(atomic.CLAIM)  # a run killed after its claim, before its rename

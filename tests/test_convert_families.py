@@ -12,8 +12,8 @@ import torch
 import timm_layerscale  # noqa: F401
 from timm_layerscale.cli import main
 from timm_layerscale.families import get_variant
-from timm_layerscale.files.read import load_checkpoint
 from timm_layerscale.families.vit5 import official_model
+from timm_layerscale.files.read import load_checkpoint
 from timm_layerscale.parity.inputs import seed_parameters_
 from timm_layerscale.parity.tolerance import independent_bound
 

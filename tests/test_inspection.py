@@ -194,7 +194,9 @@ def test_inspect_reads_every_layout_and_explains_a_refusal(tmp_path, tiny_varian
     from timm_layerscale.families.dinov3 import official_buffers
     from tiny_models import DINOV3
 
-    ls = to_layerscale(to_gamma(seed_parameters_(timm.create_model("tinytest_dinov3")).state_dict(), "dinov3"), "dinov3")
+    ls = to_layerscale(
+        to_gamma(seed_parameters_(timm.create_model("tinytest_dinov3")).state_dict(), "dinov3"), "dinov3"
+    )
     ls.pop("head.weight"), ls.pop("head.bias")
     save_file(to_layout(ls, "dinov3", "transformers"), hf := tmp_path / "hf.safetensors")
     code, out, err = cli(capsys, "inspect", hf)

@@ -13,12 +13,11 @@ import torch.nn.functional as F
 
 import timm_layerscale  # noqa: F401  (registers the models)
 from helpers import DEVICES, TORCH_VERSION, assert_traces_and_scripts, create_model, detected
+from timm_layerscale.authors import vit5 as vit5_official
 from timm_layerscale.conversion import rules as remap
 from timm_layerscale.errors import RemapError
 from timm_layerscale.families import get_variant
-from timm_layerscale.families.vit5 import rope_buffers
-from timm_layerscale.authors import vit5 as vit5_official
-from timm_layerscale.families.vit5 import official_model
+from timm_layerscale.families.vit5 import official_model, rope_buffers
 from timm_layerscale.models import vit5
 from timm_layerscale.parity.references import load_model, model_name
 

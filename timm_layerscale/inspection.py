@@ -95,18 +95,16 @@ def inspect_checkpoint(
     from .files.sources import public_source
 
     _, tensors, container = read_checkpoint(source, ema)
-    where, found, plan = public_source(source), None, {}
+    where, found, plan = public_source(source), None, {}  # type: str, Detection | None, dict[str, Any]
     try:
         found = detect(tensors, model, container)
     except Twins as e:
         plan = {"ambiguous": e.names}
     except LayerScaleError as e:
         plan = {"refused": " ".join(str(e).split())}
-    named = found is None or any(GATE_KEY.fullmatch(k) for k in tensors)
-    rows = gate_rows(tensors if named else found.state_dict, model=model, where=where)
-    if found is not None:
-        plan = conversion_plan(tensors, found)
-    return {"source": where, **plan, "gates": rows}
+    named = any(GATE_KEY.fullmatch(k) for k in tensors)
+    rows = gate_rows(found.state_dict if found and not named else tensors, model=model, where=where)
+    return {"source": where, **(conversion_plan(tensors, found) if found else plan), "gates": rows}
 
 
 def conversion_plan(tensors: Mapping[str, Any], found: Detection) -> dict[str, Any]:

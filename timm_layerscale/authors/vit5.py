@@ -14,7 +14,6 @@ head. It shares only the frequency table and the pair rotation with :mod:`timm_l
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn as nn

@@ -5,8 +5,9 @@ imported only when one is called."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from ..errors import RemapError, option
@@ -14,7 +15,7 @@ from . import DEFAULT_NUM_CLASSES, Layout, Rule, Variant, state_dict_shapes
 from .operations import TRAINING_HEADS
 
 __all__ = ["authors_keys", "native_transformers", "own_model", "read_config", "timm_model", "transformers_layout"]
-__all__ += ["timm_filtered", "without_training_heads"]
+__all__ += ["timm_filtered", "without_progress_bars", "without_training_heads"]
 
 Filter = Callable[[dict[str, Any], Any], Any]
 
@@ -108,6 +109,20 @@ def read_config(
     return got
 
 
+@contextlib.contextmanager
+def without_progress_bars() -> Iterator[None]:
+    """transformers' loading bars off within (this package shows its own, silent with ``-q``), restored after."""
+    from transformers.utils import logging
+
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            logging.enable_progress_bar()
+
+
 def native_transformers(
     config: Callable[[Any, Mapping[str, tuple[int, ...]]], Any], variant: Variant, args: dict[str, Any], any_size: bool
 ) -> Any:
@@ -161,16 +176,10 @@ def native_transformers(
             return out.logits if classes else out.last_hidden_state if variant.family.tokens else out.pooler_output
 
     def load(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-        bars = transformers.utils.logging.is_progress_bar_enabled()
-        transformers.utils.logging.disable_progress_bar()  # its loading bars: this package shows its own
-        try:
-            with tempfile.TemporaryDirectory() as folder:
-                cfg.save_pretrained(folder)
-                save_file({k: v.contiguous() for k, v in state_dict.items()}, f"{folder}/model.safetensors")
-                loaded, info = cls.from_pretrained(folder, output_loading_info=True)
-        finally:
-            if bars:
-                transformers.utils.logging.enable_progress_bar()
+        with tempfile.TemporaryDirectory() as folder, without_progress_bars():
+            cfg.save_pretrained(folder)
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, f"{folder}/model.safetensors")
+            loaded, info = cls.from_pretrained(folder, output_loading_info=True)
         bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if bad:
             raise RemapError(f"transformers' {type(loaded).__name__} does not take these tensors: {bad}")

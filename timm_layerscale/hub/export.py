@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from ..errors import CheckpointError, HubError, LayerScaleError, option
 from ..families import ALIAS, DEFAULT_NUM_CLASSES, Layout
+from ..families.loaders import without_progress_bars
 from ..files.atomic import folder_output
 from ..files.hub_errors import one_line
 from ..files.read import check_finite
@@ -101,7 +102,8 @@ def _check_library_reload(folder: Path, written: Mapping[str, Any]) -> None:
                       for t in views)  # fmt: skip
 
     try:
-        model, info = AutoModel.from_pretrained(folder, output_loading_info=True)
+        with without_progress_bars():
+            model, info = AutoModel.from_pretrained(folder, output_loading_info=True)
     except Exception as e:
         raise LayerScaleError(
             f"transformers cannot load the exported folder ({one_line(e, 120)}); this is a bug, please report it"

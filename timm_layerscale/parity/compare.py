@@ -35,7 +35,11 @@ def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torc
     for key in sorted(expected):
         a, b = expected[key], got[key]
         if a.dtype != b.dtype or a.shape != b.shape:
-            return False, len(expected), f"{key} is {b.dtype} {list(b.shape)} where the source's is {a.dtype} {list(a.shape)}"
+            return (
+                False,
+                len(expected),
+                f"{key} is {b.dtype} {list(b.shape)} where the source's is {a.dtype} {list(a.shape)}",
+            )
         if not _equal(a, b):
             by = f" by up to {float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max()):.3g}"
             return False, len(expected), f"{key} differs from its source{by if a.is_floating_point() else ''}"

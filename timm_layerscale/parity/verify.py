@@ -110,9 +110,9 @@ def verify_outputs(
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
     forward = (lambda m, x: cast(Any, m).forward_features(x)) if tokens else (lambda m, x: m(x))
     tolerance = resolve_tolerance(variant, weights, options, folded=folded, independent=independent)
-    eps = getattr((args or {}).get("config"), "layer_norm_eps", None)
-    ours = source.layout.config(variant, state_dict_shapes(variant, 0)).layer_norm_eps if eps else None
-    if eps is not None and eps != ours:  # a folder computing with another epsilon (transformers' default 1e-12)
+    eps, config = getattr((args or {}).get("config"), "layer_norm_eps", None), source.layout.config
+    ours = config(variant, state_dict_shapes(variant, 0)).layer_norm_eps if eps is not None and config else None
+    if eps is not None and ours is not None and eps != ours:  # a folder's other epsilon (transformers' 1e-12)
         shift = _epsilon_shift(ref, [x for g in groups for x in g.split(options.batch_size)], forward, eps, ours)
         why = f"; the folder's layer_norm_eps {eps:g}, the model's {ours:g}: twice their measured {shift:.3g} added"
         tolerance = Tolerance(tolerance.atol + 2 * shift, tolerance.rtol, tolerance.reason + why)
