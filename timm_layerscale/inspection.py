@@ -95,16 +95,17 @@ def inspect_checkpoint(
     from .files.sources import public_source
 
     _, tensors, container = read_checkpoint(source, ema)
-    where, found, plan = public_source(source), None, {}  # type: str, Detection | None, dict[str, Any]
+    where, found = public_source(source), None  # type: str, Detection | None
     try:
         found = detect(tensors, model, container)
-    except Twins as e:
-        plan = {"ambiguous": e.names}
+        plan = conversion_plan(tensors, found)
+    except Twins as e:  # the gates read as the first twin's, which holds them alike
+        found, plan = detect(tensors, e.names[0], container), {"ambiguous": e.names}
     except LayerScaleError as e:
         plan = {"refused": " ".join(str(e).split())}
     named = any(GATE_KEY.fullmatch(k) for k in tensors)
     rows = gate_rows(found.state_dict if found and not named else tensors, model=model, where=where)
-    return {"source": where, **(conversion_plan(tensors, found) if found else plan), "gates": rows}
+    return {"source": where, **plan, "gates": rows}
 
 
 def conversion_plan(tensors: Mapping[str, Any], found: Detection) -> dict[str, Any]:
