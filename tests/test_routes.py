@@ -64,7 +64,7 @@ def source(family: str, folder: Path) -> Path:
         weights = randomize(official_model(v)).state_dict()
         torch.save({"model": weights, "model_ema": weights, "optimizer": {}, "epoch": 3}, path := folder / "src.pth")
         return path
-    backbone = {"num_classes": 0} if "transformers" in v.family.layouts else {}
+    backbone: dict[str, Any] = {"num_classes": 0} if "transformers" in v.family.layouts else {}
     save_file(randomize(timm.create_model(v.reference, **backbone)).state_dict(), path := folder / "src.safetensors")
     return path
 
