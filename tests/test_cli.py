@@ -380,6 +380,25 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert "bit-exact: yes" in stdout and "demo passed" in stdout
 
 
+def _nonfinite(sd: dict, value: float) -> dict:
+    bad = sd["module.blocks.5.attn.proj.weight"].clone()
+    bad[3, 7] = value
+    return {**sd, "module.blocks.5.attn.proj.weight": bad}
+
+
+#: The official file's state dict as each kind of bad input changes it.
+EDITS = {
+    "missing-key": lambda sd: {k: v for k, v in sd.items() if k != "module.blocks.0.norm1.bias"},
+    "extra-key": lambda sd: {**sd, "module.blocks.24.norm1.weight": torch.ones(192)},
+    "unknown-key": lambda sd: {**sd, "module.blocks.0.attn.rope.freqs": torch.ones(4)},
+    "misshaped": lambda sd: {**sd, "module.blocks.3.mlp.fc1.bias": torch.zeros(700)},
+    "nan": lambda sd: _nonfinite(sd, float("nan")),
+    "inf": lambda sd: _nonfinite(sd, float("inf")),
+    "integer": lambda sd: {**sd, "module.blocks.0.mlp.fc1.weight": sd["module.blocks.0.mlp.fc1.weight"].long()},
+    "no-ema": lambda sd: sd,
+}
+
+
 def _write(kind: str, src: Path, light_sd: dict) -> None:
     plain = {k.removeprefix("module."): v for k, v in light_sd.items()}
     if kind == "directory":
@@ -403,23 +422,8 @@ def _write(kind: str, src: Path, light_sd: dict) -> None:
         import timm
 
         torch.save({"state_dict": timm.create_model("resnet10t", num_classes=10).state_dict()}, src)
-    elif kind == "missing-key":
-        torch.save({"model": {k: v for k, v in light_sd.items() if k != "module.blocks.0.norm1.bias"}}, src)
-    elif kind == "extra-key":
-        torch.save({"model": dict(light_sd, **{"module.blocks.24.norm1.weight": torch.ones(192)})}, src)
-    elif kind == "unknown-key":
-        torch.save({"model": dict(light_sd, **{"module.blocks.0.attn.rope.freqs": torch.ones(4)})}, src)
-    elif kind == "misshaped":
-        torch.save({"model": dict(light_sd, **{"module.blocks.3.mlp.fc1.bias": torch.zeros(700)})}, src)
-    elif kind in ("nan", "inf"):
-        bad = light_sd["module.blocks.5.attn.proj.weight"].clone()
-        bad[3, 7] = float(kind)
-        torch.save({"model": dict(light_sd, **{"module.blocks.5.attn.proj.weight": bad})}, src)
-    elif kind == "integer":
-        key = "module.blocks.0.mlp.fc1.weight"
-        torch.save({"model": dict(light_sd, **{key: light_sd[key].to(torch.int64)})}, src)
-    elif kind == "no-ema":
-        torch.save({"model": light_sd}, src)
+    elif kind in EDITS:
+        torch.save({"model": EDITS[kind](dict(light_sd))}, src)
     elif kind == "no-weights":
         torch.save({"state_dict": {}}, src)
     elif kind == "no-weights-safetensors":

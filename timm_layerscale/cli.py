@@ -77,22 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("convert", "convert a checkpoint between layouts and verify parity", "source", "output", source=True)
-    p.add_argument(
-        "--to",
-        choices=LAYOUT_NAMES,
-        default="ls",
-        help="target layout, where the family has it: ls (default; this package's modules), timm (the state dict of "
-        "timm's own model), official (the authors' release file), transformers (what AutoModel loads); gamma: a word "
-        "of one release, the official .pth (DINOv3: timm's layout), else timm's",
-    )
-    p.add_argument("--plain", action="store_true", help="deprecated: --to gamma without the container; use --to timm")
-    p.add_argument("--format", dest="fmt", choices=("safetensors", "pth"), help="default: from OUTPUT's suffix")
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
-    p.add_argument("--fold", action="store_true", help="fold LayerScale into the preceding Linear layers")
-    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
-    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check")
-    p.add_argument("--allow-nonfinite", action="store_true", help="convert even if tensors hold NaN/Inf")
-    add_verify_args(p)
+    _convert_args(p)
 
     p = add("verify", "compare the reference on SOURCE with the model on CONVERTED", "source", "converted", source=True)
     add_verify_args(p)
@@ -112,23 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dir",
         source=True,
     )
-    p.add_argument("--overwrite", action="store_true", help="write into DIR although it holds files, removing them")
-    p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder after exporting it")
-    p.add_argument(
-        "--repo-id", metavar="ORG/NAME", help="repo id in the card's usage code (default --push-to-hub or ORG/<DIR>)"
-    )
-    p.add_argument(
-        "--to",
-        choices=LAYOUT_NAMES,
-        default="ls",
-        help="ls (default): this package's architecture; timm: timm's own (CaiT, DINOv3); transformers: a folder its "
-        "AutoModel loads (DINOv2, DINOv3); gamma: timm's",
-    )
-    p.add_argument("--label-names", metavar="FILE", help="class names of a fine-tuned head: one per line, or JSON")
-    p.add_argument("--tag", help="pretrained tag in config.json (default: the source's, else the architecture's)")
-    p.add_argument("--private", action="store_true", help="create the Hub repository as private")
-    p.add_argument("--commit-message", metavar="M", help="commit message of the upload")
-    add_verify_args(p)
+    _export_args(p)
 
     p = add(
         "push",
@@ -151,6 +120,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="draw the gate profile: .png, .svg, .pdf (needs matplotlib)")
     p.add_argument("--overwrite", action="store_true", help="replace the --plot file if it exists")
     return parser
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``convert``."""
+    p.add_argument(
+        "--to",
+        choices=LAYOUT_NAMES,
+        default="ls",
+        help="target layout, where the family has it: ls (default; this package's modules), timm (the state dict of "
+        "timm's own model), official (the authors' release file), transformers (what AutoModel loads); gamma: a word "
+        "of one release, the official .pth (DINOv3: timm's layout), else timm's",
+    )
+    p.add_argument("--plain", action="store_true", help="deprecated: --to gamma without the container; use --to timm")
+    p.add_argument("--format", dest="fmt", choices=("safetensors", "pth"), help="default: from OUTPUT's suffix")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="cast floating tensors (default: keep)")
+    p.add_argument("--fold", action="store_true", help="fold LayerScale into the preceding Linear layers")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check")
+    p.add_argument("--allow-nonfinite", action="store_true", help="convert even if tensors hold NaN/Inf")
+    add_verify_args(p)
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``export``."""
+    p.add_argument("--overwrite", action="store_true", help="write into DIR although it holds files, removing them")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder after exporting it")
+    p.add_argument(
+        "--repo-id", metavar="ORG/NAME", help="repo id in the card's usage code (default --push-to-hub or ORG/<DIR>)"
+    )
+    p.add_argument(
+        "--to",
+        choices=LAYOUT_NAMES,
+        default="ls",
+        help="ls (default): this package's architecture; timm: timm's own (CaiT, DINOv3); transformers: a folder its "
+        "AutoModel loads (DINOv2, DINOv3); gamma: timm's",
+    )
+    p.add_argument("--label-names", metavar="FILE", help="class names of a fine-tuned head: one per line, or JSON")
+    p.add_argument("--tag", help="pretrained tag in config.json (default: the source's, else the architecture's)")
+    p.add_argument("--private", action="store_true", help="create the Hub repository as private")
+    p.add_argument("--commit-message", metavar="M", help="commit message of the upload")
+    add_verify_args(p)
 
 
 def _finite(obj: Any) -> Any:
@@ -177,9 +187,20 @@ def cmd_convert(a: argparse.Namespace) -> int:
     from .converter import convert_checkpoint
 
     res = convert_checkpoint(
-        a.source, a.output, model=a.model, to=a.to, fmt=a.fmt, dtype=a.dtype, overwrite=a.overwrite, verify=a.verify,
-        allow_nonfinite=a.allow_nonfinite, ema=a.ema, fold=a.fold, plain=a.plain, options=verify_options(a),
-    )  # fmt: skip
+        a.source,
+        a.output,
+        model=a.model,
+        to=a.to,
+        fmt=a.fmt,
+        dtype=a.dtype,
+        overwrite=a.overwrite,
+        verify=a.verify,
+        allow_nonfinite=a.allow_nonfinite,
+        ema=a.ema,
+        fold=a.fold,
+        plain=a.plain,
+        options=verify_options(a),
+    )
     fields = {
         "output": str(res.output),
         "model": res.variant.name,
@@ -231,10 +252,20 @@ def cmd_export(a: argparse.Namespace) -> int:
     from .hub.export import export_folder
 
     res = export_folder(
-        a.source, a.dir, model=a.model, overwrite=a.overwrite, ema=a.ema, options=verify_options(a),
-        push_to_hub=a.push_to_hub, private=a.private, commit_message=a.commit_message, repo_id=a.repo_id,
-        to=a.to, label_names=a.label_names, tag=a.tag,
-    )  # fmt: skip
+        a.source,
+        a.dir,
+        model=a.model,
+        overwrite=a.overwrite,
+        ema=a.ema,
+        options=verify_options(a),
+        push_to_hub=a.push_to_hub,
+        private=a.private,
+        commit_message=a.commit_message,
+        repo_id=a.repo_id,
+        to=a.to,
+        label_names=a.label_names,
+        tag=a.tag,
+    )
     return _show(a, res.to_dict(), res.summary())
 
 
@@ -242,9 +273,14 @@ def cmd_push(a: argparse.Namespace) -> int:
     from .hub.upload import push_folder
 
     res = push_folder(
-        a.dir, a.repo_id, private=a.private, revision=a.revision, create_pr=a.create_pr,
-        commit_message=a.commit_message, dry_run=a.dry_run,
-    )  # fmt: skip
+        a.dir,
+        a.repo_id,
+        private=a.private,
+        revision=a.revision,
+        create_pr=a.create_pr,
+        commit_message=a.commit_message,
+        dry_run=a.dry_run,
+    )
     return _show(a, res.to_dict(), res.summary())
 
 
@@ -287,13 +323,10 @@ def _error(message: str) -> None:
     _say("error", message)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
-    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
-        sys.stdout.reconfigure(errors="backslashreplace")  # a name in bytes of no encoding, as stderr shows it
-    parser = build_parser()
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit status where parsing ended the command (``--help``, ``--version``)."""
     try:
-        args = parser.parse_args(argv)
+        return parser.parse_args(argv)
     except SystemExit:  # after --help or --version, whose text may still wait in stdout's buffer
         from .errors import LayerScaleError
 
@@ -305,6 +338,46 @@ def main(argv: Sequence[str] | None = None) -> int:
             _error(str(e))
             return 2
         raise
+
+
+def _failed(e: Exception, as_json: bool) -> int:
+    """The one line (and a failed check's report) for an exception of a command, and its exit status."""
+    from .errors import LayerScaleError, ParityError
+
+    def say(message: str) -> None:
+        if as_json:
+            print_json({"ok": False, "error": " ".join(message.split())})
+        _error(message)
+
+    if isinstance(e, ParityError):  # its report on stdout, as a passing check's
+        one = " ".join(str(e).split())
+        if as_json:
+            print_json({"ok": False, "error": one, "report": e.report.to_dict()})
+        else:
+            write_out(e.report.format_table())
+        _error(one)
+        return 1
+    if isinstance(e, LayerScaleError):
+        say(str(e))
+        return e.exit_code
+    if isinstance(e, OSError) and e.filename is not None:  # the file system refused a path the user chose
+        say(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
+        return 2
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
+        say("out of memory; free memory, or verify with a smaller --batch-size or --num-inputs")
+        return 2
+    say(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
+    return 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
+        sys.stdout.reconfigure(errors="backslashreplace")  # a name in bytes of no encoding, as stderr shows it
+    parser = build_parser()
+    args = _parse(parser, argv)
+    if isinstance(args, int):
+        return args
     if not args.command:
         parser.print_help(sys.stderr)
         return 2
@@ -315,43 +388,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         disable_progress_bars()
     as_json = getattr(args, "json", False)
-
-    def say(message: str) -> None:
-        if as_json:
-            print_json({"ok": False, "error": " ".join(message.split())})
-        _error(message)
-
     token = COMMAND_LINE.set(True)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        say("interrupted")
+        if as_json:
+            print_json({"ok": False, "error": "interrupted"})
+        _error("interrupted")
         return 130
     except BrokenPipeError:  # the reader left: end quietly, as Unix tools do
         return 141
     except Exception as e:
-        from .errors import LayerScaleError, ParityError
-
         if args.debug:
             raise
-        if isinstance(e, ParityError):  # its report on stdout, as a passing check's
-            one = " ".join(str(e).split())
-            print_json({"ok": False, "error": one, "report": e.report.to_dict()}) if as_json else write_out(
-                e.report.format_table()
-            )
-            _error(one)
-            return 1
-        if isinstance(e, LayerScaleError):
-            say(str(e))
-            return e.exit_code
-        if isinstance(e, OSError) and e.filename is not None:  # the file system refused a path the user chose
-            say(f"{e.filename}: {e.strerror or type(e).__name__}; check the path and its permissions")
-            return 2
-        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
-            say("out of memory; free memory, or verify with a smaller --batch-size or --num-inputs")
-            return 2
-        say(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
-        return 3
+        return _failed(e, as_json)
     finally:
         COMMAND_LINE.reset(token)
 

@@ -191,10 +191,16 @@ def _failed(report: ParityReport, weights: str | None = None) -> ParityError:
 
 
 def _compare_weights(
-    tensors: Mapping[str, torch.Tensor], found: Detection, to: Layout, fold: bool, dtype: torch.dtype | None,
-    written: Mapping[str, torch.Tensor], container: tuple[str | None, str] | None, report: ParityReport,
+    tensors: Mapping[str, torch.Tensor],
+    found: Detection,
+    to: Layout,
+    fold: bool,
+    dtype: torch.dtype | None,
+    written: Mapping[str, torch.Tensor],
+    container: tuple[str | None, str] | None,
+    report: ParityReport,
     meaning: bool = False,
-) -> str:  # fmt: skip
+) -> str:
     """The one weight comparison, recorded in ``report``: the ``written`` tensors (in ``to``, in ``container`` unless
     ``None``) against the source's ``tensors`` mapped by the rules and cast as requested, and a folded file's weights
     against ``gamma * W`` computed apart; the first difference, or ``''``. With ``meaning`` (two files of one model,
@@ -279,78 +285,42 @@ def convert_checkpoint(
         clock[0] = time.perf_counter()
 
     fmt = output_format(output, fmt)
-    if to not in LAYOUT_NAMES:
-        raise LayerScaleError(f"unknown target layout {to!r}; use one of: {', '.join(LAYOUT_NAMES)}")
-    if fold and to != "ls":
-        raise LayerScaleError(
-            f"folding applies to the ls layout only; leave out {option('to', to)} or {option('fold')}"
-        )
-    if plain and to != ALIAS:
-        raise LayerScaleError(f"plain applies to {option('to', ALIAS)} only; pass {option('to', 'timm')} instead")
+    _check_request(to, fold, plain)
     target_file = output_path(output, overwrite)  # before a download
     torch_dtype = parse_dtype(dtype) if dtype else None
     src = source if isinstance(source, Source) else read_source(source, model=model, ema=ema)
-    variant, args = src.detection.variant, src.detection.overrides
     lap("read")
-    layout, note = target_layout(variant, to, fmt, plain)
-    if layout.wrapper and fmt != "pth":
-        raise CheckpointError(
-            f"the {layout.name} {variant.family.title} file is {layout.container} in a .pth; name the output .pth, "
-            f"or pass {option('to', 'timm' if 'timm' in variant.family.layouts else 'ls')}"
-        )
-    if target_file.exists() and target_file.samefile(src.path):  # replacing it would lose the source
-        raise CheckpointError(f"output {output} is the source file itself; choose another output path")
-    if not allow_nonfinite and not src.finite:
-        advice = f"check the source checkpoint, or pass {option('allow_nonfinite')} to convert anyway"
-        try:
-            check_finite(src.state_dict, src.path, advice)
-        except CheckpointError:
-            src.check()  # damage inside the file can read as NaN: say that first
-            raise
+    layout, note = target_layout(src.detection.variant, to, fmt, plain)
+    _check_output(src, layout, fmt, target_file)
+    if not allow_nonfinite:
+        _check_finite(src)
     changes: list[Change] = []
     write_changes: list[Change] = []
     target = target_tensors(
-        src.state_dict, variant, src.detection.layout, layout, fold, torch_dtype, changes, write_changes
+        src.state_dict, src.detection.variant, src.detection.layout, layout, fold, torch_dtype, changes, write_changes
     )
-    keep = layout.computed(variant)  # never cast
     if verify:  # verified as written; unverified, the writer casts
-        target = cast_tensors(target, torch_dtype, keep)
-    # the source is finite: a non-finite value after the cast is an overflow
-    if torch_dtype is not None and not allow_nonfinite and (over := nonfinite_tensors(target, torch_dtype)):
-        wider = f"pass {option('dtype', 'bf16')}, or " if torch_dtype == torch.float16 else ""  # fp32's range
-        raise CheckpointError(
-            f"{src.path}: {over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
-            f"which the cast makes Inf; {wider}leave out {option('dtype', dtype)}"
-        )
+        target = cast_tensors(target, torch_dtype, layout.computed(src.detection.variant))
+    if dtype and not allow_nonfinite:
+        _check_range(src, target, dtype)
     report = None
     lap("rules")
     if verify:
         report = verify_outputs(
-            src.detection, src.state_dict, target, layout, dtype=torch_dtype, folded=fold, options=options,
+            src.detection,
+            src.state_dict,
+            target,
+            layout,
+            dtype=torch_dtype,
+            folded=fold,
+            options=options,
             args=src.args,
-        )  # fmt: skip
+        )
         if not report.passed:
             raise _failed(report)
         phases.update(report.seconds)
         clock[0] = time.perf_counter()
-    metadata = {
-        "format": "pt",
-        "source_file": src.path.name,
-        "source_sha256": "0" * 64,  # written in once known: the hash runs on meanwhile
-        "source_layout": src.detection.layout.name,
-        "target_layout": layout.name,
-        "architecture": variant.name,
-        "family": variant.family.name,
-        "converter": f"timm-layerscale {__version__}",
-        **{k: str(v) for k, v in args.items()},
-        **({"folded_layerscale": "true"} if fold else {}),
-        **(report.metadata() if report is not None else {"parity": "not verified"}),
-        # put in place only once the written file, read back, equals the source (_check_written)
-        **({"parity_weights": f"{len(target)} tensors equal to the source's"} if report is not None else {}),
-    }
-
-    def late() -> dict[str, str]:  # once the tensors are written, before the output is put in place
-        return {"source_sha256": src.check()}
+    metadata = _metadata(src, layout, fold, report, len(target))
 
     def check(written: Path) -> None:  # the written file, before it is put in place
         src.unchanged()
@@ -360,28 +330,140 @@ def convert_checkpoint(
             _check_written(written, src, layout, fold, torch_dtype, report)
             lap("weight check")
 
+    _write(output, fmt, target, metadata, src, layout, torch_dtype, overwrite, check)
+    lap("write")
+    command = command_line(
+        ("timm-layerscale", "convert", public_source(src.given), output),
+        options if verify else None,
+        model=model,
+        to=None if to == "ls" else to,
+        dtype=dtype,
+        overwrite=overwrite or None,
+        no_verify=not verify,
+        format=None if fmt == "safetensors" and Path(output).suffix == ".safetensors" else fmt,
+        allow_nonfinite=allow_nonfinite,
+        ema=ema,
+        fold=fold,
+        plain=plain,
+    )
+    return ConversionResult(
+        output=Path(output),
+        variant=src.detection.variant,
+        overrides=src.detection.overrides,
+        source=public_source(src.given),
+        source_path=src.path,
+        source_sha256=metadata["source_sha256"],
+        source_layout=src.detection.layout.name,
+        target_layout=layout.name,
+        metadata=metadata,
+        report=report,
+        seconds=time.perf_counter() - t0,
+        command=command,
+        container=layout.container if fmt == "pth" else "state dict",
+        state_dict=target,
+        renamed=renamed_keys(changes, write_changes),
+        changed=describe_changes([*changes, *write_changes]),
+        note=note,
+        phases=phases,
+    )
+
+
+def _check_request(to: str, fold: bool, plain: bool) -> None:
+    """One-line errors for a target layout no family has, and options that do not go together."""
+    if to not in LAYOUT_NAMES:
+        raise LayerScaleError(f"unknown target layout {to!r}; use one of: {', '.join(LAYOUT_NAMES)}")
+    if fold and to != "ls":
+        raise LayerScaleError(
+            f"folding applies to the ls layout only; leave out {option('to', to)} or {option('fold')}"
+        )
+    if plain and to != ALIAS:
+        raise LayerScaleError(f"plain applies to {option('to', ALIAS)} only; pass {option('to', 'timm')} instead")
+
+
+def _check_output(src: Source, layout: Layout, fmt: str, target_file: Path) -> None:
+    """One-line errors for an output that cannot hold the layout's container, or that is the source itself."""
+    family = src.detection.variant.family
+    if layout.wrapper and fmt != "pth":
+        raise CheckpointError(
+            f"the {layout.name} {family.title} file is {layout.container} in a .pth; name the output .pth, "
+            f"or pass {option('to', 'timm' if 'timm' in family.layouts else 'ls')}"
+        )
+    if target_file.exists() and target_file.samefile(src.path):  # replacing it would lose the source
+        raise CheckpointError(f"output {target_file} is the source file itself; choose another output path")
+
+
+def _check_finite(src: Source) -> None:
+    """A one-line error naming a NaN or Inf of the source (a damaged file's checksum said first)."""
+    if src.finite:
+        return
+    advice = f"check the source checkpoint, or pass {option('allow_nonfinite')} to convert anyway"
+    try:
+        check_finite(src.state_dict, src.path, advice)
+    except CheckpointError:
+        src.check()  # damage inside the file can read as NaN: say that first
+        raise
+
+
+def _check_range(src: Source, target: Mapping[str, torch.Tensor], dtype: str) -> None:
+    """A one-line error naming a tensor of the (finite) source that ``dtype`` cannot hold: the cast would make Inf."""
+    torch_dtype = parse_dtype(dtype)
+    if over := nonfinite_tensors(target, torch_dtype):
+        wider = f"pass {option('dtype', 'bf16')}, or " if torch_dtype == torch.float16 else ""  # fp32's range
+        raise CheckpointError(
+            f"{src.path}: {over[0]!r} holds values beyond {dtype}'s range (up to {torch.finfo(torch_dtype).max:g}), "
+            f"which the cast makes Inf; {wider}leave out {option('dtype', dtype)}"
+        )
+
+
+def _metadata(src: Source, layout: Layout, fold: bool, report: ParityReport | None, count: int) -> dict[str, str]:
+    """A conversion's safetensors metadata (the source's SHA-256 written in once known)."""
+    variant = src.detection.variant
+    return {
+        "format": "pt",
+        "source_file": src.path.name,
+        "source_sha256": "0" * 64,  # written in once known: the hash runs on meanwhile
+        "source_layout": src.detection.layout.name,
+        "target_layout": layout.name,
+        "architecture": variant.name,
+        "family": variant.family.name,
+        "converter": f"timm-layerscale {__version__}",
+        **{k: str(v) for k, v in src.detection.overrides.items()},
+        **({"folded_layerscale": "true"} if fold else {}),
+        **(report.metadata() if report is not None else {"parity": "not verified"}),
+        # put in place only once the written file, read back, equals the source (_check_written)
+        **({"parity_weights": f"{count} tensors equal to the source's"} if report is not None else {}),
+    }
+
+
+def _write(
+    output: str | os.PathLike[str],
+    fmt: str,
+    target: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    src: Source,
+    layout: Layout,
+    dtype: torch.dtype | None,
+    overwrite: bool,
+    check: Callable[[Path], None],
+) -> None:
+    """``target`` written to ``output`` in ``fmt`` (a ``.pth`` in the layout's container), cast to ``dtype`` but the
+    layout's computed buffers; ``check(written)`` runs before the file is put in place."""
+    keep = layout.computed(src.detection.variant)  # never cast
     if fmt == "pth":
         src.check()
         wrap = layout.wrap if layout.wrapper or layout.prefix else None
-        save_pth(output, target, overwrite=overwrite, dtype=torch_dtype, keep=keep, wrap=wrap, check=check)
+        save_pth(output, target, overwrite=overwrite, dtype=dtype, keep=keep, wrap=wrap, check=check)
     else:
         save_safetensors(
-            output, target, metadata, overwrite=overwrite, dtype=torch_dtype, keep=keep, late_metadata=late, check=check
+            output,
+            target,
+            metadata,
+            overwrite=overwrite,
+            dtype=dtype,
+            keep=keep,
+            late_metadata=lambda: {"source_sha256": src.check()},
+            check=check,
         )
-    lap("write")
-    command = command_line(
-        ("timm-layerscale", "convert", public_source(src.given), output), options if verify else None,
-        model=model, to=None if to == "ls" else to, dtype=dtype, overwrite=overwrite or None, no_verify=not verify,
-        format=None if fmt == "safetensors" and Path(output).suffix == ".safetensors" else fmt,
-        allow_nonfinite=allow_nonfinite, ema=ema, fold=fold, plain=plain,
-    )  # fmt: skip
-    return ConversionResult(
-        Path(output), variant, args, public_source(src.given), src.path, metadata["source_sha256"],
-        src.detection.layout.name, layout.name, metadata, report, time.perf_counter() - t0, command,
-        container=layout.container if fmt == "pth" else "state dict", state_dict=target,
-        renamed=renamed_keys(changes, write_changes), changed=describe_changes([*changes, *write_changes]), note=note,
-        phases=phases,
-    )  # fmt: skip
 
 
 def verify_checkpoint(

@@ -84,7 +84,15 @@ def run_demo(
         calls = [(f"'{MODEL}', pretrained=True, pretrained_cfg_overlay=dict(file=...)", MODEL, file)]
         for call, name, overlay in [*calls, (f"'{local}', pretrained=True", local, None)]:
             loaded = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay)
-            rep = compare_models(reference, loaded, inputs, reference_name=REFERENCE, model_name=name, family=res.variant.family.name, inputs_desc="4 seeded images")  # fmt: skip
+            rep = compare_models(
+                reference,
+                loaded,
+                inputs,
+                reference_name=REFERENCE,
+                model_name=name,
+                family=res.variant.family.name,
+                inputs_desc="4 seeded images",
+            )
             exact = "yes" if rep.bit_exact else "no"
             write_out(f"      timm.create_model({call}): bit-exact: {exact} (max abs diff {rep.max_abs_diff:.3g})")
             ok = ok and rep.passed

@@ -204,12 +204,19 @@ def gate_rows(
     for depth, block in enumerate(blocks):
         stage, index = positions[block]
         ls1, ls2 = gammas.get((block, "ls1")), gammas.get((block, "ls2"))
-        out.append({
-            "depth": depth, "block": block, "stage": stage, "index": index, "class_attn": stage == _CLASS_ATTN_STAGE,
-            "dim": int(gammas[(block, "ls1" if ls1 is not None else "ls2")].numel()),
-            "ls1": gate_stats(ls1) if ls1 is not None else None, "ls2": gate_stats(ls2) if ls2 is not None else None,
-            "layout": layout,
-        })  # fmt: skip
+        out.append(
+            {
+                "depth": depth,
+                "block": block,
+                "stage": stage,
+                "index": index,
+                "class_attn": stage == _CLASS_ATTN_STAGE,
+                "dim": int(gammas[(block, "ls1" if ls1 is not None else "ls2")].numel()),
+                "ls1": gate_stats(ls1) if ls1 is not None else None,
+                "ls2": gate_stats(ls2) if ls2 is not None else None,
+                "layout": layout,
+            }
+        )
     if model is not None:
         _check_model({gate: int(gamma.numel()) for gate, gamma in gammas.items()}, model)
     return out
@@ -339,6 +346,28 @@ def _depth_ticks(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[s
     return ticks, labels
 
 
+def _gate_lines(ax: Any, rows: Sequence[Mapping[str, Any]], floor: float | None) -> list[Any]:
+    """Each gate's mean ``|gamma|`` per block as a line on ``ax``, its min-max range shaded (values clipped at
+    ``floor`` on a log scale); their legend handles."""
+    handles: list[Any] = []
+    styles = (("ls1", "attention (ls1)", "tab:blue", "o"), ("ls2", "MLP (ls2)", "tab:orange", "s"))
+    for which, label, color, marker in styles:
+        pts = [(r["depth"], r[which]) for r in rows if r[which]]
+        if not pts:
+            continue
+        xs = [d for d, _ in pts]
+        clip = (lambda v: max(v, floor)) if floor is not None else (lambda v: v)
+        mean = [clip(s["mean"]) for _, s in pts]
+        lo = [clip(s["min"]) for _, s in pts]
+        hi = [clip(s["max"]) for _, s in pts]
+        (line,) = ax.plot(
+            xs, mean, color=color, marker=marker, markersize=4, linewidth=2, label=f"{label}: mean", zorder=3
+        )
+        band = ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0, label=f"{label}: min to max", zorder=1)
+        handles += [line, band]
+    return handles
+
+
 def plot_gates(
     rows: Sequence[Mapping[str, Any]],
     path: str | os.PathLike[str],
@@ -380,21 +409,7 @@ def plot_gates(
         handles.append(
             ax.axvspan(min(ca) - 0.5, max(ca) + 0.5, color="0.88", zorder=0, label="class-attention (CA) blocks")
         )
-    styles = (("ls1", "attention (ls1)", "tab:blue", "o"), ("ls2", "MLP (ls2)", "tab:orange", "s"))
-    for which, label, color, marker in styles:
-        pts = [(r["depth"], r[which]) for r in rows if r[which]]
-        if not pts:
-            continue
-        xs = [d for d, _ in pts]
-        clip = (lambda v: max(v, floor)) if log else (lambda v: v)
-        mean = [clip(s["mean"]) for _, s in pts]
-        lo = [clip(s["min"]) for _, s in pts]
-        hi = [clip(s["max"]) for _, s in pts]
-        (line,) = ax.plot(
-            xs, mean, color=color, marker=marker, markersize=4, linewidth=2, label=f"{label}: mean", zorder=3
-        )
-        band = ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0, label=f"{label}: min to max", zorder=1)
-        handles += [line, band]
+    handles += _gate_lines(ax, rows, floor if log else None)
     diverged = sorted(
         {r["depth"] for r in rows for w in ("ls1", "ls2") if r[w] and not all(map(math.isfinite, r[w].values()))}
     )

@@ -83,9 +83,12 @@ def _unlikeliness(v: Variant, info: Mapping[str, int]) -> float:
 
 
 def without_zero_optional(
-    state_dict: Mapping[str, Any], family: str | Family, expected: Container[str], name: str,
+    state_dict: Mapping[str, Any],
+    family: str | Family,
+    expected: Container[str],
+    name: str,
     changes: list[Change] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """An ``ls``-layout state dict without the keys that a model (called ``name``, its state dict's keys
     ``expected``) lacks and its ``family`` leaves out where they are zero
     (its ``ls`` layout's ``optional_zero``: DINOv3's q and v biases); ``changes`` gets them.

@@ -18,9 +18,15 @@ __all__ = ["cast_tensors", "check_folds", "target_tensors"]
 
 
 def target_tensors(
-    tensors: Mapping[str, torch.Tensor], variant: Variant, source: Layout, to: Layout, fold: bool = False,
-    dtype: torch.dtype | None = None, changes: list[Change] | None = None, written: list[Change] | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+    tensors: Mapping[str, torch.Tensor],
+    variant: Variant,
+    source: Layout,
+    to: Layout,
+    fold: bool = False,
+    dtype: torch.dtype | None = None,
+    changes: list[Change] | None = None,
+    written: list[Change] | None = None,
+) -> dict[str, torch.Tensor]:
     """A source's tensors (in their ``source`` layout) mapped by the rules to layout ``to`` (folded with ``fold``, the
     folds rounded once to ``dtype``), with the buffers ``to`` stores; ``changes`` gets what reading became of each
     source key, ``written`` (default ``changes``) what writing made of each ``ls`` key. A layout written to itself

@@ -13,12 +13,12 @@ from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import own_model, timm_filtered, timm_model, transformers_layout
 from .operations import fuse_qkv, no_head, split_qkv
 
-_B = r"blocks\.\d+"
+ANY_BLOCK = r"blocks\.\d+"
 _KEEP = (
     Rule(r"cls_token", KEEP),
     Rule(r"(?:patch_embed\.proj|fc_norm|norm|head)" + LINEAR, KEEP),
-    Rule(rf"{_B}\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + LINEAR, KEEP),
-    Rule(rf"{_B}\.attn\.(?:q_bias|v_bias|relative_position_bias_table)", KEEP),
+    Rule(rf"{ANY_BLOCK}\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + LINEAR, KEEP),
+    Rule(rf"{ANY_BLOCK}\.attn\.(?:q_bias|v_bias|relative_position_bias_table)", KEEP),
 )
 LS, RAW, TO_RAW = gate_rules("blocks", _KEEP)
 
@@ -63,7 +63,7 @@ def _shared(key: str, value: Any, state_dict: Mapping[str, Any]) -> str:
 
 #: The authors' files into timm's names, each block's index dropped where it is the computed one.
 OFFICIAL = (
-    Rule(rf"{_B}\.attn\.relative_position_index", None, why=index_computed),
+    Rule(rf"{ANY_BLOCK}\.attn\.relative_position_index", None, why=index_computed),
     Rule(r"rel_pos_bias\..+", None, why=_shared),
     *RAW,
 )
@@ -75,52 +75,57 @@ def _index(variant: Variant) -> dict[str, Any]:
     return {f"blocks.{n}.attn.relative_position_index": index for n in range(variant.depth)}
 
 
-_P = r"(?:beit\.)?"  # BeitForImageClassification's prefix
-_L = rf"{_P}(?:encoder\.layer|layers)\.(\d+)"  # save_pretrained's names; 5.x's in memory
-_A = rf"{_L}\.attention\.(?:attention\.)?"
-_T = r"blocks.\1"
+CLASSIFIER_PREFIX = r"(?:beit\.)?"  # BeitForImageClassification's prefix
+HF_LAYER = rf"{CLASSIFIER_PREFIX}(?:encoder\.layer|layers)\.(\d+)"  # save_pretrained's names; 5.x's in memory
+HF_ATTENTION = rf"{HF_LAYER}\.attention\.(?:attention\.)?"
+TO_BLOCK = r"blocks.\1"
 #: transformers' ``BeitModel`` files (``BeitForImageClassification``'s under ``beit.``, its classifier) into timm's
 #: names: q, k and v fused, the k bias timm's zero third.
 TRANSFORMERS = (
-    Rule(rf"{_P}embeddings\.cls_token", "cls_token"),
-    Rule(rf"{_P}embeddings\.patch_embeddings\.projection({LINEAR})", r"patch_embed.proj\1"),
-    Rule(rf"{_A}(?:query|key|value|[qkv]_proj)\.weight", rf"{_T}.attn.qkv.weight", op=fuse_qkv),
-    Rule(rf"{_A}(?:query|q_proj)\.bias", rf"{_T}.attn.q_bias"),
-    Rule(rf"{_A}(?:value|v_proj)\.bias", rf"{_T}.attn.v_bias"),
-    Rule(rf"{_A}(?:output\.dense|o_proj)({LINEAR})", rf"{_T}.attn.proj\2"),
-    Rule(rf"{_L}\.(?:attention\.attention\.)?relative_position_bias\.(\w+)", rf"{_T}.attn.\2"),
-    Rule(rf"{_L}\.layernorm_before({LINEAR})", rf"{_T}.norm1\2"),
-    Rule(rf"{_L}\.layernorm_after({LINEAR})", rf"{_T}.norm2\2"),
-    Rule(rf"{_L}\.(?:intermediate\.dense|mlp\.fc1)({LINEAR})", rf"{_T}.mlp.fc1\2"),
-    Rule(rf"{_L}\.(?:output\.dense|mlp\.fc2)({LINEAR})", rf"{_T}.mlp.fc2\2"),
-    Rule(rf"{_L}\.lambda_([12])", rf"{_T}.ls\2.gamma"),
-    Rule(rf"{_P}pooler\.layernorm({LINEAR})", r"fc_norm\1"),
+    Rule(rf"{CLASSIFIER_PREFIX}embeddings\.cls_token", "cls_token"),
+    Rule(rf"{CLASSIFIER_PREFIX}embeddings\.patch_embeddings\.projection({LINEAR})", r"patch_embed.proj\1"),
+    Rule(rf"{HF_ATTENTION}(?:query|key|value|[qkv]_proj)\.weight", rf"{TO_BLOCK}.attn.qkv.weight", op=fuse_qkv),
+    Rule(rf"{HF_ATTENTION}(?:query|q_proj)\.bias", rf"{TO_BLOCK}.attn.q_bias"),
+    Rule(rf"{HF_ATTENTION}(?:value|v_proj)\.bias", rf"{TO_BLOCK}.attn.v_bias"),
+    Rule(rf"{HF_ATTENTION}(?:output\.dense|o_proj)({LINEAR})", rf"{TO_BLOCK}.attn.proj\2"),
+    Rule(rf"{HF_LAYER}\.(?:attention\.attention\.)?relative_position_bias\.(\w+)", rf"{TO_BLOCK}.attn.\2"),
+    Rule(rf"{HF_LAYER}\.layernorm_before({LINEAR})", rf"{TO_BLOCK}.norm1\2"),
+    Rule(rf"{HF_LAYER}\.layernorm_after({LINEAR})", rf"{TO_BLOCK}.norm2\2"),
+    Rule(rf"{HF_LAYER}\.(?:intermediate\.dense|mlp\.fc1)({LINEAR})", rf"{TO_BLOCK}.mlp.fc1\2"),
+    Rule(rf"{HF_LAYER}\.(?:output\.dense|mlp\.fc2)({LINEAR})", rf"{TO_BLOCK}.mlp.fc2\2"),
+    Rule(rf"{HF_LAYER}\.lambda_([12])", rf"{TO_BLOCK}.ls\2.gamma"),
+    Rule(rf"{CLASSIFIER_PREFIX}pooler\.layernorm({LINEAR})", r"fc_norm\1"),
     Rule(rf"classifier({LINEAR})", r"head\1"),
-    Rule(rf"{_P}encoder\.relative_position_bias\..+", None, why=_shared),
+    Rule(rf"{CLASSIFIER_PREFIX}encoder\.relative_position_bias\..+", None, why=_shared),
 )
-_O = r"encoder.layer.\1"
-_N = r"blocks\.(\d+)"
+TO_HF_LAYER = r"encoder.layer.\1"
+BLOCK_N = r"blocks\.(\d+)"
 #: The ``ls`` layout into the names ``save_pretrained`` writes (4.x's, which 5.x reads).
 TO_TRANSFORMERS = (
     Rule(r"cls_token", "embeddings.cls_token"),
     Rule(rf"patch_embed\.proj({LINEAR})", r"embeddings.patch_embeddings.projection\1"),
     Rule(
-        rf"{_N}\.attn\.qkv\.weight", rf"{_O}.attention.attention.{{}}.weight", op=split_qkv(("query", "key", "value"))
+        rf"{BLOCK_N}\.attn\.qkv\.weight",
+        rf"{TO_HF_LAYER}.attention.attention.{{}}.weight",
+        op=split_qkv(("query", "key", "value")),
     ),
-    Rule(rf"{_N}\.attn\.q_bias", rf"{_O}.attention.attention.query.bias"),
-    Rule(rf"{_N}\.attn\.v_bias", rf"{_O}.attention.attention.value.bias"),
-    Rule(rf"{_N}\.attn\.proj({LINEAR})", rf"{_O}.attention.output.dense\2"),
-    Rule(rf"{_N}\.attn\.(relative_position_bias_table)", rf"{_O}.attention.attention.relative_position_bias.\2"),
-    Rule(rf"{_N}\.norm1({LINEAR})", rf"{_O}.layernorm_before\2"),
-    Rule(rf"{_N}\.norm2({LINEAR})", rf"{_O}.layernorm_after\2"),
-    Rule(rf"{_N}\.mlp\.fc1({LINEAR})", rf"{_O}.intermediate.dense\2"),
-    Rule(rf"{_N}\.mlp\.fc2({LINEAR})", rf"{_O}.output.dense\2"),
-    Rule(rf"{_N}\.ls([12])\.gamma", rf"{_O}.lambda_\2"),
+    Rule(rf"{BLOCK_N}\.attn\.q_bias", rf"{TO_HF_LAYER}.attention.attention.query.bias"),
+    Rule(rf"{BLOCK_N}\.attn\.v_bias", rf"{TO_HF_LAYER}.attention.attention.value.bias"),
+    Rule(rf"{BLOCK_N}\.attn\.proj({LINEAR})", rf"{TO_HF_LAYER}.attention.output.dense\2"),
+    Rule(
+        rf"{BLOCK_N}\.attn\.(relative_position_bias_table)",
+        rf"{TO_HF_LAYER}.attention.attention.relative_position_bias.\2",
+    ),
+    Rule(rf"{BLOCK_N}\.norm1({LINEAR})", rf"{TO_HF_LAYER}.layernorm_before\2"),
+    Rule(rf"{BLOCK_N}\.norm2({LINEAR})", rf"{TO_HF_LAYER}.layernorm_after\2"),
+    Rule(rf"{BLOCK_N}\.mlp\.fc1({LINEAR})", rf"{TO_HF_LAYER}.intermediate.dense\2"),
+    Rule(rf"{BLOCK_N}\.mlp\.fc2({LINEAR})", rf"{TO_HF_LAYER}.output.dense\2"),
+    Rule(rf"{BLOCK_N}\.ls([12])\.gamma", rf"{TO_HF_LAYER}.lambda_\2"),
     Rule(rf"fc_norm({LINEAR})", r"pooler.layernorm\1"),
     Rule(r"head" + LINEAR, KEEP, op=no_head("transformers' BeitModel")),
 )
 
-_TELL = rf"{_P}embeddings\.patch_embeddings\.projection\.weight"  # a transformers file's key
+_TELL = rf"{CLASSIFIER_PREFIX}embeddings\.patch_embeddings\.projection\.weight"  # a transformers file's key
 
 
 def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:
@@ -129,11 +134,18 @@ def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]])
     from transformers import BeitConfig
 
     return BeitConfig(
-        hidden_size=variant.embed_dim, num_hidden_layers=variant.depth, num_attention_heads=variant.num_heads,
-        intermediate_size=shapes["blocks.0.mlp.fc1.weight"][0], image_size=variant.img_size,
-        patch_size=variant.patch_size, use_relative_position_bias=True, use_absolute_position_embeddings=False,
-        use_mean_pooling=True, layer_scale_init_value=float(variant.init_value or 0.1), layer_norm_eps=1e-6,
-    )  # fmt: skip
+        hidden_size=variant.embed_dim,
+        num_hidden_layers=variant.depth,
+        num_attention_heads=variant.num_heads,
+        intermediate_size=shapes["blocks.0.mlp.fc1.weight"][0],
+        image_size=variant.img_size,
+        patch_size=variant.patch_size,
+        use_relative_position_bias=True,
+        use_absolute_position_embeddings=False,
+        use_mean_pooling=True,
+        layer_scale_init_value=float(variant.init_value or 0.1),
+        layer_norm_eps=1e-6,
+    )
 
 
 BIBTEX = """\

@@ -14,15 +14,15 @@ from . import KEEP, LINEAR, Family, Layout, Proof, Rule, Variant, register
 from .loaders import own_model, timm_filtered, timm_model, transformers_layout
 from .operations import no_head
 
-_B = r"stages\.(\d+)\.blocks\.(\d+)"
+STAGE_BLOCK = r"stages\.(\d+)\.blocks\.(\d+)"
 _KEEP = (
     Rule(r"(?:stem\.\d+|stages\.\d+\.downsample\.\d+|norm_pre|head\.(?:norm|fc|pre_logits\.fc))" + LINEAR, KEEP),
-    Rule(rf"{_B}\.(?:conv_dw|norm|mlp\.fc[12])" + LINEAR, KEEP),
+    Rule(rf"{STAGE_BLOCK}\.(?:conv_dw|norm|mlp\.fc[12])" + LINEAR, KEEP),
 )
-LS = (Rule(rf"{_B}\.ls\.gamma", KEEP), *_KEEP)
+LS = (Rule(rf"{STAGE_BLOCK}\.ls\.gamma", KEEP), *_KEEP)
 #: timm's raw ``gamma`` into the ``ls`` layout, and back.
-RAW = (Rule(rf"{_B}\.gamma", r"stages.\1.blocks.\2.ls.gamma"), *_KEEP)
-TO_RAW = (Rule(rf"{_B}\.ls\.gamma", r"stages.\1.blocks.\2.gamma"), *_KEEP)
+RAW = (Rule(rf"{STAGE_BLOCK}\.gamma", r"stages.\1.blocks.\2.ls.gamma"), *_KEEP)
+TO_RAW = (Rule(rf"{STAGE_BLOCK}\.ls\.gamma", r"stages.\1.blocks.\2.gamma"), *_KEEP)
 
 
 def _linear_mlp(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -59,16 +59,16 @@ def with_norms_3(target: str, tensor: Any, key: str, state_dict: Mapping[str, An
     return {target: tensor, target.replace("norm.", "norms.3.", 1): Proof(tensor, "the final norm itself")}
 
 
-_S = r"stages\.(\d+)\.(\d+)"
-_T = r"stages.\1.blocks.\2"
+AUTHORS_STAGE_BLOCK = r"stages\.(\d+)\.(\d+)"
+TO_STAGE_BLOCK = r"stages.\1.blocks.\2"
 #: The authors' names into timm's (what timm's ``checkpoint_filter_fn`` does to them), and back.
 OFFICIAL = (
     Rule(rf"downsample_layers\.0\.([01])({LINEAR})", r"stem.\1\2"),
     Rule(rf"downsample_layers\.(\d+)\.([01])({LINEAR})", r"stages.\1.downsample.\2\3"),
-    Rule(rf"{_S}\.dwconv({LINEAR})", rf"{_T}.conv_dw\3"),
-    Rule(rf"{_S}\.norm({LINEAR})", rf"{_T}.norm\3"),
-    Rule(rf"{_S}\.pwconv([12])({LINEAR})", rf"{_T}.mlp.fc\3\4"),
-    Rule(rf"{_S}\.gamma", rf"{_T}.ls.gamma"),
+    Rule(rf"{AUTHORS_STAGE_BLOCK}\.dwconv({LINEAR})", rf"{TO_STAGE_BLOCK}.conv_dw\3"),
+    Rule(rf"{AUTHORS_STAGE_BLOCK}\.norm({LINEAR})", rf"{TO_STAGE_BLOCK}.norm\3"),
+    Rule(rf"{AUTHORS_STAGE_BLOCK}\.pwconv([12])({LINEAR})", rf"{TO_STAGE_BLOCK}.mlp.fc\3\4"),
+    Rule(rf"{AUTHORS_STAGE_BLOCK}\.gamma", rf"{TO_STAGE_BLOCK}.ls.gamma"),
     Rule(rf"norm({LINEAR})", r"head.norm\1"),
     Rule(r"norms\.3" + LINEAR, None, why=final_norm_twice),
     Rule(rf"head({LINEAR})", r"head.fc\1"),
@@ -76,46 +76,46 @@ OFFICIAL = (
 TO_OFFICIAL = (
     Rule(rf"stem\.([01])({LINEAR})", r"downsample_layers.0.\1\2"),
     Rule(rf"stages\.(\d+)\.downsample\.([01])({LINEAR})", r"downsample_layers.\1.\2\3"),
-    Rule(rf"{_B}\.conv_dw({LINEAR})", r"stages.\1.\2.dwconv\3"),
-    Rule(rf"{_B}\.norm({LINEAR})", r"stages.\1.\2.norm\3"),
-    Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", r"stages.\1.\2.pwconv\3\4", op=_linear_mlp),
-    Rule(rf"{_B}\.ls\.gamma", r"stages.\1.\2.gamma"),
+    Rule(rf"{STAGE_BLOCK}\.conv_dw({LINEAR})", r"stages.\1.\2.dwconv\3"),
+    Rule(rf"{STAGE_BLOCK}\.norm({LINEAR})", r"stages.\1.\2.norm\3"),
+    Rule(rf"{STAGE_BLOCK}\.mlp\.fc([12])({LINEAR})", r"stages.\1.\2.pwconv\3\4", op=_linear_mlp),
+    Rule(rf"{STAGE_BLOCK}\.ls\.gamma", r"stages.\1.\2.gamma"),
     Rule(rf"head\.norm({LINEAR})", r"norm\1", op=with_norms_3),
     Rule(rf"head\.fc({LINEAR})", r"head\1"),
 )
 
 
-_C = r"(?:convnext\.)?"  # ConvNextForImageClassification's prefix
-_D = rf"(?:{_C}encoder\.|(?:model\.)?)stages\.(\d+)"  # ConvNextModel's, DINOv3ConvNextModel's
-_H = rf"{_D}\.layers\.(\d+)"
+CLASSIFIER_PREFIX = r"(?:convnext\.)?"  # ConvNextForImageClassification's prefix
+HF_STAGE = rf"(?:{CLASSIFIER_PREFIX}encoder\.|(?:model\.)?)stages\.(\d+)"  # ConvNextModel's, DINOv3ConvNextModel's
+HF_STAGE_LAYER = rf"{HF_STAGE}\.layers\.(\d+)"
 #: transformers' ``ConvNextModel`` names (``ConvNextForImageClassification``'s under ``convnext.``, its classifier)
 #: and ``DINOv3ConvNextModel``'s (``stages``, read only) into timm's; back to ``ConvNextModel``'s (the backbone).
 TRANSFORMERS = (
-    Rule(rf"{_C}embeddings\.patch_embeddings({LINEAR})", r"stem.0\1"),
-    Rule(rf"{_C}embeddings\.layernorm({LINEAR})", r"stem.1\1"),
+    Rule(rf"{CLASSIFIER_PREFIX}embeddings\.patch_embeddings({LINEAR})", r"stem.0\1"),
+    Rule(rf"{CLASSIFIER_PREFIX}embeddings\.layernorm({LINEAR})", r"stem.1\1"),
     Rule(rf"(?:model\.)?stages\.0\.downsample_layers\.([01])({LINEAR})", r"stem.\1\2"),
-    Rule(rf"{_D}\.downsampl(?:ing_layer|e_layers)\.([01])({LINEAR})", r"stages.\1.downsample.\2\3"),
-    Rule(rf"{_H}\.(?:dwconv|depthwise_conv)({LINEAR})", rf"{_T}.conv_dw\3"),
-    Rule(rf"{_H}\.(?:layernorm|layer_norm)({LINEAR})", rf"{_T}.norm\3"),
-    Rule(rf"{_H}\.(?:pwconv|pointwise_conv)([12])({LINEAR})", rf"{_T}.mlp.fc\3\4"),
-    Rule(rf"{_H}\.(?:layer_scale_parameter|gamma)", rf"{_T}.ls.gamma"),
-    Rule(rf"(?:{_C}layernorm|layer_norm)({LINEAR})", r"head.norm\1"),
+    Rule(rf"{HF_STAGE}\.downsampl(?:ing_layer|e_layers)\.([01])({LINEAR})", r"stages.\1.downsample.\2\3"),
+    Rule(rf"{HF_STAGE_LAYER}\.(?:dwconv|depthwise_conv)({LINEAR})", rf"{TO_STAGE_BLOCK}.conv_dw\3"),
+    Rule(rf"{HF_STAGE_LAYER}\.(?:layernorm|layer_norm)({LINEAR})", rf"{TO_STAGE_BLOCK}.norm\3"),
+    Rule(rf"{HF_STAGE_LAYER}\.(?:pwconv|pointwise_conv)([12])({LINEAR})", rf"{TO_STAGE_BLOCK}.mlp.fc\3\4"),
+    Rule(rf"{HF_STAGE_LAYER}\.(?:layer_scale_parameter|gamma)", rf"{TO_STAGE_BLOCK}.ls.gamma"),
+    Rule(rf"(?:{CLASSIFIER_PREFIX}layernorm|layer_norm)({LINEAR})", r"head.norm\1"),
     Rule(rf"classifier({LINEAR})", r"head.fc\1"),
 )
-_E = r"encoder.stages.\1"
+TO_HF_STAGE = r"encoder.stages.\1"
 TO_TRANSFORMERS = (
     Rule(rf"stem\.0({LINEAR})", r"embeddings.patch_embeddings\1"),
     Rule(rf"stem\.1({LINEAR})", r"embeddings.layernorm\1"),
-    Rule(rf"stages\.(\d+)\.downsample\.([01])({LINEAR})", rf"{_E}.downsampling_layer.\2\3"),
-    Rule(rf"{_B}\.conv_dw({LINEAR})", rf"{_E}.layers.\2.dwconv\3"),
-    Rule(rf"{_B}\.norm({LINEAR})", rf"{_E}.layers.\2.layernorm\3"),
-    Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", rf"{_E}.layers.\2.pwconv\3\4", op=_linear_mlp),
-    Rule(rf"{_B}\.ls\.gamma", rf"{_E}.layers.\2.layer_scale_parameter"),
+    Rule(rf"stages\.(\d+)\.downsample\.([01])({LINEAR})", rf"{TO_HF_STAGE}.downsampling_layer.\2\3"),
+    Rule(rf"{STAGE_BLOCK}\.conv_dw({LINEAR})", rf"{TO_HF_STAGE}.layers.\2.dwconv\3"),
+    Rule(rf"{STAGE_BLOCK}\.norm({LINEAR})", rf"{TO_HF_STAGE}.layers.\2.layernorm\3"),
+    Rule(rf"{STAGE_BLOCK}\.mlp\.fc([12])({LINEAR})", rf"{TO_HF_STAGE}.layers.\2.pwconv\3\4", op=_linear_mlp),
+    Rule(rf"{STAGE_BLOCK}\.ls\.gamma", rf"{TO_HF_STAGE}.layers.\2.layer_scale_parameter"),
     Rule(rf"head\.norm({LINEAR})", r"layernorm\1"),
     Rule(r"head\.fc" + LINEAR, KEEP, op=no_head("transformers' ConvNextModel")),
 )
 
-_TELL = rf"{_C}embeddings\.patch_embeddings\.weight|(?:model\.)?stages\.0\.downsample_layers\.0\.weight"  # both
+_TELL = rf"{CLASSIFIER_PREFIX}embeddings\.patch_embeddings\.weight|(?:model\.)?stages\.0\.downsample_layers\.0\.weight"  # both
 
 
 def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]]) -> Any:

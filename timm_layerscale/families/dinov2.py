@@ -57,7 +57,7 @@ def _MASK(token: Any) -> tuple[int, int]:  # the official and transformers files
     return (1, token.shape[-1])
 
 
-_B = r"blocks\.(\d+)"
+BLOCK_N = r"blocks\.(\d+)"
 #: Keys the official layout and timm's share (the gates are ``ls1.gamma`` in both).
 _SHARED = r"(?:patch_embed\.proj|norm)" + LINEAR + r"|blocks\.\d+\.(?:(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc[12])"
 _SHARED += LINEAR + r"|ls[12]\.gamma)"
@@ -70,11 +70,11 @@ OFFICIAL = (
     Rule(r"register_tokens", "reg_token"),
     Rule(r"cls_token", "cls_token", op=merge_class_slot),
     Rule(r"pos_embed", "pos_embed", op=drop_class_slot),
-    Rule(rf"{_B}\.mlp\.w12({LINEAR})", r"blocks.\1.mlp.fc1\2"),
-    Rule(rf"{_B}\.mlp\.w3({LINEAR})", r"blocks.\1.mlp.fc2\2"),
+    Rule(rf"{BLOCK_N}\.mlp\.w12({LINEAR})", r"blocks.\1.mlp.fc1\2"),
+    Rule(rf"{BLOCK_N}\.mlp\.w3({LINEAR})", r"blocks.\1.mlp.fc2\2"),
     Rule(_SHARED, KEEP),
 )
-_E = r"encoder\.layer\.(\d+)"
+HF_LAYER = r"encoder\.layer\.(\d+)"
 #: transformers' files (4.x's names, which ``save_pretrained`` still writes) into timm's.
 TRANSFORMERS = (
     Rule(r"embeddings\.mask_token", None, why=UNUSED),
@@ -82,12 +82,12 @@ TRANSFORMERS = (
     Rule(r"embeddings\.cls_token", "cls_token", op=merge_class_slot),
     Rule(r"embeddings\.position_embeddings", "pos_embed", op=drop_class_slot),
     Rule(rf"embeddings\.patch_embeddings\.projection({LINEAR})", r"patch_embed.proj\1"),
-    Rule(rf"{_E}\.(norm[12]{LINEAR})", r"blocks.\1.\2"),
-    Rule(rf"{_E}\.attention\.attention\.(?:query|key|value)({LINEAR})", r"blocks.\1.attn.qkv\2", op=fuse_qkv),
-    Rule(rf"{_E}\.attention\.output\.dense({LINEAR})", r"blocks.\1.attn.proj\2"),
-    Rule(rf"{_E}\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
-    Rule(rf"{_E}\.mlp\.(?:fc1|weights_in)({LINEAR})", r"blocks.\1.mlp.fc1\2"),
-    Rule(rf"{_E}\.mlp\.(?:fc2|weights_out)({LINEAR})", r"blocks.\1.mlp.fc2\2"),
+    Rule(rf"{HF_LAYER}\.(norm[12]{LINEAR})", r"blocks.\1.\2"),
+    Rule(rf"{HF_LAYER}\.attention\.attention\.(?:query|key|value)({LINEAR})", r"blocks.\1.attn.qkv\2", op=fuse_qkv),
+    Rule(rf"{HF_LAYER}\.attention\.output\.dense({LINEAR})", r"blocks.\1.attn.proj\2"),
+    Rule(rf"{HF_LAYER}\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
+    Rule(rf"{HF_LAYER}\.mlp\.(?:fc1|weights_in)({LINEAR})", r"blocks.\1.mlp.fc1\2"),
+    Rule(rf"{HF_LAYER}\.mlp\.(?:fc2|weights_out)({LINEAR})", r"blocks.\1.mlp.fc2\2"),
     Rule(rf"layernorm({LINEAR})", r"norm\1"),
 )
 #: timm's layout into the official file, with a zero ``mask_token``, a zero class slot for ``_reg4`` (whose class
@@ -96,26 +96,30 @@ TO_OFFICIAL = (
     Rule(r"cls_token", "cls_token", op=zeros_like_token(_MASK, "mask_token")),
     Rule(r"pos_embed", "pos_embed", op=zero_class_slot),
     Rule(r"reg_token", "register_tokens"),
-    Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", r"blocks.\1.mlp.{}\3", op=packed_swiglu(("w12", "w3"))),
+    Rule(rf"{BLOCK_N}\.mlp\.fc([12])({LINEAR})", r"blocks.\1.mlp.{}\3", op=packed_swiglu(("w12", "w3"))),
     Rule(r"head" + LINEAR, KEEP, op=no_head("the official DINOv2 model")),
     Rule(_SHARED, KEEP),
 )
-_L = r"encoder.layer.\1"
+TO_HF_LAYER = r"encoder.layer.\1"
 #: timm's layout into transformers' (the names ``save_pretrained`` writes, which 4.x and 5.x load).
 TO_TRANSFORMERS = (
     Rule(r"cls_token", "embeddings.cls_token", op=zeros_like_token(_MASK, "embeddings.mask_token")),
     Rule(r"pos_embed", "embeddings.position_embeddings", op=zero_class_slot),
     Rule(r"reg_token", "embeddings.register_tokens"),
     Rule(rf"patch_embed\.proj({LINEAR})", r"embeddings.patch_embeddings.projection\1"),
-    Rule(rf"{_B}\.(norm[12]{LINEAR})", rf"{_L}.\2"),
+    Rule(rf"{BLOCK_N}\.(norm[12]{LINEAR})", rf"{TO_HF_LAYER}.\2"),
     Rule(
-        rf"{_B}\.attn\.qkv\.(weight|bias)",
-        rf"{_L}.attention.attention.{{}}.\2",
+        rf"{BLOCK_N}\.attn\.qkv\.(weight|bias)",
+        rf"{TO_HF_LAYER}.attention.attention.{{}}.\2",
         op=split_qkv(("query", "key", "value")),
     ),
-    Rule(rf"{_B}\.attn\.proj({LINEAR})", rf"{_L}.attention.output.dense\2"),
-    Rule(rf"{_B}\.ls([12])\.gamma", rf"{_L}.layer_scale\2.lambda1"),
-    Rule(rf"{_B}\.mlp\.fc([12])({LINEAR})", rf"{_L}.mlp.{{}}\3", op=packed_swiglu(("weights_in", "weights_out"))),
+    Rule(rf"{BLOCK_N}\.attn\.proj({LINEAR})", rf"{TO_HF_LAYER}.attention.output.dense\2"),
+    Rule(rf"{BLOCK_N}\.ls([12])\.gamma", rf"{TO_HF_LAYER}.layer_scale\2.lambda1"),
+    Rule(
+        rf"{BLOCK_N}\.mlp\.fc([12])({LINEAR})",
+        rf"{TO_HF_LAYER}.mlp.{{}}\3",
+        op=packed_swiglu(("weights_in", "weights_out")),
+    ),
     Rule(rf"norm({LINEAR})", r"layernorm\1"),
     Rule(r"head" + LINEAR, KEEP, op=no_head("transformers' Dinov2Model")),
 )
@@ -132,11 +136,17 @@ def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]])
     registers = "reg_token" in shapes
     cls: Any = transformers.Dinov2WithRegistersConfig if registers else transformers.Dinov2Config
     return cls(
-        hidden_size=variant.embed_dim, num_hidden_layers=variant.depth, num_attention_heads=variant.num_heads,
-        mlp_ratio=4 if swiglu else fc1[0] // variant.embed_dim, use_swiglu_ffn=swiglu, image_size=variant.img_size,
-        patch_size=variant.patch_size, layerscale_value=float(variant.init_value or 1.0), layer_norm_eps=1e-6,
+        hidden_size=variant.embed_dim,
+        num_hidden_layers=variant.depth,
+        num_attention_heads=variant.num_heads,
+        mlp_ratio=4 if swiglu else fc1[0] // variant.embed_dim,
+        use_swiglu_ffn=swiglu,
+        image_size=variant.img_size,
+        patch_size=variant.patch_size,
+        layerscale_value=float(variant.init_value or 1.0),
+        layer_norm_eps=1e-6,
         **({"num_register_tokens": shapes["reg_token"][1]} if registers else {}),
-    )  # fmt: skip
+    )
 
 
 def official_keys(variant: Variant) -> set[str]:

@@ -13,7 +13,7 @@ from .loaders import authors_keys, own_model, timm_model, transformers_layout, w
 from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
 
 #: timm's names of the authors' SwiGLU ``w1``, ``w2``, ``w3``.
-_W = ("fc1_g", "fc1_x", "fc2")
+SWIGLU_NAMES = ("fc1_g", "fc1_x", "fc2")
 #: The variant whose official file has no q/k/v bias (nor its mask) and keeps the norm of local crops' class token.
 _7B = "vit_7b_patch16_dinov3_ls"
 _PERIODS_BASE = 100.0
@@ -188,7 +188,7 @@ OFFICIAL = (
     Rule(r"projectors\..+", None, why="training head"),  # EUPE's distillation projections
     Rule(r"(blocks\.\d+\.attn)\.qkv\.bias", r"\1", op=split_qkv_bias),
     Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
-    *(Rule(rf"(blocks\.\d+\.mlp)\.w{i}({LINEAR})", rf"\1.{name}\2") for i, name in enumerate(_W, 1)),
+    *(Rule(rf"(blocks\.\d+\.mlp)\.w{i}({LINEAR})", rf"\1.{name}\2") for i, name in enumerate(SWIGLU_NAMES, 1)),
 )
 
 
@@ -198,7 +198,7 @@ def up_proj(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -
     return {target.replace(".fc1.", ".fc1_x.") if gated else target: tensor}
 
 
-_L = r"(?:model\.)?layer\.(\d+)"
+HF_LAYER = r"(?:model\.)?layer\.(\d+)"
 #: transformers' ``DINOv3ViTModel`` files (the names ``save_pretrained`` writes; 5.x's ``model.layer`` too) into
 #: timm's: q, k and v projections fused, ``mask_token`` (pretraining only) dropped.
 TRANSFORMERS = (
@@ -206,31 +206,33 @@ TRANSFORMERS = (
     Rule(r"embeddings\.register_tokens", "reg_token"),
     Rule(r"embeddings\.mask_token", None, why=UNUSED),
     Rule(rf"embeddings\.patch_embeddings({LINEAR})", r"patch_embed.proj\1"),
-    Rule(rf"{_L}\.(norm[12]{LINEAR})", r"blocks.\1.\2"),
-    Rule(rf"{_L}\.attention\.[qkv]_proj\.weight", r"blocks.\1.attn.qkv.weight", op=fuse_qkv),
-    Rule(rf"{_L}\.attention\.([qv])_proj\.bias", r"blocks.\1.attn.\2_bias"),
-    Rule(rf"{_L}\.attention\.o_proj({LINEAR})", r"blocks.\1.attn.proj\2"),
-    Rule(rf"{_L}\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
-    Rule(rf"{_L}\.mlp\.gate_proj({LINEAR})", r"blocks.\1.mlp.fc1_g\2"),
-    Rule(rf"{_L}\.mlp\.up_proj({LINEAR})", r"blocks.\1.mlp.fc1\2", op=up_proj),
-    Rule(rf"{_L}\.mlp\.down_proj({LINEAR})", r"blocks.\1.mlp.fc2\2"),
+    Rule(rf"{HF_LAYER}\.(norm[12]{LINEAR})", r"blocks.\1.\2"),
+    Rule(rf"{HF_LAYER}\.attention\.[qkv]_proj\.weight", r"blocks.\1.attn.qkv.weight", op=fuse_qkv),
+    Rule(rf"{HF_LAYER}\.attention\.([qv])_proj\.bias", r"blocks.\1.attn.\2_bias"),
+    Rule(rf"{HF_LAYER}\.attention\.o_proj({LINEAR})", r"blocks.\1.attn.proj\2"),
+    Rule(rf"{HF_LAYER}\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
+    Rule(rf"{HF_LAYER}\.mlp\.gate_proj({LINEAR})", r"blocks.\1.mlp.fc1_g\2"),
+    Rule(rf"{HF_LAYER}\.mlp\.up_proj({LINEAR})", r"blocks.\1.mlp.fc1\2", op=up_proj),
+    Rule(rf"{HF_LAYER}\.mlp\.down_proj({LINEAR})", r"blocks.\1.mlp.fc2\2"),
     Rule(r"norm" + LINEAR, KEEP),
 )
-_B = r"blocks\.(\d+)"
+BLOCK_N = r"blocks\.(\d+)"
 #: The ``ls`` layout into transformers' names: ``qkv`` split, a zero ``mask_token`` ``(1, 1, C)`` beside the class
 #: token (transformers' model has one, unused at inference).
 TO_TRANSFORMERS = (
     Rule(r"cls_token", "embeddings.cls_token", op=zeros_like_token(lambda t: tuple(t.shape), "embeddings.mask_token")),
     Rule(r"reg_token", "embeddings.register_tokens"),
     Rule(rf"patch_embed\.proj({LINEAR})", r"embeddings.patch_embeddings\1"),
-    Rule(rf"{_B}\.(norm[12]{LINEAR})", r"layer.\1.\2"),
-    Rule(rf"{_B}\.attn\.qkv\.weight", r"layer.\1.attention.{}.weight", op=split_qkv(("q_proj", "k_proj", "v_proj"))),
-    Rule(rf"{_B}\.attn\.([qv])_bias", r"layer.\1.attention.\2_proj.bias"),
-    Rule(rf"{_B}\.attn\.proj({LINEAR})", r"layer.\1.attention.o_proj\2"),
-    Rule(rf"{_B}\.ls([12])\.gamma", r"layer.\1.layer_scale\2.lambda1"),
-    Rule(rf"{_B}\.mlp\.fc1_g({LINEAR})", r"layer.\1.mlp.gate_proj\2"),
-    Rule(rf"{_B}\.mlp\.fc1(?:_x)?({LINEAR})", r"layer.\1.mlp.up_proj\2"),
-    Rule(rf"{_B}\.mlp\.fc2({LINEAR})", r"layer.\1.mlp.down_proj\2"),
+    Rule(rf"{BLOCK_N}\.(norm[12]{LINEAR})", r"layer.\1.\2"),
+    Rule(
+        rf"{BLOCK_N}\.attn\.qkv\.weight", r"layer.\1.attention.{}.weight", op=split_qkv(("q_proj", "k_proj", "v_proj"))
+    ),
+    Rule(rf"{BLOCK_N}\.attn\.([qv])_bias", r"layer.\1.attention.\2_proj.bias"),
+    Rule(rf"{BLOCK_N}\.attn\.proj({LINEAR})", r"layer.\1.attention.o_proj\2"),
+    Rule(rf"{BLOCK_N}\.ls([12])\.gamma", r"layer.\1.layer_scale\2.lambda1"),
+    Rule(rf"{BLOCK_N}\.mlp\.fc1_g({LINEAR})", r"layer.\1.mlp.gate_proj\2"),
+    Rule(rf"{BLOCK_N}\.mlp\.fc1(?:_x)?({LINEAR})", r"layer.\1.mlp.up_proj\2"),
+    Rule(rf"{BLOCK_N}\.mlp\.fc2({LINEAR})", r"layer.\1.mlp.down_proj\2"),
     Rule(r"norm" + LINEAR, KEEP),
     Rule(r"head" + LINEAR, KEEP, op=no_head("transformers' DINOv3ViTModel")),
 )
@@ -245,12 +247,22 @@ def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]])
     gated = "blocks.0.mlp.fc1_g.weight" in shapes
     biased = "blocks.0.attn.q_bias" in shapes
     return DINOv3ViTConfig(
-        hidden_size=variant.embed_dim, num_hidden_layers=variant.depth, num_attention_heads=variant.num_heads,
+        hidden_size=variant.embed_dim,
+        num_hidden_layers=variant.depth,
+        num_attention_heads=variant.num_heads,
         intermediate_size=shapes["blocks.0.mlp.fc1_g.weight" if gated else "blocks.0.mlp.fc1.weight"][0],
-        use_gated_mlp=gated, hidden_act="silu" if gated else "gelu", query_bias=biased, key_bias=False,
-        value_bias=biased, num_register_tokens=shapes["reg_token"][1], patch_size=variant.patch_size,
-        image_size=variant.img_size, layer_norm_eps=1e-5, rope_theta=_PERIODS_BASE, layerscale_value=float(variant.init_value or 1.0),
-    )  # fmt: skip
+        use_gated_mlp=gated,
+        hidden_act="silu" if gated else "gelu",
+        query_bias=biased,
+        key_bias=False,
+        value_bias=biased,
+        num_register_tokens=shapes["reg_token"][1],
+        patch_size=variant.patch_size,
+        image_size=variant.img_size,
+        layer_norm_eps=1e-5,
+        rope_theta=_PERIODS_BASE,
+        layerscale_value=float(variant.init_value or 1.0),
+    )
 
 
 def join_qkv_bias(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -306,7 +318,11 @@ TO_OFFICIAL = (
     Rule(r"reg_token", "storage_tokens"),
     Rule(r"cls_token", KEEP, op=zeros_like_token(lambda t: (1, t.shape[-1]), "mask_token")),
     Rule(r"(blocks\.\d+\.attn)\.[qv]_bias", r"\1.qkv.bias", op=join_qkv_bias),
-    *(Rule(rf"(blocks\.\d+\.mlp)\.{name}({LINEAR})", rf"\1.w{i}\2") for i, name in enumerate(_W, 1) if name != "fc2"),
+    *(
+        Rule(rf"(blocks\.\d+\.mlp)\.{name}({LINEAR})", rf"\1.w{i}\2")
+        for i, name in enumerate(SWIGLU_NAMES, 1)
+        if name != "fc2"
+    ),
     Rule(rf"(blocks\.\d+\.mlp)\.fc2({LINEAR})", r"\1.w3\2", op=w3_or_fc2),
     Rule(r"head" + LINEAR, KEEP, op=no_head("the official DINOv3 model")),
     Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),

@@ -98,8 +98,10 @@ def _check_library_reload(folder: Path, written: Mapping[str, Any]) -> None:
 
     def held(tensors: Any) -> list[tuple[Any, ...]]:
         views = (t.detach().contiguous() for t in tensors)
-        return sorted((tuple(t.shape), str(t.dtype), hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest())
-                      for t in views)  # fmt: skip
+        return sorted(
+            (tuple(t.shape), str(t.dtype), hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest())
+            for t in views
+        )
 
     try:
         with without_progress_bars():
@@ -144,9 +146,15 @@ def _library_config(src: Any, layout: Layout, folder: Path) -> dict[str, Any]:
 
 
 def _write_config(
-    src: Any, layout: Layout, folder: Path, tag: str | None, folder_tag: str | None, names: Any, folder_names: Any,
+    src: Any,
+    layout: Layout,
+    folder: Path,
+    tag: str | None,
+    folder_tag: str | None,
+    names: Any,
+    folder_names: Any,
     descriptions: Any,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Write the folder's ``config.json``: transformers' for a library's layout (:func:`_library_config`), else
     timm's of the architecture exported (:func:`~.config.write_config`), under ``tag`` or the source folder's; an
     error about the source folder's class names says to pass others. Return what the card reads of it."""
@@ -178,13 +186,34 @@ def _placeholder_repo_id(name: str) -> str:
         return "ORG/NAME"
 
 
+def _draw(gates: list[dict[str, Any]], path: Path, name: str) -> tuple[Path | None, str | None]:
+    """The gate plot drawn at ``path``, or where matplotlib is missing, the card's line saying so."""
+    from ..inspection import MissingPlotDependency, plot_gates
+
+    try:
+        return plot_gates(gates, path, title=f"{name}: LayerScale gates"), None
+    except MissingPlotDependency as e:
+        return None, f"no {PLOT_NAME}: {e}"
+
+
 def export_folder(
-    source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, model: str | None = None,
-    overwrite: bool = False, push_to_hub: str | None = None, ema: bool = False, options: Any = None,
-    private: bool = False, commit_message: str | None = None, repo_id: str | None = None, plot: bool = True,
-    command: str | None = None, to: str = "ls", label_names: Sequence[str] | str | os.PathLike[str] | None = None,
+    source: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    model: str | None = None,
+    overwrite: bool = False,
+    push_to_hub: str | None = None,
+    ema: bool = False,
+    options: Any = None,
+    private: bool = False,
+    commit_message: str | None = None,
+    repo_id: str | None = None,
+    plot: bool = True,
+    command: str | None = None,
+    to: str = "ls",
+    label_names: Sequence[str] | str | os.PathLike[str] | None = None,
     tag: str | None = None,
-) -> ExportResult:  # fmt: skip
+) -> ExportResult:
     """Convert and verify a checkpoint into a folder that timm and transformers load, and optionally upload it.
 
     The files are built in a hidden folder beside ``out_dir``, loaded back with
@@ -214,7 +243,7 @@ def export_folder(
         HubError: A bad Hub id (before converting), or the download or upload failed (the folder is kept).
     """
     from ..converter import convert_checkpoint, read_source
-    from ..inspection import MissingPlotDependency, gate_rows, gate_summary, plot_gates
+    from ..inspection import gate_rows, gate_summary
     from ..options import command_line, published_options
 
     out = Path(out_dir)
@@ -249,22 +278,28 @@ def export_folder(
         (_check_library_reload if layout.library else _check_reload)(tmp, conv.state_dict)
         gates = gate_rows(src.detection.state_dict if layout.library else conv.state_dict)
         summary = gate_summary(gates)
-        plot_path, plot_note = None, None
-        if plot:
-            try:
-                plot_path = plot_gates(gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates")
-            except MissingPlotDependency as e:
-                plot_note = f"no {PLOT_NAME}: {e}"
+        plot_path, plot_note = _draw(gates, tmp / PLOT_NAME, conv.variant.name) if plot else (None, None)
         num_params = sum(t.numel() for t in conv.state_dict.values())
         cmd = command or command_line(
-            ("timm-layerscale", "export", published_path(source), published_path(out_dir)), published_options(options),
-            model=model, ema=ema, push_to_hub=push_to_hub, private=bool(push_to_hub and private),
-            to=None if to == "ls" else to, label_names=label_file and published_path(label_file), tag=tag,
-        )  # fmt: skip
+            ("timm-layerscale", "export", published_path(source), published_path(out_dir)),
+            published_options(options),
+            model=model,
+            ema=ema,
+            push_to_hub=push_to_hub,
+            private=bool(push_to_hub and private),
+            to=None if to == "ls" else to,
+            label_names=label_file and published_path(label_file),
+            tag=tag,
+        )
         card = build_model_card(
-            conv, repo_id=repo, config=config, num_params=num_params, command=cmd, gate_summary=summary,
+            conv,
+            repo_id=repo,
+            config=config,
+            num_params=num_params,
+            command=cmd,
+            gate_summary=summary,
             plot=PLOT_NAME if plot_path else None,
-        )  # fmt: skip
+        )
         card.save(tmp / CARD_NAME)
     out = folder  # the folder itself, through links and ``..``
     conv.output, conv.state_dict = out / WEIGHTS_NAME, {}
@@ -273,10 +308,18 @@ def export_folder(
     )
     note = f"{ALIAS!r} is a word of one release: wrote timm's own {architecture}; pass --to timm"
     result = ExportResult(
-        folder=out, files=sorted(p for p in out.iterdir() if p.is_file()), conversion=conv, repo_id=repo,
-        num_params=num_params, architecture=architecture, push_command=push, plot_note=plot_note, gates=gates,
-        plot=out / PLOT_NAME if plot_path else None, note=note if to == ALIAS else "",
-    )  # fmt: skip
+        folder=out,
+        files=sorted(p for p in out.iterdir() if p.is_file()),
+        conversion=conv,
+        repo_id=repo,
+        num_params=num_params,
+        architecture=architecture,
+        push_command=push,
+        plot_note=plot_note,
+        gates=gates,
+        plot=out / PLOT_NAME if plot_path else None,
+        note=note if to == ALIAS else "",
+    )
     if push_to_hub:
         try:
             result.push = push_folder(out, push_to_hub, private=private, commit_message=commit_message)

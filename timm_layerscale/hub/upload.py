@@ -152,10 +152,15 @@ def push_folder(
             f"{path / CONFIG_NAME} is not a timm config (JSON naming its 'architecture'); export the folder again with: {export} --overwrite"
         )
     plan = PushResult(
-        repo_id=repo_id, folder=path, files=files, private=private, create_pr=create_pr, endpoint=constants.ENDPOINT,
+        repo_id=repo_id,
+        folder=path,
+        files=files,
+        private=private,
+        create_pr=create_pr,
+        endpoint=constants.ENDPOINT,
         commit_message=commit_message or f"Upload {arch} weights (timm-layerscale {__version__})",
         revision=None if revision in (None, "main") else revision,
-    )  # fmt: skip
+    )
     if dry_run:
         return plan
     from huggingface_hub import HfApi
@@ -169,9 +174,14 @@ def push_folder(
         if plan.revision and not create_pr:
             api.create_branch(repo_id, branch=plan.revision, repo_type="model", exist_ok=True)
         info = api.upload_folder(
-            repo_id=repo_id, repo_type="model", folder_path=str(path), commit_message=plan.commit_message,
-            revision=plan.revision, create_pr=create_pr, ignore_patterns=list(_UPLOAD_IGNORE),
-        )  # fmt: skip
+            repo_id=repo_id,
+            repo_type="model",
+            folder_path=str(path),
+            commit_message=plan.commit_message,
+            revision=plan.revision,
+            create_pr=create_pr,
+            ignore_patterns=list(_UPLOAD_IGNORE),
+        )
     plan.dry_run = False
     plan.commit_url, plan.pr_url = getattr(info, "commit_url", None), getattr(info, "pr_url", None)
     return plan

@@ -304,10 +304,13 @@ VARIANTS = variants_of("cait")
 
 def _cfg(v: Variant) -> dict[str, Any]:
     return pretrained_cfg(
-        v, url=RELEASE_URL + str(v.official_file), hf_hub_id=f"timm/{v.reference}.fb_dist_in1k",
-        paper_ids="arXiv:2103.17239", paper_name="Going deeper with Image Transformers",
+        v,
+        url=RELEASE_URL + str(v.official_file),
+        hf_hub_id=f"timm/{v.reference}.fb_dist_in1k",
+        paper_ids="arXiv:2103.17239",
+        paper_name="Going deeper with Image Transformers",
         origin_url="https://github.com/facebookresearch/deit",
-    )  # fmt: skip
+    )
 
 
 default_cfgs = generate_default_cfgs({f"{name}.fb_dist_in1k": _cfg(v) for name, v in VARIANTS.items()})

@@ -86,9 +86,13 @@ def build(v: Variant, pretrained: bool, kwargs: dict[str, Any]) -> ConvNeXtLS:
     with the feature settings of timm's ``convnext_*``."""
     feature_cfg = {"out_indices": (0, 1, 2, 3), "flatten_sequential": True}
     return build_model_with_cfg(
-        ConvNeXtLS, v.name, pretrained, pretrained_filter_fn=checkpoint_filter_fn, feature_cfg=feature_cfg,
+        ConvNeXtLS,
+        v.name,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=feature_cfg,
         **{**dict(v.args), **kwargs},
-    )  # fmt: skip
+    )
 
 
 register_variants(__name__, VARIANTS, build)

@@ -42,9 +42,12 @@ class LayerScaleEvaBlock(GatedBlock, EvaBlock):
     if TYPE_CHECKING or "is_causal" in inspect.signature(EvaBlock.forward).parameters:
 
         def forward(
-            self, x: torch.Tensor, rope: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+            self,
+            x: torch.Tensor,
+            rope: torch.Tensor | None = None,
+            attn_mask: torch.Tensor | None = None,
             is_causal: bool = False,
-        ) -> torch.Tensor:  # fmt: skip
+        ) -> torch.Tensor:
             x = x + self.drop_path1(
                 self.ls1(self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask, is_causal=is_causal))
             )
@@ -88,9 +91,16 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: DinoV3LS) -
 
 #: What every DINOv3 shares (timm's ``vit_*_dinov3``): rotary positions, four registers, no absolute positions.
 DINOV3_ARGS = dict(
-    dynamic_img_size=True, rope_type="dinov3", rope_temperature=100, rope_rotate_half=True, use_rot_pos_emb=True,
-    use_abs_pos_emb=False, num_reg_tokens=4, use_fc_norm=False, norm_layer=partial(LayerNorm, eps=1e-5),
-)  # fmt: skip
+    dynamic_img_size=True,
+    rope_type="dinov3",
+    rope_temperature=100,
+    rope_rotate_half=True,
+    use_rot_pos_emb=True,
+    use_abs_pos_emb=False,
+    num_reg_tokens=4,
+    use_fc_norm=False,
+    norm_layer=partial(LayerNorm, eps=1e-5),
+)
 
 #: The registered variants (:data:`timm_layerscale.families.VARIANTS`).
 VARIANTS = variants_of("dinov3")

@@ -179,9 +179,14 @@ class Vit5(nn.Module):
         self.init_values = None if folded_layerscale else init_values
         patch = {"strict_img_size": False, "output_fmt": "NHWC"} if dynamic_img_size else {}
         self.patch_embed = patch_layer(
-            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
-            dynamic_img_pad=dynamic_img_pad, **patch, **dd,
-        )  # fmt: skip
+            img_size=img_size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            embed_dim=embed_dim,
+            dynamic_img_pad=dynamic_img_pad,
+            **patch,
+            **dd,
+        )
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd))
         self.reg_token = nn.Parameter(torch.empty(1, reg_tokens, embed_dim, **dd)) if reg_tokens else None
         self.pos_embed = nn.Parameter(torch.empty(1, self.patch_embed.num_patches, embed_dim, **dd))
@@ -189,10 +194,22 @@ class Vit5(nn.Module):
         self.rope = Vit5RotaryEmbedding(head_dim, tuple(self.patch_embed.grid_size), theta=rope_theta)
         self.rope_reg = Vit5RotaryEmbedding(head_dim, (side, side), theta=reg_rope_theta) if reg_tokens else None
         block = partial(
-            block_layer, dim=embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, qk_norm=qk_norm,
-            proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, drop_path=drop_path_rate, act_layer=act_layer,
-            norm_layer=norm_layer, attn_block=attn_block, mlp_block=mlp_block, init_values=self.init_values, **dd,
-        )  # fmt: skip
+            block_layer,
+            dim=embed_dim,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            proj_drop=proj_drop_rate,
+            attn_drop=attn_drop_rate,
+            drop_path=drop_path_rate,
+            act_layer=act_layer,
+            norm_layer=norm_layer,
+            attn_block=attn_block,
+            mlp_block=mlp_block,
+            init_values=self.init_values,
+            **dd,
+        )
         self.blocks = nn.ModuleList([block() for _ in range(depth)])
         r = self.patch_embed.feat_ratio() if hasattr(self.patch_embed, "feat_ratio") else patch_size
         self.feature_info = [dict(num_chs=embed_dim, reduction=r, module=f"blocks.{i}") for i in range(depth)]
@@ -338,10 +355,15 @@ def checkpoint_filter_fn(
 
 def _cfg(v: Variant, **kwargs: Any) -> dict[str, Any]:
     return pretrained_cfg(
-        v, url="", hf_hub_id=HUB_REPO if v.official_file else None, hf_hub_filename=v.official_file,
-        paper_ids="arXiv:2602.08071", paper_name="ViT-5: Vision Transformers for the Mid-2020s",
-        origin_url="https://github.com/wangf3014/ViT-5", **kwargs,
-    )  # fmt: skip
+        v,
+        url="",
+        hf_hub_id=HUB_REPO if v.official_file else None,
+        hf_hub_filename=v.official_file,
+        paper_ids="arXiv:2602.08071",
+        paper_name="ViT-5: Vision Transformers for the Mid-2020s",
+        origin_url="https://github.com/wangf3014/ViT-5",
+        **kwargs,
+    )
 
 
 def _tags(v: Variant) -> dict[str, dict[str, Any]]:

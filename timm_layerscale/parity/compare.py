@@ -247,10 +247,14 @@ def compare_models(
     same = torch.isclose(b, a, rtol=0.0, atol=0.0, equal_nan=True)  # NaN or Inf in both (allow_nonfinite)
     diff = torch.where(same, 0.0, (a - b).abs())
     rel = torch.where(diff == 0, torch.zeros_like(diff), diff / a.abs().clamp_min(torch.finfo(torch.float32).tiny))
-    cos = torch.cat([
-        torch.nn.functional.cosine_similarity(x.reshape(x.shape[0], -1).double(), y.reshape(y.shape[0], -1).double())
-        for x, y in zip(outs_ref, outs, strict=True)
-    ])  # fmt: skip
+    cos = torch.cat(
+        [
+            torch.nn.functional.cosine_similarity(
+                x.reshape(x.shape[0], -1).double(), y.reshape(y.shape[0], -1).double()
+            )
+            for x, y in zip(outs_ref, outs, strict=True)
+        ]
+    )
     bit_exact = bool(same.all())
     top1 = top5 = None
     if getattr(model, "num_classes", None) != 0 and outs_ref[0].ndim == 2:  # a backbone's tokens are no classes
@@ -266,11 +270,25 @@ def compare_models(
     if attention_path(model) != attn:
         attn = f"reference: {attn}; converted: {attention_path(model)}"
     return ParityReport(
-        reference=reference_name, model=model_name, family=family, inputs=inputs_desc,
-        num_inputs=sum(int(g.shape[0]) for g in groups), dtype=weights_dtype or str(dtype).replace("torch.", ""),
-        device=str(device), attention=attn, max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
-        max_rel_diff=float(rel.max()) if rel.numel() else 0.0, cosine_min=float(cos.min()), top1_agreement=top1,
-        top5_agreement=top5, bit_exact=bit_exact, atol=float(tolerance.atol), rtol=float(tolerance.rtol),
-        passed=passed, tolerance_reason=tolerance.reason, compute_dtype=str(dtype).replace("torch.", ""),
-        versions=versions(), seconds={"reference": seconds[0], "converted model": seconds[1]},
-    )  # fmt: skip
+        reference=reference_name,
+        model=model_name,
+        family=family,
+        inputs=inputs_desc,
+        num_inputs=sum(int(g.shape[0]) for g in groups),
+        dtype=weights_dtype or str(dtype).replace("torch.", ""),
+        device=str(device),
+        attention=attn,
+        max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
+        max_rel_diff=float(rel.max()) if rel.numel() else 0.0,
+        cosine_min=float(cos.min()),
+        top1_agreement=top1,
+        top5_agreement=top5,
+        bit_exact=bit_exact,
+        atol=float(tolerance.atol),
+        rtol=float(tolerance.rtol),
+        passed=passed,
+        tolerance_reason=tolerance.reason,
+        compute_dtype=str(dtype).replace("torch.", ""),
+        versions=versions(),
+        seconds={"reference": seconds[0], "converted model": seconds[1]},
+    )

@@ -31,9 +31,12 @@ def model_name(variant: Variant, layout: Layout | str) -> str:
 
 
 def build_loaded(
-    build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor], name: str,
-    filter_fn: Filter | None = None, dtype: torch.dtype | None = None,
-) -> nn.Module:  # fmt: skip
+    build: Callable[[], nn.Module],
+    state_dict: Mapping[str, torch.Tensor],
+    name: str,
+    filter_fn: Filter | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
     """``build()`` with ``state_dict`` (through ``filter_fn(state_dict, model)``, as timm's loader passes it) loaded
     strictly, its parameters rounded once to ``dtype`` (a written file's; buffers kept), then every floating-point
     tensor as fp32, in eval mode: built on the meta device and assigned fresh copies, or (computing buffers its state

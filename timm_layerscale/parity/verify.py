@@ -117,12 +117,18 @@ def verify_outputs(
         why = f"; the folder's layer_norm_eps {eps:g}, the model's {ours:g}: twice their measured {shift:.3g} added"
         tolerance = Tolerance(tolerance.atol + 2 * shift, tolerance.rtol, tolerance.reason + why)
     report = compare_models(
-        ref, out, groups, reference_name=model_name(variant, source.layout),
-        model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""), family=family.name,
+        ref,
+        out,
+        groups,
+        reference_name=model_name(variant, source.layout),
+        model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""),
+        family=family.name,
         inputs_desc=" + ".join(parts) + at + (", forward_features tokens" if tokens else ""),
-        batch_size=options.batch_size, weights_dtype=str(weights).removeprefix("torch."),
-        tolerance=tolerance, forward=forward,
+        batch_size=options.batch_size,
+        weights_dtype=str(weights).removeprefix("torch."),
+        tolerance=tolerance,
+        forward=forward,
         progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
-    )  # fmt: skip
+    )
     report.seconds = {k: round(v + loading[k], 3) for k, v in report.seconds.items()}
     return report
