@@ -17,7 +17,7 @@ import torch
 from . import families
 from ._version import __version__
 from .conversion.checkpoint import container_of, state_dict_of
-from .conversion.detect import Detection, Twins, detect
+from .conversion.detect import Detection, NoGates, Twins, detect
 from .conversion.fold import fold_state_dict
 from .conversion.rules import Change, describe_changes, renamed_keys
 from .conversion.target import cast_tensors, check_folds, target_tensors
@@ -498,9 +498,7 @@ def verify_checkpoint(
     try:
         try:
             layout, folded = detect(conv_sd, variant.name, container).layout, False
-        except ArchitectureError as e:  # no gates: the weights they were folded into
-            if "no LayerScale gates" not in str(e):
-                raise
+        except NoGates:  # the weights the gates were folded into
             layout, folded = variant.family.layouts["ls"], True
         keep = layout.computed(variant)
         floating = {v.dtype for k, v in conv_sd.items() if v.is_floating_point() and k not in keep}

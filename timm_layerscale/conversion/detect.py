@@ -15,7 +15,8 @@ from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, Family, Layout, 
 from .checkpoint import model_holders
 from .rules import Change, UncoveredKeys, check_floating, check_state_dict, mismatches, read_layout
 
-__all__ = ["Detection", "describe_state_dict", "detect", "state_dict_shapes", "timm_args", "without_zero_optional"]
+__all__ = ["Detection", "NoGates", "Twins", "describe_state_dict", "detect", "state_dict_shapes", "timm_args"]
+__all__ += ["without_zero_optional"]
 
 
 def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
@@ -123,6 +124,10 @@ def _twins(
     return [w.name for w in same if state_dict_shapes(w, classes, size) == shapes]
 
 
+class NoGates(ArchitectureError):
+    """A state dict with a variant's weights but no LayerScale gates: a model without LayerScale, or a folded one."""
+
+
 class Twins(ArchitectureError):
     """A state dict fits two registered variants alike (``names``); the message names them."""
 
@@ -173,7 +178,7 @@ def detect(
         shapes = state_dict_shapes(v, info.get("num_classes"), size)
         count, detail = mismatches(sd, shapes)
         if count and not mismatches(sd, {k: s for k, s in shapes.items() if not GATE_KEY.fullmatch(k)})[0]:
-            raise ArchitectureError(
+            raise NoGates(
                 f"checkpoint has the weights of {v.name} but no LayerScale gates: a model without LayerScale, "
                 "or one with its gates folded into its weights; pass a LayerScale checkpoint (of a folded one, "
                 "the file from before folding)"
