@@ -247,8 +247,9 @@ def shape_table() -> Path:
 
 def _valid_entry(entry: Any) -> bool:
     """Whether a table entry is a mapping of key to a shape (a list of whole numbers)."""
-    shapes = entry.values() if isinstance(entry, dict) else [None]
-    return all(isinstance(s, list) and all(type(n) is int for n in s) for s in shapes)
+    return isinstance(entry, dict) and all(
+        isinstance(s, list) and all(type(n) is int for n in s) for s in entry.values()
+    )
 
 
 def _read_table(path: Path) -> dict[str, Any]:

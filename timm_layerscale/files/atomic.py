@@ -1,9 +1,10 @@
 """Atomic writes: a hidden temporary ``.{name}.tmp-{hex}`` beside the output, renamed onto it when complete. Its
 writer holds an exclusive ``flock`` on it; the kernel drops a dead writer's lock (in any container on the host), so
 the next write of the output removes the temporaries it can lock. Without ``overwrite`` the output is placed by a
-hard link, or where the filesystem has none by a rename onto a name claimed by an exclusive create. A folder is built beside the old one and swapped
-in by renames (the old one aside as ``.{name}.old-{hex}``, then removed), so that an interruption leaves the
-complete old or new folder, or after a kill between the renames the old one aside, which the next write moves back.
+hard link, or where the filesystem has none by a rename onto a name claimed by an exclusive create. A folder is
+built beside the old one and swapped in by renames (the old one aside as ``.{name}.old-{hex}``, then removed), so
+that an interruption leaves the complete old or new folder, or after a kill between the renames the old one aside,
+which the next write moves back.
 """
 
 from __future__ import annotations

@@ -41,8 +41,10 @@ def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torc
                 f"{key} is {b.dtype} {list(b.shape)} where the source's is {a.dtype} {list(a.shape)}",
             )
         if not _equal(a, b):
-            by = f" by up to {float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max()):.3g}"
-            return False, len(expected), f"{key} differs from its source{by if a.is_floating_point() else ''}"
+            if not a.is_floating_point():
+                return False, len(expected), f"{key} differs from its source"
+            by = float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max())
+            return False, len(expected), f"{key} differs from its source by up to {by:.3g}"
     return True, len(expected), ""
 
 
