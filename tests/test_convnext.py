@@ -19,7 +19,7 @@ from helpers import cli, randomize
 from timm_layerscale.conversion import rules
 from timm_layerscale.conversion.target import target_tensors
 from timm_layerscale.errors import ArchitectureError
-from timm_layerscale.families import get_variant, variants_of
+from timm_layerscale.families import get_family, get_variant, variants_of
 from timm_layerscale.layer_scale import LayerScale
 from timm_layerscale.models.convnext_ls import checkpoint_filter_fn
 
@@ -177,7 +177,8 @@ def test_a_convnext_v2_file_is_not_read_as_convnext() -> None:
     for sd in (v2, authors):
         with pytest.raises(ArchitectureError, match="does not fit"):
             detect(sd)
-    assert not rules.GATE_KEY.fullmatch("stages.0.0.grn.gamma")
+    convnext = get_family("convnext")
+    assert not convnext.gate_of("stages.0.0.grn.gamma") and not convnext.gate_of("stages.0.blocks.0.mlp.grn.gamma")
 
 
 def _folders(cfg: Any, folder: Path) -> list[Path]:

@@ -11,7 +11,7 @@ import timm_layerscale  # noqa: F401
 from timm_layerscale.conversion import checkpoint
 from timm_layerscale.conversion import rules as remap
 from timm_layerscale.errors import RemapError
-from timm_layerscale.families import get_variant
+from timm_layerscale.families import get_family, get_variant
 from timm_layerscale.parity.references import build_reference, load_model, model_name
 
 NAME = "deit3_small_patch16_224"
@@ -95,7 +95,7 @@ def test_round_trip_keeps_tensors(deit3_small) -> None:
     assert all(back[k] is ls[k] for k in ls)
     again = remap.to_gamma(back, "deit3")
     assert list(again) == list(official) and all(again[k] is official[k] for k in official)
-    assert remap.detect_gates(official) == "raw"
+    assert remap.detect_gates(official, get_family("deit3")) == "raw"
 
 
 def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:

@@ -231,8 +231,8 @@ def test_a_convolutional_blocks_one_gate_folds_into_its_1x1_convolution() -> Non
     """A block's one gate ``ls`` (ConvNeXt's, outside ``blocks.N``) folds into an ``mlp.fc2`` that is a 1x1
     convolution, in a module and in a state dict alike; a norm's ``grn.gamma`` is no gate."""
     from timm_layerscale.conversion.fold import fold_state_dict
-    from timm_layerscale.families import GATE_KEY
-    from timm_layerscale.layer_scale import fold_block
+    from timm_layerscale.families import get_family
+    from timm_layerscale.layer_scale import fold_block, fold_plan
 
     block: Any = nn.Module()
     block.mlp, block.ls = nn.Module(), LayerScale(4, 0.5)
@@ -242,10 +242,11 @@ def test_a_convolutional_blocks_one_gate_folds_into_its_1x1_convolution() -> Non
         x = torch.randn(2, 8, 3, 5, generator=torch.Generator().manual_seed(0))
         want = block.ls(block.mlp.fc2(x).permute(0, 2, 3, 1))
         sd = {f"stages.1.blocks.2.{k}": v.clone() for k, v in block.state_dict().items()}
-        fold_block(block)
+        fold_block(block, fold_plan(block, get_family("convnext").gates))
         torch.testing.assert_close(block.mlp.fc2(x).permute(0, 2, 3, 1), want)
     assert isinstance(block.ls, nn.Identity)
     folded = fold_state_dict(sd)
     assert "stages.1.blocks.2.ls.gamma" not in folded
     assert torch.equal(folded["stages.1.blocks.2.mlp.fc2.weight"], block.mlp.fc2.weight)
-    assert GATE_KEY.fullmatch("stages.1.blocks.2.ls.gamma") and not GATE_KEY.fullmatch("stages.0.0.grn.gamma")
+    convnext = get_family("convnext")
+    assert convnext.gate_of("stages.1.blocks.2.ls.gamma") and not convnext.gate_of("stages.0.0.grn.gamma")

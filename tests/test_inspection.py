@@ -75,15 +75,15 @@ def test_other_families_and_nested_stages() -> None:
     assert not any(r["class_attn"] for r in rows)
     assert rows[0]["ls1"] == pytest.approx(_stats(model.get_parameter("blocks.0.ls1.gamma").detach()))
     nested = {
-        "stages.1.blocks.0.gamma_1": torch.full((4,), 2.0),
-        "stages.0.blocks.10.gamma_1": torch.full((4,), -1.0),
-        "stages.0.blocks.2.gamma_2": torch.tensor([1.0, -3.0]),
-        "stages.0.blocks.2.gamma_1": torch.tensor([0.5, 0.5]),
+        "stages.1.blocks.0.gamma": torch.full((4,), 2.0),
+        "stages.0.blocks.10.gamma": torch.full((4,), -1.0),
+        "stages.0.blocks.2.gamma": torch.tensor([1.0, -3.0]),
     }
     rows = gate_profile(nested)
     assert [r["block"] for r in rows] == ["stages.0.blocks.2", "stages.0.blocks.10", "stages.1.blocks.0"]
-    assert rows[0]["ls2"] == {"mean": 2.0, "min": 1.0, "max": 3.0}
-    assert rows[1]["ls2"] is None and rows[1]["ls1"]["mean"] == 1.0
+    assert rows[0]["family"] == "convnext" and rows[0]["ls"] == {"mean": 2.0, "min": 1.0, "max": 3.0}
+    assert rows[1]["ls"]["mean"] == 1.0 and "ls1" not in rows[1]
+    assert format_gate_table(rows).splitlines()[0].split()[3:6] == ["ls", "mean", "ls"]
 
 
 def test_model_name_checks_the_gates(official: dict) -> None:

@@ -80,3 +80,51 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "timm_layerscale")
     with pytest.raises(AssertionError, match=r"line 2: timm_layerscale\.converter"):
         test_no_import_from_a_layer_above(fake / "keys.py")
+
+
+#: Key words of particular families: shared code reads them from the family records, never names them.
+FAMILY_WORDS: tuple[str, ...] = (
+    "blocks_token_only",
+    "proj_l",
+    "stem.0",
+    "patch_embed",
+    "pos_embed",
+    "norm_pre",
+    "head.fc",
+    "gamma_1",
+)
+FAMILY_WORDS += ("gamma_2", "gamma1", "gamma2", "gamma3", "cls_attn_blocks", "linear_tokens", "mlp_channels")
+FAMILY_WORDS += ("lambda1", "lambda_1", "layer_scale1", "layer_scale_parameter", "attn.proj", "mlp.fc2", "reg_token")
+FAMILY_WORDS += ("cls_token", "mask_token", "storage_tokens", "downsample_layers", "pos_embeder", "ls1", "ls2", "ls3")
+
+
+def shared_modules() -> list[Path]:
+    """The modules no one family owns: all but a family's own module (``families/<name>.py``, ``families/vit.py``
+    that the ViT families share) and the model code (``models/``, ``layers/``, ``authors/``)."""
+    from timm_layerscale.families import FAMILIES
+
+    own = {PACKAGE / "families" / f"{name}.py" for name in [*FAMILIES, "vit"]}
+    models = [PACKAGE / part for part in ("models", "layers", "authors")]
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p not in own and not any(m in p.parents for m in models)]
+
+
+def code_of(path: Path) -> str:
+    """A module's code as ``ast.unparse`` gives it, without docstrings and comments."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            kept = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            setattr(node, "body", kept or [ast.Pass()])  # noqa: B010
+    return ast.unparse(tree)
+
+
+def test_shared_code_names_no_family_key():
+    found = [(p.relative_to(PACKAGE), w) for p in shared_modules() for w in FAMILY_WORDS if w in code_of(p)]
+    assert not found, f"shared modules name a family's keys (read them from its record): {found}"
+
+
+def test_the_check_sees_a_family_key_in_shared_code(tmp_path):
+    module = tmp_path / "detect.py"
+    module.write_text('"""Reads gamma_1."""\n# gamma_1\nKEY = "blocks.0.gamma_1"\n')
+    assert [w for w in FAMILY_WORDS if w in code_of(module)] == ["gamma_1"]

@@ -19,7 +19,8 @@ from timm_layerscale.models.cait_ls import VARIANTS
 def test_round_trip_every_variant_on_meta(name):
     ref = timm.create_model(str(VARIANTS[name].reference), device="meta").state_dict()
     ls = to_layerscale(ref, "cait")
-    assert detect_gates(ref) == "raw" and detect_gates(ls) == "modules"
+    family = VARIANTS[name].family
+    assert detect_gates(ref, family) == "raw" and detect_gates(ls, family) == "modules"
     assert not any("gamma_" in k for k in ls)
     back = to_gamma(ls, "cait")
     assert list(back) == list(ref)

@@ -210,14 +210,16 @@ def _compare_weights(
     variant, changes = found.variant, []  # type: Variant, list[Change]
     ls = variant.family.layouts["ls"]
     unfolded = target_tensors(tensors, variant, found.layout, ls if meaning else to, changes=changes)
-    expected = fold_state_dict(unfolded, dtype) if fold else unfolded  # folding is for the ls layout only
+    expected = (
+        fold_state_dict(unfolded, variant.family, dtype) if fold else unfolded
+    )  # folding is for the ls layout only
     expected = cast_tensors(expected, dtype, to.computed(variant))  # the request, not the cast that was made
     got = target_tensors(written, variant, to, ls) if meaning else written
     same, count, detail = compare_weights(expected, got)
     if same and container is not None and container != (to.wrapper, to.prefix):
         same, detail = False, f"its container is not {to.container}"
     if same and fold:
-        detail = check_folds(unfolded, got)
+        detail = check_folds(unfolded, got, variant.family)
         same = not detail
     report.add_weights(same, count, describe_changes(changes), detail)
     return detail

@@ -1,6 +1,6 @@
-"""The LayerScale gates of any checkpoint, block by block, as a table, JSON or a plot: how much each block's
-attention (``ls1``) and MLP (``ls2``) branch adds to the residual stream across depth. Only the gamma
-tensors are read (the file is memory-mapped), of either layout and any family; no model is built."""
+"""The LayerScale gates of any checkpoint, block by block, as a table, JSON or a plot: how much each branch of a
+block (attention, MLP, as its family's gates name them) adds to the residual stream across depth. Only the gamma
+tensors are read (the file is memory-mapped), of any layout and family; no model is built."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import LayerScaleError
-from .families import GATE_KEY
+from .families import Family, gate_family, get_family
 
 if TYPE_CHECKING:
     from .conversion.detect import Detection
@@ -22,9 +22,10 @@ __all__ = ["MissingPlotDependency", "conversion_plan", "format_plan", "format_ga
 __all__ += ["inspect_checkpoint"]
 __all__ += ["gate_rows", "gate_stats", "gate_summary", "plot_format", "plot_gates"]
 
-_BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")  # blocks.3, blocks_token_only.0, stages.1.blocks.2
-_CLASS_ATTN_STAGE = "blocks_token_only"  # CaiT's
+_BLOCK = re.compile(r"(?P<stage>.*?)\.?(?P<index>\d+)")  # a stage's path, then the block's number
 _STATS = ("mean", "min", "max")
+#: The colour and marker of a family's first, second and third gate in a plot.
+_STYLES = (("tab:blue", "o"), ("tab:orange", "s"), ("tab:green", "^"))
 
 
 class MissingPlotDependency(LayerScaleError):
@@ -39,26 +40,21 @@ def gate_stats(gamma: Any) -> dict[str, float]:
     return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
 
 
-def _gate(key: str) -> tuple[str, str, str] | None:
-    """``(block, "ls1" or "ls2", layout)`` of a LayerScale key in either layout (a ConvNeXt block's one gate, which
-    scales its MLP branch, as ``ls2``); ``None`` for other keys."""
-    m = GATE_KEY.fullmatch(key)
-    if m is None:
-        return None
-    which = m["ls"] or f"ls{m['g'] or ''}"
-    return m["block"], "ls2" if which == "ls" else which, "gamma" if m["raw"] else "ls"
-
-
 def _position(block: str) -> tuple[str, int]:
     """The stage and index of a block path (``blocks.3`` -> ``("blocks", 3)``)."""
     b = _BLOCK.fullmatch(block)
     return (b.group("stage"), int(b.group("index"))) if b else (block, 0)
 
 
-def _stage_order(stage: str) -> tuple[Any, ...]:
-    """Class-attention stages last; otherwise natural order (``stages.2`` before ``stages.10``)."""
+def _stage_order(stage: str, family: Family) -> tuple[Any, ...]:
+    """The family's class-attention stage last; otherwise natural order (``stages.2`` before ``stages.10``)."""
     parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", stage) if p)
-    return (stage in (_CLASS_ATTN_STAGE,), parts)
+    return (bool(re.fullmatch(family.class_stage, stage)), parts)
+
+
+def gate_labels(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """The gates of the family of :func:`gate_rows`' ``rows``: each module's name and the branch it scales."""
+    return [(gate.name, gate.branch) for gate in get_family(rows[0]["family"]).gates] if rows else []
 
 
 def gate_profile(
@@ -103,8 +99,9 @@ def inspect_checkpoint(
         found, plan = detect(tensors, e.names[0], container), {"ambiguous": e.names}
     except LayerScaleError as e:
         plan = {"refused": " ".join(str(e).split())}
-    named = any(GATE_KEY.fullmatch(k) for k in tensors)
-    rows = gate_rows(found.state_dict if found and not named else tensors, model=model, where=where)
+    family = found.variant.family if found else None
+    named = family is not None and any(family.gate_of(k) for k in tensors)
+    rows = gate_rows(found.state_dict if found and not named else tensors, model=model, where=where, family=family)
     return {"source": where, **plan, "gates": rows}
 
 
@@ -167,63 +164,60 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _gammas(tensors: Mapping[str, Any], family: Family | None) -> dict[tuple[str, str], Any]:
+    """The gates of ``family`` among ``tensors``, by block and gate name (``("blocks.3", "ls1")``)."""
+    found = {key: family.gate_of(key) for key in tensors} if family else {}
+    return {(gate[0], gate[1].name): tensors[key] for key, gate in found.items() if gate}
+
+
 def gate_rows(
-    tensors: Mapping[str, Any], *, model: str | None = None, where: str = "the state dict"
+    tensors: Mapping[str, Any],
+    *,
+    model: str | None = None,
+    where: str = "the state dict",
+    family: Family | None = None,
 ) -> list[dict[str, Any]]:
-    """The LayerScale gates of a state dict (``where`` names it in errors), one row per block, the
-    self-attention blocks first; with ``model``, its every gate and no other must be there at its width.
+    """The LayerScale gates of a state dict of ``family`` (default: the family whose gates its keys are; ``where``
+    names it in errors), one row per block, the class-attention blocks last; with ``model``, its every gate and no
+    other must be there at its width.
 
     Returns:
-        JSON-ready rows: ``depth`` (position across all blocks), ``block`` (key prefix), ``stage``,
-        ``index``, ``class_attn``, ``dim`` (channels), ``ls1`` and ``ls2`` (``{"mean", "min", "max"}`` of
-        ``|gamma|``, or ``None``) and ``layout`` (``"gamma"`` or ``"ls"``).
+        JSON-ready rows: ``depth`` (position across all blocks), ``block`` (key prefix), ``stage``, ``index``,
+        ``class_attn``, ``dim`` (channels), ``family``, one entry per gate of the family named as its module
+        (``ls1``: ``{"mean", "min", "max"}`` of ``|gamma|``, or ``None``) and ``layout`` (``"gamma"`` for raw
+        parameters, ``"ls"`` for modules).
     """
-    gates: dict[str, dict[str, str]] = {}  # block -> {"ls1": key, "ls2": key}
-    layouts: set[str] = set()
-    for name in tensors:
-        if (gate := _gate(name)) is not None:
-            block, which, layout = gate
-            gates.setdefault(block, {})[which] = name
-            layouts.add(layout)
-    if not gates:
+    from .conversion.rules import detect_gates
+
+    family = family or gate_family(tensors)
+    gammas = _gammas(tensors, family)
+    if not gammas:
         if not tensors:
             raise LayerScaleError(f"{where} holds no weights (an empty state dict); pass a checkpoint with weights")
         raise LayerScaleError(
-            f"{where} holds no LayerScale gates (no gamma_1/gamma_2 or ls1.gamma/ls2.gamma keys); "
+            f"{where} holds no LayerScale gates (no key a registered family names a gate); "
             "pass a LayerScale model's checkpoint (of a folded one, the file from before folding)"
         )
-    if len(layouts) > 1:
-        raise LayerScaleError(
-            "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"
-        )
-    gammas = {(block, which): tensors[key] for block, keys in gates.items() for which, key in keys.items()}
-    positions = {block: _position(block) for block in gates}
-    blocks = sorted(gates, key=lambda block: (_stage_order(positions[block][0]), positions[block][1]))
-    layout = layouts.pop()
+    assert family is not None
+    layout = "gamma" if detect_gates(tensors, family) == "raw" else "ls"
+    positions = {block: _position(block) for block, _ in gammas}
+    blocks = sorted(positions, key=lambda block: (_stage_order(positions[block][0], family), positions[block][1]))
     out = []
     for depth, block in enumerate(blocks):
         stage, index = positions[block]
-        ls1, ls2 = gammas.get((block, "ls1")), gammas.get((block, "ls2"))
-        out.append(
-            {
-                "depth": depth,
-                "block": block,
-                "stage": stage,
-                "index": index,
-                "class_attn": stage == _CLASS_ATTN_STAGE,
-                "dim": int(gammas[(block, "ls1" if ls1 is not None else "ls2")].numel()),
-                "ls1": gate_stats(ls1) if ls1 is not None else None,
-                "ls2": gate_stats(ls2) if ls2 is not None else None,
-                "layout": layout,
-            }
-        )
+        class_attn = bool(re.fullmatch(family.class_stage, stage))
+        dim = next(gamma.numel() for (owner, _), gamma in gammas.items() if owner == block)
+        row = {"depth": depth, "block": block, "stage": stage, "index": index, "class_attn": class_attn, "dim": dim}
+        stats = {gate.name: gammas.get((block, gate.name)) for gate in family.gates}
+        stats = {name: None if gamma is None else gate_stats(gamma) for name, gamma in stats.items()}
+        out.append({**row, "family": family.name, **stats, "layout": layout})
     if model is not None:
         _check_model({gate: int(gamma.numel()) for gate, gamma in gammas.items()}, model)
     return out
 
 
 def _check_model(have: Mapping[tuple[str, str], int], model: str) -> None:
-    """Raise unless the gates ``(block, "ls1" or "ls2") -> channels`` are those of ``model``."""
+    """Raise unless the gates ``(block, gate name) -> channels`` are those of ``model``."""
     import timm
     import torch
 
@@ -237,8 +231,8 @@ def _check_model(have: Mapping[tuple[str, str], int], model: str) -> None:
             raise
         name = model.split(".", 1)[0]
     with torch.device("meta"):
-        m = timm.create_model(name)
-    want = {gate[:2]: tensor.numel() for key, tensor in m.state_dict().items() if (gate := _gate(key))}
+        tensors = timm.create_model(name).state_dict()
+    want = {gate: gamma.numel() for gate, gamma in _gammas(tensors, gate_family(tensors)).items()}
     missing = sorted(want.keys() - have.keys())
     extra = sorted(have.keys() - want.keys())
     wrong = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
@@ -256,12 +250,13 @@ def _check_model(have: Mapping[tuple[str, str], int], model: str) -> None:
 
 def format_gate_table(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
     """The gate profile as an aligned table: per block its key prefix, ``CA`` or ``SA``, the channels and
-    mean / min / max ``|gamma|`` of ``ls1`` and ``ls2``; a footer names the extreme blocks."""
-    header = ["block", "kind", "dim", "ls1 mean", "ls1 min", "ls1 max", "ls2 mean", "ls2 min", "ls2 max"]
+    mean / min / max ``|gamma|`` of each gate of its family; a footer names the extreme blocks."""
+    names = [name for name, _ in gate_labels(rows)]
+    header = ["block", "kind", "dim", *(f"{name} {stat}" for name in names for stat in _STATS)]
     body = []
     for r in rows:
         cells = [r["block"], "CA" if r["class_attn"] else "SA", str(r["dim"] if r["dim"] is not None else "-")]
-        for which in ("ls1", "ls2"):
+        for which in names:
             s = r[which]
             cells += [f"{s[k]:.3e}" if s else "-" for k in _STATS]  # NaN prints as nan
         body.append(cells)
@@ -290,9 +285,10 @@ def _footer(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def gate_extremes(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, tuple[tuple[float, str], ...]]]:
-    """For each gate (``ls1`` attention, ``ls2`` MLP) that has values: the smallest and largest mean ``|gamma|``, with their blocks."""
+    """For each gate of the rows' family that has values (``ls1``, attention): the smallest and largest mean
+    ``|gamma|``, with their blocks."""
     found: list[tuple[str, str, tuple[tuple[float, str], ...]]] = []
-    for which, label in (("ls1", "attention"), ("ls2", "MLP")):
+    for which, label in gate_labels(rows):
         means = [(r[which]["mean"], r["block"]) for r in rows if r.get(which) and not math.isnan(r[which]["mean"])]
         if means:
             found.append((which, label, (min(means), max(means))))
@@ -350,8 +346,8 @@ def _gate_lines(ax: Any, rows: Sequence[Mapping[str, Any]], floor: float | None)
     """Each gate's mean ``|gamma|`` per block as a line on ``ax``, its min-max range shaded (values clipped at
     ``floor`` on a log scale); their legend handles."""
     handles: list[Any] = []
-    styles = (("ls1", "attention (ls1)", "tab:blue", "o"), ("ls2", "MLP (ls2)", "tab:orange", "s"))
-    for which, label, color, marker in styles:
+    for (which, branch), (color, marker) in zip(gate_labels(rows), _STYLES, strict=False):
+        label = f"{branch} ({which})"
         pts = [(r["depth"], r[which]) for r in rows if r[which]]
         if not pts:
             continue
@@ -396,7 +392,8 @@ def plot_gates(
         raise LayerScaleError("no gates to plot")
     out = Path(path)
     depth = [r["depth"] for r in rows]
-    positive = [v for r in rows for w in ("ls1", "ls2") if r[w] for v in r[w].values() if math.isfinite(v) and v > 0]
+    names = [name for name, _ in gate_labels(rows)]
+    positive = [v for r in rows for w in names if r[w] for v in r[w].values() if math.isfinite(v) and v > 0]
     floor = min(positive) if positive else 1e-12
     log = bool(positive)
 
@@ -410,9 +407,7 @@ def plot_gates(
             ax.axvspan(min(ca) - 0.5, max(ca) + 0.5, color="0.88", zorder=0, label="class-attention (CA) blocks")
         )
     handles += _gate_lines(ax, rows, floor if log else None)
-    diverged = sorted(
-        {r["depth"] for r in rows for w in ("ls1", "ls2") if r[w] and not all(map(math.isfinite, r[w].values()))}
-    )
+    diverged = sorted({r["depth"] for r in rows for w in names if r[w] and not all(map(math.isfinite, r[w].values()))})
     if diverged:  # no line can show them: one cross at the top of each such block
         cross = ax.scatter(diverged, [1.0] * len(diverged), transform=ax.get_xaxis_transform(), marker="x")
         cross.set(color="tab:red", clip_on=False, zorder=4, label="a gate holds NaN or inf")

@@ -10,14 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FOLD_TARGETS", "LayerScale", "cait_init_value", "fold_block", "fold_plan", "fold_weights"]
+__all__ = ["LayerScale", "cait_init_value", "fold_block", "fold_plan", "fold_weights"]
 __all__ += ["param_groups"]
 
 #: Attribute set to ``True`` on parameters that must not receive weight decay.
 NO_WEIGHT_DECAY_ATTR = "_no_weight_decay"
-#: The layer each gate of a block folds into: the attention's output projection, the MLP's second layer (a
-#: ``Linear``, or a 1x1 ``Conv2d`` in ConvNeXt's ``conv_mlp`` blocks, whose one gate is ``ls``).
-FOLD_TARGETS = {"ls1": ("attn", "proj"), "ls2": ("mlp", "fc2"), "ls": ("mlp", "fc2")}
 
 
 class LayerScale(nn.Module):
@@ -161,50 +158,52 @@ def param_groups(
 def fold_weights(
     weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(diag(gamma) W, gamma * b)`` for a linear weight ``(C_out, C_in)`` (or a 1x1 convolution's
-    ``(C_out, C_in, 1, 1)``), bias ``(C_out,)`` and gamma ``(C_out,)``: the one folding rule, computed in at least
-    float64 (where the product of two fp32 values is exact) and rounded once to ``dtype`` (default the layer's):
-    the same bits on any machine."""
+    """``(diag(gamma) W, gamma * b)`` for a layer whose weight's first axis is its ``C`` outputs (a linear
+    ``(C, C_in)``, a convolution's ``(C, C_in, k, k)``), bias ``(C,)`` and gamma ``(C,)``: the one folding rule,
+    computed in at least float64 (where the product of two fp32 values is exact) and rounded once to ``dtype``
+    (default the layer's): the same bits on any machine."""
     work = torch.float64
     g = gamma.detach().to(weight.device, work)
     w = (weight.detach().to(work) * g.reshape(-1, *[1] * (weight.ndim - 1))).to(dtype or weight.dtype)
     return w, None if bias is None else (bias.detach().to(work) * g).to(dtype or bias.dtype)
 
 
-def fold_plan(block: nn.Module) -> list[tuple[str, Any, torch.Tensor]]:
-    """The gates ``ls1`` / ``ls2`` / ``ls`` of ``block`` (this package's LayerScale or timm's), each with the layer
-    it folds into (``FOLD_TARGETS``: an ``nn.Linear`` or a 1x1 ``nn.Conv2d``) and its ``gamma``.
+def fold_plan(block: nn.Module, gates: Iterable[Any]) -> list[tuple[str, Any, torch.Tensor]]:
+    """The LayerScale modules (this package's or timm's) of ``block`` that its family's ``gates`` (``Gate`` records:
+    ``name``, ``fold``, ``no_fold``) name, each with the layer it folds into and its ``gamma``.
 
     Raises:
-        ValueError: A gate without such a layer of its width there.
+        ValueError: A gate that cannot fold (its family's reason), or without a layer of its width to fold into.
     """
     from timm.layers import LayerScale as TimmLayerScale  # not at import: timm's import registers the models
 
     plan: list[tuple[str, Any, torch.Tensor]] = []
-    for name, (holder, layer) in FOLD_TARGETS.items():
-        gate = block._modules.get(name)
-        if not isinstance(gate, (LayerScale, TimmLayerScale)):
+    for gate in gates:
+        module = block._modules.get(gate.name)
+        if not isinstance(module, (LayerScale, TimmLayerScale)):
             continue
-        linear: Any = getattr(block._modules.get(holder), layer, None)
-        pointwise = isinstance(linear, nn.Linear) or (
-            isinstance(linear, nn.Conv2d) and linear.weight.shape[2:] == (1, 1)
-        )
-        if not pointwise or tuple(gate.gamma.shape) != (linear.weight.shape[0],):
-            found = type(linear).__name__ if linear is not None else "nothing"
-            found += f" of {linear.weight.shape[0]} outputs" if pointwise else ""
+        if not gate.fold:
+            raise ValueError(f"cannot fold {gate.name}: {gate.no_fold}")
+        try:
+            layer: Any = block.get_submodule(gate.fold)
+        except AttributeError:
+            layer = None
+        width = getattr(getattr(layer, "weight", None), "shape", (None,))[0]
+        if width != module.gamma.shape[0]:
+            found = f"{type(layer).__name__} of {width} outputs" if layer is not None else "nothing"
             raise ValueError(
-                f"cannot fold {name} (gamma of shape {tuple(gate.gamma.shape)}): expected an nn.Linear or 1x1 "
-                f"nn.Conv2d of that width at {holder}.{layer}, found {found}"
+                f"cannot fold {gate.name} (gamma of shape {tuple(module.gamma.shape)}): expected a layer of that "
+                f"width at {gate.fold}, found {found}"
             )
-        plan.append((name, linear, gate.gamma))
+        plan.append((gate.name, layer, module.gamma))
     return plan
 
 
 @torch.no_grad()
-def fold_block(block: nn.Module, plan: list[tuple[str, Any, torch.Tensor]] | None = None) -> None:
-    """Fold the gates of ``block`` into its linear layers in place, each becoming ``nn.Identity``; ``plan`` is
+def fold_block(block: nn.Module, plan: list[tuple[str, Any, torch.Tensor]]) -> None:
+    """Fold the gates of ``block`` into the layers before them in place, each becoming ``nn.Identity``; ``plan`` is
     :func:`fold_plan`'s."""
-    for name, linear, gamma in fold_plan(block) if plan is None else plan:
+    for name, linear, gamma in plan:
         weight, bias = fold_weights(linear.weight, linear.bias, gamma)
         linear.weight.copy_(weight)
         if bias is not None:

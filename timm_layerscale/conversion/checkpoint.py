@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import RemapError, option
+from ..families import FAMILIES
 
 __all__ = ["EMA_KEYS", "WRAPPER_KEYS", "container_of", "model_holders", "state_dict_of", "strip_prefixes"]
 __all__ += ["unwrap_state_dict"]
@@ -70,8 +71,10 @@ def container_of(checkpoint: Mapping[str, Any], ema: bool = False) -> tuple[str 
 
 
 def model_holders(keys: Iterable[str]) -> list[str]:
-    """The names of the modules holding a model among ``keys`` (``'model.'`` for ``model.patch_embed.proj.weight``)."""
-    return sorted(k.removesuffix("patch_embed.proj.weight") for k in keys if k.endswith(".patch_embed.proj.weight"))
+    """The names of the modules holding a model among ``keys``: the prefixes of a family's patch embedding weight
+    (``'model.'`` where ``model.`` comes before it)."""
+    stems = {family.stem for family in FAMILIES.values() if family.stem}
+    return sorted(k.removesuffix(stem) for k in keys for stem in stems if k.endswith(f".{stem}"))
 
 
 def _renamed(state_dict: Mapping[str, V], rename: Callable[[str], str]) -> dict[str, V]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import families
 from ..errors import ArchitectureError, RemapError, option
-from ..families import DEFAULT_NUM_CLASSES, FAMILIES, GATE_KEY, Family, Layout, Variant, get_variant, state_dict_shapes
+from ..families import DEFAULT_NUM_CLASSES, FAMILIES, Family, Layout, Variant, get_variant, state_dict_shapes
 from .checkpoint import model_holders
 from .rules import Change, UncoveredKeys, check_floating, check_state_dict, mismatches, read_layout
 
@@ -19,35 +19,31 @@ __all__ = ["Detection", "NoGates", "Twins", "describe_state_dict", "detect", "st
 __all__ += ["without_zero_optional"]
 
 
-def describe_state_dict(sd: Mapping[str, Any]) -> dict[str, int]:
-    """What a state dict's shapes say of its architecture: ``embed_dim``, ``patch_size``, ``depth``,
-    ``class_attn_depth``, ``num_heads``, ``grid`` (from ``pos_embed``), ``registers`` and
-    ``num_classes`` (0 for a backbone saved without its head), where they can be read."""
+def describe_state_dict(sd: Mapping[str, Any], family: Family) -> dict[str, int]:
+    """What the shapes of a state dict in ``family``'s ``ls`` layout say of its architecture, where they can be read:
+    ``embed_dim`` (its patch embedding's, else its first gate's width), ``patch_size``, ``depth`` (blocks before a
+    class-attention stage), ``grid`` (its position embedding's side) and ``num_classes`` (0: a backbone saved without
+    its head)."""
     info: dict[str, int] = {}
-    pe = sd.get("patch_embed.proj.weight")
-    gate = sd[min(gates)] if (gates := [k for k in sd if GATE_KEY.fullmatch(k)]) else None  # the first stage's
-    if pe is not None:
-        info.update(embed_dim=int(pe.shape[0]), patch_size=int(pe.shape[-1]))
-    elif gate is not None:  # a gate is as wide as the blocks
-        info["embed_dim"] = int(gate.shape[-1])
-    for name, stage in (("depth", "blocks"), ("class_attn_depth", "blocks_token_only")):
-        found = {int(m[1]) for k in sd if (m := re.match(rf"{stage}\.(\d+)\.", k))}
-        if found:
-            info[name] = max(found) + 1
-    for name, key, axis in (("num_heads", "blocks.0.attn.proj_l.weight", 0), ("registers", "reg_token", 1)):
-        if key in sd:
-            info[name] = int(sd[key].shape[axis])
-    pos = sd.get("pos_embed")
+    gates = {k: found[0] for k in sd if (found := family.gate_of(k))}
+    stem = sd.get(family.stem)
+    if stem is not None:
+        info.update(embed_dim=int(stem.shape[0]), patch_size=int(stem.shape[-1]))
+    elif gates:  # a gate is as wide as the blocks of its stage
+        info["embed_dim"] = int(sd[min(gates)].shape[-1])
+    blocks = {block for block in gates.values() if not re.match(family.class_stage, block)}
+    if blocks:
+        info["depth"] = len(blocks)
+    pos = sd.get(family.positions)
     if pos is not None and pos.ndim == 3:
         n = int(pos.shape[1])
         for side in (math.isqrt(n), math.isqrt(n - 1)):
             if side * side in (n, n - 1):
                 info["grid"] = side
                 break
-    head = next((sd[k] for k in ("head.weight", "head.fc.weight") if k in sd), None)  # a ViT's, a ConvNeXt's
-    if head is not None:
-        info["num_classes"] = int(head.shape[0])
-    elif (pe is not None or "stem.0.weight" in sd) and "head.bias" not in sd and "head.fc.bias" not in sd:
+    if f"{family.head}.weight" in sd:
+        info["num_classes"] = int(sd[f"{family.head}.weight"].shape[0])
+    elif family.head and f"{family.head}.bias" not in sd:
         info["num_classes"] = 0
     return info
 
@@ -102,7 +98,7 @@ def without_zero_optional(
     extra = [k for k in state_dict if k not in expected and re.fullmatch(optional, k)]
     nonzero = [k for k in extra if state_dict[k].any()]
     if nonzero:
-        info = describe_state_dict(state_dict)
+        info = describe_state_dict(state_dict, fam)
         alike = (v for v in families.VARIANTS if v.family is fam and info.get("embed_dim") == v.embed_dim)
         having = next((v.name for v in alike if nonzero[0] in state_dict_shapes(v)), "a model with them")
         raise RemapError(
@@ -164,7 +160,7 @@ def detect(
                 raise
             continue
         read[family] = layout, sd, changes
-    described = {f: describe_state_dict(sd) for f, (_, sd, _) in read.items()}
+    described = {f: describe_state_dict(sd, f) for f, (_, sd, _) in read.items()}
     # of the width read (its patch embedding, else its gates): building every registered model would take minutes
     fits = [v for v in candidates if v.family in read and described[v.family].get("embed_dim") in (None, v.embed_dim)]
     candidates = sorted(fits if fits or not model else candidates, key=lambda v: _unlikeliness(v, described[v.family]))
@@ -177,7 +173,7 @@ def detect(
         size = info["grid"] * v.patch_size if "grid" in info else None
         shapes = state_dict_shapes(v, info.get("num_classes"), size)
         count, detail = mismatches(sd, shapes)
-        if count and not mismatches(sd, {k: s for k, s in shapes.items() if not GATE_KEY.fullmatch(k)})[0]:
+        if count and not mismatches(sd, {k: s for k, s in shapes.items() if not v.family.gate_of(k)})[0]:
             raise NoGates(
                 f"checkpoint has the weights of {v.name} but no LayerScale gates: a model without LayerScale, "
                 "or one with its gates folded into its weights; pass a LayerScale checkpoint (of a folded one, "
@@ -204,7 +200,7 @@ def detect(
             "checkpoint holds no weights, every tensor is empty: a DeepSpeed ZeRO-3 file keeps them in other "
             "files; gather them first (with the zero_to_fp32.py saved beside it) and convert its output"
         )
-    info = next(iter(described.values()), {}) or describe_state_dict(state_dict)
+    info = next(iter(described.values()), {})
     found = ", ".join(f"{k}={v}" for k, v in info.items()) or f"{len(state_dict)} key(s) of no known family"
     holders = model_holders(state_dict)
     if best is None and holders:  # a training module's state dict: a model beside other keys

@@ -10,31 +10,38 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..families import GATE_KEY
-from ..layer_scale import FOLD_TARGETS, fold_block, fold_plan, fold_weights
+from ..families import Family, gate_family, get_family
+from ..layer_scale import fold_block, fold_plan, fold_weights
 
 __all__ = ["fold_layerscale", "fold_state_dict"]
 
 
 def fold_state_dict(
-    state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
+    state_dict: Mapping[str, torch.Tensor], family: Family | str | None = None, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every ``*.ls1.gamma`` / ``*.ls2.gamma`` of an ``ls``-layout state dict folded into ``attn.proj`` /
-    ``mlp.fc2`` (``layer_scale.fold_weights``, the rule the modules fold by, rounded once to ``dtype``, default the
-    layer's) and dropped.
+    """Every gate of an ``ls``-layout state dict of ``family`` (a name; default the family whose gates its keys are)
+    folded into the layer its :class:`~timm_layerscale.families.Gate` names (``layer_scale.fold_weights``, the rule
+    the modules fold by, rounded once to ``dtype``, default the layer's) and dropped.
 
     Raises:
-        ValueError: A gate without its linear layer, or of another width.
+        ValueError: A gate that cannot fold (the family's reason), or without its layer, or of another width.
     """
+    family = gate_family(state_dict) if family is None else get_family(family)
     out = dict(state_dict)
-    for key in [k for k in state_dict if (m := GATE_KEY.fullmatch(k)) and m["ls"]]:
-        block, gate, _ = key.rsplit(".", 2)
-        target = ".".join((block, *FOLD_TARGETS[gate]))
+    for key in state_dict:
+        found = family.gate_of(key) if family else None
+        if found is None or found[2]:
+            continue
+        block, gate, _ = found
+        if not gate.fold:
+            raise ValueError(f"cannot fold {key!r}: {gate.no_fold}")
+        target = f"{block}.{gate.fold}"
         weight, gamma = out.get(f"{target}.weight"), out.pop(key)
-        if weight is None or weight.shape[2:] not in ((), (1, 1)) or weight.shape[0] != gamma.shape[0]:
-            found = "nothing" if weight is None else f"a weight of shape {tuple(weight.shape)}"
+        if weight is None or weight.shape[0] != gamma.shape[0]:
+            found_there = "nothing" if weight is None else f"a weight of shape {tuple(weight.shape)}"
             raise ValueError(
-                f"cannot fold {key!r} (shape {tuple(gamma.shape)}): expected a linear weight at {target!r}, found {found}"
+                f"cannot fold {key!r} (shape {tuple(gamma.shape)}): expected a layer of that width at {target!r}, "
+                f"found {found_there}"
             )
         out[f"{target}.weight"], bias = fold_weights(weight, out.get(f"{target}.bias"), gamma, dtype)
         if bias is not None:
@@ -43,19 +50,21 @@ def fold_state_dict(
 
 
 def fold_layerscale(model: nn.Module) -> nn.Module:
-    """Fold every ``ls1`` / ``ls2`` gate of ``model`` into the linear layer before it, in place: this package's
-    blocks (as ``timm.utils.reparameterize_model`` does through their ``reparameterize()``) and timm's own
-    LayerScale blocks (ViT, DeiT-III). Every block is checked before anything changes. The folded model
-    computes the same function up to rounding (fp32: within 1e-5); its state dict loads into the model built
-    with ``folded_layerscale=True``.
+    """Fold every gate of ``model`` into the layer before it, in place: this package's blocks (as
+    ``timm.utils.reparameterize_model`` does through their ``reparameterize()``) and timm's own LayerScale blocks
+    (ViT, DeiT-III), by the gates of the family its state dict's keys are of. Every block is checked before anything
+    changes. The folded model computes the same function up to rounding (fp32: within 1e-5); its state dict loads
+    into the model built with ``folded_layerscale=True``.
 
     Raises:
-        ValueError: A block's gate has no ``nn.Linear`` of its width to fold into; the model is unchanged.
+        ValueError: A gate cannot fold (its family's reason) or has no layer of its width to fold into; the model is
+            unchanged.
     """
+    family = gate_family(model.state_dict())
     plans = []
     for prefix, block in model.named_modules():
         try:
-            plans.append((block, fold_plan(block)))
+            plans.append((block, fold_plan(block, family.gates if family else ())))
         except ValueError as e:
             raise ValueError(f"{prefix or 'the model'}: {e}") from None
     for block, plan in plans:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..errors import RemapError
-from ..families import GATE_KEY, Family, Layout, Proof, Rule, get_family
+from ..families import Family, Layout, Proof, Rule, get_family
 from .checkpoint import strip_prefixes
 
 __all__ = ["Change", "UncoveredKeys", "check_floating", "check_state_dict", "describe_changes", "detect_gates"]
@@ -88,20 +88,20 @@ def remap(
     return out
 
 
-def detect_gates(state_dict: Mapping[str, Any]) -> str:
-    """``"raw"`` (``gamma_1``), ``"modules"`` (``ls1.gamma``) or ``"none"``: how a prefix-free state dict holds its
-    LayerScale gates, as timm and this package name them.
+def detect_gates(state_dict: Mapping[str, Any], family: Family) -> str:
+    """``"raw"`` (parameters: ``blocks.3.gamma_1``), ``"modules"`` (``blocks.3.ls1.gamma``) or ``"none"``: how a
+    prefix-free state dict holds ``family``'s LayerScale gates.
 
     Raises:
         RemapError: Both kinds are present.
     """
-    gates = [m for k in state_dict if (m := GATE_KEY.fullmatch(k))]
-    raw, modules = any(m["raw"] for m in gates), any(m["ls"] for m in gates)
-    if raw and modules:
+    kinds = {found[2]: key for key in state_dict if (found := family.gate_of(key))}
+    if len(kinds) > 1:
         raise RemapError(
-            "checkpoint mixes gamma_1/gamma_2 and ls1.gamma/ls2.gamma keys; it is not a layout this tool knows"
+            f"checkpoint mixes raw gates ({kinds[True]}) and LayerScale modules ({kinds[False]}); "
+            "it is not a layout this tool knows"
         )
-    return "raw" if raw else "modules" if modules else "none"
+    return "none" if not kinds else "raw" if True in kinds else "modules"
 
 
 def read_layout(
@@ -120,7 +120,7 @@ def read_layout(
         RemapError: A covering layout's rule finds a tensor it drops not inert, or keys collide.
     """
     fam = get_family(family)
-    detect_gates(state_dict)
+    detect_gates(state_dict, fam)
     layouts = fam.source_layouts()
     told = [layout for layout in layouts if any(re.fullmatch(layout.tell, k) for k in state_dict)]
     found: list[tuple[Layout, dict[str, V], list[Change]]] = []

@@ -8,8 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..families import GATE_KEY, Layout, Proof, Variant, state_dict_shapes
-from ..layer_scale import FOLD_TARGETS
+from ..families import Family, Layout, Proof, Variant, state_dict_shapes
 from .detect import without_zero_optional
 from .fold import fold_state_dict
 from .rules import Change, remap
@@ -40,7 +39,7 @@ def target_tensors(
     if to is family.layouts["ls"]:
         if changes is not None:
             changes.extend(read)
-        return fold_state_dict(ls, dtype) if fold else ls
+        return fold_state_dict(ls, family, dtype) if fold else ls
     made: list[Change] = []
     out = remap(ls, to.write, f"{family.title} ({to.name} layout)", made)
     for key, value in (to.buffers(variant) if to.buffers else {}).items():  # what its consumer stores besides
@@ -67,15 +66,16 @@ def cast_tensors(
     return {k: v.to(dtype) if dtype and v.is_floating_point() and k not in keep else v for k, v in tensors.items()}
 
 
-def check_folds(ls: Mapping[str, torch.Tensor], folded: Mapping[str, torch.Tensor]) -> str:
-    """The first weight of a ``folded`` state dict that is not ``gamma * W`` of the unfolded ``ls`` one computed apart
-    in float64 (exact for fp32, bf16 and fp16 factors) and rounded once to the folded dtype (``''``: none), so that a
-    fold rule that changes one gate's scale is seen where it moves a single weight by one unit in the last place."""
+def check_folds(ls: Mapping[str, torch.Tensor], folded: Mapping[str, torch.Tensor], family: Family) -> str:
+    """The first weight of a ``folded`` state dict that is not ``gamma * W`` of the unfolded ``ls`` one (of
+    ``family``) computed apart in float64 (exact for fp32, bf16 and fp16 factors) and rounded once to the folded
+    dtype (``''``: none), so that a fold rule that changes one gate's scale is seen where it moves a single weight by
+    one unit in the last place."""
     for key, gamma in ls.items():
-        m = GATE_KEY.fullmatch(key)
-        if m is None or not m["ls"]:
+        found = family.gate_of(key)
+        if found is None:
             continue
-        target = ".".join((m["block"], *FOLD_TARGETS[m["ls"]]))
+        target = f"{found[0]}.{found[1].fold}"
         for part in ("weight", "bias"):
             if (source := ls.get(f"{target}.{part}")) is None:
                 continue

@@ -13,15 +13,15 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ArchitectureError, RemapError, option
 
-__all__ = ["ALIAS", "LAYOUT_NAMES", "DEFAULT_NUM_CLASSES", "FAMILIES", "GATE_KEY", "KEEP", "VARIANTS", "Family"]
-__all__ += ["Layout", "Proof", "Rule", "Variant", "get_family", "get_variant", "register"]
+__all__ = ["ALIAS", "LAYOUT_NAMES", "DEFAULT_NUM_CLASSES", "FAMILIES", "KEEP", "VARIANTS", "Family", "Gate"]
+__all__ += ["Layout", "Proof", "Rule", "Variant", "gate_family", "get_family", "get_variant", "register"]
 __all__ += ["state_dict_shapes", "variants_of"]
 
 #: Classifier outputs of every released model (ImageNet-1k).
@@ -30,11 +30,6 @@ DEFAULT_NUM_CLASSES = 1000
 ALIAS = "gamma"
 #: Every layout name ``--to`` takes, of any family, and the release word.
 LAYOUT_NAMES = ("ls", "timm", "official", "transformers", ALIAS)
-#: Matches a whole LayerScale key as timm or this package names it, giving a numbered ``block`` (``blocks.3``,
-#: ``stages.1.blocks.2``) and its gate, ``raw`` (a parameter: ``gamma_1``/``gamma_2``, ConvNeXt's one ``gamma``, with
-#: ``g`` its number) or ``ls`` (the module layout's ``ls1``/``ls2``/``ls`` holding ``gamma``). A block ends in a digit:
-#: ConvNeXt-V2's ``grn.gamma`` is a norm's weight, no gate.
-GATE_KEY = re.compile(r"(?P<block>.+?\d)\.(?:(?P<raw>gamma(?:_(?P<g>[12]))?)|(?P<ls>ls[12]?)\.gamma)")
 #: Replacement that keeps a key unchanged.
 KEEP = r"\g<0>"
 #: The end of a linear layer's keys.
@@ -77,6 +72,27 @@ class Rule:
 @functools.cache
 def _anchored(pattern: str) -> re.Pattern[str]:
     return re.compile(rf"(?:{pattern})\Z")
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One LayerScale gate of a family's blocks.
+
+    Attributes:
+        name: The module that holds it in the ``ls`` layout, in its block (``ls1``: the parameter ``ls1.gamma``).
+        branch: What it scales, in words (``"attention"``): the gate table's and the plot's label.
+        raw: Its parameter's name in its block, by layout, where a layout holds it bare (no ``.gamma``).
+        fold: The layer of its block that it folds into (a weight whose first axis is the gate's channels).
+        no_fold: Why it cannot fold (``fold`` empty), one sentence.
+        blocks: The blocks that hold this gate, a pattern of their paths (default: every block of the family).
+    """
+
+    name: str
+    branch: str
+    raw: Mapping[str, str]
+    fold: str = ""
+    no_fold: str = ""
+    blocks: str = ".+"
 
 
 #: ``native(variant, folded, args)``: ``(build, filter)``, the builder of the model reading a layout (``folded``:
@@ -148,6 +164,12 @@ class Family:
     bibtex: str | None = None
     license: str | None = None
     gamma_file: str = "official"  # the layout the release word ALIAS named for a .pth file
+    blocks: str = "(?!)"  # the path of a block that holds gates, a pattern ending in its number
+    gates: tuple[Gate, ...] = ()
+    class_stage: str = "(?!)"  # the path of the class-attention stage (whose blocks come last)
+    stem: str = ""  # the ls layout's patch embedding weight: the width on its first axis, the patch on its last
+    positions: str = ""  # the ls layout's learned position embedding (1, tokens, width): the grid it was trained at
+    head: str = ""  # the ls layout's classifier, its keys without ".weight"/".bias"
 
     def layout(self, name: str, written: bool = False) -> Layout:
         """The layout called ``name`` (one this family ``written``: writes; :data:`ALIAS`: the one it names for a
@@ -177,6 +199,18 @@ class Family:
                 f"{self.title} has no {name} layout to write as {ALIAS!r}; pass {option('to', 'official')} and a .pth output"
             )
         return name
+
+    def gate_of(self, key: str) -> tuple[str, Gate, bool] | None:
+        """The block, the gate and whether it is raw (no ``.gamma``) of a key holding one of this family's gates in
+        a layout whose gates sit in the blocks (``blocks.3.gamma_1``: ``("blocks.3", ls1, True)``); else ``None``."""
+        m = re.fullmatch(rf"({self.blocks})\.(.+)", key)
+        if m is None:
+            return None
+        block, name = m.groups()
+        for gate in self.gates:
+            if name in (f"{gate.name}.gamma", *gate.raw.values()) and re.fullmatch(gate.blocks, block):
+                return block, gate, name != f"{gate.name}.gamma"
+        return None
 
     def source_layouts(self) -> list[Layout]:
         """Each layout once, in the order a source whose keys match no ``tell`` is matched against them: those without
@@ -314,11 +348,24 @@ def variants_of(family: str) -> dict[str, Variant]:
     return {v.name: v for v in VARIANTS if v.family.name == family}
 
 
-def gate_rules(blocks: str, keep: tuple[Rule, ...]) -> tuple[tuple[Rule, ...], tuple[Rule, ...], tuple[Rule, ...]]:
-    """The rules of a family whose gates live in the ``blocks`` and whose other keys ``keep`` keeps: reading the
-    ``ls`` layout (as it is), reading raw ``gamma_1``/``gamma_2`` gates into it, and writing them back."""
-    gamma, ls = rf"({blocks}\.\d+)\.gamma_([12])", rf"({blocks}\.\d+)\.ls([12])\.gamma"
-    return (Rule(ls, KEEP), *keep), (Rule(gamma, r"\1.ls\2.gamma"), *keep), (Rule(ls, r"\1.gamma_\2"), *keep)
+def gate_rules(
+    blocks: str, gates: tuple[Gate, ...], keep: tuple[Rule, ...], layout: str = "timm"
+) -> tuple[tuple[Rule, ...], tuple[Rule, ...], tuple[Rule, ...]]:
+    """The rules of a family whose ``gates`` live in the ``blocks`` (a pattern of their paths) and whose other keys
+    ``keep`` keeps: reading the ``ls`` layout (as it is), reading ``layout``'s raw gates into it, and writing them
+    back."""
+    ls = tuple(Rule(rf"({blocks})\.{gate.name}\.gamma", KEEP) for gate in gates)
+    read = tuple(Rule(rf"({blocks})\.{gate.raw[layout]}", rf"\1.{gate.name}.gamma") for gate in gates)
+    write = tuple(Rule(rf"({blocks})\.{gate.name}\.gamma", rf"\1.{gate.raw[layout]}") for gate in gates)
+    return (*ls, *keep), (*read, *keep), (*write, *keep)
+
+
+def gate_family(keys: Iterable[str]) -> Family | None:
+    """The family whose gates the most of ``keys`` hold (the first registered of those alike), or ``None``."""
+    keys = list(keys)
+    counts = {family: sum(family.gate_of(k) is not None for k in keys) for family in FAMILIES.values()}
+    best = max(counts, key=counts.__getitem__)
+    return best if counts[best] else None
 
 
 from . import cait, vit5, deit3, dinov3, dinov2, convnext, beit  # noqa: E402, F401, I001  (the registry: each registers its family)

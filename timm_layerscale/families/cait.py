@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import own_model, timm_filtered, timm_model
+from .vit import GATES, VIT
 
 #: Where the official checkpoints are published (``+ Variant.official_file``).
 RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
@@ -29,7 +30,8 @@ _KEEP = (
 )
 
 
-LS, RAW, TO_RAW = gate_rules(r"blocks(?:_token_only)?", _KEEP)
+_BLOCKS = r"blocks(?:_token_only)?\.\d+"
+LS, RAW, TO_RAW = gate_rules(_BLOCKS, GATES, _KEEP)
 FAMILY = Family(
     "cait",
     "CaiT",
@@ -44,6 +46,8 @@ FAMILY = Family(
     "which only the class token attends to the patch tokens; every residual branch is scaled by LayerScale",
     bibtex=BIBTEX,
     license="apache-2.0",
+    **{**VIT, "blocks": _BLOCKS},
+    class_stage="blocks_token_only",
 )
 
 

@@ -10,19 +10,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import RemapError, option
-from . import KEEP, LINEAR, Family, Layout, Proof, Rule, Variant, register
+from . import KEEP, LINEAR, Family, Gate, Layout, Proof, Rule, Variant, gate_rules, register
 from .loaders import own_model, timm_filtered, timm_model, transformers_layout
 from .operations import no_head
 
 STAGE_BLOCK = r"stages\.(\d+)\.blocks\.(\d+)"
+#: A block's one gate, on its MLP branch (ConvNeXt-V2's ``grn.gamma`` is a norm's weight, no gate).
+GATES = (Gate("ls", "MLP", {"timm": "gamma", "official": "gamma"}, fold="mlp.fc2"),)
 _KEEP = (
     Rule(r"(?:stem\.\d+|stages\.\d+\.downsample\.\d+|norm_pre|head\.(?:norm|fc|pre_logits\.fc))" + LINEAR, KEEP),
     Rule(rf"{STAGE_BLOCK}\.(?:conv_dw|norm|mlp\.fc[12])" + LINEAR, KEEP),
 )
-LS = (Rule(rf"{STAGE_BLOCK}\.ls\.gamma", KEEP), *_KEEP)
-#: timm's raw ``gamma`` into the ``ls`` layout, and back.
-RAW = (Rule(rf"{STAGE_BLOCK}\.gamma", r"stages.\1.blocks.\2.ls.gamma"), *_KEEP)
-TO_RAW = (Rule(rf"{STAGE_BLOCK}\.ls\.gamma", r"stages.\1.blocks.\2.gamma"), *_KEEP)
+_BLOCKS = r"stages\.\d+\.blocks\.\d+"
+LS, RAW, TO_RAW = gate_rules(_BLOCKS, GATES, _KEEP)
 
 
 def _linear_mlp(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -168,6 +168,9 @@ FAMILY = Family(
     bibtex=BIBTEX,
     license="apache-2.0",
     gamma_file="timm",
+    blocks=_BLOCKS,
+    gates=GATES,
+    head="head.fc",
 )
 
 

@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import timm_model
+from .vit import GATES, VIT
 
 
 def _timm(variant: Variant, folded: bool, args: dict[str, Any], filtered: bool = False) -> Any:
@@ -37,7 +38,7 @@ _KEEP = (
     Rule(r"(?:patch_embed\.proj|norm|head)" + LINEAR, KEEP),
     Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + LINEAR, KEEP),
 )
-LS, RAW, TO_RAW = gate_rules(r"blocks", _KEEP)
+LS, RAW, TO_RAW = gate_rules(VIT["blocks"], GATES, _KEEP, "official")
 _LS = Layout("ls", LS, LS, _timm)
 
 FAMILY = Family(
@@ -53,6 +54,7 @@ FAMILY = Family(
     full_title="DeiT III",
     description="a plain Vision Transformer whose residual branches are scaled by LayerScale",
     bibtex=BIBTEX,
+    **VIT,
 )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register, state_dict_shapes
 from .loaders import authors_keys, timm_model, transformers_layout, without_training_heads
 from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
+from .vit import VIT
 
 
 def merge_class_slot(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -213,6 +214,7 @@ FAMILY = Family(
     "are scaled by LayerScale",
     bibtex=BIBTEX,
     license="apache-2.0",
+    **VIT,
 )
 
 

@@ -55,12 +55,12 @@ def zeros_like_token(shape: Callable[[Any], tuple[int, ...]], name: str) -> Call
     """A rule's operation keeping a token and synthesising ``name``, zeros of ``shape(token)`` (a mask token of a
     layout that stores one but never uses it at inference)."""
 
-    def with_mask_token(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    def with_unused_token(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         import torch
 
         return {target: tensor, name: Proof(torch.zeros(shape(tensor), dtype=tensor.dtype), f"zeros, {UNUSED}")}
 
-    return with_mask_token
+    return with_unused_token
 
 
 def no_head(model: str) -> Callable[..., dict[str, Any]]:

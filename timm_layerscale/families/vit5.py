@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import own_model
+from .vit import GATES, VIT
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +87,7 @@ _KEEP = (
     Rule(r"patch_embed\.proj" + LINEAR + r"|norm\.weight|head" + LINEAR, KEEP),
     Rule(_BLOCK + LINEAR + ")", KEEP),
 )
-LS, RAW, TO_RAW = gate_rules(r"blocks", _KEEP)
+LS, RAW, TO_RAW = gate_rules(VIT["blocks"], GATES, _KEEP, "official")
 
 FAMILY = Family(
     "vit5",
@@ -107,6 +108,7 @@ FAMILY = Family(
     description="a Vision Transformer with RMSNorm, QK-norm, 2-D rotary position embedding and register tokens, "
     "whose residual branches are scaled by LayerScale",
     bibtex=BIBTEX,
+    **VIT,
 )
 
 

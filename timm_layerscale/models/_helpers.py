@@ -15,8 +15,8 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 
 from ..conversion.fold import fold_state_dict
-from ..families import DEFAULT_NUM_CLASSES, Variant
-from ..layer_scale import LayerScale, fold_block
+from ..families import DEFAULT_NUM_CLASSES, Gate, Variant, vit
+from ..layer_scale import LayerScale, fold_block, fold_plan
 
 __all__ = ["add_pos_embed", "build_variant", "check_global_pool", "count_flops", "fit_state_dict", "pretrained_cfg"]
 __all__ += ["GatedBlock", "LayerScaleModel", "register_variants", "twin_cfgs"]
@@ -44,19 +44,19 @@ def has_no_layerscale(model: nn.Module) -> bool:
 
 class GatedBlock:
     """What a timm block whose raw gates became LayerScale modules adds to its class (a mixin placed before it):
-    ``GATES`` maps each raw parameter to its module's name (``gamma_1`` -> ``ls1``)."""
+    ``GATES`` are its family's gates, each timm's raw parameter (``gamma_1``) made the module it names (``ls1``)."""
 
-    GATES: ClassVar[dict[str, str]] = {"gamma_1": "ls1", "gamma_2": "ls2"}
+    GATES: ClassVar[tuple[Gate, ...]] = vit.GATES
 
     def reset_parameters(self) -> None:
         """Each gate to its initial value (timm's block resets its raw gammas)."""
-        for name in self.GATES.values():
+        for name in (gate.name for gate in self.GATES):
             if isinstance(gate := getattr(self, name), LayerScale):
                 gate.reset_parameters()
 
     def reparameterize(self) -> None:
         """Fold each gate into the layer before it, as ``timm.utils.reparameterize_model`` asks."""
-        fold_block(cast(nn.Module, self))
+        fold_block(cast(nn.Module, self), fold_plan(cast(nn.Module, self), self.GATES))
 
     @classmethod
     def from_block(cls, block: Any, init_value: Any, folded: bool = False) -> Any:
@@ -64,13 +64,13 @@ class GatedBlock:
         object, so values, device and dtype stay; ``promote=True``, as timm's raw product promotes under autocast), or
         ``nn.Identity`` where the block has none or ``folded``."""
         block.__class__ = cls
-        for raw, name in cls.GATES.items():
-            gamma = block._parameters.pop(raw, None)
+        for record in cls.GATES:
+            gamma = block._parameters.pop(record.raw["timm"], None)
             gate: nn.Module = nn.Identity()
             if gamma is not None and not folded:
                 gate = LayerScale(gamma.shape[0], init_value, promote=True, device="meta")
                 gate.gamma = gamma
-            setattr(block, name, gate)
+            setattr(block, record.name, gate)
         return block
 
 

@@ -20,7 +20,7 @@ from timm.models.convnext import checkpoint_filter_fn as timm_filter
 from ..conversion.checkpoint import state_dict_of
 from ..conversion.fold import fold_state_dict
 from ..conversion.rules import to_layerscale
-from ..families import Variant, variants_of
+from ..families import Gate, Variant, convnext, variants_of
 from ._helpers import GatedBlock, LayerScaleModel, register_variants, twin_cfgs
 
 __all__ = ["ConvNeXtLS", "LayerScaleConvNeXtBlock"]
@@ -34,7 +34,7 @@ class LayerScaleConvNeXtBlock(GatedBlock, ConvNeXtBlock):
     the memory format timm's ``x.mul(gamma.reshape(1, -1, 1, 1))`` gives, so the residual sum and the next blocks run
     the same kernels and outputs are ``torch.equal`` to timm's."""
 
-    GATES: ClassVar[dict[str, str]] = {"gamma": "ls"}
+    GATES: ClassVar[tuple[Gate, ...]] = convnext.GATES
     if TYPE_CHECKING:  # an annotation TorchScript would try to resolve
         ls: nn.Module
 
@@ -73,7 +73,7 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: ConvNeXtLS)
         RemapError: A key no rule covers.
     """
     sd = to_layerscale(timm_filter(state_dict_of(state_dict), model), "convnext")
-    return fold_state_dict(sd) if model.folded_layerscale else sd
+    return fold_state_dict(sd, convnext.FAMILY) if model.folded_layerscale else sd
 
 
 #: The registered variants (:data:`timm_layerscale.families.VARIANTS`).

@@ -8,22 +8,25 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from ..families import FAMILIES
+
 __all__ = ["seed_parameters_", "seeded_inputs", "image_inputs"]
 
 
 @torch.no_grad()
 def seed_parameters_(model: nn.Module, seed: int = 0, gamma_std: float = 0.1) -> nn.Module:
     """Fill every parameter of ``model`` with seeded random values in place, buffers kept, so that every
-    branch matters: gammas ~ N(0, ``gamma_std``) (the 1e-5 init hides differences), matrices
-    ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1), biases and embeddings ~ N(0, 0.1). The values depend
+    branch matters: gates (any family's) ~ N(0, ``gamma_std``) (the 1e-5 init hides differences), matrices
+    ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1), biases and the model's own embeddings and tokens (parameters
+    of no layer) ~ N(0, 0.1). The values depend
     on the seed and the parameters' names, shapes and order; to fill two layouts alike, seed one and
     load its weights into the other. Returns ``model``."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         shape = p.shape
-        if name.endswith(("gamma", "gamma_1", "gamma_2")):
+        if any(family.gate_of(name) for family in FAMILIES.values()):
             v = torch.randn(shape, generator=gen) * gamma_std
-        elif p.ndim >= 2 and not name.endswith(("pos_embed", "cls_token", "reg_token")):
+        elif p.ndim >= 2 and "." in name:
             fan_in = math.prod(shape[1:])
             v = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
         elif name.endswith("weight") and p.ndim == 1:
