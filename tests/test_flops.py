@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import timm
+import torch
 
 from helpers import TINY_CAIT, TINY_VIT5
 from timm_layerscale.models.cait_ls import CaitLS
@@ -49,3 +50,18 @@ def test_flop_count_is_the_multiplications_of_the_forward_pass(fused, fused_attn
 def test_flop_count_of_a_registered_model():
     model: CaitLS = timm.create_model("cait_xxs24_224_ls", device="meta")  # type: ignore[assignment]
     assert model.flop_count() == cait_multiplies(224, 16, 192, 24, 4, 1000)
+
+
+def test_flop_count_of_a_model_without_a_patch_embedding():
+    """ConvNeXt has a stem, no ``patch_embed``: its input size is its pretrained config's; the count is timm's twin's
+    plus each gate's one multiply per element of its stage's maps."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        ours, twin = timm.create_model("convnext_atto_ls"), timm.create_model("convnext_atto")
+    with FlopCounterMode(display=False) as counter:
+        twin(torch.empty(1, 3, 224, 224, device="meta"))
+    gates = sum(
+        n * side * side * dim for n, side, dim in zip((2, 2, 6, 2), (56, 28, 14, 7), (40, 80, 160, 320), strict=True)
+    )
+    assert ours.flop_count() == counter.get_total_flops() // 2 + gates

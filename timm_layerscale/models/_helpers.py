@@ -219,7 +219,8 @@ def count_flops(model: Any, batch_size: int = 1) -> int:
         gates[0] += module.flop_count(out.numel() // module.dim)
 
     hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, LayerScale)]
-    x = torch.empty(batch_size, model.in_chans, *model.patch_embed.img_size, device="meta")
+    size = model.patch_embed.img_size if hasattr(model, "patch_embed") else model.pretrained_cfg["input_size"][1:]
+    x = torch.empty(batch_size, model.in_chans, *size, device="meta")
     try:
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             torch.func.functional_call(model, meta, (x,))
