@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from helpers import TINY_CAIT, TINY_VIT5, images, randomize, tiny_pair
-from timm_layerscale import LayerScale, fold_layerscale, to_layerscale
+from timm_layerscale import LayerScale, LayerScaleError, fold_layerscale, to_layerscale
 from timm_layerscale.models import vit5
 from timm_layerscale.models.cait_ls import CaitLS
 
@@ -172,8 +172,9 @@ def test_fold_state_dict_equals_module_fold(tmp_path):
     assert fold_state_dict(folded_sd).keys() == folded_sd.keys(), "nothing left to fold"
     bad = dict(ours.state_dict())
     del bad["blocks.0.attn.proj.weight"]
-    with pytest.raises(ValueError, match=r"blocks\.0\.ls1\.gamma.*blocks\.0\.attn\.proj"):
+    with pytest.raises(ValueError, match=r"blocks\.0\.ls1\.gamma.*blocks\.0\.attn\.proj") as refused:
         fold_state_dict(bad)
+    assert isinstance(refused.value, LayerScaleError), "one line on the command line, not an internal error"
 
 
 @pytest.mark.compat

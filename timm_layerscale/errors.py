@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-__all__ = ["ArchitectureError", "CheckpointError", "HubError", "LayerScaleError", "OutputExistsError"]
+__all__ = ["ArchitectureError", "CheckpointError", "FoldError", "HubError", "LayerScaleError", "OutputExistsError"]
 __all__ += ["ParityError", "RemapError", "option"]
 
 #: Set by the command line while it runs a command.
@@ -36,6 +36,10 @@ class CheckpointError(LayerScaleError):
 
 class RemapError(LayerScaleError):
     """A state dict does not fit the target layout (missing, unexpected or mis-shaped keys)."""
+
+
+class FoldError(RemapError, ValueError):
+    """A LayerScale gate cannot fold into the layer before it (its family says why, or the layer is missing)."""
 
 
 class ArchitectureError(LayerScaleError):

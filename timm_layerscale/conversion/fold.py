@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..errors import FoldError, option
 from ..families import Family, gate_family, get_family
 from ..layer_scale import fold_block, fold_plan, fold_weights
 
@@ -24,7 +25,8 @@ def fold_state_dict(
     the modules fold by, rounded once to ``dtype``, default the layer's) and dropped.
 
     Raises:
-        ValueError: A gate that cannot fold (the family's reason), or without its layer, or of another width.
+        FoldError: A gate that cannot fold (the family's reason), or without its layer, or of another width (a
+            ``ValueError``).
     """
     family = gate_family(state_dict) if family is None else get_family(family)
     out = dict(state_dict)
@@ -34,12 +36,12 @@ def fold_state_dict(
             continue
         block, gate, _ = found
         if not gate.fold:
-            raise ValueError(f"cannot fold {key!r}: {gate.no_fold}")
+            raise FoldError(f"cannot fold {key!r}: {gate.no_fold}; leave out {option('fold')}")
         target = f"{block}.{gate.fold}"
         weight, gamma = out.get(f"{target}.weight"), out.pop(key)
         if weight is None or weight.shape[0] != gamma.shape[0]:
             found_there = "nothing" if weight is None else f"a weight of shape {tuple(weight.shape)}"
-            raise ValueError(
+            raise FoldError(
                 f"cannot fold {key!r} (shape {tuple(gamma.shape)}): expected a layer of that width at {target!r}, "
                 f"found {found_there}"
             )
