@@ -9,6 +9,7 @@ per layout a family writes, ``convert --to X`` (cold), then ``convert X`` back t
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -24,26 +25,42 @@ from safetensors.torch import load_file, save_file
 from helpers import ROOT, randomize
 from timm_layerscale.conversion.rules import to_layerscale
 from timm_layerscale.conversion.target import target_tensors
-from timm_layerscale.families import FAMILIES, get_variant
-from timm_layerscale.families.vit5 import official_model
+from timm_layerscale.errors import LayerScaleError
+from timm_layerscale.families import FAMILIES, VARIANTS, Family, Variant, get_variant, state_dict_shapes, variants_of
 
-#: Per family, its smallest real variant that every layout of the family can hold.
-SMALLEST = {
-    "cait": "cait_xxs24_224_ls",
-    "vit5": "vit5_small_patch16_224",
-    "deit3": "deit3_small_patch16_224",
-    "dinov3": "vit_small_patch16_dinov3_ls",
-    "dinov2": "vit_small_patch14_dinov2",
-    "convnext": "convnext_tiny_ls",
-    "beit": "beit_base_patch16_224_ls",
-}
-#: Families whose files fit another variant alike (BEiT and BEiT v2 of one size): named on every command.
-NAMED = {"beit"}
 ONE = ("--num-inputs", "1")
 
 
-def test_every_family_has_a_route():
-    assert set(SMALLEST) == set(FAMILIES)
+def smallest(family: Family) -> Variant:
+    """The family's smallest real variant that every layout it writes can hold (its shapes, on the meta device,
+    convert to each)."""
+    for v in sorted(
+        variants_of(family.name).values(), key=lambda v: sum(map(math.prod, state_dict_shapes(v).values()))
+    ):
+        backbone = 0 if "transformers" in family.layouts else None  # as source() writes it
+        tensors = {k: torch.empty(s, device="meta") for k, s in state_dict_shapes(v, backbone).items()}
+        try:
+            for name in family.targets():
+                target_tensors(tensors, v, family.layouts["ls"], family.layouts[name])
+        except LayerScaleError:
+            continue
+        return v
+    raise AssertionError(f"no variant of {family.title} fits all its layouts")
+
+
+#: Per family, its smallest real variant that every layout of the family can hold.
+SMALLEST = {name: smallest(family).name for name, family in FAMILIES.items()}
+#: Families whose files fit another variant of the same resolution alike (BEiT and BEiT v2 of one size), which
+#: detection does not guess: named on every command.
+NAMED = {
+    v.family.name
+    for v in VARIANTS
+    if v.name in SMALLEST.values()
+    and any(
+        w is not v and (w.family, w.img_size) == (v.family, v.img_size) and state_dict_shapes(w) == state_dict_shapes(v)
+        for w in VARIANTS
+    )
+}
 
 
 def run(cache: Path, *args: Any) -> str:
@@ -60,8 +77,8 @@ def source(family: str, folder: Path) -> Path:
     """A seeded file of the family's smallest variant as others write it: the authors' training dict for ViT-5
     (timm has none), else timm's own model's state dict, a backbone where a layout (transformers') has no classifier."""
     v = get_variant(SMALLEST[family])
-    if v.reference is None:
-        weights = randomize(official_model(v)).state_dict()
+    if v.reference is None:  # the authors' model, as the official layout's consumer builds it
+        weights = randomize(v.family.layouts["official"].native(v, False, {})[0]()).state_dict()
         torch.save({"model": weights, "model_ema": weights, "optimizer": {}, "epoch": 3}, path := folder / "src.pth")
         return path
     backbone: dict[str, Any] = {"num_classes": 0} if "transformers" in v.family.layouts else {}
