@@ -36,6 +36,12 @@ DROPPED["transformers"] |= {"convnext": "stages.2.", "beit": "layers.1.attention
 DROPPED |= {to: {"convnext": "stages.2."} for to in ("ls", "gamma", "official", "from:official", "from:transformers")}
 DROPPED["from:dinov3"] = DROPPED["ls"]
 GATES |= {("convnext", "transformers"): "", ("beit", "transformers"): "encoder.layer.{b}.lambda_{i}"}
+GATES |= {("resmlp", "timm"): "blocks.{b}.ls{i}"}
+#: A family's bias that the drop mutation loses, read (the source's name) and written (the ls name), where it is not
+#: ``blocks.1.attn.proj.bias``.
+DROP = {("resmlp", True): r"blocks\.1\.attn\.bias", ("resmlp", False): r"blocks\.1\.linear_tokens\.bias"}
+for to in ("ls", "gamma", "timm"):
+    DROPPED.setdefault(to, {})["resmlp"] = "blocks.1.linear_tokens.bias"
 #: Reading a layout other than the one ``gamma`` names (``to`` ``from:LAYOUT``): a block's gate ``i`` and the bias
 #: the drop mutation loses, in that layout's names.
 READS = {
@@ -52,9 +58,8 @@ def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
     if family == "dinov2" and to in ("ls", "gamma"):  # the official file holds ls1.gamma too
         src, dst = "ls{i}.gamma", "blocks.{b}.ls{i}.gamma"
     dst = GATES.get((family, to), dst)
-    gate, drop = READS.get(
-        f"{family}:{to[5:]}", (r"blocks\.{a}\." + src.replace(".", r"\."), r"blocks\.1\.attn\.proj\.bias")
-    )
+    default_drop = DROP.get((family, reading), r"blocks\.1\.attn\.proj\.bias")
+    gate, drop = READS.get(f"{family}:{to[5:]}", (r"blocks\.{a}\." + src.replace(".", r"\."), default_drop))
 
     def wrong(a: int, b: int, i: int, j: int) -> Rule:  # block a's gate i sent to block b's gate j
         return Rule(gate.format(a=a, i=i), dst.format(b=b, i=j))
@@ -110,7 +115,16 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
                 k
                 for k in out
                 if k.endswith(
-                    ("ls1.gamma", "gamma_1", "layer_scale1.lambda1", "ls.gamma", "0.gamma", "lambda_1", "_parameter")
+                    (
+                        "ls1.gamma",
+                        "gamma_1",
+                        "layer_scale1.lambda1",
+                        "ls.gamma",
+                        "0.gamma",
+                        "lambda_1",
+                        "_parameter",
+                        ".ls1",
+                    )
                 )
             )
             out[key] = out[key].clone()
@@ -196,13 +210,14 @@ def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path
 
 CASES = [
     (f, to, d)
-    for f in ("cait", "deit3", "vit5", "dinov3", "dinov2", "convnext", "beit")
+    for f in ("cait", "deit3", "vit5", "dinov3", "dinov2", "convnext", "beit", "resmlp")
     for to in ("ls", "gamma")
     for d in (None, "bf16")
 ]
 CASES += [("dinov3", "official", None), ("dinov3", "transformers", None), ("dinov2", "transformers", None)]
 CASES += [(f, to, None) for f in ("convnext", "beit") for to in ("official", "transformers", "from:official")]
 CASES += [(f, "from:transformers", None) for f in ("convnext", "beit")] + [("convnext", "from:dinov3", None)]
+CASES += [("resmlp", "timm", None)]
 
 
 @pytest.mark.parametrize(("family", "to", "dtype"), CASES)
@@ -219,7 +234,7 @@ def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variant
 @pytest.mark.parametrize(
     ("family", "to"),
     [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls"), ("dinov2", "ls")]
-    + [("convnext", "ls"), ("beit", "ls")],
+    + [("convnext", "ls"), ("beit", "ls"), ("resmlp", "ls")],
 )
 @pytest.mark.full
 def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_path, capsys):

@@ -3,6 +3,7 @@ end in milliseconds; the ``tiny_variants`` fixture (conftest.py) adds their rows
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from timm.models import generate_default_cfgs, register_model
@@ -11,10 +12,11 @@ from timm.models.cait import _create_cait
 from timm.models.convnext import _create_convnext
 from timm.models.deit import _create_deit
 from timm.models.eva import _create_eva
+from timm.models.mlp_mixer import Affine, ResBlock, _create_mixer
 from timm.models.vision_transformer import _create_vision_transformer
 
 from timm_layerscale.families import FAMILIES, Variant
-from timm_layerscale.models import beit_ls, cait_ls, convnext_ls, dinov3_ls, vit5
+from timm_layerscale.models import beit_ls, cait_ls, convnext_ls, dinov3_ls, resmlp_ls, vit5
 from timm_layerscale.models._helpers import build_variant, pretrained_cfg
 
 CAIT = Variant("tinytest_cait_layerscale", FAMILIES["cait"], "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
@@ -31,13 +33,17 @@ CONVNEXT = Variant(
 )
 _BEIT = (("use_abs_pos_emb", False), ("use_rel_pos_bias", True))
 BEIT = Variant("tinytest_beit_ls", FAMILIES["beit"], "tinytest_beit", 32, 32, 3, 2, 0.1, patch_size=8, args=_BEIT)
+RESMLP = Variant(
+    "tinytest_resmlp_ls", FAMILIES["resmlp"], "tinytest_resmlp", 32, 32, 3, 0, 1e-4, 8, args=(("mlp_ratio", 4),)
+)
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
-TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT)
+TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT, RESMLP)
 
 _CFGS: dict[str, Any] = {v.name: pretrained_cfg(v, url="") for v in TINY}
 default_cfgs = generate_default_cfgs(
     {"tinytest_cait": pretrained_cfg(CAIT, url=""), "tinytest_dinov3": pretrained_cfg(DINOV3, url=""), **_CFGS}
     | {"tinytest_beit": pretrained_cfg(BEIT, url="")}
+    | {n: pretrained_cfg(RESMLP, url="", first_conv="stem.proj") for n in ("tinytest_resmlp", RESMLP.name)}
     | {
         n: pretrained_cfg(CONVNEXT, url="", first_conv="stem.0", classifier="head.fc", fixed_input_size=False)
         for n in ("tinytest_convnext", CONVNEXT.name)
@@ -104,3 +110,15 @@ def tinytest_beit(pretrained: bool = False, **kwargs: Any) -> Any:
 @register_model
 def tinytest_beit_ls(pretrained: bool = False, **kwargs: Any) -> Any:
     return beit_ls.build(BEIT, pretrained, {"img_size": 32, **kwargs})
+
+
+@register_model
+def tinytest_resmlp(pretrained: bool = False, **kwargs: Any) -> Any:
+    block = partial(ResBlock, init_values=1e-4)
+    args = {"patch_size": 8, "num_blocks": 3, "embed_dim": 32, "mlp_ratio": 4, "img_size": 32, **kwargs}
+    return _create_mixer("tinytest_resmlp", pretrained, block_layer=block, norm_layer=Affine, **args)
+
+
+@register_model
+def tinytest_resmlp_ls(pretrained: bool = False, **kwargs: Any) -> Any:
+    return resmlp_ls.build(RESMLP, pretrained, {"img_size": 32, **kwargs})

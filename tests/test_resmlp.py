@@ -1,0 +1,125 @@
+"""ResMLP with LayerScale modules: timm's ``MlpMixer`` of ``ResBlock`` s with ``ls1``/``ls2`` modules, outputs and
+gradients ``torch.equal`` to timm's ``resmlp_*``, the tags remapped as they load, features; the authors' files
+(``attn``, ``mlp``, ``gamma_1``, ``Affine`` vectors ``(dim,)``) converted both ways; ``ls1`` refused to fold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from timm.models.mlp_mixer import MlpMixer
+from timm.utils import reparameterize_model
+
+import timm_layerscale  # noqa: F401
+from helpers import assert_one_line_error, cli, randomize
+from timm_layerscale.conversion import rules
+from timm_layerscale.conversion.target import target_tensors
+from timm_layerscale.families import get_variant, variants_of
+from timm_layerscale.layer_scale import LayerScale
+from timm_layerscale.models.resmlp_ls import checkpoint_filter_fn
+
+VARIANTS = variants_of("resmlp")
+
+
+def pair() -> tuple[Any, Any]:
+    """timm's tiny ResMLP (``tests/tiny_models.py``) with random weights and gates, and this package's model loaded
+    through the filter."""
+    import tiny_models  # noqa: F401  (registers them)
+
+    ref = randomize(timm.create_model("tinytest_resmlp")).eval()
+    ours: Any = timm.create_model("tinytest_resmlp_ls").eval()
+    ours.load_state_dict(checkpoint_filter_fn(ref.state_dict(), ours))
+    return ref, ours
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.full
+def test_every_variant_is_timms_model_with_layerscale_modules(name) -> None:
+    reference = str(VARIANTS[name].reference)
+    with torch.device("meta"):
+        ref: Any = timm.create_model(reference)
+        ours: Any = timm.create_model(name)
+    assert ours.pretrained_cfg["input_size"] == ref.pretrained_cfg["input_size"] and isinstance(ours, MlpMixer)
+    gates = [m for m in ours.modules() if isinstance(m, LayerScale)]
+    assert len(gates) == 2 * len(ref.blocks) and all(
+        g.promote and g.init_value == VARIANTS[name].init_value for g in gates
+    )
+    as_timm = {k: tuple(v.shape) for k, v in rules.to_layout(ours.state_dict(), "resmlp", "timm").items()}
+    assert as_timm == {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    tags = {n.split(".", 1)[1] for n in timm.list_pretrained(f"{reference}.*")}
+    assert {n.split(".", 1)[1] for n in timm.list_pretrained(f"{name}.*")} == tags
+
+
+def test_outputs_intermediates_and_gradients_equal_timms() -> None:
+    """Batch 1 and 3, bf16 autocast, ``forward_intermediates``, compiled, a training step's gradients: equal bit for
+    bit."""
+    ref, ours = pair()
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            assert torch.equal(ours.forward_features(x), ref.forward_features(x)) and torch.equal(ours(x), ref(x))
+            with torch.autocast("cpu", torch.bfloat16):
+                assert torch.equal(ours(x), ref(x))
+    with torch.no_grad():
+        final, inter = ours.forward_intermediates(x, indices=1)
+        want_final, want_inter = ref.forward_intermediates(x, indices=1)
+        assert torch.equal(final, want_final) and all(map(torch.equal, inter, want_inter))
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(ours, backend="aot_eager")(x), torch.compile(ref, backend="aot_eager")(x))
+    ref.train()(x).square().mean().backward()
+    ours.train()(x).square().mean().backward()
+    grads = {k: p.grad for k, p in ours.named_parameters()}
+    for key, p in rules.to_layerscale(dict(ref.named_parameters()), "resmlp").items():
+        assert torch.equal(grads[key], p.grad), key
+
+
+@pytest.mark.full
+def test_fx_torchscript_and_export_as_timms_tests_check_them() -> None:
+    from helpers import assert_traces_and_scripts
+
+    _, ours = pair()
+    features = timm.create_model("tinytest_resmlp_ls", features_only=True, feature_cls="fx", out_indices=(1,))
+    assert_traces_and_scripts(ours, torch.randn(2, 3, 32, 32), features.eval(), dynamic_size=False)
+
+
+def test_files_load_remapped_and_ls1_is_refused_to_fold(tmp_path, tiny_variants, capsys) -> None:
+    """timm's and the authors' files load through ``pretrained_cfg_overlay``; ``ls1`` scales a token-mixing linear
+    with a bias per token, so ``reparameterize_model``, a folded model and ``convert --fold`` are refused in one
+    line that says why."""
+    ref, ours = pair()
+    v = get_variant("tinytest_resmlp_ls")
+    ls = rules.to_layerscale(ref.state_dict(), "resmlp")
+    save_file({k: t.contiguous() for k, t in ref.state_dict().items()}, str(timm_file := tmp_path / "t.safetensors"))
+    torch.save(target_tensors(ls, v, v.family.layouts["ls"], v.family.layouts["official"]), fb := tmp_path / "fb.pth")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    for path in (timm_file, fb):
+        args = {"pretrained_cfg_overlay": {"file": str(path)}}
+        loaded: Any = timm.create_model("tinytest_resmlp_ls", pretrained=True, **args).eval()
+        assert torch.equal(loaded(x), ref(x))
+    why = "ls1 scales a token-mixing linear whose bias is per token"
+    with pytest.raises(ValueError, match=why):
+        reparameterize_model(ours)
+    with pytest.raises(ValueError, match=why):
+        timm.create_model("resmlp_12_224_ls", folded_layerscale=True)
+    assert_one_line_error(*cli(capsys, "convert", fb, tmp_path / "f.safetensors", "--fold", "--no-verify"), why)
+
+
+def test_the_authors_file_converts_both_ways_at_real_size(tmp_path, capsys) -> None:
+    """``resmlp_12_224`` at its real size: the authors' plain state dict (their key names, ``Affine`` vectors) to the
+    ``ls`` layout and back, each bit-exact against timm's model reading the source through its own filter."""
+    v = get_variant("resmlp_12_224_ls")
+    official = v.family.layouts["official"]
+    ls = rules.to_layerscale(randomize(timm.create_model("resmlp_12_224")).state_dict(), "resmlp")
+    authors = target_tensors(ls, v, v.family.layouts["ls"], official)
+    assert authors["blocks.0.norm1.alpha"].shape == (384,) and "blocks.0.attn.weight" in authors
+    torch.save(authors, src := tmp_path / "resmlp_12_no_dist.pth")
+    one = ("--num-inputs", "1")
+    code, out, err = cli(capsys, "convert", src, ls_file := tmp_path / "ls.safetensors", *one)
+    assert code == 0 and "PASS (bit-exact)" in out and "official layout" in out, err
+    code, out, err = cli(capsys, "convert", ls_file, back := tmp_path / "back.pth", "--to", "official", *one)
+    assert code == 0 and "PASS (bit-exact)" in out, err
+    written = torch.load(back, weights_only=True)
+    assert written.keys() == authors.keys() and all(torch.equal(written[k], authors[k]) for k in authors)
