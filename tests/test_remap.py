@@ -118,3 +118,13 @@ _SUFFIXES = st.sampled_from(
     ["gamma_1", "gamma_2", "norm1.weight", "norm2.bias", "attn.proj.weight", "mlp.fc1.bias", "mlp.fc2.weight"]
 )
 _TOKEN_SUFFIXES = st.sampled_from(["gamma_1", "gamma_2", "attn.q.weight", "attn.v.bias", "norm1.weight"])
+
+
+def test_only_weights_must_be_floating_point():
+    """A batch norm's counter ``num_batches_tracked`` is a 0-dim int64 in every model that has one; a weight stored
+    as integers is refused by name."""
+    from timm_layerscale.conversion.rules import check_floating
+
+    check_floating({"bn.weight": torch.ones(2), "bn.num_batches_tracked": torch.tensor(7)})
+    with pytest.raises(RemapError, match=r"1 tensor\(s\) not floating point \(fc\.weight is int8\)"):
+        check_floating({"fc.weight": torch.ones(2, 2, dtype=torch.int8), "bn.num_batches_tracked": torch.tensor(7)})

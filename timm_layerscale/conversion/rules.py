@@ -236,9 +236,9 @@ def check_state_dict(state_dict: Mapping[str, Any], expected: Mapping[str, Any],
 
 
 def check_floating(state_dict: Mapping[str, Any], what: str = "model", limit: int = 5) -> None:
-    """Raise :class:`~timm_layerscale.errors.RemapError` naming the tensors that are not floating point,
-    as every weight and buffer of these models is."""
-    bad = [(k, v.dtype) for k, v in state_dict.items() if not v.is_floating_point()]
+    """Raise :class:`~timm_layerscale.errors.RemapError` naming the tensors that are not floating point, as every
+    weight and buffer of these models is but a scalar counter (a batch norm's ``num_batches_tracked``)."""
+    bad = [(k, v.dtype) for k, v in state_dict.items() if not v.is_floating_point() and v.ndim]
     if bad:
         shown = ", ".join(f"{k} is {str(dtype).removeprefix('torch.')}" for k, dtype in bad[:limit])
         raise RemapError(

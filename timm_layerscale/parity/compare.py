@@ -179,10 +179,10 @@ def attention_path(model: nn.Module) -> str:
     """Which attention implementation a model's attention layers take."""
     flags = {bool(m.fused_attn) for m in model.modules() if hasattr(m, "fused_attn")}
     if not any(hasattr(m, "num_heads") or hasattr(m, "num_attention_heads") for m in model.modules()):  # timm's, HF's
-        return "none (a convolutional network)"
+        return "none (the model has no attention)"
     if flags == {True}:
         return "fused (scaled_dot_product_attention)"
-    return "mixed: fused where timm fuses, manual talking-heads" if len(flags) > 1 else "manual (softmax(q k^T) v)"
+    return "mixed: fused where the layer fuses, manual in the others" if len(flags) > 1 else "manual"
 
 
 def _flipped(refs: list[torch.Tensor], outs: list[torch.Tensor], tol: Tolerance, top1: float | None) -> bool:
