@@ -53,8 +53,10 @@ def _stage_order(stage: str, family: Family) -> tuple[Any, ...]:
 
 
 def gate_labels(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """The gates of the family of :func:`gate_rows`' ``rows``: each module's name and the branch it scales."""
-    return [(gate.name, gate.branch) for gate in get_family(rows[0]["family"]).gates] if rows else []
+    """The gates of the family of :func:`gate_rows`' ``rows``: each module's name (once, where two kinds of block
+    hold it) and the branch it scales."""
+    gates = get_family(rows[0]["family"]).gates if rows else ()
+    return list({gate.name: gate.branch for gate in gates}.items())
 
 
 def gate_profile(
