@@ -96,7 +96,7 @@ def test_files_load_remapped_and_ls1_is_refused_to_fold(tmp_path, tiny_variants,
     torch.save(target_tensors(ls, v, v.family.layouts["ls"], v.family.layouts["official"]), fb := tmp_path / "fb.pth")
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     for path in (timm_file, fb):
-        args = {"pretrained_cfg_overlay": {"file": str(path)}}
+        args: dict[str, Any] = {"pretrained_cfg_overlay": {"file": str(path)}}
         loaded: Any = timm.create_model("tinytest_resmlp_ls", pretrained=True, **args).eval()
         assert torch.equal(loaded(x), ref(x))
     why = "ls1 scales a token-mixing linear whose bias is per token"

@@ -78,7 +78,9 @@ def source(family: str, folder: Path) -> Path:
     (timm has none), else timm's own model's state dict, a backbone where a layout (transformers') has no classifier."""
     v = get_variant(SMALLEST[family])
     if v.reference is None:  # the authors' model, as the official layout's consumer builds it
-        weights = randomize(v.family.layouts["official"].native(v, False, {})[0]()).state_dict()
+        native = v.family.layouts["official"].native
+        assert native is not None
+        weights = randomize(native(v, False, {})[0]()).state_dict()
         torch.save({"model": weights, "model_ema": weights, "optimizer": {}, "epoch": 3}, path := folder / "src.pth")
         return path
     backbone: dict[str, Any] = {"num_classes": 0} if "transformers" in v.family.layouts else {}

@@ -32,9 +32,9 @@ class LayerScaleResBlock(GatedBlock, ResBlock):
     ``y * gamma`` are one product, so outputs are ``torch.equal`` to timm's."""
 
     GATES: ClassVar[tuple[Gate, ...]] = resmlp.GATES
-    if TYPE_CHECKING:  # annotations TorchScript would try to resolve
-        ls1: nn.Module
-        ls2: nn.Module
+    if TYPE_CHECKING:  # annotations TorchScript would try to resolve; timm's block holds Parameters there
+        ls1: nn.Module  # type: ignore[assignment]
+        ls2: nn.Module  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path(self.ls1(self.linear_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2)))
@@ -65,7 +65,7 @@ class ResMlpLS(LayerScaleModel, MlpMixer):
     ) -> None:
         if folded_layerscale:
             raise ValueError(f"ResMLP has no folded form: {resmlp.GATES[0].no_fold}")
-        block = partial(ResBlock, init_values=init_values)
+        block: Any = partial(ResBlock, init_values=init_values)
         super().__init__(num_blocks=depth, block_layer=block, norm_layer=Affine, **kwargs)
         for b in self.blocks:
             LayerScaleResBlock.from_block(b, init_values)
