@@ -12,7 +12,7 @@ from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import own_model, timm_filtered, timm_model, transformers_layout
 from .operations import fuse_qkv, no_head, split_qkv
-from .vit import GATES, VIT
+from .vit import VIT, gates
 
 ANY_BLOCK = r"blocks\.\d+"
 _KEEP = (
@@ -21,6 +21,7 @@ _KEEP = (
     Rule(rf"{ANY_BLOCK}\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + LINEAR, KEEP),
     Rule(rf"{ANY_BLOCK}\.attn\.(?:q_bias|v_bias|relative_position_bias_table)", KEEP),
 )
+GATES = gates("timm", "official")
 LS, RAW, TO_RAW = gate_rules(VIT["blocks"], GATES, _KEEP)
 
 
@@ -181,6 +182,7 @@ FAMILY = Family(
     license="apache-2.0",
     gamma_file="timm",
     **VIT,
+    gates=GATES,
 )
 
 _ARGS = (("use_abs_pos_emb", False), ("use_rel_pos_bias", True))

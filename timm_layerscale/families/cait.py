@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import own_model, timm_filtered, timm_model
-from .vit import GATES, VIT
+from .vit import VIT, gates
 
 #: Where the official checkpoints are published (``+ Variant.official_file``).
 RELEASE_URL = "https://dl.fbaipublicfiles.com/deit/"
@@ -31,6 +31,7 @@ _KEEP = (
 
 
 _BLOCKS = r"blocks(?:_token_only)?\.\d+"
+GATES = gates("timm", "official")
 LS, RAW, TO_RAW = gate_rules(_BLOCKS, GATES, _KEEP)
 FAMILY = Family(
     "cait",
@@ -47,6 +48,7 @@ FAMILY = Family(
     bibtex=BIBTEX,
     license="apache-2.0",
     **{**VIT, "blocks": _BLOCKS},
+    gates=GATES,
     class_stage="blocks_token_only",
 )
 

@@ -7,7 +7,7 @@ from typing import Any, cast
 
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import timm_model
-from .vit import GATES, VIT
+from .vit import VIT, gates
 
 
 def _timm(variant: Variant, folded: bool, args: dict[str, Any], filtered: bool = False) -> Any:
@@ -38,6 +38,7 @@ _KEEP = (
     Rule(r"(?:patch_embed\.proj|norm|head)" + LINEAR, KEEP),
     Rule(r"blocks\.\d+\.(?:norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)" + LINEAR, KEEP),
 )
+GATES = gates("official")
 LS, RAW, TO_RAW = gate_rules(VIT["blocks"], GATES, _KEEP, "official")
 _LS = Layout("ls", LS, LS, _timm)
 
@@ -55,6 +56,7 @@ FAMILY = Family(
     description="a plain Vision Transformer whose residual branches are scaled by LayerScale",
     bibtex=BIBTEX,
     **VIT,
+    gates=GATES,
 )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register, state_dict_shapes
 from .loaders import authors_keys, timm_model, transformers_layout, without_training_heads
 from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
-from .vit import VIT
+from .vit import VIT, gates
 
 
 def merge_class_slot(target: str, tensor: Any, key: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -215,6 +215,7 @@ FAMILY = Family(
     bibtex=BIBTEX,
     license="apache-2.0",
     **VIT,
+    gates=gates(),
 )
 
 

@@ -11,7 +11,7 @@ from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Proof, Rule, Variant, gate_rules, register
 from .loaders import authors_keys, own_model, timm_model, transformers_layout, without_training_heads
 from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
-from .vit import GATES, VIT
+from .vit import VIT, gates
 
 #: timm's names of the authors' SwiGLU ``w1``, ``w2``, ``w3``.
 SWIGLU_NAMES = ("fc1_g", "fc1_x", "fc2")
@@ -329,6 +329,7 @@ TO_OFFICIAL = (
     Rule(r"blocks\.\d+\.ls[12]\.gamma", KEEP),
     *_SHARED,
 )
+GATES = gates("timm")
 LS, RAW, TO_RAW = gate_rules(VIT["blocks"], GATES, _KEEP)
 # a source's zero q and v biases, which a plain variant computes as well without them
 _LS = Layout("ls", LS, LS, own_model, optional_zero=r"blocks\.\d+\.attn\.[qv]_bias")
@@ -351,6 +352,7 @@ FAMILY = Family(
     bibtex=BIBTEX,
     gamma_file="timm",
     **VIT,
+    gates=GATES,
 )
 
 

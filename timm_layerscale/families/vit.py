@@ -7,15 +7,19 @@ from typing import Any
 
 from . import Gate
 
-#: ``ls1`` scales the attention branch, ``ls2`` the MLP's; raw, they are ``gamma_1``/``gamma_2``.
-GATES = (
-    Gate("ls1", "attention", {"timm": "gamma_1", "official": "gamma_1"}, fold="attn.proj"),
-    Gate("ls2", "MLP", {"timm": "gamma_2", "official": "gamma_2"}, fold="mlp.fc2"),
-)
-#: The ``Family`` fields of a ViT: its numbered ``blocks``, gates, patch embedding, position embedding and head.
+
+def gates(*raw_in: str) -> tuple[Gate, Gate]:
+    """A ViT block's two gates: ``ls1`` scales the attention branch, ``ls2`` the MLP's; in the layouts ``raw_in``
+    names they are raw ``gamma_1``/``gamma_2``, in the others modules."""
+    return (
+        Gate("ls1", "attention", dict.fromkeys(raw_in, "gamma_1"), fold="attn.proj"),
+        Gate("ls2", "MLP", dict.fromkeys(raw_in, "gamma_2"), fold="mlp.fc2"),
+    )
+
+
+#: The ``Family`` fields of a ViT: its numbered ``blocks``, patch embedding, position embedding and head.
 VIT: dict[str, Any] = {
     "blocks": r"blocks\.\d+",
-    "gates": GATES,
     "stem": "patch_embed.proj.weight",
     "positions": "pos_embed",
     "head": "head",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
 from .loaders import own_model
-from .vit import GATES, VIT
+from .vit import VIT, gates
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +87,7 @@ _KEEP = (
     Rule(r"patch_embed\.proj" + LINEAR + r"|norm\.weight|head" + LINEAR, KEEP),
     Rule(_BLOCK + LINEAR + ")", KEEP),
 )
+GATES = gates("official")
 LS, RAW, TO_RAW = gate_rules(VIT["blocks"], GATES, _KEEP, "official")
 
 FAMILY = Family(
@@ -109,6 +110,7 @@ FAMILY = Family(
     "whose residual branches are scaled by LayerScale",
     bibtex=BIBTEX,
     **VIT,
+    gates=GATES,
 )
 
 

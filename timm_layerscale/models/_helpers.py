@@ -15,7 +15,7 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 
 from ..conversion.fold import fold_state_dict
-from ..families import DEFAULT_NUM_CLASSES, Gate, Variant, vit
+from ..families import DEFAULT_NUM_CLASSES, Gate, Variant
 from ..layer_scale import LayerScale, fold_block, fold_plan
 
 __all__ = ["add_pos_embed", "build_variant", "check_global_pool", "count_flops", "fit_state_dict", "pretrained_cfg"]
@@ -46,7 +46,7 @@ class GatedBlock:
     """What a timm block whose raw gates became LayerScale modules adds to its class (a mixin placed before it):
     ``GATES`` are its family's gates, each timm's raw parameter (``gamma_1``) made the module it names (``ls1``)."""
 
-    GATES: ClassVar[tuple[Gate, ...]] = vit.GATES
+    GATES: ClassVar[tuple[Gate, ...]]
 
     def reset_parameters(self) -> None:
         """Each gate to its initial value (timm's block resets its raw gammas)."""

@@ -10,7 +10,7 @@ of the twin is registered and remapped as it loads.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn as nn
@@ -21,7 +21,7 @@ from timm.models.beit import checkpoint_filter_fn as timm_filter
 from ..conversion.checkpoint import state_dict_of
 from ..conversion.fold import fold_state_dict
 from ..conversion.rules import to_layerscale
-from ..families import Variant, variants_of
+from ..families import Gate, Variant, beit, variants_of
 from ._helpers import GatedBlock, LayerScaleModel, build_variant, register_variants, twin_cfgs
 
 __all__ = ["BeitLS", "LayerScaleBeitBlock"]
@@ -31,6 +31,7 @@ class LayerScaleBeitBlock(GatedBlock, Block):
     """timm's BEiT ``Block`` with LayerScale modules ``ls1`` / ``ls2`` where it has ``gamma_1`` / ``gamma_2``
     (``nn.Identity`` without them); ``promote=True``, so under autocast the product promotes as timm's does."""
 
+    GATES: ClassVar[tuple[Gate, ...]] = beit.GATES
     if TYPE_CHECKING:  # annotations TorchScript would try to resolve
         ls1: nn.Module
         ls2: nn.Module

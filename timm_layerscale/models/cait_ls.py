@@ -24,8 +24,8 @@ from timm.models.cait import Cait, ClassAttn, TalkingHeadAttn
 
 from ..conversion.checkpoint import unwrap_state_dict
 from ..conversion.rules import to_layerscale
-from ..families import Variant, variants_of, vit
-from ..families.cait import RELEASE_URL
+from ..families import Variant, variants_of
+from ..families.cait import GATES, RELEASE_URL
 from ..layer_scale import LayerScale, cait_init_value, fold_block, fold_plan
 from ..layers.talking_heads import attention_workspace, buffered_attention, eager_inference, fast_attention
 from ._helpers import (
@@ -122,7 +122,7 @@ class LayerScaleBlock(nn.Module):
 
     def reparameterize(self) -> None:
         """Fold ``ls1`` into ``attn.proj`` and ``ls2`` into ``mlp.fc2``, as ``timm.utils.reparameterize_model`` asks."""
-        fold_block(self, fold_plan(self, vit.GATES))
+        fold_block(self, fold_plan(self, GATES))
 
 
 class LayerScaleBlockClassAttn(LayerScaleBlock):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,7 @@ from timm.models.eva import Eva, EvaBlock
 from ..conversion.checkpoint import state_dict_of
 from ..conversion.detect import without_zero_optional
 from ..conversion.rules import to_layerscale
-from ..families import Variant, variants_of
+from ..families import Gate, Variant, dinov3, variants_of
 from ._helpers import GatedBlock, LayerScaleModel, build_variant, fit_state_dict, register_variants, twin_cfgs
 
 __all__ = ["DinoV3LS", "LayerScaleEvaBlock"]
@@ -34,6 +34,7 @@ class LayerScaleEvaBlock(GatedBlock, EvaBlock):
     (``nn.Identity`` without them). ``promote=True``: under autocast the product with the fp32 gate promotes,
     as timm's raw-parameter product does, so outputs are ``torch.equal`` to timm's."""
 
+    GATES: ClassVar[tuple[Gate, ...]] = dinov3.GATES
     if TYPE_CHECKING:  # annotations TorchScript would try to resolve
         ls1: nn.Module
         ls2: nn.Module
