@@ -14,6 +14,10 @@ their code is installed here): one block's keys, the depth, and the keys outside
   ``relative_position_index`` buffer persistent), ``{'model': ...}``.
 - ConvNeXt: facebookresearch/ConvNeXt ``models/convnext.py`` (``downsample_layers``, ``stages.S.B``, Linear MLPs),
   ``{'model': ...}``; ``None`` for timm's own ``conv_mlp`` architectures, which the authors did not release.
+- ResMLP: facebookresearch/deit ``resmlp_models.py`` (``attn`` the token-mixing linear, ``Affine`` vectors), a bare
+  state dict (their loader's ``model.load_state_dict(checkpoint)``).
+- XCiT: facebookresearch/xcit ``xcit.py`` (``ConvPatchEmbed`` of 3x3 convolutions and batch norms, ``pos_embeder``, a
+  fused class-attention ``qkv``), ``{'model': ...}``.
 """
 
 from __future__ import annotations
@@ -146,6 +150,41 @@ def beit(dim: int, depth: int, heads: int, img: int, classes: int = 1000) -> tup
     return {**outside, **_blocks("blocks", depth, block)}, ("model", "")
 
 
+def resmlp(dim: int, depth: int, patch: int, classes: int = 1000) -> tuple[Shapes, Any]:
+    n = (224 // patch) ** 2
+    affine = {f"norm{i}.{p}": (dim,) for i in (1, 2) for p in ("alpha", "beta")}
+    block = {**affine, **_linear("attn", n, n), **_linear("mlp.fc1", 4 * dim, dim), **_linear("mlp.fc2", dim, 4 * dim)}
+    block |= {"gamma_1": (dim,), "gamma_2": (dim,)}
+    outside = {**_stem(dim, patch, classes), "norm.alpha": (dim,), "norm.beta": (dim,)}
+    return {**outside, **_blocks("blocks", depth, block)}, (None, "")
+
+
+def _batch_norm(name: str, dim: int) -> Shapes:
+    stats = {f"{name}.running_mean": (dim,), f"{name}.running_var": (dim,), f"{name}.num_batches_tracked": ()}
+    return {**_norm(name, dim), **stats}
+
+
+def xcit(dim: int, depth: int, heads: int, patch: int, classes: int = 1000) -> tuple[Shapes, Any]:
+    widths = [dim // 8, dim // 4, dim // 2, dim][4 - (3 if patch == 8 else 4) :]
+    stem: Shapes = {}
+    for i, (inp, out) in enumerate(zip([3, *widths], widths, strict=False)):  # conv3x3: a convolution, a batch norm
+        stem |= {
+            f"patch_embed.proj.{2 * i}.0.weight": (out, inp, 3, 3),
+            **_batch_norm(f"patch_embed.proj.{2 * i}.1", out),
+        }
+    mlp = {**_linear("mlp.fc1", 4 * dim, dim), **_linear("mlp.fc2", dim, 4 * dim)}
+    depthwise = {"weight": (dim, 1, 3, 3), "bias": (dim,)}
+    lpi = {f"local_mp.conv{i}.{k}": s for i in (1, 2) for k, s in depthwise.items()} | _batch_norm("local_mp.bn", dim)
+    attn = {**_linear("attn.qkv", 3 * dim, dim), **_linear("attn.proj", dim, dim)}
+    block = {**_norm("norm1", dim), "attn.temperature": (heads, 1, 1), **attn, **_norm("norm3", dim), **lpi}
+    block |= {**_norm("norm2", dim), **mlp, "gamma1": (dim,), "gamma2": (dim,), "gamma3": (dim,)}
+    class_block = {**_norm("norm1", dim), **attn, **_norm("norm2", dim), **mlp, "gamma1": (dim,), "gamma2": (dim,)}
+    outside = {"cls_token": (1, 1, dim), **_norm("norm", dim), **_linear("head", classes, dim)}
+    outside |= {"pos_embeder.token_projection.weight": (dim, 64, 1, 1), "pos_embeder.token_projection.bias": (dim,)}
+    keys = {**outside, **stem, **_blocks("blocks", depth, block)}
+    return keys | _blocks("cls_attn_blocks", 2, class_block), ("model", "")
+
+
 def _dinov3_release(name: str) -> tuple[Shapes, Any]:
     size = name.removeprefix("vit_").split("_patch16")[0]
     dim, depth, heads = {"tiny": (192, 12, 3), "small": (384, 12, 6), "small_plus": (384, 12, 6), "base": (768, 12, 12),
@@ -168,6 +207,10 @@ def official(variant: Any) -> tuple[Shapes, Any] | None:
         return _dinov3_release(v.name)
     if family == "beit":
         return beit(v.embed_dim, v.depth, v.num_heads, v.img_size)
+    if family == "resmlp":
+        return resmlp(v.embed_dim, v.depth, v.patch_size)
+    if family == "xcit":
+        return xcit(v.embed_dim, v.depth, v.num_heads, v.patch_size)
     if family == "convnext":
         args = dict(v.args)
         return None if args.get("conv_mlp") or "head_hidden_size" in args else convnext(args["depths"], args["dims"])

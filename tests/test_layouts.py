@@ -5,15 +5,19 @@ a filter (``ls``, ``timm``), against the authors' key set, shapes and container 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import timm
 import torch
 
 import timm_layerscale  # noqa: F401
 from authors_models import official
+from timm_layerscale.conversion.rules import to_layout
 from timm_layerscale.conversion.target import target_tensors as _target
 from timm_layerscale.errors import RemapError
 from timm_layerscale.families import VARIANTS, Variant, get_variant, state_dict_shapes
+from timm_layerscale.layer_scale import LayerScale
 
 
 def _written(v: Variant, layout: str, num_classes: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -27,6 +31,7 @@ def _written(v: Variant, layout: str, num_classes: int | None = None) -> dict[st
 QUICK = {"cait_xxs24_224_ls", "deit3_small_patch16_224", "vit5_small_patch16_224", "vit_small_patch16_dinov3_ls"}
 QUICK |= {"vit_small_plus_patch16_dinov3_qkvb_ls", "vit_7b_patch16_dinov3_ls", "vit_small_patch14_reg4_dinov2"}
 QUICK |= {"vit_giant_patch14_dinov2", "convnext_tiny_ls", "convnext_atto_ls", "beit_base_patch16_224_ls"}
+QUICK |= {"resmlp_12_224_ls", "xcit_nano_12_p16_224_ls", "xcit_nano_12_p8_224_ls"}
 ALL = [pytest.param(v.name, marks=[pytest.mark.slow] * (v.name not in QUICK)) for v in VARIANTS]
 
 
@@ -149,3 +154,24 @@ def seed_model(name: str, **kwargs):
     from timm_layerscale.parity.inputs import seed_parameters_
 
     return seed_parameters_(timm.create_model(name, num_classes=0, **kwargs), seed=3)
+
+
+@pytest.mark.parametrize("name", [v.name for v in VARIANTS if v.reference not in (None, v.name)])
+@pytest.mark.full
+def test_every_variant_is_its_timm_twin_with_layerscale_modules(name):
+    """The twin's class and input size, each gate a LayerScale module (``promote=True``, the variant's initial
+    value), the twin's keys and shapes once the gates are raw again, and the twin's pretrained tags."""
+    v = get_variant(name)
+    if not timm.is_model(str(v.reference)):
+        pytest.skip(f"this timm has no {v.reference}")
+    with torch.device("meta"):
+        ref: Any = timm.create_model(str(v.reference))
+        ours: Any = timm.create_model(name)
+    assert isinstance(ours, type(ref)) and ours.pretrained_cfg["input_size"] == ref.pretrained_cfg["input_size"]
+    gates = [m for m in ours.modules() if isinstance(m, LayerScale)]
+    assert len(gates) == sum(1 for k in ours.state_dict() if v.family.gate_of(k))
+    assert all(g.promote and g.init_value == v.init_value for g in gates)
+    as_timm = {k: tuple(t.shape) for k, t in to_layout(ours.state_dict(), v.family, "timm").items()}
+    assert as_timm == {k: tuple(t.shape) for k, t in ref.state_dict().items()}
+    tags = {n.split(".", 1)[1] for n in timm.list_pretrained(f"{v.reference}.*")}
+    assert {n.split(".", 1)[1] for n in timm.list_pretrained(f"{name}.*")} == tags

@@ -23,7 +23,7 @@ from timm_layerscale.families import Rule
 ONE = ("--num-inputs", "1", "-q")
 
 
-#: A gate's key in each target layout beyond ls and gamma (block b, gate i).
+#: A gate's key in each target layout whose gates do not sit in ``blocks.N`` (block b, gate i).
 GATES = {
     ("dinov3", "official"): "blocks.{b}.ls{i}.gamma",
     ("dinov3", "transformers"): "layer.{b}.layer_scale{i}.lambda1",
@@ -36,7 +36,6 @@ DROPPED["transformers"] |= {"convnext": "stages.2.", "beit": "layers.1.attention
 DROPPED |= {to: {"convnext": "stages.2."} for to in ("ls", "gamma", "official", "from:official", "from:transformers")}
 DROPPED["from:dinov3"] = DROPPED["ls"]
 GATES |= {("convnext", "transformers"): "", ("beit", "transformers"): "encoder.layer.{b}.lambda_{i}"}
-GATES |= {("resmlp", "timm"): "blocks.{b}.ls{i}"}
 #: A family's bias that the drop mutation loses, read (the source's name) and written (the ls name), where it is not
 #: ``blocks.1.attn.proj.bias``.
 DROP = {("resmlp", True): r"blocks\.1\.attn\.bias", ("resmlp", False): r"blocks\.1\.linear_tokens\.bias"}
@@ -49,15 +48,24 @@ READS = {
 }
 
 
+def _gate_names(family: str, to: str) -> tuple[str, str]:
+    """Templates of gate ``i``'s key (in block ``b``) read and written by the ``to`` direction, from the family's
+    gate records: the file's layout names it raw (``gamma_{i}``, ResMLP's timm ``ls{i}``) or as a module."""
+    fam = families.FAMILIES[family]
+    side = fam.alias("pth") if to in ("ls", "gamma") else to.removeprefix("from:")
+    raw = {g.name: g.raw.get(side, f"{g.name}.gamma") for g in fam.gates}
+    in_file = raw["ls1"].replace("1", "{i}")  # gamma_1, gamma1, ls1, ls1.gamma
+    if to == "ls" or to.startswith("from:"):
+        return in_file, "blocks.{b}.ls{i}.gamma"
+    return "ls{i}.gamma", GATES.get((family, to), "blocks.{b}." + in_file)
+
+
 def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
     """The wrong rules put in front of the ``to`` direction's table (``from:LAYOUT``: reading LAYOUT)."""
     if family == "convnext":  # one gate a block: swapped with the block's norm weight, or moved between blocks
         return _convnext_rules(to, mutation)
     reading = to == "ls" or to.startswith("from:")
-    src, dst = ("gamma_{i}", "blocks.{b}.ls{i}.gamma") if reading else ("ls{i}.gamma", "blocks.{b}.gamma_{i}")
-    if family == "dinov2" and to in ("ls", "gamma"):  # the official file holds ls1.gamma too
-        src, dst = "ls{i}.gamma", "blocks.{b}.ls{i}.gamma"
-    dst = GATES.get((family, to), dst)
+    src, dst = _gate_names(family, to)
     default_drop = DROP.get((family, reading), r"blocks\.1\.attn\.proj\.bias")
     gate, drop = READS.get(f"{family}:{to[5:]}", (r"blocks\.{a}\." + src.replace(".", r"\."), default_drop))
 
@@ -103,6 +111,10 @@ def _convnext_rules(to: str, mutation: str) -> tuple[Rule, ...]:
     return (Rule(src[0].format(1) + re.escape(src[4]), None),)
 
 
+#: How a first gate's key ends in any layout: modules, raw parameters, transformers' names.
+GATE_ENDINGS = ("ls1.gamma", "gamma_1", "gamma1", ".ls1", "ls.gamma", "0.gamma", "lambda1", "lambda_1", "_parameter")
+
+
 def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> None:
     """Inject ``mutation`` into the ``to`` direction of ``family``'s conversion, undone with ``patch``: reading the
     source's layout (``to="ls"``), or writing the layout ``to`` names."""
@@ -111,22 +123,7 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
 
         def cast(tensors, dtype, keep):
             out = real(tensors, dtype, keep)
-            key = next(
-                k
-                for k in out
-                if k.endswith(
-                    (
-                        "ls1.gamma",
-                        "gamma_1",
-                        "layer_scale1.lambda1",
-                        "ls.gamma",
-                        "0.gamma",
-                        "lambda_1",
-                        "_parameter",
-                        ".ls1",
-                    )
-                )
-            )
+            key = next(k for k in out if k.endswith(GATE_ENDINGS))
             out[key] = out[key].clone()
             out[key][0] *= 1.01
             return out
@@ -208,16 +205,18 @@ def _assert_refused(mutation: str, code: int, out: str, err: str, *outputs: Path
         assert "FAIL" in out and "nothing written" in err, (out, err)
 
 
-CASES = [
-    (f, to, d)
-    for f in ("cait", "deit3", "vit5", "dinov3", "dinov2", "convnext", "beit", "resmlp")
-    for to in ("ls", "gamma")
-    for d in (None, "bf16")
-]
-CASES += [("dinov3", "official", None), ("dinov3", "transformers", None), ("dinov2", "transformers", None)]
-CASES += [(f, to, None) for f in ("convnext", "beit") for to in ("official", "transformers", "from:official")]
-CASES += [(f, "from:transformers", None) for f in ("convnext", "beit")] + [("convnext", "from:dinov3", None)]
-CASES += [("resmlp", "timm", None)]
+def _written(family: families.Family) -> list[str]:
+    """The layouts a family writes beyond ``ls`` and the one ``gamma`` names (each record once)."""
+    skip = (family.layouts["ls"], family.layouts[family.alias("pth")])
+    return [name for name in family.targets() if all(family.layouts[name] is not s for s in skip)]
+
+
+#: Every family read (``ls``) and written (``gamma``, then every other layout it writes); and reading the other
+#: layouts of the families whose tiny sources the fixture writes in them.
+CASES = [(f, to, d) for f in families.FAMILIES for to in ("ls", "gamma") for d in (None, "bf16")]
+CASES += [(name, to, None) for name, f in families.FAMILIES.items() for to in _written(f)]
+CASES += [(f, f"from:{to}", None) for f in ("convnext", "beit") for to in ("official", "transformers")]
+CASES += [("convnext", "from:dinov3", None)]
 
 
 @pytest.mark.parametrize(("family", "to", "dtype"), CASES)
@@ -231,11 +230,7 @@ def test_convert_refuses_every_mutation(family, to, dtype, sources, tiny_variant
         _assert_refused(mutation, code, stdout, err, out, dropped=DROPPED.get(to, {}).get(family, ""))
 
 
-@pytest.mark.parametrize(
-    ("family", "to"),
-    [("cait", "ls"), ("cait", "gamma"), ("deit3", "ls"), ("vit5", "ls"), ("dinov3", "ls"), ("dinov2", "ls")]
-    + [("convnext", "ls"), ("beit", "ls"), ("resmlp", "ls")],
-)
+@pytest.mark.parametrize(("family", "to"), [(f, "ls") for f in families.FAMILIES] + [("cait", "gamma")])
 @pytest.mark.full
 def test_export_refuses_every_mutation(family, to, sources, tiny_variants, tmp_path, capsys):
     for mutation in EXPECTED:

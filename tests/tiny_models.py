@@ -14,9 +14,10 @@ from timm.models.deit import _create_deit
 from timm.models.eva import _create_eva
 from timm.models.mlp_mixer import Affine, ResBlock, _create_mixer
 from timm.models.vision_transformer import _create_vision_transformer
+from timm.models.xcit import _create_xcit
 
 from timm_layerscale.families import FAMILIES, Variant
-from timm_layerscale.models import beit_ls, cait_ls, convnext_ls, dinov3_ls, resmlp_ls, vit5
+from timm_layerscale.models import beit_ls, cait_ls, convnext_ls, dinov3_ls, resmlp_ls, vit5, xcit_ls
 from timm_layerscale.models._helpers import build_variant, pretrained_cfg
 
 CAIT = Variant("tinytest_cait_layerscale", FAMILIES["cait"], "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
@@ -36,14 +37,18 @@ BEIT = Variant("tinytest_beit_ls", FAMILIES["beit"], "tinytest_beit", 32, 32, 3,
 RESMLP = Variant(
     "tinytest_resmlp_ls", FAMILIES["resmlp"], "tinytest_resmlp", 32, 32, 3, 0, 1e-4, 8, args=(("mlp_ratio", 4),)
 )
+XCIT = Variant(
+    "tinytest_xcit_ls", FAMILIES["xcit"], "tinytest_xcit", 32, 32, 2, 4, 1.0, 8, args=(("tokens_norm", True),)
+)
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
-TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT, RESMLP)
+TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT, RESMLP, XCIT)
 
 _CFGS: dict[str, Any] = {v.name: pretrained_cfg(v, url="") for v in TINY}
 default_cfgs = generate_default_cfgs(
     {"tinytest_cait": pretrained_cfg(CAIT, url=""), "tinytest_dinov3": pretrained_cfg(DINOV3, url=""), **_CFGS}
     | {"tinytest_beit": pretrained_cfg(BEIT, url="")}
     | {n: pretrained_cfg(RESMLP, url="", first_conv="stem.proj") for n in ("tinytest_resmlp", RESMLP.name)}
+    | {n: pretrained_cfg(XCIT, url="", first_conv="patch_embed.proj.0.0") for n in ("tinytest_xcit", XCIT.name)}
     | {
         n: pretrained_cfg(CONVNEXT, url="", first_conv="stem.0", classifier="head.fc", fixed_input_size=False)
         for n in ("tinytest_convnext", CONVNEXT.name)
@@ -122,3 +127,14 @@ def tinytest_resmlp(pretrained: bool = False, **kwargs: Any) -> Any:
 @register_model
 def tinytest_resmlp_ls(pretrained: bool = False, **kwargs: Any) -> Any:
     return resmlp_ls.build(RESMLP, pretrained, {"img_size": 32, **kwargs})
+
+
+@register_model
+def tinytest_xcit(pretrained: bool = False, **kwargs: Any) -> Any:
+    args = {"patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 4, "eta": 1.0, "tokens_norm": True}
+    return _create_xcit("tinytest_xcit", pretrained, **{**args, "img_size": 32, **kwargs})
+
+
+@register_model
+def tinytest_xcit_ls(pretrained: bool = False, **kwargs: Any) -> Any:
+    return xcit_ls.build(XCIT, pretrained, {"img_size": 32, **kwargs})

@@ -1,0 +1,119 @@
+"""XCiT with LayerScale modules: timm's ``Xcit`` with ``ls1``/``ls3``/``ls2`` modules in its XCA blocks and
+``ls1``/``ls2`` in its class-attention blocks, outputs and gradients ``torch.equal`` to timm's ``xcit_*``, the tags
+remapped as they load; the authors' files (``pos_embeder``, a fused class-attention ``qkv``) converted both ways;
+folding refused for the class-attention ``ls1``, which scales the normed patch tokens too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from timm.utils import reparameterize_model
+
+import timm_layerscale  # noqa: F401
+from helpers import assert_one_line_error, cli, randomize
+from timm_layerscale.conversion import rules
+from timm_layerscale.conversion.target import target_tensors
+from timm_layerscale.families import get_variant, variants_of
+from timm_layerscale.inspection import format_gate_table, gate_profile
+from timm_layerscale.models.xcit_ls import checkpoint_filter_fn
+
+VARIANTS = variants_of("xcit")
+
+
+def pair() -> tuple[Any, Any]:
+    """timm's tiny XCiT (``tests/tiny_models.py``) with random weights and gates, and this package's model loaded
+    through the filter."""
+    import tiny_models  # noqa: F401  (registers them)
+
+    ref = randomize(timm.create_model("tinytest_xcit")).eval()
+    ours: Any = timm.create_model("tinytest_xcit_ls").eval()
+    ours.load_state_dict(checkpoint_filter_fn(ref.state_dict(), ours))
+    return ref, ours
+
+
+def test_outputs_intermediates_and_gradients_equal_timms() -> None:
+    """Batch 1 and 3, fused attention and not, bf16 autocast, ``forward_intermediates``, compiled, a training step's
+    gradients: equal bit for bit."""
+    ref, ours = pair()
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            for fused in (True, False):
+                for m in (m for model in (ref, ours) for m in model.modules() if hasattr(m, "fused_attn")):
+                    m.fused_attn = fused
+                assert torch.equal(ours.forward_features(x), ref.forward_features(x)) and torch.equal(ours(x), ref(x))
+            with torch.autocast("cpu", torch.bfloat16):
+                assert torch.equal(ours(x), ref(x))
+    with torch.no_grad():
+        final, inter = ours.forward_intermediates(x, indices=1)
+        want_final, want_inter = ref.forward_intermediates(x, indices=1)
+        assert torch.equal(final, want_final) and all(map(torch.equal, inter, want_inter))
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(ours, backend="aot_eager")(x), torch.compile(ref, backend="aot_eager")(x))
+    ref.train()(x).square().mean().backward()
+    ours.train()(x).square().mean().backward()
+    grads = {k: p.grad for k, p in ours.named_parameters()}
+    for key, p in rules.to_layerscale(dict(ref.named_parameters()), "xcit").items():
+        assert torch.equal(grads[key], p.grad), key
+
+
+@pytest.mark.full
+def test_fx_torchscript_and_export_as_timms_tests_check_them() -> None:
+    from helpers import assert_traces_and_scripts
+
+    _, ours = pair()
+    features = timm.create_model("tinytest_xcit_ls", features_only=True, feature_cls="fx", out_indices=(1,))
+    assert_traces_and_scripts(ours, torch.randn(2, 3, 32, 32), features.eval(), dynamic_size=False)
+
+
+def test_files_load_remapped_gates_read_and_fold_is_refused(tmp_path, tiny_variants, capsys) -> None:
+    """timm's and the authors' files load through ``pretrained_cfg_overlay``; the gate table has one column per gate
+    name, the class-attention blocks last; folding is refused in one line saying why (the class-attention ``ls1``
+    scales the normed patch tokens too)."""
+    ref, ours = pair()
+    v = get_variant("tinytest_xcit_ls")
+    official = v.family.layouts["official"]
+    ls = rules.to_layerscale(ref.state_dict(), "xcit")
+    save_file({k: t.contiguous() for k, t in ref.state_dict().items()}, str(timm_file := tmp_path / "t.safetensors"))
+    torch.save(official.wrap(target_tensors(ls, v, v.family.layouts["ls"], official)), fb := tmp_path / "fb.pth")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    for path in (timm_file, fb):
+        args: dict[str, Any] = {"pretrained_cfg_overlay": {"file": str(path)}}
+        loaded: Any = timm.create_model("tinytest_xcit_ls", pretrained=True, **args).eval()
+        assert torch.equal(loaded(x), ref(x))
+    rows = gate_profile(fb)
+    assert [r["block"] for r in rows] == ["blocks.0", "blocks.1", "cls_attn_blocks.0", "cls_attn_blocks.1"]
+    assert [r["class_attn"] for r in rows] == [False, False, True, True] and rows[2]["ls3"] is None
+    assert format_gate_table(rows).split()[3:21:6] == ["ls1", "ls3", "ls2"]
+    why = "class-attention ls1 scales the normed patch tokens"
+    with pytest.raises(ValueError, match=why):
+        reparameterize_model(ours)
+    with pytest.raises(ValueError, match=why):
+        timm.create_model("tinytest_xcit_ls", folded_layerscale=True)
+    assert_one_line_error(*cli(capsys, "convert", fb, tmp_path / "f.safetensors", "--fold", "--no-verify"), why)
+
+
+def test_the_authors_file_converts_both_ways_at_real_size(tmp_path, capsys) -> None:
+    """``xcit_nano_12_p16_224`` at its real size: the authors' ``{'model': ...}`` (``pos_embeder``, a fused
+    class-attention ``qkv``) to the ``ls`` layout and back, each bit-exact against timm's model reading the source
+    through its own filter, the written file equal to the source tensor for tensor."""
+    v = get_variant("xcit_nano_12_p16_224_ls")
+    official = v.family.layouts["official"]
+    ls = rules.to_layerscale(randomize(timm.create_model("xcit_nano_12_p16_224")).state_dict(), "xcit")
+    authors = target_tensors(ls, v, v.family.layouts["ls"], official)
+    assert (
+        authors["cls_attn_blocks.0.attn.qkv.weight"].shape == (384, 128)
+        and "pos_embeder.token_projection.bias" in authors
+    )
+    torch.save(official.wrap(authors), src := tmp_path / "xcit_nano_12_p16_224.pth")
+    one = ("--num-inputs", "1")
+    code, out, err = cli(capsys, "convert", src, ls_file := tmp_path / "ls.safetensors", *one)
+    assert code == 0 and "PASS (bit-exact)" in out and "official layout" in out, err
+    code, out, err = cli(capsys, "convert", ls_file, back := tmp_path / "back.pth", "--to", "official", *one)
+    assert code == 0 and "PASS (bit-exact)" in out, err
+    written = torch.load(back, weights_only=True)["model"]
+    assert written.keys() == authors.keys() and all(torch.equal(written[k], authors[k]) for k in authors)
