@@ -832,8 +832,8 @@ def test_push_offline_fails_before_reading_a_token(tmp_path, capsys, monkeypatch
 def test_a_failure_after_reading_exits_without_waiting_for_the_checksums(official, tmp_path):
     """The source's checksums run in the background; a command that fails meanwhile exits at once."""
     script = (
-        "import sys, time\nfrom timm_layerscale import cli, converter\n"
-        "converter.scan_file = lambda path: time.sleep(900)\n"
+        "import sys, time\nfrom timm_layerscale import cli\nfrom timm_layerscale.files import read\n"
+        "read.scan_file = lambda path: time.sleep(900)\n"
         f"sys.exit(cli.main(['convert', {str(official)!r}, {str(tmp_path / 'out.safetensors')!r}, "
         "'--model', 'cait_s24_224_ls']))"
     )

@@ -247,7 +247,7 @@ def test_a_file_damaged_between_write_and_read_back_is_refused(suffix, sources, 
     """The weight check reads the written file back: damage there exits 1, and nothing is put in place."""
     from timm_layerscale.files.read import load_checkpoint
 
-    real = converter._check_written
+    real = converter.check_written
 
     def damaged(written, *args):
         gate = next(v for k, v in load_checkpoint(written).items() if k.endswith("ls2.gamma"))
@@ -255,7 +255,7 @@ def test_a_file_damaged_between_write_and_read_back_is_refused(suffix, sources, 
         real(written, *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(converter, "_check_written", damaged)
+        patch.setattr(converter, "check_written", damaged)
         out = tmp_path / f"model{suffix}"
         code, stdout, err = cli(capsys, "convert", sources["cait", "ls"], out, *ONE)
     assert code == 1 and not out.exists() and not list(tmp_path.iterdir()), err

@@ -1,138 +1,41 @@
-"""Convert and verify: resolve, read and detect once (:func:`read_source`), then remap, check, verify and
-write (:func:`convert_checkpoint`, which export and the release pipeline call)."""
+"""Convert and verify: a source read and detected once (:func:`~timm_layerscale.files.read.read_source`), then
+remap, check, verify and write (:func:`convert_checkpoint`, which export and the release pipeline call)."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from . import families
 from ._version import __version__
 from .conversion.checkpoint import container_of, state_dict_of
-from .conversion.detect import Detection, NoGates, Twins, detect
-from .conversion.fold import fold_state_dict
+from .conversion.detect import NoGates, detect
 from .conversion.rules import Change, describe_changes, renamed_keys
-from .conversion.target import cast_tensors, check_folds, target_tensors
-from .errors import ArchitectureError, CheckpointError, LayerScaleError, ParityError, RemapError, option
-from .families import ALIAS, LAYOUT_NAMES, Layout, Variant, get_variant
-from .families.loaders import read_config
+from .conversion.target import cast_tensors, target_tensors
+from .errors import ArchitectureError, CheckpointError, LayerScaleError, RemapError, option
+from .families import ALIAS, LAYOUT_NAMES, Layout, Variant
 from .files.atomic import output_path
-from .files.read import check_finite, load_checkpoint, nonfinite_tensors, parse_dtype, read_checkpoint, scan_file
+from .files.read import (
+    Source,
+    check_finite,
+    nonfinite_tensors,
+    parse_dtype,
+    read_checkpoint,
+    read_source,
+)
 from .files.save import output_format, save_pth, save_safetensors
-from .files.sources import public_source, source_config
+from .files.sources import public_source
 from .options import command_line
-from .parity.compare import ParityReport, compare_weights
+from .parity.compare import ParityReport
 from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_outputs
+from .parity.weights import check_written, compare_files, parity_error
 
 __all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "target_layout", "verify_checkpoint"]
-
-
-def _background(fn: Callable[[Path], Any], path: Path) -> Future[Any]:
-    """``fn(path)`` in a daemon thread (hashlib and zlib release the GIL, so a source is hashed and checked while
-    it converts), whose result the Future holds; a process that fails early exits without waiting for it."""
-    future: Future[Any] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(path))
-        except BaseException as e:
-            future.set_exception(e)
-
-    threading.Thread(target=run, daemon=True).start()
-    return future
-
-
-@dataclass
-class Source:
-    """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped, prefix-free,
-    in their own layout, memory-mapped), their :class:`~timm_layerscale.conversion.detect.Detection`, whether they
-    were found finite, the scan of the file in a thread (its zip checksums and, unless not asked, its SHA-256),
-    whether ``'model_ema'`` was read, the ``config.json`` beside the weights (a folder's, a Hub repository's) and for
-    a transformers folder its config."""
-
-    given: str
-    path: Path
-    state_dict: dict[str, torch.Tensor]
-    detection: Detection
-    finite: bool = False
-    intact: Future[str] | None = None
-    ema: bool = False
-    config_file: Path | None = None
-    config: Any = None
-    stamp: tuple[int, int, int] = (0, 0, 0)
-
-    def unchanged(self) -> None:
-        """A :class:`~timm_layerscale.errors.CheckpointError` where the file's size, modification time or inode
-        differ from when it was read (another process wrote into it): the hash would not name the bytes converted."""
-        if _stamp(self.path) != self.stamp:
-            raise CheckpointError(f"{self.path} changed while it was converted; nothing written")
-
-    def check(self) -> str:
-        """Wait for the zip checksums and return the file's SHA-256 (``''`` where none was computed); a
-        :class:`~timm_layerscale.errors.CheckpointError` if a checksum fails."""
-        return "" if self.intact is None else self.intact.result()
-
-    @property
-    def args(self) -> dict[str, Any]:
-        """The arguments the loader native to its layout builds its model with (the detection's overrides, and the
-        config of a transformers folder)."""
-        return {**self.detection.overrides, **({"config": self.config} if self.config is not None else {})}
-
-
-def _stamp(path: Path) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-def read_source(
-    source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False, digest: bool = True
-) -> Source:
-    """Resolve, read (zip checksums checked meanwhile, with ``digest`` in the same pass the SHA-256) and detect a local
-    file or folder, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``; ``model`` overrides detection, ``ema`` takes the
-    ``'model_ema'`` weights. A transformers folder's ``config.json`` is read and must describe the variant detected.
-
-    Raises:
-        LayerScaleError: The source cannot be read or fits no variant, or its config disagrees; the message names
-            the file.
-    """
-    if model:
-        get_variant(model)  # a wrong name is the caller's mistake, not the file's
-    path, sd, container = read_checkpoint(source, ema, checksums=False)
-    stamp = _stamp(path)
-    intact = _background(lambda p: scan_file(p, digest), path)
-    try:
-        file, config = source_config(source), None
-        try:
-            found = detect(sd, model, container)
-        except Twins:  # told apart by the architecture a timm folder's config.json or a Hub repository names
-            if not (named := _named_variant(file)):
-                raise
-            found = detect(sd, named, container)
-        if found.layout.config is not None and file is not None:
-            config = read_config(file, found.layout.config, found.variant, found.overrides.get("img_size"))
-        return Source(
-            os.fspath(source), path, sd, found, intact=intact, ema=ema, config_file=file, config=config, stamp=stamp
-        )
-    except (ArchitectureError, RemapError) as e:
-        raise type(e)(f"{path}: {e}") from None
-
-
-def _named_variant(config: Path | None) -> str | None:
-    """The registered variant (or its twin: ``beitv2_base_patch16_224``) that a timm folder's or Hub repository's
-    ``config.json`` names (``architecture``); ``None`` where it names none."""
-    import json
-
-    name = str(json.loads(config.read_text(encoding="utf-8")).get("architecture", "")) if config else ""
-    return next((v.name for v in families.VARIANTS if name.split(".")[0] in (v.name, v.reference)), None)
 
 
 @dataclass
@@ -180,61 +83,6 @@ def target_layout(variant: Variant, to: str, fmt: str, plain: bool = False) -> t
     name = family.alias(fmt, wrapped=not plain)
     word = "--plain is deprecated" if plain else f"{ALIAS!r} is a word of one release"
     return family.layout(name, written=True), f"{word}: wrote {family.title}'s {name} layout; pass --to {name}"
-
-
-def _failed(report: ParityReport, weights: str | None = None) -> ParityError:
-    """The error of a failed check: the outputs, or with ``weights`` (the first difference) the written file."""
-    needed = "bit-exact required" if report.atol == report.rtol == 0 else f"atol={report.atol:g}, rtol={report.rtol:g}"
-    what = f"converted model does not match {report.reference} (max abs diff {report.max_abs_diff:.3g}, {needed})"
-    what = f"the written file differs from the source ({weights})" if weights else what
-    return ParityError(f"{what}; nothing written", report)
-
-
-def _compare_weights(
-    tensors: Mapping[str, torch.Tensor],
-    found: Detection,
-    to: Layout,
-    fold: bool,
-    dtype: torch.dtype | None,
-    written: Mapping[str, torch.Tensor],
-    container: tuple[str | None, str] | None,
-    report: ParityReport,
-    meaning: bool = False,
-) -> str:
-    """The one weight comparison, recorded in ``report``: the ``written`` tensors (in ``to``, in ``container`` unless
-    ``None``) against the source's ``tensors`` mapped by the rules and cast as requested, and a folded file's weights
-    against ``gamma * W`` computed apart; the first difference, or ``''``. With ``meaning`` (two files of one model,
-    not a file and the conversion that wrote it) both sides are read into the ``ls`` layout by their own layouts'
-    rules, so that what either drops or synthesises is proven inert on its own values (a stored ``periods`` equal to
-    the computed ones within its rounding, a masked k third) and the rest compared."""
-    variant, changes = found.variant, []  # type: Variant, list[Change]
-    ls = variant.family.layouts["ls"]
-    unfolded = target_tensors(tensors, variant, found.layout, ls if meaning else to, changes=changes)
-    expected = (
-        fold_state_dict(unfolded, variant.family, dtype) if fold else unfolded
-    )  # folding is for the ls layout only
-    expected = cast_tensors(expected, dtype, to.computed(variant))  # the request, not the cast that was made
-    got = target_tensors(written, variant, to, ls) if meaning else written
-    same, count, detail = compare_weights(expected, got)
-    if same and container is not None and container != (to.wrapper, to.prefix):
-        same, detail = False, f"its container is not {to.container}"
-    if same and fold:
-        detail = check_folds(unfolded, got, variant.family)
-        same = not detail
-    report.add_weights(same, count, describe_changes(changes), detail)
-    return detail
-
-
-def _check_written(
-    written: Path, src: Source, to: Layout, fold: bool, dtype: torch.dtype | None, report: ParityReport
-) -> None:
-    """The written file, read back, against the source file's tensors read on their own
-    (:func:`_compare_weights`); a difference is a :class:`ParityError` (the file is not kept)."""
-    tensors = read_checkpoint(src.path, src.ema, checksums=False)[1]
-    obj = load_checkpoint(written)
-    container = None if written.suffix == ".safetensors" else container_of(obj)
-    if detail := _compare_weights(tensors, src.detection, to, fold, dtype, state_dict_of(obj), container, report):
-        raise _failed(report, detail)
 
 
 def convert_checkpoint(
@@ -319,7 +167,7 @@ def convert_checkpoint(
             args=src.args,
         )
         if not report.passed:
-            raise _failed(report)
+            raise parity_error(report)
         phases.update(report.seconds)
         clock[0] = time.perf_counter()
     metadata = _metadata(src, layout, fold, report, len(target))
@@ -329,7 +177,7 @@ def convert_checkpoint(
         metadata["source_sha256"] = src.check()
         if report is not None:
             lap("write")
-            _check_written(written, src, layout, fold, torch_dtype, report)
+            check_written(written, src, layout, fold, torch_dtype, report)
             lap("weight check")
 
     _write(output, fmt, target, metadata, src, layout, torch_dtype, overwrite, check)
@@ -432,7 +280,7 @@ def _metadata(src: Source, layout: Layout, fold: bool, report: ParityReport | No
         **{k: str(v) for k, v in src.detection.overrides.items()},
         **({"folded_layerscale": "true"} if fold else {}),
         **(report.metadata() if report is not None else {"parity": "not verified"}),
-        # put in place only once the written file, read back, equals the source (_check_written)
+        # put in place only once the written file, read back, equals the source (check_written)
         **({"parity_weights": f"{count} tensors equal to the source's"} if report is not None else {}),
     }
 
@@ -508,7 +356,7 @@ def verify_checkpoint(
         report = verify_outputs(
             src.detection, src.state_dict, conv_sd, layout, dtype=dtype, folded=folded, options=options, args=src.args
         )
-        _compare_weights(src.state_dict, src.detection, layout, folded, dtype, conv_sd, stored, report, meaning=True)
+        compare_files(src.state_dict, src.detection, layout, folded, dtype, conv_sd, stored, report, meaning=True)
         return report
     except (RemapError, ArchitectureError) as e:  # the source fits its model (detection checked it): these do not
         raise RemapError(

@@ -1,6 +1,5 @@
 """The tensors of a conversion: a source's, in its layout, read into the ``ls`` layout (zero optional biases left
-out, gates folded where asked) and written into the target layout with the buffers its consumer stores; and the
-checks of what came out that the rules cannot make themselves (folds against ``gamma * W`` computed apart). No I/O."""
+out, gates folded where asked) and written into the target layout with the buffers its consumer stores. No I/O."""
 
 from __future__ import annotations
 
@@ -8,12 +7,12 @@ from collections.abc import Mapping
 
 import torch
 
-from ..families import Family, Layout, Proof, Variant, state_dict_shapes
+from ..families import Layout, Proof, Variant, state_dict_shapes
 from .detect import without_zero_optional
 from .fold import fold_state_dict
 from .rules import Change, remap
 
-__all__ = ["cast_tensors", "check_folds", "target_tensors"]
+__all__ = ["cast_tensors", "target_tensors"]
 
 
 def target_tensors(
@@ -64,23 +63,3 @@ def cast_tensors(
     """``tensors`` with every floating-point one but those in ``keep`` (computed buffers, fp32 in every file) as
     ``dtype`` (``None``: as they are)."""
     return {k: v.to(dtype) if dtype and v.is_floating_point() and k not in keep else v for k, v in tensors.items()}
-
-
-def check_folds(ls: Mapping[str, torch.Tensor], folded: Mapping[str, torch.Tensor], family: Family) -> str:
-    """The first weight of a ``folded`` state dict that is not ``gamma * W`` of the unfolded ``ls`` one (of
-    ``family``) computed apart in float64 (exact for fp32, bf16 and fp16 factors) and rounded once to the folded
-    dtype (``''``: none), so that a fold rule that changes one gate's scale is seen where it moves a single weight by
-    one unit in the last place."""
-    for key, gamma in ls.items():
-        found = family.gate_of(key)
-        if found is None:
-            continue
-        target = f"{found[0]}.{found[1].fold}"
-        for part in ("weight", "bias"):
-            if (source := ls.get(f"{target}.{part}")) is None:
-                continue
-            got = folded[f"{target}.{part}"]
-            exact = (source.double() * gamma.double().reshape(-1, *[1] * (source.ndim - 1))).to(got.dtype)
-            if not torch.equal(got, exact) and not torch.isclose(got, exact, rtol=0, atol=0, equal_nan=True).all():
-                return f"{target}.{part} is not gamma * W rounded once"
-    return ""

@@ -81,29 +81,31 @@ _FUNCTION |= {"use_relative_position_bias", "use_absolute_position_embeddings"}
 
 
 def read_config(
-    path: Any, config: Callable[[Variant, Mapping[str, tuple[int, ...]]], Any], variant: Variant, img_size: int | None
+    fields: Mapping[str, Any],
+    where: str,
+    config: Callable[[Variant, Mapping[str, tuple[int, ...]]], Any],
+    variant: Variant,
+    img_size: int | None,
 ) -> Any:
-    """The transformers config a folder's ``config.json`` at ``path`` holds (of the class its ``model_type`` names),
-    equal to the one ``config`` builds for ``variant`` (at ``img_size``, default its own) in every field that shapes it.
+    """The transformers config whose ``config.json`` (at ``where``) holds ``fields`` (of the class its ``model_type``
+    names), equal to the one ``config`` builds for ``variant`` (at ``img_size``, default its own) in every field that
+    shapes it.
 
     Raises:
         RemapError: A field differs (a fine-tune with another norm epsilon, rotary base or activation); the first
             named, since the model this package builds would compute another function.
     """
-    import json
-
     from transformers import CONFIG_MAPPING
 
     want = config(variant, state_dict_shapes(variant, 0))
     want.image_size = img_size or want.image_size
-    with open(path, encoding="utf-8") as f:
-        fields = json.load(f)
-    got = (CONFIG_MAPPING[t] if (t := fields.get("model_type")) in CONFIG_MAPPING else type(want)).from_dict(fields)
+    kind = CONFIG_MAPPING[t] if (t := str(fields.get("model_type"))) in CONFIG_MAPPING else type(want)
+    got = kind.from_dict(dict(fields))
     theirs, ours = got.to_dict(), want.to_dict()
     for name in sorted(ours.keys() & _FUNCTION):
         if name in theirs and theirs[name] != ours[name]:
             raise RemapError(
-                f"{path} has {name}={theirs[name]!r} where {variant.name} has {ours[name]!r}; this package's model "
+                f"{where} has {name}={theirs[name]!r} where {variant.name} has {ours[name]!r}; this package's model "
                 "would compute another function, so the folder is not converted"
             )
     return got

@@ -1,31 +1,40 @@
-"""Reading checkpoints without running their code, and the checks made of what was read."""
+"""Reading checkpoints without running their code, the checks made of what was read, and a source read and detected
+once (:class:`Source`, :func:`read_source`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import hashlib
+import json
 import mmap
 import os
 import re
 import struct
+import threading
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .. import families
 from ..conversion.checkpoint import container_of, state_dict_of
-from ..errors import CheckpointError, RemapError
+from ..conversion.detect import Detection, Twins, detect
+from ..errors import ArchitectureError, CheckpointError, RemapError
+from ..families import get_variant
+from ..families.loaders import read_config
 from .atomic import check_name
 from .hub_errors import one_line
-from .sources import resolve_source
+from .sources import resolve_source, source_config
 
-__all__ = ["check_finite", "load_checkpoint", "nonfinite_tensors", "parse_dtype", "read_checkpoint"]
-__all__ += ["scan_file"]
+__all__ = ["Source", "check_finite", "load_checkpoint", "nonfinite_tensors", "parse_dtype", "read_checkpoint"]
+__all__ += ["read_source", "scan_file"]
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -201,3 +210,124 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise CheckpointError(f"unknown dtype {name!r}; use fp32, fp16 or bf16")
     return DTYPES[name]
+
+
+def _background(fn: Callable[[Path], Any], path: Path) -> Future[Any]:
+    """``fn(path)`` in a daemon thread (hashlib and zlib release the GIL, so a source is hashed and checked while
+    it converts), whose result the Future holds; a process that fails early exits without waiting for it."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(path))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+@dataclass
+class Source:
+    """A checkpoint read and detected once: the source as given, the local file, its tensors (unwrapped, prefix-free,
+    in their own layout, memory-mapped), their :class:`~timm_layerscale.conversion.detect.Detection`, whether they
+    were found finite, the scan of the file in a thread (its zip checksums and, unless not asked, its SHA-256),
+    whether ``'model_ema'`` was read, the ``config.json`` beside the weights (a folder's, a Hub repository's) and its
+    fields, and for a transformers folder its config."""
+
+    given: str
+    path: Path
+    state_dict: dict[str, torch.Tensor]
+    detection: Detection
+    finite: bool = False
+    intact: Future[str] | None = None
+    ema: bool = False
+    config_file: Path | None = None
+    config_json: dict[str, Any] | None = None
+    config: Any = None
+    stamp: tuple[int, int, int] = (0, 0, 0)
+
+    def unchanged(self) -> None:
+        """A :class:`~timm_layerscale.errors.CheckpointError` where the file's size, modification time or inode
+        differ from when it was read (another process wrote into it): the hash would not name the bytes converted."""
+        if _stamp(self.path) != self.stamp:
+            raise CheckpointError(f"{self.path} changed while it was converted; nothing written")
+
+    def check(self) -> str:
+        """Wait for the zip checksums and return the file's SHA-256 (``''`` where none was computed); a
+        :class:`~timm_layerscale.errors.CheckpointError` if a checksum fails."""
+        return "" if self.intact is None else self.intact.result()
+
+    @property
+    def args(self) -> dict[str, Any]:
+        """The arguments the loader native to its layout builds its model with (the detection's overrides, and the
+        config of a transformers folder)."""
+        return {**self.detection.overrides, **({"config": self.config} if self.config is not None else {})}
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def read_source(
+    source: str | os.PathLike[str], *, model: str | None = None, ema: bool = False, digest: bool = True
+) -> Source:
+    """Resolve, read (zip checksums checked meanwhile, with ``digest`` in the same pass the SHA-256) and detect a local
+    file or folder, ``https://`` URL or ``hf-hub:ORG/REPO[/FILE]``; ``model`` overrides detection, ``ema`` takes the
+    ``'model_ema'`` weights. The ``config.json`` beside a folder's or repository's weights is parsed here, once: a
+    transformers folder's must describe the variant detected, a timm folder's names its architecture.
+
+    Raises:
+        LayerScaleError: The source cannot be read or fits no variant, or its config disagrees; the message names
+            the file.
+    """
+    if model:
+        get_variant(model)  # a wrong name is the caller's mistake, not the file's
+    path, sd, container = read_checkpoint(source, ema, checksums=False)
+    stamp = _stamp(path)
+    intact = _background(lambda p: scan_file(p, digest), path)
+    try:
+        file = source_config(source)
+        fields = _json_object(file) if file else None
+        try:
+            found = detect(sd, model, container)
+        except Twins:  # told apart by the architecture a timm folder's config.json or a Hub repository names
+            if not (named := _named_variant(fields)):
+                raise
+            found = detect(sd, named, container)
+        config = None
+        if found.layout.config is not None and fields is not None:
+            config = read_config(fields, str(file), found.layout.config, found.variant, found.overrides.get("img_size"))
+        return Source(
+            os.fspath(source),
+            path,
+            sd,
+            found,
+            intact=intact,
+            ema=ema,
+            config_file=file,
+            config_json=fields,
+            config=config,
+            stamp=stamp,
+        )
+    except (ArchitectureError, RemapError) as e:
+        raise type(e)(f"{path}: {e}") from None
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a one-line :class:`~timm_layerscale.errors.CheckpointError` where it is none."""
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}); fix or remove it") from None
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{path} holds no JSON object; fix or remove it")
+    return fields
+
+
+def _named_variant(fields: Mapping[str, Any] | None) -> str | None:
+    """The registered variant (or its twin: ``beitv2_base_patch16_224``) that a timm folder's or Hub repository's
+    ``config.json`` fields name (``architecture``); ``None`` where they name none."""
+    name = str((fields or {}).get("architecture", ""))
+    return next((v.name for v in families.VARIANTS if name.split(".")[0] in (v.name, v.reference)), None)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..conversion.detect import timm_args
-from ..errors import CheckpointError, option
+from ..errors import CheckpointError
 
 __all__ = ["write_config", "read_label_names", "read_folder_config", "pretrained_tags"]
 
@@ -85,25 +85,16 @@ def pretrained_tags(arch: str) -> list[str]:
     return [n.partition(".")[2] for n in timm.list_pretrained(f"{arch}.*")]
 
 
-def read_folder_config(path: Path | None) -> tuple[Any, dict[str, str] | None, Any]:
-    """The class names, their descriptions and the pretrained tag in the ``config.json`` at ``path``, beside a
+def read_folder_config(fields: Mapping[str, Any] | None) -> tuple[Any, dict[str, str] | None, Any]:
+    """The class names, their descriptions and the pretrained tag in the fields of the ``config.json`` beside a
     source's weights (a folder written by this package, timm or transformers, or a Hub repository); ``None`` for
-    what is missing, and for the names transformers gives a head it has no names for (``LABEL_0``, ...).
-    A ``config.json`` that is no JSON object is a :class:`~timm_layerscale.errors.CheckpointError`."""
-    if path is None:
-        return None, None, None
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-        tag = config.get("pretrained_cfg", {}).get("tag")
-    except (OSError, ValueError, AttributeError) as e:
-        reason = getattr(e, "strerror", None) or e
-        raise CheckpointError(
-            f"cannot read {path} ({reason}); fix it, or pass {option('label_names', 'FILE')} and {option('tag', 'TAG')}"
-        ) from None
-    names = config.get("label_names")
+    what is missing, and for the names transformers gives a head it has no names for (``LABEL_0``, ...)."""
+    fields = fields or {}
+    tag = cfg.get("tag") if isinstance(cfg := fields.get("pretrained_cfg"), dict) else None
+    names = fields.get("label_names")
     if not names or names == [f"LABEL_{i}" for i in range(len(names))]:
         return None, None, tag
-    descriptions = config.get("label_descriptions")
+    descriptions = fields.get("label_descriptions")
     return names, descriptions if isinstance(descriptions, dict) else None, tag
 
 

@@ -242,7 +242,8 @@ def export_folder(
         ParityError: The converted model does not match the reference.
         HubError: A bad Hub id (before converting), or the download or upload failed (the folder is kept).
     """
-    from ..converter import convert_checkpoint, read_source
+    from ..converter import convert_checkpoint
+    from ..files.read import read_source
     from ..inspection import gate_rows, gate_summary
     from ..options import command_line, published_options
 
@@ -261,7 +262,7 @@ def export_folder(
     repo = repo_id or push_to_hub or _placeholder_repo_id(out.resolve().name)
     with folder_output(out, overwrite) as tmp:
         src = read_source(source, model=model, ema=ema)
-        folder_names, descriptions, folder_tag = read_folder_config(None if label_names and tag else src.config_file)
+        folder_names, descriptions, folder_tag = read_folder_config(src.config_json)
         names, descriptions = given_names or (folder_names, descriptions)
         src.check()  # damage inside the file can read as NaN: say that first
         check_finite(src.state_dict, src.path, "a published model must be finite, check the source checkpoint")
