@@ -110,7 +110,11 @@ def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:
 
 def test_reference_interface(deit3_small) -> None:
     loaded = load_model(NAME, "gamma", remap.to_gamma(deit3_small.state_dict(), "deit3"))  # through timm's filter
-    assert model_name(get_variant(NAME), "gamma") == NAME and not loaded.training and build_reference(NAME).training
+    assert (
+        model_name(get_variant(NAME), get_family("deit3").layouts["official"]) == NAME
+        and not loaded.training
+        and build_reference(NAME).training
+    )
     x = images(2)
     with torch.no_grad():
         assert torch.equal(loaded(x), deit3_small(x))

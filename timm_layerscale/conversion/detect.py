@@ -81,7 +81,7 @@ def _unlikeliness(v: Variant, info: Mapping[str, int]) -> float:
 
 def without_zero_optional(
     state_dict: Mapping[str, Any],
-    family: str | Family,
+    family: Family,
     expected: Container[str],
     name: str,
     changes: list[Change] | None = None,
@@ -93,13 +93,12 @@ def without_zero_optional(
     Raises:
         RemapError: Such a key is not zero; the message names the variant of that width and depth that has it.
     """
-    fam = FAMILIES[family] if isinstance(family, str) else family
-    optional = fam.layouts["ls"].optional_zero
+    optional = family.layouts["ls"].optional_zero
     extra = [k for k in state_dict if k not in expected and re.fullmatch(optional, k)]
     nonzero = [k for k in extra if state_dict[k].any()]
     if nonzero:
-        info = describe_state_dict(state_dict, fam)
-        alike = (v for v in families.VARIANTS if v.family is fam and info.get("embed_dim") == v.embed_dim)
+        info = describe_state_dict(state_dict, family)
+        alike = (v for v in families.VARIANTS if v.family is family and info.get("embed_dim") == v.embed_dim)
         having = next((v.name for v in alike if nonzero[0] in state_dict_shapes(v)), "a model with them")
         raise RemapError(
             f"checkpoint has non-zero {nonzero[0]} ({len(nonzero)} such tensors), which {name} has no place for; "

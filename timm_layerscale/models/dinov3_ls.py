@@ -87,7 +87,7 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: DinoV3LS) -
     """
     sd = to_layerscale(state_dict_of(state_dict), "dinov3")
     name = getattr(model, "pretrained_cfg", {}).get("architecture", type(model).__name__)
-    return fit_state_dict(without_zero_optional(sd, "dinov3", model.state_dict(), name), model)
+    return fit_state_dict(without_zero_optional(sd, dinov3.FAMILY, model.state_dict(), name), model)
 
 
 #: What every DINOv3 shares (timm's ``vit_*_dinov3``): rotary positions, four registers, no absolute positions.

@@ -19,10 +19,9 @@ __all__ = ["build_loaded", "build_reference", "load_model", "model_name", "unuse
 Filter = Callable[[dict[str, torch.Tensor], nn.Module], Mapping[str, torch.Tensor]]
 
 
-def model_name(variant: Variant, layout: Layout | str) -> str:
-    """The name the model reading ``layout`` (a record or its name) is reported by (``cait_s24_224``,
-    ``cait_s24_224_ls``, ``vit5_official/vit5_base_patch16_224``, ``transformers/vit_small_patch16_dinov3``)."""
-    layout = variant.family.layout(layout) if isinstance(layout, str) else layout
+def model_name(variant: Variant, layout: Layout) -> str:
+    """The name the model reading ``layout`` is reported by (``cait_s24_224``, ``cait_s24_224_ls``,
+    ``vit5_official/vit5_base_patch16_224``, ``transformers/vit_small_patch16_dinov3``)."""
     if layout.library:
         return f"{layout.name}/{variant.reference or variant.name}"
     if layout is variant.family.layouts["ls"]:
