@@ -35,7 +35,8 @@ from .parity.tolerance import VerifyOptions
 from .parity.verify import verify_outputs
 from .parity.weights import check_written, compare_files, parity_error
 
-__all__ = ["ConversionResult", "Source", "convert_checkpoint", "read_source", "target_layout", "verify_checkpoint"]
+__all__ = ["ConversionResult", "Source", "check_request", "convert_checkpoint", "read_source", "target_layout"]
+__all__ += ["verify_checkpoint"]
 
 
 @dataclass
@@ -135,7 +136,7 @@ def convert_checkpoint(
         clock[0] = time.perf_counter()
 
     fmt = output_format(output, fmt)
-    _check_request(to, fold, plain)
+    check_request(to, fold=fold, plain=plain)
     target_file = output_path(output, overwrite)  # before a download
     torch_dtype = parse_dtype(dtype) if dtype else None
     src = source if isinstance(source, Source) else read_source(source, model=model, ema=ema)
@@ -218,10 +219,16 @@ def convert_checkpoint(
     )
 
 
-def _check_request(to: str, fold: bool, plain: bool) -> None:
-    """One-line errors for a target layout no family has, and options that do not go together."""
+def check_request(to: str, *, fold: bool = False, plain: bool = False, folder: bool = False) -> None:
+    """The one request check of :func:`convert_checkpoint` and export (``folder``), before anything is read: one-line
+    errors for a target layout no family has, one a folder cannot hold (the authors' file), and options that do not
+    go together."""
     if to not in LAYOUT_NAMES:
         raise LayerScaleError(f"unknown target layout {to!r}; use one of: {', '.join(LAYOUT_NAMES)}")
+    if folder and to == "official":
+        raise CheckpointError(
+            f"export writes folders that timm or transformers load; for the official file, convert {option('to', to)}"
+        )
     if fold and to != "ls":
         raise LayerScaleError(
             f"folding applies to the ls layout only; leave out {option('to', to)} or {option('fold')}"

@@ -242,11 +242,12 @@ def export_folder(
         ParityError: The converted model does not match the reference.
         HubError: A bad Hub id (before converting), or the download or upload failed (the folder is kept).
     """
-    from ..converter import convert_checkpoint
+    from ..converter import check_request, convert_checkpoint
     from ..files.read import read_source
     from ..inspection import gate_rows, gate_summary
     from ..options import command_line, published_options
 
+    check_request(to, folder=True)
     out = Path(out_dir)
     for hub_id in (push_to_hub, repo_id):
         if hub_id:
@@ -269,10 +270,6 @@ def export_folder(
         src.finite = True
         variant = src.detection.variant
         layout = variant.family.layout("timm" if to == ALIAS else to, written=True)
-        if layout.name == "official":
-            raise CheckpointError(
-                f"export writes folders that timm or transformers load; for the official file, convert {option('to', to)}"
-            )
         config = _write_config(src, layout, tmp, tag, folder_tag, names, folder_names, descriptions)
         architecture = config["architecture"]
         conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=layout.name, fmt="safetensors", options=options)
