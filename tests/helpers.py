@@ -301,3 +301,44 @@ def gamma_file(state_dict: Mapping[str, Any], family: Any) -> dict[str, Any]:
 
     fam = get_family(family) if isinstance(family, str) else family
     return fam.layouts[fam.alias("pth")].wrap(state_dict)
+
+
+def tiny_twins(family: str) -> tuple[Any, Any]:
+    """A family's tiny timm model (``tinytest_<family>``, ``tests/tiny_models.py``) with random weights and gates, and
+    this package's tiny model (``tinytest_<family>_ls``) loaded from its state dict by the rules."""
+    import timm
+
+    import tiny_models  # noqa: F401  (registers them)
+    from timm_layerscale.conversion.rules import to_layerscale
+
+    ref = randomize(timm.create_model(f"tinytest_{family}")).eval()
+    ours = timm.create_model(f"tinytest_{family}_ls").eval()
+    ours.load_state_dict(to_layerscale(ref.state_dict(), family))
+    return ref, ours
+
+
+def assert_computes_as_its_twin(ref: Any, ours: Any, family: str, size: int) -> None:
+    """``ours`` computes ``ref``'s function bit for bit on ``size`` x ``size`` images: batch 1 and 3, fused attention
+    on and off, bf16 autocast, ``forward_intermediates``, compiled; and a training step's gradients."""
+    from timm_layerscale.conversion.rules import to_layerscale
+
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            for fused in (True, False):
+                for m in (m for model in (ref, ours) for m in model.modules() if hasattr(m, "fused_attn")):
+                    m.fused_attn = fused
+                assert torch.equal(ours.forward_features(x), ref.forward_features(x)) and torch.equal(ours(x), ref(x))
+            with torch.autocast("cpu", torch.bfloat16):
+                assert torch.equal(ours(x), ref(x))
+    with torch.no_grad():
+        final, inter = ours.forward_intermediates(x, indices=1)
+        want_final, want_inter = ref.forward_intermediates(x, indices=1)
+        assert torch.equal(final, want_final) and all(map(torch.equal, inter, want_inter))
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(ours, backend="aot_eager")(x), torch.compile(ref, backend="aot_eager")(x))
+    ref.train()(x).square().mean().backward()
+    ours.train()(x).square().mean().backward()
+    grads = {k: p.grad for k, p in ours.named_parameters()}
+    for key, p in to_layerscale(dict(ref.named_parameters()), family).items():
+        assert torch.equal(grads[key], p.grad), key

@@ -13,47 +13,22 @@ from safetensors.torch import save_file
 from timm.utils import reparameterize_model
 
 import timm_layerscale  # noqa: F401
-from helpers import assert_one_line_error, cli, randomize
+from helpers import assert_computes_as_its_twin, assert_one_line_error, cli, randomize, tiny_twins
 from timm_layerscale.conversion import rules
 from timm_layerscale.conversion.target import target_tensors
 from timm_layerscale.families import get_variant, variants_of
-from timm_layerscale.models.resmlp_ls import checkpoint_filter_fn
 
 VARIANTS = variants_of("resmlp")
 
 
 def pair() -> tuple[Any, Any]:
-    """timm's tiny ResMLP (``tests/tiny_models.py``) with random weights and gates, and this package's model loaded
-    through the filter."""
-    import tiny_models  # noqa: F401  (registers them)
-
-    ref = randomize(timm.create_model("tinytest_resmlp")).eval()
-    ours: Any = timm.create_model("tinytest_resmlp_ls").eval()
-    ours.load_state_dict(checkpoint_filter_fn(ref.state_dict(), ours))
-    return ref, ours
+    return tiny_twins("resmlp")
 
 
 def test_outputs_intermediates_and_gradients_equal_timms() -> None:
     """Batch 1 and 3, bf16 autocast, ``forward_intermediates``, compiled, a training step's gradients: equal bit for
     bit."""
-    ref, ours = pair()
-    for batch in (1, 3):
-        x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
-        with torch.no_grad():
-            assert torch.equal(ours.forward_features(x), ref.forward_features(x)) and torch.equal(ours(x), ref(x))
-            with torch.autocast("cpu", torch.bfloat16):
-                assert torch.equal(ours(x), ref(x))
-    with torch.no_grad():
-        final, inter = ours.forward_intermediates(x, indices=1)
-        want_final, want_inter = ref.forward_intermediates(x, indices=1)
-        assert torch.equal(final, want_final) and all(map(torch.equal, inter, want_inter))
-        torch._dynamo.reset()
-        assert torch.equal(torch.compile(ours, backend="aot_eager")(x), torch.compile(ref, backend="aot_eager")(x))
-    ref.train()(x).square().mean().backward()
-    ours.train()(x).square().mean().backward()
-    grads = {k: p.grad for k, p in ours.named_parameters()}
-    for key, p in rules.to_layerscale(dict(ref.named_parameters()), "resmlp").items():
-        assert torch.equal(grads[key], p.grad), key
+    assert_computes_as_its_twin(*pair(), "resmlp", 32)
 
 
 @pytest.mark.full
