@@ -62,15 +62,16 @@ def test_files_load_remapped_and_ls1_is_refused_to_fold(tmp_path, tiny_variants,
     assert_one_line_error(*cli(capsys, "convert", fb, tmp_path / "f.safetensors", "--fold", "--no-verify"), why)
 
 
-def test_the_authors_file_converts_both_ways_at_real_size(tmp_path, capsys) -> None:
-    """``resmlp_12_224`` at its real size: the authors' plain state dict (their key names, ``Affine`` vectors) to the
+@pytest.mark.parametrize("name", ["resmlp_12_224", pytest.param("resmlp_big_24_224", marks=pytest.mark.full)])
+def test_the_authors_file_converts_both_ways_at_real_size(name, tmp_path, capsys) -> None:
+    """At real size (``resmlp_12_224`` in the fast tier, the big one in the full one): the authors' plain state dict (their key names, ``Affine`` vectors) to the
     ``ls`` layout and back, each bit-exact against timm's model reading the source through its own filter."""
-    v = get_variant("resmlp_12_224_ls")
+    v = get_variant(f"{name}_ls")
     official = v.family.layouts["official"]
-    ls = rules.to_layerscale(randomize(timm.create_model("resmlp_12_224")).state_dict(), "resmlp")
+    ls = rules.to_layerscale(randomize(timm.create_model(name)).state_dict(), "resmlp")
     authors = target_tensors(ls, v, v.family.layouts["ls"], official)
-    assert authors["blocks.0.norm1.alpha"].shape == (384,) and "blocks.0.attn.weight" in authors
-    torch.save(authors, src := tmp_path / "resmlp_12_no_dist.pth")
+    assert authors["blocks.0.norm1.alpha"].shape == (v.embed_dim,) and "blocks.0.attn.weight" in authors
+    torch.save(authors, src := tmp_path / str(v.official_file))
     one = ("--num-inputs", "1")
     code, out, err = cli(capsys, "convert", src, ls_file := tmp_path / "ls.safetensors", *one)
     assert code == 0 and "PASS (bit-exact)" in out and "official layout" in out, err

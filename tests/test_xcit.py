@@ -69,19 +69,18 @@ def test_files_load_remapped_gates_read_and_fold_is_refused(tmp_path, tiny_varia
     assert_one_line_error(*cli(capsys, "convert", fb, tmp_path / "f.safetensors", "--fold", "--no-verify"), why)
 
 
-def test_the_authors_file_converts_both_ways_at_real_size(tmp_path, capsys) -> None:
-    """``xcit_nano_12_p16_224`` at its real size: the authors' ``{'model': ...}`` (``pos_embeder``, a fused
+@pytest.mark.parametrize("name", ["xcit_nano_12_p16_224", pytest.param("xcit_large_24_p8_224", marks=pytest.mark.full)])
+def test_the_authors_file_converts_both_ways_at_real_size(name, tmp_path, capsys) -> None:
+    """At real size (nano in the fast tier, large with patch 8 in the full one): the authors' ``{'model': ...}`` (``pos_embeder``, a fused
     class-attention ``qkv``) to the ``ls`` layout and back, each bit-exact against timm's model reading the source
     through its own filter, the written file equal to the source tensor for tensor."""
-    v = get_variant("xcit_nano_12_p16_224_ls")
+    v = get_variant(f"{name}_ls")
     official = v.family.layouts["official"]
-    ls = rules.to_layerscale(randomize(timm.create_model("xcit_nano_12_p16_224")).state_dict(), "xcit")
+    ls = rules.to_layerscale(randomize(timm.create_model(name)).state_dict(), "xcit")
     authors = target_tensors(ls, v, v.family.layouts["ls"], official)
-    assert (
-        authors["cls_attn_blocks.0.attn.qkv.weight"].shape == (384, 128)
-        and "pos_embeder.token_projection.bias" in authors
-    )
-    torch.save(official.wrap(authors), src := tmp_path / "xcit_nano_12_p16_224.pth")
+    qkv = authors["cls_attn_blocks.0.attn.qkv.weight"]
+    assert qkv.shape == (3 * v.embed_dim, v.embed_dim) and "pos_embeder.token_projection.bias" in authors
+    torch.save(official.wrap(authors), src := tmp_path / f"{name}.pth")
     one = ("--num-inputs", "1")
     code, out, err = cli(capsys, "convert", src, ls_file := tmp_path / "ls.safetensors", *one)
     assert code == 0 and "PASS (bit-exact)" in out and "official layout" in out, err

@@ -274,7 +274,7 @@ def export_folder(
         architecture = config["architecture"]
         conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=layout.name, fmt="safetensors", options=options)
         (_check_library_reload if layout.library else _check_reload)(tmp, conv.state_dict)
-        gates = gate_rows(src.detection.state_dict if layout.library else conv.state_dict)
+        gates = gate_rows(src.detection.state_dict if layout.library else conv.state_dict, family=variant.family)
         summary = gate_summary(gates)
         plot_path, plot_note = _draw(gates, tmp / PLOT_NAME, conv.variant.name) if plot else (None, None)
         num_params = sum(t.numel() for t in conv.state_dict.values())
