@@ -14,7 +14,7 @@ from .operations import split_qkv
 
 XCA_BLOCK = r"blocks\.\d+"
 CLASS_BLOCK = r"cls_attn_blocks\.\d+"
-#: A class-attention block's gates: ``ls1`` scales the attended class token and the normed patch tokens together.
+#: The gates of a class-attention block (``ls1`` scales the attended class token and the normed patch tokens).
 CLASS_GATES = (
     Gate(
         "ls1",
@@ -26,7 +26,7 @@ CLASS_GATES = (
     ),
     Gate("ls2", "MLP", {"timm": "gamma2", "official": "gamma2"}, fold="mlp.fc2", blocks=CLASS_BLOCK),
 )
-#: An XCA block's gates: attention, local patch interaction (a depthwise convolution) and MLP.
+#: The gates of an XCA block, on its attention, its local patch interaction and its MLP.
 XCA_GATES = (
     Gate("ls1", "attention", {"timm": "gamma1", "official": "gamma1"}, fold="attn.proj", blocks=XCA_BLOCK),
     Gate(

@@ -68,7 +68,7 @@ def check_written(
     written: Path, src: Source, to: Layout, fold: bool, dtype: torch.dtype | None, report: ParityReport
 ) -> None:
     """The written file, read back, against the source file's tensors read on their own
-    (:func:`compare_files`); a difference is a :class:`ParityError` (the file is not kept)."""
+    (:func:`compare_files`); a difference is a :class:`~timm_layerscale.errors.ParityError` (the file is not kept)."""
     tensors = read_checkpoint(src.path, src.ema, checksums=False)[1]
     obj = load_checkpoint(written)
     container = None if written.suffix == ".safetensors" else container_of(obj)
