@@ -1,12 +1,6 @@
-"""ResMLP with LayerScale modules (``blocks.N.ls1.gamma`` / ``ls2.gamma``).
-
-Paper: Touvron et al., "ResMLP: Feedforward networks for image classification with data-efficient training", TPAMI
-2023, arXiv 2105.03404
-
-timm's ``MlpMixer`` as its ``resmlp_*`` build it, its ``ResBlock`` s turned into blocks whose gates are LayerScale
-modules instead of the bare ``ls1`` / ``ls2`` parameters; every pretrained tag of the twin is registered and
-remapped as it loads. ``ls1`` scales a token-mixing linear with a bias per token, so the model has no folded form.
-"""
+"""ResMLP with LayerScale modules (Touvron et al., TPAMI 2023, arXiv 2105.03404): timm's ``MlpMixer`` as its
+``resmlp_*`` build it, the bare ``ls1``/``ls2`` of its blocks LayerScale modules; every tag of the twin registered and
+remapped as it loads. It has no folded form (:data:`~timm_layerscale.families.resmlp.GATES`)."""
 
 from __future__ import annotations
 
@@ -42,18 +36,9 @@ class LayerScaleResBlock(GatedBlock, ResBlock):
 
 
 class ResMlpLS(LayerScaleModel, MlpMixer):
-    """timm's ``MlpMixer`` of :class:`LayerScaleResBlock` s with ``Affine`` norms, as timm's ``resmlp_*``.
-
-    Args:
-        depth: Blocks (timm's ``num_blocks``).
-        init_values: Every gate's initial value.
-        num_heads: Unused (a ResMLP block has no attention); taken so that the variant table builds it.
-        folded_layerscale: Refused: ``ls1`` cannot fold (:data:`~timm_layerscale.families.resmlp.GATES`).
-        **kwargs: timm's ``MlpMixer`` arguments.
-
-    Raises:
-        ValueError: ``folded_layerscale`` is true.
-    """
+    """timm's ``MlpMixer`` (``**kwargs``) of ``depth`` :class:`LayerScaleResBlock` s with ``Affine`` norms, every
+    gate at ``init_values``; ``num_heads`` is taken for the variant table and unused; ``folded_layerscale`` is a
+    ``ValueError``."""
 
     def __init__(
         self,

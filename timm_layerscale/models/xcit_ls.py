@@ -1,12 +1,6 @@
-"""XCiT with LayerScale modules (``blocks.N.ls1.gamma`` / ``ls3`` / ``ls2``, ``cls_attn_blocks.N.ls1`` / ``ls2``).
-
-Paper: El-Nouby et al., "XCiT: Cross-Covariance Image Transformers", NeurIPS 2021, arXiv 2106.09681
-
-timm's ``Xcit`` as its ``xcit_*`` build it, its ``XCABlock`` s and ``ClassAttentionBlock`` s turned into blocks whose
-gates are LayerScale modules instead of the raw ``gamma1`` / ``gamma2`` / ``gamma3``; every pretrained tag of the
-twin is registered and remapped as it loads. A class-attention block's ``ls1`` scales the normed patch tokens beside
-the attended class token, so the model has no folded form.
-"""
+"""XCiT with LayerScale modules (El-Nouby et al., NeurIPS 2021, arXiv 2106.09681): timm's ``Xcit`` as its ``xcit_*``
+build it, the raw ``gamma1``/``gamma2``/``gamma3`` of its blocks LayerScale modules; every tag of the twin registered
+and remapped as it loads. It has no folded form (:data:`~timm_layerscale.families.xcit.CLASS_GATES`)."""
 
 from __future__ import annotations
 
@@ -64,17 +58,9 @@ class LayerScaleClassAttentionBlock(GatedBlock, ClassAttentionBlock):
 
 
 class XcitLS(LayerScaleModel, Xcit):
-    """timm's ``Xcit`` whose blocks are :class:`LayerScaleXCABlock` s and :class:`LayerScaleClassAttentionBlock` s.
-
-    Args:
-        init_values: Every gate's initial value (timm's ``eta``).
-        folded_layerscale: Refused: a class-attention block's ``ls1`` cannot fold
-            (:data:`~timm_layerscale.families.xcit.CLASS_GATES`).
-        **kwargs: timm's ``Xcit`` arguments.
-
-    Raises:
-        ValueError: ``folded_layerscale`` is true.
-    """
+    """timm's ``Xcit`` (``**kwargs``) whose blocks are :class:`LayerScaleXCABlock` s and
+    :class:`LayerScaleClassAttentionBlock` s, every gate at ``init_values`` (timm's ``eta``); ``folded_layerscale``
+    is a ``ValueError``."""
 
     def __init__(self, init_values: float = 1.0, folded_layerscale: bool = False, **kwargs: Any) -> None:
         if folded_layerscale:
