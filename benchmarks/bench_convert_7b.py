@@ -40,7 +40,7 @@ def official_tensors(name: str) -> dict[str, Any]:
     learned tensors on the meta device, the buffers its consumer stores (rotary periods, bias masks) with values."""
     import torch
 
-    from timm_layerscale.conversion.target import target_tensors
+    from timm_layerscale.conversion.rules import target_tensors
     from timm_layerscale.families import get_variant, state_dict_shapes
 
     v = get_variant(name)

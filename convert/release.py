@@ -143,7 +143,7 @@ def _source(rel: Release, sources: Path | None) -> str:
 
 
 def _command(rel: Release, out: Path, sources: Path | None, org: str | None, private: bool, options: Any) -> str:
-    from timm_layerscale.files.sources import published_path
+    from timm_layerscale.files.read import published_path
     from timm_layerscale.options import command_line, published_options
 
     return command_line(

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timm
 from timm.layers import set_fused_attn
 
+from timm_layerscale.families import get_variant
 from timm_layerscale.parity.references import load_model
 from timm_layerscale.parity.tolerance import VerifyOptions, independent_bound
 
@@ -125,7 +126,8 @@ class Net:
         """timm's reference model (``cait_*``, ``deit3_*``) on the official file, loaded from the zip."""
         from timm_layerscale.files.read import read_checkpoint
 
-        return load_model(name, "gamma", read_checkpoint(self.workdir / f"{family}.pth")[1]).to(DEVICE)
+        v = get_variant(name)
+        return load_model(v, v.family.layout("gamma"), read_checkpoint(self.workdir / f"{family}.pth")[1]).to(DEVICE)
 
     def from_file(self, name: str, file: Path, **kwargs: Any) -> torch.nn.Module:
         overlay = dict(file=str(file))
@@ -213,8 +215,9 @@ class Net:
         from timm_layerscale.files.read import read_checkpoint
 
         sd = read_checkpoint(self.workdir / "vit5.pth")[1]
-        ref = load_model(VIT5, "gamma", sd).to(DEVICE)
-        model = load_model(VIT5, "ls", to_layerscale(sd, "vit5")).to(DEVICE)
+        v = get_variant(VIT5)
+        ref = load_model(v, v.family.layout("gamma"), sd).to(DEVICE)
+        model = load_model(v, v.family.layouts["ls"], to_layerscale(sd, "vit5")).to(DEVICE)
         for m in model.modules():  # the reference attends by hand
             if hasattr(m, "fused_attn"):
                 setattr(m, "fused_attn", False)  # noqa: B010

@@ -17,7 +17,7 @@ from timm.utils import reparameterize_model
 import timm_layerscale  # noqa: F401
 from helpers import cli, randomize
 from timm_layerscale.conversion import rules
-from timm_layerscale.conversion.target import target_tensors
+from timm_layerscale.conversion.rules import target_tensors
 from timm_layerscale.families import get_variant, variants_of
 from timm_layerscale.layer_scale import LayerScale
 from timm_layerscale.models.beit_ls import checkpoint_filter_fn

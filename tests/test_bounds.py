@@ -46,20 +46,26 @@ def test_each_variants_error_is_at_most_half_its_bound(v: Variant) -> None:
     run: Any = (lambda m: m.forward_features(x)) if tokens else (lambda m: m(x))  # as verification compares them
     scale = TOKENS_FACTOR if tokens else 1.0
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # a folded file against the rounded source
-        ref = run(load_model(v, "gamma", {k: t if k.endswith(".freqs") else t.to(dtype) for k, t in source.items()}))
-        folded = load_model(v, "ls", {k: t.to(dtype) for k, t in fold_state_dict(ls).items()}, folded=True)
+        ref = run(
+            load_model(
+                v, v.family.layout("gamma"), {k: t if k.endswith(".freqs") else t.to(dtype) for k, t in source.items()}
+            )
+        )
+        folded = load_model(
+            v, v.family.layout("ls"), {k: t.to(dtype) for k, t in fold_state_dict(ls).items()}, folded=True
+        )
         out = run(_attend(folded, False) if v.family.name == "vit5" else folded)  # as verification runs them
         assert _error(ref, out) <= scale * folded_bound(depth, v.embed_dim, dtype) / 2, (dtype, _error(ref, out))
     if "transformers" in v.family.layouts:  # against transformers' model, with timm's attention fused and not
-        theirs = run(load_model(v, "transformers", to_layout(ls, v.family, "transformers")))
+        theirs = run(load_model(v, v.family.layout("transformers"), to_layout(ls, v.family, "transformers")))
         for fused in (False, True):
-            ref = run(_attend(load_model(v, "gamma", source), fused))
+            ref = run(_attend(load_model(v, v.family.layout("gamma"), source), fused))
             assert _error(ref, theirs) <= scale * library_bound(depth, v.embed_dim) / 2, (fused, _error(ref, theirs))
     if v.family.name != "vit5":
         return
-    ref, bound = load_model(v, "gamma", source)(x), independent_bound(depth, v.embed_dim)
+    ref, bound = load_model(v, v.family.layout("gamma"), source)(x), independent_bound(depth, v.embed_dim)
     for fused in (False, True):  # as verification runs it, and with attention summed in another order
-        assert _error(ref, _attend(load_model(v, "ls", ls), fused)(x)) <= bound / 2, fused
+        assert _error(ref, _attend(load_model(v, v.family.layout("ls"), ls), fused)(x)) <= bound / 2, fused
     changed = dict(ls, **{"blocks.0.ls1.gamma": ls["blocks.0.ls1.gamma"].clone()})
     changed["blocks.0.ls1.gamma"][0] *= 1.01  # the mutation net's cast defect
-    assert _error(ref, _attend(load_model(v, "ls", changed), False)(x)) > bound
+    assert _error(ref, _attend(load_model(v, v.family.layout("ls"), changed), False)(x)) > bound

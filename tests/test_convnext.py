@@ -16,7 +16,7 @@ from timm.utils import reparameterize_model
 import timm_layerscale  # noqa: F401
 from helpers import cli, randomize
 from timm_layerscale.conversion import rules
-from timm_layerscale.conversion.target import target_tensors
+from timm_layerscale.conversion.rules import target_tensors
 from timm_layerscale.errors import ArchitectureError
 from timm_layerscale.families import get_family, get_variant, variants_of
 from timm_layerscale.layer_scale import LayerScale

@@ -95,7 +95,7 @@ def test_round_trip_keeps_tensors(deit3_small) -> None:
     assert all(back[k] is ls[k] for k in ls)
     again = remap.to_gamma(back, "deit3")
     assert list(again) == list(official) and all(again[k] is official[k] for k in official)
-    assert remap.detect_gates(official, get_family("deit3")) == "raw"
+    assert get_family("deit3").gates_in(official)[1]
 
 
 def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:
@@ -109,7 +109,9 @@ def test_ddp_prefix_and_unknown_keys(deit3_small) -> None:
 
 
 def test_reference_interface(deit3_small) -> None:
-    loaded = load_model(NAME, "gamma", remap.to_gamma(deit3_small.state_dict(), "deit3"))  # through timm's filter
+    loaded = load_model(
+        get_variant(NAME), get_family("deit3").layout("gamma"), remap.to_gamma(deit3_small.state_dict(), "deit3")
+    )  # through timm's filter
     assert (
         model_name(get_variant(NAME), get_family("deit3").layouts["official"]) == NAME
         and not loaded.training

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from helpers import assert_one_line_error, cli, damage_inside
 from timm_layerscale.errors import HubError, OutputExistsError
-from timm_layerscale.files.sources import cached_url_path, resolve_source, source_config
+from timm_layerscale.files.read import cached_url_path, resolve_source, source_config
 from timm_layerscale.hub.export import export_folder
 from timm_layerscale.hub.upload import push_folder
 from timm_layerscale.parity.tolerance import VerifyOptions
@@ -430,7 +430,7 @@ def test_the_most_specific_exception_type_answers(monkeypatch) -> None:
     from huggingface_hub.utils import httpx
 
     from timm_layerscale.errors import HubError
-    from timm_layerscale.files.hub_errors import hub_errors
+    from timm_layerscale.files.read import hub_errors
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.example")
@@ -704,7 +704,7 @@ def test_export_model_card(exported) -> None:
 @pytest.mark.full
 def test_a_card_publishes_no_credentials_of_a_source_url(exported, tmp_path: Path, monkeypatch, capsys) -> None:
     """A presigned URL's query, or a user name and password in it, stay out of the card and the summary."""
-    from timm_layerscale.files.sources import cached_url_path
+    from timm_layerscale.files.read import cached_url_path
 
     _, _, _, source = exported
     url = "https://alice:hunter2@storage.example:8443/runs/XXS24_224.pth?X-Amz-Signature=s3cr3t&token=t0k3n#part"

@@ -172,7 +172,7 @@ def test_plot_without_matplotlib_says_what_to_install(official: dict, tmp_path: 
 def test_a_plot_of_a_url_is_titled_without_its_query(official: dict, tmp_path: Path, monkeypatch, capsys) -> None:
     """A presigned URL's signature stays out of the plot, which may be shared."""
     from timm_layerscale.cli import main
-    from timm_layerscale.files.sources import cached_url_path
+    from timm_layerscale.files.read import cached_url_path
 
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     url = "https://storage.example/runs/ckpt.pth?X-Amz-Signature=s3cr3t"

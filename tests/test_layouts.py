@@ -13,8 +13,8 @@ import torch
 
 import timm_layerscale  # noqa: F401
 from authors_models import official
+from timm_layerscale.conversion.rules import target_tensors as _target
 from timm_layerscale.conversion.rules import to_layout
-from timm_layerscale.conversion.target import target_tensors as _target
 from timm_layerscale.errors import RemapError
 from timm_layerscale.families import VARIANTS, Variant, get_variant, state_dict_shapes
 from timm_layerscale.layer_scale import LayerScale

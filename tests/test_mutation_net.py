@@ -147,7 +147,7 @@ def sources(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """Per family: an official-layout file (the source of ``--to ls``) and its ``ls`` conversion (of ``--to gamma``)."""
     import tiny_models
     from timm_layerscale import to_gamma, to_layerscale
-    from timm_layerscale.conversion.target import target_tensors
+    from timm_layerscale.conversion.rules import target_tensors
     from timm_layerscale.parity.inputs import seed_parameters_
     from timm_layerscale.parity.references import build_reference
 
@@ -265,7 +265,7 @@ def test_a_file_damaged_between_write_and_read_back_is_refused(suffix, sources, 
 def _official_dinov3(sources, tmp_path, change, name="official.pth") -> Path:
     """The tiny DINOv3's official file with ``change(state_dict)`` made to its tensors, at ``name`` (a file a
     conversion read is not rewritten: its checksums may still be read in the background)."""
-    from timm_layerscale.conversion.target import target_tensors as _target
+    from timm_layerscale.conversion.rules import target_tensors as _target
     from timm_layerscale.families import get_variant
 
     v = get_variant("tinytest_dinov3_ls")

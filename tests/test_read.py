@@ -231,7 +231,7 @@ def test_parse_dtype():
 def test_two_urls_of_one_file_name_never_share_a_download(monkeypatch, tmp_path):
     """Every Hub ``resolve/.../model.safetensors`` URL has one file name: each is kept under a hash of its URL, the
     user name and password left out."""
-    from timm_layerscale.files.sources import cached_url_path
+    from timm_layerscale.files.read import cached_url_path
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     a = cached_url_path("https://huggingface.co/org/a/resolve/main/model.safetensors")

@@ -23,8 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import ROOT, randomize
-from timm_layerscale.conversion.rules import to_layerscale
-from timm_layerscale.conversion.target import target_tensors
+from timm_layerscale.conversion.rules import target_tensors, to_layerscale
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.families import FAMILIES, VARIANTS, Family, Variant, get_variant, state_dict_shapes, variants_of
 

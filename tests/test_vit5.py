@@ -205,12 +205,12 @@ def test_package_matches_reference_module_within_tolerance(img: int) -> None:
 
 def test_reference_interface_loads_official_and_converted_weights() -> None:
     sd = official_state_dict(384, 12, 6, grid=14, seed=5)
-    loaded = load_model("vit5_small_patch16_224", "official", sd)  # the official file's own tensors
+    v = get_variant("vit5_small_patch16_224")
+    loaded = load_model(v, v.family.layouts["official"], sd)  # the official file's own tensors
     assert loaded.state_dict().keys() == sd.keys() and not loaded.training
     assert all(torch.equal(loaded.state_dict()[k], sd[k]) for k in sd)
-    v = get_variant("vit5_small_patch16_224")
     assert model_name(v, v.family.layouts["official"]) == "vit5_official/vit5_small_patch16_224"
-    converted = load_model("vit5_small_patch16_224", "ls", remap.to_layerscale(sd, "vit5"))  # this package's model
+    converted = load_model(v, v.family.layouts["ls"], remap.to_layerscale(sd, "vit5"))  # this package's model
     assert model_name(v, v.family.layouts["ls"]) == "vit5_small_patch16_224"
     assert converted.state_dict().keys() == remap.to_layerscale(sd, "vit5").keys() and not converted.training
 

@@ -16,7 +16,7 @@ from timm.utils import reparameterize_model
 import timm_layerscale  # noqa: F401
 from helpers import assert_computes_as_its_twin, assert_one_line_error, cli, randomize, tiny_twins
 from timm_layerscale.conversion import rules
-from timm_layerscale.conversion.target import target_tensors
+from timm_layerscale.conversion.rules import target_tensors
 from timm_layerscale.families import get_variant, variants_of
 from timm_layerscale.inspection import format_gate_table, gate_profile
 

@@ -288,7 +288,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .files.atomic import output_path
-    from .files.sources import public_source
+    from .files.read import public_source
     from .inspection import format_gate_table, format_plan, inspect_checkpoint, plot_format, plot_gates
 
     if a.plot:  # before any output or download

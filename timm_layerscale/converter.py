@@ -12,10 +12,8 @@ from pathlib import Path
 import torch
 
 from ._version import __version__
-from .conversion.checkpoint import container_of, state_dict_of
 from .conversion.detect import NoGates, detect
-from .conversion.rules import Change, describe_changes, renamed_keys
-from .conversion.target import cast_tensors, target_tensors
+from .conversion.rules import Change, cast_tensors, describe_changes, renamed_keys, target_tensors
 from .errors import ArchitectureError, CheckpointError, LayerScaleError, RemapError, option
 from .families import ALIAS, LAYOUT_NAMES, Layout, Variant
 from .files.atomic import output_path
@@ -24,11 +22,11 @@ from .files.read import (
     check_finite,
     nonfinite_tensors,
     parse_dtype,
-    read_checkpoint,
+    public_source,
     read_source,
+    read_state_dict,
 )
 from .files.save import output_format, save_pth, save_safetensors
-from .files.sources import public_source
 from .options import command_line
 from .parity.compare import ParityReport
 from .parity.tolerance import VerifyOptions
@@ -341,14 +339,12 @@ def verify_checkpoint(
         RemapError: ``converted`` is not a conversion of ``source``.
     """
     if isinstance(source, Mapping):
-        src = Source("the source", Path("."), (tensors := state_dict_of(source, ema=ema)), detect(tensors, model))
+        tensors, held = read_state_dict(source, ema)
+        src = Source("the source", Path("."), tensors, detect(tensors, model, held))
     else:
         (src := read_source(source, model=model, ema=ema, digest=False)).check()  # the checksums alone
     variant = src.detection.variant
-    if isinstance(converted, Mapping):
-        conv_sd, container = state_dict_of(converted), container_of(converted)
-    else:
-        conv_sd, container = read_checkpoint(converted)[1:]
+    conv_sd, container = read_state_dict(converted)
     stored = container if isinstance(converted, Mapping) or Path(converted).suffix != ".safetensors" else None
     conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
     src_name = "the source" if isinstance(source, Mapping) else str(source)

@@ -10,7 +10,7 @@ import contextvars
 from typing import Any
 
 __all__ = ["ArchitectureError", "CheckpointError", "FoldError", "HubError", "LayerScaleError", "OutputExistsError"]
-__all__ += ["ParityError", "RemapError", "option"]
+__all__ += ["ParityError", "RemapError", "one_line", "option"]
 
 #: Set by the command line while it runs a command.
 COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("timm_layerscale_command_line", default=False)
@@ -22,6 +22,12 @@ def option(name: str, value: Any = True) -> str:
         return f"{name}={value!r}"
     flag = "--" + {"fmt": "format"}.get(name, name).replace("_", "-")
     return flag if value is True else f"{flag} {value}"
+
+
+def one_line(x: Any, limit: int = 160) -> str:
+    """``str(x)`` on one line, cut to ``limit`` characters."""
+    text = " ".join(str(x).split())
+    return text[: limit - 3] + "..." if len(text) > limit else text
 
 
 class LayerScaleError(Exception):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import LayerScaleError
-from .families import Family, gate_family, get_family
+from .families import FAMILIES, Family, gate_family
 
 if TYPE_CHECKING:
     from .conversion.detect import Detection
@@ -55,7 +55,7 @@ def _stage_order(stage: str, family: Family) -> tuple[Any, ...]:
 def gate_labels(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     """The gates of the family of :func:`gate_rows`' ``rows``: each module's name (once, where two kinds of block
     hold it) and the branch it scales."""
-    gates = get_family(rows[0]["family"]).gates if rows else ()
+    gates = FAMILIES[rows[0]["family"]].gates if rows else ()
     return list({gate.name: gate.branch for gate in gates}.items())
 
 
@@ -69,8 +69,7 @@ def gate_profile(
         LayerScaleError: The checkpoint cannot be read, holds no gates, or its gates do not fit ``model``.
     """
     from .conversion.checkpoint import state_dict_of
-    from .files.read import read_checkpoint
-    from .files.sources import public_source
+    from .files.read import public_source, read_checkpoint
 
     if isinstance(source, Mapping):
         return gate_rows(state_dict_of(source, ema), model=model)
@@ -89,8 +88,7 @@ def inspect_checkpoint(
         LayerScaleError: The checkpoint cannot be read or holds no gates; the message names it.
     """
     from .conversion.detect import Twins, detect
-    from .files.read import read_checkpoint
-    from .files.sources import public_source
+    from .files.read import public_source, read_checkpoint
 
     _, tensors, container = read_checkpoint(source, ema)
     where, found = public_source(source), None  # type: str, Detection | None
@@ -114,8 +112,7 @@ def conversion_plan(tensors: Mapping[str, Any], found: Detection) -> dict[str, A
     apart or synthesises, each with its proof (or why it is refused): the conversion's rules and checks run on the
     tensors, as views where they can be; no model runs. ``timm_unused``: what timm's own loader of the architecture
     would leave unused in the file, for a file in a layout timm reads with a filter (``None`` otherwise)."""
-    from .conversion.rules import Change, describe_changes, renamed_keys
-    from .conversion.target import target_tensors
+    from .conversion.rules import Change, describe_changes, renamed_keys, target_tensors
     from .parity.references import unused_by
 
     v, layout = found.variant, found.layout
@@ -166,12 +163,6 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _gammas(tensors: Mapping[str, Any], family: Family | None) -> dict[tuple[str, str], Any]:
-    """The gates of ``family`` among ``tensors``, by block and gate name (``("blocks.3", "ls1")``)."""
-    found = {key: family.gate_of(key) for key in tensors} if family else {}
-    return {(gate[0], gate[1].name): tensors[key] for key, gate in found.items() if gate}
-
-
 def gate_rows(
     tensors: Mapping[str, Any],
     *,
@@ -189,10 +180,8 @@ def gate_rows(
         (``ls1``: ``{"mean", "min", "max"}`` of ``|gamma|``, or ``None``) and ``layout`` (``"gamma"`` for raw
         parameters, ``"ls"`` for modules).
     """
-    from .conversion.rules import detect_gates
-
     family = family or gate_family(tensors)
-    gammas = _gammas(tensors, family)
+    gammas, raw = family.gates_in(tensors) if family else ({}, False)
     if not gammas:
         if not tensors:
             raise LayerScaleError(f"{where} holds no weights (an empty state dict); pass a checkpoint with weights")
@@ -201,7 +190,7 @@ def gate_rows(
             "pass a LayerScale model's checkpoint (of a folded one, the file from before folding)"
         )
     assert family is not None
-    layout = "gamma" if detect_gates(tensors, family) == "raw" else "ls"
+    layout = "gamma" if raw else "ls"
     positions = {block: _position(block) for block, _ in gammas}
     blocks = sorted(positions, key=lambda block: (_stage_order(positions[block][0], family), positions[block][1]))
     out = []
@@ -234,7 +223,8 @@ def _check_model(have: Mapping[tuple[str, str], int], model: str) -> None:
         name = model.split(".", 1)[0]
     with torch.device("meta"):
         tensors = timm.create_model(name).state_dict()
-    want = {gate: gamma.numel() for gate, gamma in _gammas(tensors, gate_family(tensors)).items()}
+    family = gate_family(tensors)
+    want = {gate: gamma.numel() for gate, gamma in (family.gates_in(tensors)[0] if family else {}).items()}
     missing = sorted(want.keys() - have.keys())
     extra = sorted(have.keys() - want.keys())
     wrong = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])

@@ -72,7 +72,7 @@ def published_options(options: Any) -> Any:
     """``options`` with its image files by their names, as a published card gives local paths."""
     from dataclasses import replace
 
-    from .files.sources import published_path
+    from .files.read import published_path
 
     return options and replace(options, images=tuple(map(published_path, options.images)))
 

@@ -5,13 +5,13 @@ container they made. No I/O; the tensors pass through unchanged."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import RemapError, option
-from ..families import FAMILIES
+from ..families import model_holders
 
-__all__ = ["EMA_KEYS", "WRAPPER_KEYS", "container_of", "model_holders", "state_dict_of", "strip_prefixes"]
+__all__ = ["EMA_KEYS", "WRAPPER_KEYS", "container_of", "state_dict_of", "strip_prefixes"]
 __all__ += ["unwrap_state_dict"]
 
 V = TypeVar("V")
@@ -68,13 +68,6 @@ def container_of(checkpoint: Mapping[str, Any], ema: bool = False) -> tuple[str 
     wrapper = next((k for k, v in checkpoint.items() if v is inner), None) if inner is not checkpoint else None
     prefix = next((p for p in PREFIXES if inner and all(k.startswith(p) for k in inner)), "")
     return wrapper, prefix
-
-
-def model_holders(keys: Iterable[str]) -> list[str]:
-    """The names of the modules holding a model among ``keys``: the prefixes of a family's patch embedding weight
-    (``'model.'`` where ``model.`` comes before it)."""
-    stems = {family.stem for family in FAMILIES.values() if family.stem}
-    return sorted(k.removesuffix(stem) for k in keys for stem in stems if k.endswith(f".{stem}"))
 
 
 def _renamed(state_dict: Mapping[str, V], rename: Callable[[str], str]) -> dict[str, V]:

@@ -5,18 +5,33 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .. import families
-from ..errors import ArchitectureError, RemapError, option
-from ..families import DEFAULT_NUM_CLASSES, FAMILIES, Family, Layout, Variant, get_variant, state_dict_shapes
-from .checkpoint import model_holders
-from .rules import Change, UncoveredKeys, check_floating, check_state_dict, mismatches, read_layout
+from ..errors import ArchitectureError, option
+from ..families import (
+    DEFAULT_NUM_CLASSES,
+    FAMILIES,
+    Family,
+    Layout,
+    Variant,
+    get_variant,
+    model_holders,
+    state_dict_shapes,
+)
+from .rules import (
+    Change,
+    UncoveredKeys,
+    check_floating,
+    check_state_dict,
+    mismatches,
+    read_layout,
+    without_zero_optional,
+)
 
 __all__ = ["Detection", "NoGates", "Twins", "describe_state_dict", "detect", "state_dict_shapes", "timm_args"]
-__all__ += ["without_zero_optional"]
 
 
 def describe_state_dict(sd: Mapping[str, Any], family: Family) -> dict[str, int]:
@@ -77,36 +92,6 @@ def _unlikeliness(v: Variant, info: Mapping[str, int]) -> float:
     size = info["grid"] * info["patch_size"] if "grid" in info and "patch_size" in info else None
     pairs = ((v.embed_dim, info.get("embed_dim")), (v.depth, info.get("depth")), (v.img_size, size))
     return sum(0.5 if want is None else float(have != want) for have, want in pairs)
-
-
-def without_zero_optional(
-    state_dict: Mapping[str, Any],
-    family: Family,
-    expected: Container[str],
-    name: str,
-    changes: list[Change] | None = None,
-) -> dict[str, Any]:
-    """An ``ls``-layout state dict without the keys that a model (called ``name``, its state dict's keys
-    ``expected``) lacks and its ``family`` leaves out where they are zero
-    (its ``ls`` layout's ``optional_zero``: DINOv3's q and v biases); ``changes`` gets them.
-
-    Raises:
-        RemapError: Such a key is not zero; the message names the variant of that width and depth that has it.
-    """
-    optional = family.layouts["ls"].optional_zero
-    extra = [k for k in state_dict if k not in expected and re.fullmatch(optional, k)]
-    nonzero = [k for k in extra if state_dict[k].any()]
-    if nonzero:
-        info = describe_state_dict(state_dict, family)
-        alike = (v for v in families.VARIANTS if v.family is family and info.get("embed_dim") == v.embed_dim)
-        having = next((v.name for v in alike if nonzero[0] in state_dict_shapes(v)), "a model with them")
-        raise RemapError(
-            f"checkpoint has non-zero {nonzero[0]} ({len(nonzero)} such tensors), which {name} has no place for; "
-            f"read it as {having}"
-        )
-    if changes is not None:
-        changes.extend((k, "", "zero") for k in extra)
-    return {k: v for k, v in state_dict.items() if k not in extra}
 
 
 def _twins(

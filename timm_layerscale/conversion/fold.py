@@ -14,24 +14,32 @@ from ..errors import FoldError, option
 from ..families import Family, gate_family, get_family
 from ..layer_scale import fold_block, fold_plan, fold_weights
 
-__all__ = ["fold_layerscale", "fold_state_dict"]
+__all__ = ["fold_gates", "fold_layerscale", "fold_state_dict"]
 
 
 def fold_state_dict(
     state_dict: Mapping[str, torch.Tensor], family: Family | str | None = None, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every gate of an ``ls``-layout state dict of ``family`` (a name; default the family whose gates its keys are)
-    folded into the layer its :class:`~timm_layerscale.families.Gate` names (``layer_scale.fold_weights``, the rule
-    the modules fold by, rounded once to ``dtype``, default the layer's) and dropped.
+    """:func:`fold_gates` of an ``ls``-layout state dict of ``family`` (a name; default the family whose gates its keys
+    are)."""
+    found = gate_family(state_dict) if family is None else get_family(family)
+    return fold_gates(state_dict, found, dtype) if found else dict(state_dict)
+
+
+def fold_gates(
+    state_dict: Mapping[str, torch.Tensor], family: Family, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Every gate of an ``ls``-layout state dict of ``family`` folded into the layer its
+    :class:`~timm_layerscale.families.Gate` names (``layer_scale.fold_weights``, the rule the modules fold by, rounded
+    once to ``dtype``, default the layer's) and dropped.
 
     Raises:
         FoldError: A gate that cannot fold (the family's reason), or without its layer, or of another width (a
             ``ValueError``).
     """
-    family = gate_family(state_dict) if family is None else get_family(family)
     out = dict(state_dict)
     for key in state_dict:
-        found = family.gate_of(key) if family else None
+        found = family.gate_of(key)
         if found is None or found[2]:
             continue
         block, gate, _ = found

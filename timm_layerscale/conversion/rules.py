@@ -4,21 +4,28 @@ unchanged (the same objects, or views where a rule's value operation splits one)
 unread but where an operation checks values.
 
 A key is matched against the rules in order; the first match renames, keeps or drops it (a drop with its proof that
-the tensor is inert), and a key no rule matches is an error that names it.
+the tensor is inert), and a key no rule matches is an error that names it. A conversion's tensors
+(:func:`target_tensors`) are a source's read into the ``ls`` layout (zero optional biases left out, gates folded where
+asked) and written into the target layout with the buffers its consumer stores.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Container, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from .. import families
 from ..errors import RemapError
-from ..families import Family, Layout, Proof, Rule, get_family
+from ..families import KEEP, Family, Layout, Proof, Rule, Variant, get_family, state_dict_shapes
 from .checkpoint import strip_prefixes
 
-__all__ = ["Change", "UncoveredKeys", "check_floating", "check_state_dict", "describe_changes", "detect_gates"]
-__all__ += ["mismatches"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Change", "UncoveredKeys", "cast_tensors", "check_floating", "check_state_dict", "describe_changes"]
+__all__ += ["mismatches", "target_tensors", "without_zero_optional"]
 __all__ += ["read_layout", "remap", "renamed_keys", "to_gamma", "to_layerscale", "to_layout"]
 
 V = TypeVar("V")
@@ -48,13 +55,13 @@ def remap(
     matched: list[tuple[str, V, Rule, str | None]] = []
     unknown: list[str] = []
     for key, value in state_dict.items():
-        for rule in rules:
-            hit, new_key = rule.apply(key)
-            if hit:
-                matched.append((key, value, rule, new_key))
-                break
-        else:
+        rule = next((r for r in rules if _anchored(r.pattern).match(key)), None)
+        if rule is None:
             unknown.append(key)
+        elif rule.replace is None or rule.replace == KEEP:
+            matched.append((key, value, rule, None if rule.replace is None else key))
+        else:  # re caches the parsed template, Match.expand does not
+            matched.append((key, value, rule, _anchored(rule.pattern).sub(rule.replace, key, count=1)))
     if unknown:  # before any operation checks a value: a state dict of another layout is no error of its values
         shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
         raise UncoveredKeys(
@@ -88,20 +95,9 @@ def remap(
     return out
 
 
-def detect_gates(state_dict: Mapping[str, Any], family: Family) -> str:
-    """``"raw"`` (parameters: ``blocks.3.gamma_1``), ``"modules"`` (``blocks.3.ls1.gamma``) or ``"none"``: how a
-    prefix-free state dict holds ``family``'s LayerScale gates.
-
-    Raises:
-        RemapError: Both kinds are present.
-    """
-    kinds = {found[2]: key for key in state_dict if (found := family.gate_of(key))}
-    if len(kinds) > 1:
-        raise RemapError(
-            f"checkpoint mixes raw gates ({kinds[True]}) and LayerScale modules ({kinds[False]}); "
-            "it is not a layout this tool knows"
-        )
-    return "none" if not kinds else "raw" if True in kinds else "modules"
+@functools.cache
+def _anchored(pattern: str) -> re.Pattern[str]:
+    return re.compile(rf"(?:{pattern})\Z")
 
 
 def read_layout(
@@ -120,7 +116,6 @@ def read_layout(
         RemapError: A covering layout's rule finds a tensor it drops not inert, or keys collide.
     """
     fam = get_family(family)
-    detect_gates(state_dict, fam)
     layouts = fam.source_layouts()
     told = [layout for layout in layouts if any(re.fullmatch(layout.tell, k) for k in state_dict)]
     found: list[tuple[Layout, dict[str, V], list[Change]]] = []
@@ -133,6 +128,7 @@ def read_layout(
             )
         except UncoveredKeys as e:
             errors.append((e.count, (layout.wrapper, layout.prefix) != container, e))
+    fam.gates_in(state_dict)  # both kinds of gate: no layout
     if not found:  # the closest layout's error, of those in the file's container first
         raise min(errors, key=lambda e: e[:2])[2]
     exact = [f for f in found if container is not None and (f[0].wrapper, f[0].prefix) == container]
@@ -246,3 +242,85 @@ def check_floating(state_dict: Mapping[str, Any], what: str = "model", limit: in
             f"{', ...' if len(bad) > limit else ''}); every weight must be float32, bfloat16 or float16, "
             "check how the file was written"
         )
+
+
+def target_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    variant: Variant,
+    source: Layout,
+    to: Layout,
+    fold: bool = False,
+    dtype: torch.dtype | None = None,
+    changes: list[Change] | None = None,
+    written: list[Change] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A source's tensors (in their ``source`` layout) mapped by the rules to layout ``to`` (folded with ``fold``, the
+    folds rounded once to ``dtype``), with the buffers ``to`` stores; ``changes`` gets what reading became of each
+    source key, ``written`` (default ``changes``) what writing made of each ``ls`` key. A layout written to itself
+    keeps the source's stored values of what the rules drop and synthesise (rotary periods, masks, tokens: its
+    consumer sees the same numbers), those that differ from what the rules would write recorded as
+    ``"kept as stored"``."""
+    family, written = variant.family, changes if written is None else written
+    read: list[Change] = []
+    ls = remap(tensors, source.read, f"{family.title} ({source.name} layout)", read)
+    ls = without_zero_optional(ls, family, state_dict_shapes(variant), variant.name, read)
+    if to is family.layouts["ls"]:
+        if changes is not None:
+            changes.extend(read)
+        from .fold import fold_gates  # torch: not on importing the package
+
+        return fold_gates(ls, family, dtype) if fold else ls
+    made: list[Change] = []
+    out = remap(ls, to.write, f"{family.title} ({to.name} layout)", made)
+    for key, value in (to.buffers(variant) if to.buffers else {}).items():  # what its consumer stores besides
+        proof = value if isinstance(value, Proof) else Proof(value, "computed")
+        out[key] = proof.tensor
+        made.append((key, key, f"synthesised, {proof.why}"))
+    if to is source:  # to itself: each key kept holds its stored value; only what is left out is said
+        stored = {k: tensors[k] for k, t in out.items() if k in tensors and t is not tensors[k]}
+        made = [(k, k, "kept as stored") for k, t in stored.items() if t.dtype != out[k].dtype or not t.equal(out[k])]
+        read = [c for c in read if not c[1] and c[0].split("[")[0] not in out]  # a training head, say
+        out.update(stored)
+    if changes is not None:
+        changes.extend(read)
+    if written is not None:
+        written.extend(made)
+    return out
+
+
+def cast_tensors(
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, keep: set[str]
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with every floating-point one but those in ``keep`` (computed buffers, fp32 in every file) as
+    ``dtype`` (``None``: as they are)."""
+    return {k: v.to(dtype) if dtype and v.is_floating_point() and k not in keep else v for k, v in tensors.items()}
+
+
+def without_zero_optional(
+    state_dict: Mapping[str, Any],
+    family: Family,
+    expected: Container[str],
+    name: str,
+    changes: list[Change] | None = None,
+) -> dict[str, Any]:
+    """An ``ls``-layout state dict without the keys that a model (called ``name``, its state dict's keys
+    ``expected``) lacks and its ``family`` leaves out where they are zero
+    (its ``ls`` layout's ``optional_zero``: DINOv3's q and v biases); ``changes`` gets them.
+
+    Raises:
+        RemapError: Such a key is not zero; the message names the variant of that width and depth that has it.
+    """
+    optional = family.layouts["ls"].optional_zero
+    extra = [k for k in state_dict if k not in expected and re.fullmatch(optional, k)]
+    nonzero = [k for k in extra if state_dict[k].any()]
+    if nonzero:  # a bias as wide as its model
+        width = state_dict[nonzero[0]].shape[-1]
+        alike = (v for v in families.VARIANTS if v.family is family and v.embed_dim == width)
+        having = next((v.name for v in alike if nonzero[0] in state_dict_shapes(v)), "a model with them")
+        raise RemapError(
+            f"checkpoint has non-zero {nonzero[0]} ({len(nonzero)} such tensors), which {name} has no place for; "
+            f"read it as {having}"
+        )
+    if changes is not None:
+        changes.extend((k, "", "zero") for k in extra)
+    return {k: v for k, v in state_dict.items() if k not in extra}

@@ -16,13 +16,13 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from ..errors import ArchitectureError, RemapError, option
 
 __all__ = ["ALIAS", "LAYOUT_NAMES", "DEFAULT_NUM_CLASSES", "FAMILIES", "KEEP", "VARIANTS", "Family", "Gate"]
 __all__ += ["Layout", "Proof", "Rule", "Variant", "gate_family", "get_family", "get_variant", "register"]
-__all__ += ["state_dict_shapes", "variants_of"]
+__all__ += ["model_holders", "state_dict_shapes", "variants_of"]
 
 #: Classifier outputs of every released model (ImageNet-1k).
 DEFAULT_NUM_CLASSES = 1000
@@ -31,6 +31,7 @@ ALIAS = "gamma"
 #: Every layout name ``--to`` takes, of any family, and the release word.
 LAYOUT_NAMES = ("ls", "timm", "official", "transformers", ALIAS)
 #: Replacement that keeps a key unchanged.
+V = TypeVar("V")
 KEEP = r"\g<0>"
 #: The end of a linear layer's keys.
 LINEAR = r"\.(?:weight|bias)"
@@ -59,19 +60,6 @@ class Rule:
     replace: str | None
     op: Op | None = None
     why: str | Callable[[str, Any, Mapping[str, Any]], str] = ""
-
-    def apply(self, key: str) -> tuple[bool, str | None]:
-        regex = _anchored(self.pattern)
-        if regex.match(key) is None:
-            return False, None
-        if self.replace is None or self.replace == KEEP:
-            return True, None if self.replace is None else key
-        return True, regex.sub(self.replace, key, count=1)  # re caches the parsed template, Match.expand does not
-
-
-@functools.cache
-def _anchored(pattern: str) -> re.Pattern[str]:
-    return re.compile(rf"(?:{pattern})\Z")
 
 
 @dataclass(frozen=True)
@@ -212,6 +200,22 @@ class Family:
                 return block, gate, name != f"{gate.name}.gamma"
         return None
 
+    def gates_in(self, tensors: Mapping[str, V]) -> tuple[dict[tuple[str, str], V], bool]:
+        """This family's gates among ``tensors`` by block and gate name (``("blocks.3", "ls1")``), and whether they
+        are raw parameters (``blocks.3.gamma_1``) rather than LayerScale modules (``blocks.3.ls1.gamma``).
+
+        Raises:
+            RemapError: Both kinds are present.
+        """
+        found = {key: gate for key in tensors if (gate := self.gate_of(key))}
+        kinds = {raw: key for key, (_, _, raw) in found.items()}
+        if len(kinds) > 1:
+            raise RemapError(
+                f"checkpoint mixes raw gates ({kinds[True]}) and LayerScale modules ({kinds[False]}); "
+                "it is not a layout this tool knows"
+            )
+        return {(block, gate.name): tensors[key] for key, (block, gate, _) in found.items()}, True in kinds
+
     def source_layouts(self) -> list[Layout]:
         """Each layout once, in the order a source whose keys match no ``tell`` is matched against them: those without
         a ``tell`` first (a file lacking the key that tells a layout is more likely another's)."""
@@ -256,6 +260,13 @@ def register(family: Family, variants: tuple[Variant, ...]) -> None:
     """Add a family and its variants to the registry."""
     global VARIANTS
     FAMILIES[family.name], VARIANTS = family, (*VARIANTS, *variants)
+
+
+def model_holders(keys: Iterable[str]) -> list[str]:
+    """The names of the modules holding a model among ``keys``: the prefixes of a family's patch embedding weight
+    (``'model.'`` where ``model.`` comes before it)."""
+    stems = {family.stem for family in FAMILIES.values() if family.stem}
+    return sorted(k.removesuffix(stem) for k in keys for stem in stems if k.endswith(f".{stem}"))
 
 
 def state_dict_shapes(

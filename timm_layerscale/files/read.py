@@ -1,5 +1,7 @@
-"""Reading checkpoints without running their code, the checks made of what was read, and a source read and detected
-once (:class:`Source`, :func:`read_source`)."""
+"""A source read and detected once (:class:`Source`, :func:`read_source`): a file, a folder, an ``https://`` URL or
+``hf-hub:ORG/REPO[@REVISION][/FILE]`` as a local file (downloads go to torch.hub's or huggingface_hub's cache, their
+failures are one-line :class:`~timm_layerscale.errors.HubError`), its tensors read without running its code, and the
+checks made of what was read."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import struct
 import threading
 import zipfile
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -26,20 +29,227 @@ from safetensors import SafetensorError, safe_open
 from .. import families
 from ..conversion.checkpoint import container_of, state_dict_of
 from ..conversion.detect import Detection, Twins, detect
-from ..errors import ArchitectureError, CheckpointError, RemapError
+from ..errors import ArchitectureError, CheckpointError, HubError, LayerScaleError, RemapError, one_line
 from ..families import get_variant
 from ..families.loaders import read_config
 from .atomic import check_name
-from .hub_errors import one_line
-from .sources import resolve_source, source_config
 
 __all__ = ["Source", "check_finite", "load_checkpoint", "nonfinite_tensors", "parse_dtype", "read_checkpoint"]
-__all__ += ["read_source", "scan_file"]
+__all__ += ["read_source", "read_state_dict", "scan_file"]
+__all__ += [
+    "cached_url_path",
+    "hub_errors",
+    "is_remote",
+    "public_source",
+    "published_path",
+    "resolve_source",
+    "source_config",
+]
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CHUNK = 1 << 20
 _ZIP_MAGIC = b"PK\x03\x04"
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+FOLDER_WEIGHTS = (WEIGHTS_NAME, "pytorch_model.bin")  # in order of preference
+URL_PREFIXES = ("https://", "http://")
+REMOTE_PREFIXES = (*URL_PREFIXES, "hf-hub:")
+
+
+def is_remote(source: str | os.PathLike[str]) -> bool:
+    """Whether :func:`resolve_source` downloads ``source``: a URL or ``hf-hub:`` id that is no local path."""
+    return os.fspath(source).startswith(REMOTE_PREFIXES) and not Path(source).exists()
+
+
+def resolve_source(source: str | os.PathLike[str]) -> Path:
+    """A local file for ``source``: the file itself; a folder's ``model.safetensors`` or ``pytorch_model.bin``;
+    a URL or ``hf-hub:`` file (``FILE`` defaults to those names) downloaded once into its cache.
+
+    Raises:
+        CheckpointError: A folder holds none of the weight files.
+        HubError: A download failed.
+    """
+    if is_remote(source):
+        source = os.fspath(source)
+        if source.startswith(URL_PREFIXES):
+            return _download_url(source)
+        return _download_from_hub(*_parse_hub_spec(source))
+    path = Path(source)
+    if path.is_dir():
+        for name in FOLDER_WEIGHTS:
+            if (path / name).is_file():
+                return path / name
+        raise CheckpointError(f"{path} holds neither {' nor '.join(FOLDER_WEIGHTS)}; pass the checkpoint file")
+    return path
+
+
+def source_config(source: str | os.PathLike[str]) -> Path | None:
+    """The ``config.json`` beside a folder's or an ``hf-hub:ORG/REPO``'s weights; ``None`` for a file or URL, a
+    repository without one, and offline where none is cached.
+
+    Raises:
+        HubError: The Hub refused the request (token, gated repository, server error) or is unreachable.
+    """
+    if not is_remote(source):
+        path = Path(source) / CONFIG_NAME
+        return path if path.is_file() else None
+    if os.fspath(source).startswith(URL_PREFIXES):
+        return None
+    repo_id, revision, filename = _parse_hub_spec(os.fspath(source))
+    if filename not in (None, *FOLDER_WEIGHTS):
+        return None
+    return _download_from_hub(repo_id, revision, CONFIG_NAME, missing_ok=True)
+
+
+def public_source(source: str | os.PathLike[str]) -> str:
+    """``source`` as a card, message or log may show it: a URL without user name, password, query and
+    fragment, which can hold credentials."""
+    source = os.fspath(source)
+    if not source.startswith(URL_PREFIXES):
+        return source
+    url = urlsplit(source)
+    return urlunsplit((url.scheme, url.netloc.rpartition("@")[2], url.path, "", ""))
+
+
+def published_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a published card shows it: remote sources by :func:`public_source`, a local path by its name."""
+    path = os.fspath(path)
+    return public_source(path) if path.startswith(REMOTE_PREFIXES) else os.path.basename(os.path.normpath(path)) or path
+
+
+def _parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
+    parts = spec[len("hf-hub:") :].strip("/").split("/")
+    if len(parts) < 2 or not all(parts[:2]):
+        raise HubError(f"{spec!r} is not a Hub source; write hf-hub:ORG/REPO or hf-hub:ORG/REPO/FILE")
+    repo_id, _, revision = "/".join(parts[:2]).partition("@")
+    file = parts[2:]
+    if revision == "refs" and len(file) >= 2:  # a pull request's refs/pr/N
+        revision, file = "/".join(["refs", *file[:2]]), file[2:]
+    return repo_id, revision or None, "/".join(file) or None
+
+
+def cached_url_path(url: str) -> Path:
+    """Where a URL's download is kept: ``checkpoints/<hash>/<name>`` in torch.hub's folder, ``hash`` the first 16 hex
+    digits of the SHA-256 of the URL without its user name and password, so that two URLs of one file name (every
+    Hub ``resolve/.../model.safetensors``) never share a file."""
+    import hashlib
+
+    import torch.hub
+
+    if not (name := os.path.basename(urlparse(url).path)):
+        raise HubError(f"cannot tell a file name from {public_source(url)}; give the URL of the checkpoint file")
+    parts = urlsplit(url)
+    key = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, parts.query, parts.fragment))
+    return Path(torch.hub.get_dir()) / "checkpoints" / hashlib.sha256(key.encode()).hexdigest()[:16] / name
+
+
+def _download_url(url: str) -> Path:
+    import urllib.error
+
+    import torch.hub
+    from huggingface_hub import constants
+
+    from .. import progress
+
+    target = cached_url_path(url)
+    if target.is_file() and target.stat().st_size > 0:  # torch.hub itself always downloads again
+        return target
+    shown = public_source(url)
+    if constants.is_offline_mode():
+        raise HubError(f"HF_HUB_OFFLINE is set, so downloading {shown} is not possible; unset it and retry")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        torch.hub.download_url_to_file(url, str(target), progress=progress.enabled())
+    except (OSError, ValueError) as e:  # HTTPError and URLError are OSErrors
+        http = isinstance(e, urllib.error.HTTPError)
+        advice = "check the URL" if getattr(e, "code", None) == 404 else "check the network and retry"
+        raise HubError(
+            f"could not download {shown}: {one_line(e if http else getattr(e, 'reason', e))}; {advice}"
+        ) from e
+    return target
+
+
+def _download_from_hub(repo_id: str, revision: str | None, filename: str | None, missing_ok: bool = False) -> Any:
+    """The cached path of the first of ``filename`` (default :data:`FOLDER_WEIGHTS`) the repository has; with
+    ``missing_ok``, ``None`` where the Hub says it has none, or offline where none is cached."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+    what = f"hf-hub:{repo_id}" + (f"@{revision}" if revision else "")
+    candidates = [filename] if filename else list(FOLDER_WEIGHTS)
+    with hub_errors(f"downloading {what}", repo_id, revision=revision, download=True):
+        for name in candidates:
+            try:
+                return Path(hf_hub_download(repo_id, name, revision=revision))
+            except (RemoteEntryNotFoundError, LocalEntryNotFoundError) as e:
+                missing = e
+        offline = isinstance(missing, LocalEntryNotFoundError) and constants.is_offline_mode()
+        if missing_ok and (offline or isinstance(missing, RemoteEntryNotFoundError)):
+            return None
+        if not isinstance(missing, RemoteEntryNotFoundError):  # offline or unreachable, nothing cached
+            raise missing
+    raise HubError(f"{what} has no file {' or '.join(candidates)}; name the file: hf-hub:{repo_id}/FILE")
+
+
+def _http_message(status: int | None, action: str, repo_id: str, revision: str | None, download: bool) -> str:
+    if download and status in (401, 403, 404):  # reading: missing or private
+        return f"{repo_id} was not found or is not accessible ({status}) while {action}; check the repo id, or run 'hf auth login' if it is private"
+    if status == 401:
+        return f"the Hub rejected the token (401 Unauthorized) while {action}; run 'hf auth login' (or set HF_TOKEN) with a valid token that has write access"
+    if status in (403, 404):
+        what = f"{repo_id} (revision {revision!r})" if revision else repo_id
+        return f"{what} was not found, or the token may not write to it ({status}), while {action}; check the repo id, or use a token with write access ('hf auth login')"
+    advice = "retry in a few minutes" if status == 429 or (status or 0) >= 500 else "check the network and retry"
+    return f"the Hub answered {status} while {action}; {advice}"
+
+
+def _message(e: BaseException, action: str, repo_id: str, revision: str | None, download: bool) -> str | None:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        LocalTokenNotFoundError,
+        OfflineModeIsEnabled,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.utils import httpx  # its HTTP client: httpx2 from 2.0, httpx in 1.x
+
+    if isinstance(e, LocalEntryNotFoundError) and isinstance(e.__cause__, HfHubHTTPError):  # online, refused
+        e = e.__cause__
+    if isinstance(e, OfflineModeIsEnabled) or (isinstance(e, LocalEntryNotFoundError) and constants.is_offline_mode()):
+        return f"HF_HUB_OFFLINE is set, so {action} is not possible (nothing cached); unset HF_HUB_OFFLINE and retry"
+    if isinstance(e, GatedRepoError):
+        return f"{repo_id} is gated; accept its terms on the Hub, run 'hf auth login', then retry"
+    if isinstance(e, RevisionNotFoundError) and revision is not None:
+        return f"{repo_id} has no revision {revision!r} while {action}; check the revision"
+    if isinstance(e, HfHubHTTPError):
+        response = getattr(e, "response", None)
+        return _http_message(getattr(response, "status_code", None), action, repo_id, revision, download)
+    if isinstance(e, LocalTokenNotFoundError):
+        return "no Hugging Face token found; run 'hf auth login' or set HF_TOKEN"
+    if isinstance(e, (LocalEntryNotFoundError, ConnectionError, TimeoutError, httpx.TransportError)):
+        return f"could not reach the Hub at {constants.ENDPOINT} while {action} ({one_line(e, 100)}); check the network and retry"
+    if isinstance(e, ValueError):
+        return f"{action} failed: {one_line(e)}; fix the folder or options and retry"
+    return None
+
+
+@contextlib.contextmanager
+def hub_errors(action: str, repo_id: str, *, revision: str | None = None, download: bool = False) -> Iterator[None]:
+    """Raise what huggingface_hub raises in the block as a one-line HubError about ``action`` (to follow
+    "while": ``"uploading to ORG/NAME"``) on ``repo_id`` at ``revision``; with ``download`` the block reads
+    (401/403/404 mean missing or private) rather than writes (the token)."""
+    try:
+        yield
+    except LayerScaleError:
+        raise
+    except Exception as e:
+        message = _message(e, action, repo_id, revision, download)
+        if message is None:
+            raise
+        raise HubError(message) from e
 
 
 def _readable_file(path: str | os.PathLike[str]) -> Path:
@@ -150,29 +360,43 @@ def scan_file(path: str | os.PathLike[str], digest: bool = True) -> str:
     return sha.hexdigest() if digest else ""
 
 
+def read_state_dict(
+    checkpoint: str | os.PathLike[str] | Mapping[str, Any], ema: bool = False
+) -> tuple[dict[str, Any], tuple[str | None, str]]:
+    """``(state_dict, container)`` of a local checkpoint file (:func:`load_checkpoint`) or of a checkpoint in memory:
+    its tensors, unwrapped and prefixes stripped (lazy where the format allows), and the container they were in
+    (:func:`~timm_layerscale.conversion.checkpoint.container_of`).
+
+    Raises:
+        CheckpointError: As :func:`load_checkpoint`, or it holds no weights or values that are not tensors; every
+            message names the file.
+    """
+    where = "the checkpoint" if isinstance(checkpoint, Mapping) else os.fspath(checkpoint)
+    obj = checkpoint if isinstance(checkpoint, Mapping) else load_checkpoint(checkpoint)
+    try:
+        sd, container = state_dict_of(obj, ema=ema), container_of(obj, ema)
+    except RemapError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    if all(isinstance(v, Mapping) and not v for v in sd.values()):  # {} or {'state_dict': {}}
+        raise CheckpointError(f"{where} holds no weights (an empty state dict); pass a checkpoint with weights")
+    if bad := [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]:
+        raise CheckpointError(f"{where}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
+    return sd, container
+
+
 def read_checkpoint(
     source: str | os.PathLike[str], ema: bool = False, checksums: bool = True
 ) -> tuple[Path, dict[str, Any], tuple[str | None, str]]:
-    """``(path, state_dict, container)``: the local file of ``source``, its tensors (unwrapped, prefixes stripped,
-    lazy where the format allows) and the container they were in
-    (:func:`~timm_layerscale.conversion.checkpoint.container_of`), its zip checksums checked unless not ``checksums``.
+    """``(path, state_dict, container)``: the local file of ``source`` (:func:`~.sources.resolve_source`) and what
+    :func:`read_state_dict` reads of it, its zip checksums checked unless not ``checksums``.
 
     Raises:
-        CheckpointError: As :func:`load_checkpoint`, or the file holds no weights or values that are not
-            tensors; every message names the file.
+        CheckpointError: As :func:`read_state_dict`, or a zip record fails its checksum.
     """
     path = resolve_source(source)
-    checkpoint = load_checkpoint(path)
+    sd, container = read_state_dict(path, ema)
     if checksums:
         scan_file(path, digest=False)  # before anything is said of the values: damage can read as NaN
-    try:
-        sd, container = state_dict_of(checkpoint, ema=ema), container_of(checkpoint, ema)
-    except RemapError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    if all(isinstance(v, Mapping) and not v for v in sd.values()):  # {} or {'state_dict': {}}
-        raise CheckpointError(f"{path} holds no weights (an empty state dict); pass a checkpoint with weights")
-    if bad := [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]:
-        raise CheckpointError(f"{path}: entry {bad[0]!r} is not a tensor; the file is not a state dict")
     return path, sd, container
 
 

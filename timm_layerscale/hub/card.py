@@ -8,7 +8,7 @@ from importlib import resources
 from typing import Any
 
 from .._version import __version__
-from ..files.sources import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
+from ..files.read import CONFIG_NAME, URL_PREFIXES, WEIGHTS_NAME
 
 __all__ = ["CARD_NAME", "CONFIG_NAME", "PLOT_NAME", "build_model_card", "hub_license", "timm_hub_copy"]
 

@@ -1,5 +1,5 @@
 """An exported folder's ``config.json`` (timm's, read by ``timm.create_model("local-dir:DIR")`` and by
-transformers' ``TimmWrapper``) and the class names it may carry."""
+transformers' ``TimmWrapper``; or for a transformers layout, transformers' own) and the class names it may carry."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..conversion.detect import timm_args
-from ..errors import CheckpointError
+from ..errors import CheckpointError, option
+from ..families import DEFAULT_NUM_CLASSES, Layout
+from ..files.read import CONFIG_NAME, Source
 
-__all__ = ["write_config", "read_label_names", "read_folder_config", "pretrained_tags"]
+__all__ = ["pretrained_tags", "read_folder_config", "read_label_names", "write_config", "write_folder_config"]
 
 
 def _timm_config(model: Any, model_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,3 +150,71 @@ def _check_names(names: Sequence[Any], where: str) -> None:
         raise CheckpointError(f"{where} holds {what}; write one name per class")
     if repeated := sorted(n for n, count in Counter(names).items() if count > 1):
         raise CheckpointError(f"{where} names a class twice ({repeated[0]!r}); class names must be unique")
+
+
+def _library_config(src: Source, layout: Layout, folder: Path) -> dict[str, Any]:
+    """Write transformers' ``config.json`` of the source's variant (its ``layout``'s config class, from the shapes of
+    its tensors in the ``ls`` layout, naming the model class ``AutoModel`` builds) into ``folder``; return what the
+    card reads of it: that class as ``architecture``, no classifier, the variant's pretrained config (its licence
+    and paper) without a tag.
+
+    Raises:
+        CheckpointError: A checkpoint with a classifier (transformers' backbone has none).
+    """
+    import timm
+    from transformers import MODEL_MAPPING
+
+    variant, overrides = src.detection.variant, src.detection.overrides
+    if overrides.get("num_classes", DEFAULT_NUM_CLASSES):
+        raise CheckpointError(
+            f"transformers' {variant.family.title} model has no classifier to hold this checkpoint's "
+            f"head; export the backbone, or leave out {option('to', 'transformers')}"
+        )
+    assert layout.config is not None
+    config = layout.config(variant, {k: tuple(t.shape) for k, t in src.detection.state_dict.items()})
+    if "img_size" in overrides:
+        config.image_size = overrides["img_size"]
+    architecture = cast(type, MODEL_MAPPING[type(config)]).__name__
+    config.architectures = [architecture]
+    config.save_pretrained(folder)
+    pcfg = {k: v for k, v in cast(Any, timm.models.get_pretrained_cfg(variant.name)).to_dict().items() if k != "tag"}
+    return {"architecture": architecture, "num_classes": 0, "library": "transformers", "pretrained_cfg": pcfg}
+
+
+def write_folder_config(
+    src: Source,
+    layout: Layout,
+    folder: Path,
+    tag: str | None = None,
+    labels: tuple[Sequence[str], dict[str, str] | None] | None = None,
+) -> dict[str, Any]:
+    """Write an exported folder's ``config.json`` into ``folder`` and return what the card reads of it: transformers'
+    for a library's ``layout`` (:func:`_library_config`), else timm's (:func:`write_config`) of the architecture
+    exported (the variant's own for the ``ls`` layout, timm's twin otherwise) under ``tag`` or the tag of the source's
+    ``config.json`` where the architecture has it, with ``labels`` (class names and their descriptions) or the source's.
+
+    Raises:
+        CheckpointError: As :func:`write_config`; an error about the names the source's ``config.json`` holds says
+            to pass others.
+    """
+    if layout.library:
+        return _library_config(src, layout, folder)
+    names, descriptions, folder_tag = read_folder_config(src.config_json)
+    if labels:
+        names, descriptions = labels
+    variant = src.detection.variant
+    architecture = variant.name if layout is variant.family.layouts["ls"] else str(variant.reference)
+    tags = pretrained_tags(architecture)
+    written_tag = tag or (folder_tag if folder_tag in tags else None)
+    try:
+        return write_config(
+            f"{architecture}.{written_tag}" if written_tag else architecture,
+            folder / CONFIG_NAME,
+            model_args=src.detection.overrides,
+            label_names=names,
+            label_descriptions=descriptions,
+        )
+    except CheckpointError as e:
+        if labels or names is None or (tag and tag not in tags):
+            raise  # not about the names of the source's config.json
+        raise CheckpointError(f"{src.config_file}: {e}, or pass {option('label_names', 'FILE')}") from None

@@ -10,15 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from ..errors import CheckpointError, HubError, LayerScaleError, option
-from ..families import ALIAS, DEFAULT_NUM_CLASSES, Layout
+from ..errors import CheckpointError, HubError, LayerScaleError, one_line
+from ..families import ALIAS
 from ..families.loaders import without_progress_bars
 from ..files.atomic import folder_output
-from ..files.hub_errors import one_line
-from ..files.read import check_finite
-from ..files.sources import FOLDER_WEIGHTS, WEIGHTS_NAME, published_path
-from .card import CARD_NAME, CONFIG_NAME, PLOT_NAME, build_model_card
-from .config import pretrained_tags, read_folder_config, read_label_names, write_config
+from ..files.read import FOLDER_WEIGHTS, WEIGHTS_NAME, check_finite, published_path
+from .card import CARD_NAME, PLOT_NAME, build_model_card
+from .config import read_label_names, write_folder_config
 from .upload import PushResult, check_repo_id, push_folder
 
 __all__ = ["ExportResult", "export_folder"]
@@ -116,84 +114,12 @@ def _check_library_reload(folder: Path, written: Mapping[str, Any]) -> None:
         raise LayerScaleError("the exported folder loads other weights than it holds; this is a bug, please report it")
 
 
-def _library_config(src: Any, layout: Layout, folder: Path) -> dict[str, Any]:
-    """Write transformers' ``config.json`` of the source's variant (its ``layout``'s config class, from the shapes of
-    its tensors in the ``ls`` layout, naming the model class ``AutoModel`` builds) into ``folder``; return what the
-    card reads of it: that class as ``architecture``, no classifier, the variant's pretrained config (its licence
-    and paper) without a tag.
-
-    Raises:
-        CheckpointError: A checkpoint with a classifier (transformers' backbone has none).
-    """
-    import timm
-    from transformers import MODEL_MAPPING
-
-    variant, overrides = src.detection.variant, src.detection.overrides
-    if overrides.get("num_classes", DEFAULT_NUM_CLASSES):
-        raise CheckpointError(
-            f"transformers' {variant.family.title} model has no classifier to hold this checkpoint's "
-            f"head; export the backbone, or leave out {option('to', 'transformers')}"
-        )
-    assert layout.config is not None
-    config = layout.config(variant, {k: tuple(t.shape) for k, t in src.detection.state_dict.items()})
-    if "img_size" in overrides:
-        config.image_size = overrides["img_size"]
-    architecture = cast(type, MODEL_MAPPING[type(config)]).__name__
-    config.architectures = [architecture]
-    config.save_pretrained(folder)
-    pcfg = {k: v for k, v in cast(Any, timm.models.get_pretrained_cfg(variant.name)).to_dict().items() if k != "tag"}
-    return {"architecture": architecture, "num_classes": 0, "library": "transformers", "pretrained_cfg": pcfg}
-
-
-def _write_config(
-    src: Any,
-    layout: Layout,
-    folder: Path,
-    tag: str | None,
-    folder_tag: str | None,
-    names: Any,
-    folder_names: Any,
-    descriptions: Any,
-) -> dict[str, Any]:
-    """Write the folder's ``config.json``: transformers' for a library's layout (:func:`_library_config`), else
-    timm's of the architecture exported (:func:`~.config.write_config`), under ``tag`` or the source folder's; an
-    error about the source folder's class names says to pass others. Return what the card reads of it."""
-    variant = src.detection.variant
-    if layout.library:
-        return _library_config(src, layout, folder)
-    architecture = variant.name if layout is variant.family.layouts["ls"] else str(variant.reference)
-    tags = pretrained_tags(architecture)
-    written_tag = tag or (folder_tag if folder_tag in tags else None)
-    try:
-        return write_config(
-            f"{architecture}.{written_tag}" if written_tag else architecture,
-            folder / CONFIG_NAME,
-            model_args=src.detection.overrides,
-            label_names=names,
-            label_descriptions=descriptions,
-        )
-    except CheckpointError as e:
-        if names is None or names is not folder_names or (tag and tag not in tags):
-            raise  # not about the names of the source's config.json
-        raise CheckpointError(f"{src.config_file}: {e}, or pass {option('label_names', 'FILE')}") from None
-
-
 def _placeholder_repo_id(name: str) -> str:
     """``ORG/<folder name>`` for the card's usage code, or ``ORG/NAME`` where that is no Hub id."""
     try:
         return check_repo_id(f"ORG/{name}")
     except HubError:
         return "ORG/NAME"
-
-
-def _draw(gates: list[dict[str, Any]], path: Path, name: str) -> tuple[Path | None, str | None]:
-    """The gate plot drawn at ``path``, or where matplotlib is missing, the card's line saying so."""
-    from ..inspection import MissingPlotDependency, plot_gates
-
-    try:
-        return plot_gates(gates, path, title=f"{name}: LayerScale gates"), None
-    except MissingPlotDependency as e:
-        return None, f"no {PLOT_NAME}: {e}"
 
 
 def export_folder(
@@ -244,7 +170,7 @@ def export_folder(
     """
     from ..converter import check_request, convert_checkpoint
     from ..files.read import read_source
-    from ..inspection import gate_rows, gate_summary
+    from ..inspection import MissingPlotDependency, gate_rows, gate_summary, plot_gates
     from ..options import command_line, published_options
 
     check_request(to, folder=True)
@@ -257,38 +183,39 @@ def export_folder(
     if given.exists() and out.is_dir() and given.is_relative_to(folder) and not rewritten:
         raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
     label_file = label_names if isinstance(label_names, (str, os.PathLike)) else None
-    given_names = (
+    labels = (
         read_label_names(label_file) if label_file else (list(cast(Any, label_names)), None) if label_names else None
     )
-    repo = repo_id or push_to_hub or _placeholder_repo_id(out.resolve().name)
+    repo = repo_id or push_to_hub or _placeholder_repo_id(folder.name)
+    cmd = command or command_line(
+        ("timm-layerscale", "export", published_path(source), published_path(out_dir)),
+        published_options(options),
+        model=model,
+        ema=ema,
+        push_to_hub=push_to_hub,
+        private=bool(push_to_hub and private),
+        to=None if to == "ls" else to,
+        label_names=label_file and published_path(label_file),
+        tag=tag,
+    )
     with folder_output(out, overwrite) as tmp:
         src = read_source(source, model=model, ema=ema)
-        folder_names, descriptions, folder_tag = read_folder_config(src.config_json)
-        names, descriptions = given_names or (folder_names, descriptions)
         src.check()  # damage inside the file can read as NaN: say that first
         check_finite(src.state_dict, src.path, "a published model must be finite, check the source checkpoint")
         src.finite = True
-        variant = src.detection.variant
-        layout = variant.family.layout("timm" if to == ALIAS else to, written=True)
-        config = _write_config(src, layout, tmp, tag, folder_tag, names, folder_names, descriptions)
-        architecture = config["architecture"]
+        layout = src.detection.variant.family.layout("timm" if to == ALIAS else to, written=True)
+        config = write_folder_config(src, layout, tmp, tag, labels)
         conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=layout.name, fmt="safetensors", options=options)
         (_check_library_reload if layout.library else _check_reload)(tmp, conv.state_dict)
-        gates = gate_rows(src.detection.state_dict if layout.library else conv.state_dict, family=variant.family)
+        gates = gate_rows(src.detection.state_dict if layout.library else conv.state_dict, family=conv.variant.family)
         summary = gate_summary(gates)
-        plot_path, plot_note = _draw(gates, tmp / PLOT_NAME, conv.variant.name) if plot else (None, None)
         num_params = sum(t.numel() for t in conv.state_dict.values())
-        cmd = command or command_line(
-            ("timm-layerscale", "export", published_path(source), published_path(out_dir)),
-            published_options(options),
-            model=model,
-            ema=ema,
-            push_to_hub=push_to_hub,
-            private=bool(push_to_hub and private),
-            to=None if to == "ls" else to,
-            label_names=label_file and published_path(label_file),
-            tag=tag,
-        )
+        plot_path, plot_note = None, None
+        if plot:
+            try:
+                plot_path = plot_gates(gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates")
+            except MissingPlotDependency as e:
+                plot_note = f"no {PLOT_NAME}: {e}"
         card = build_model_card(
             conv,
             repo_id=repo,
@@ -304,14 +231,14 @@ def export_folder(
     push = command_line(
         ("timm-layerscale", "push", out, push_to_hub or repo), private=private, commit_message=commit_message
     )
-    note = f"{ALIAS!r} is a word of one release: wrote timm's own {architecture}; pass --to timm"
+    note = f"{ALIAS!r} is a word of one release: wrote timm's own {config['architecture']}; pass --to timm"
     result = ExportResult(
         folder=out,
         files=sorted(p for p in out.iterdir() if p.is_file()),
         conversion=conv,
         repo_id=repo,
         num_params=num_params,
-        architecture=architecture,
+        architecture=config["architecture"],
         push_command=push,
         plot_note=plot_note,
         gates=gates,

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..errors import HubError, option
-from ..files.hub_errors import hub_errors, one_line
-from ..files.sources import CONFIG_NAME, FOLDER_WEIGHTS, WEIGHTS_NAME
+from ..errors import HubError, one_line, option
+from ..files.read import CONFIG_NAME, FOLDER_WEIGHTS, WEIGHTS_NAME, hub_errors
 
 __all__ = ["PushResult", "check_repo_id", "push_folder", "require_token"]
 

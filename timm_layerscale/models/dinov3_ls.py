@@ -21,8 +21,7 @@ from timm.models import generate_default_cfgs
 from timm.models.eva import Eva, EvaBlock
 
 from ..conversion.checkpoint import state_dict_of
-from ..conversion.detect import without_zero_optional
-from ..conversion.rules import to_layerscale
+from ..conversion.rules import to_layerscale, without_zero_optional
 from ..families import Gate, Variant, dinov3, variants_of
 from ._helpers import GatedBlock, LayerScaleModel, build_variant, fit_state_dict, register_variants, twin_cfgs
 

@@ -1,11 +1,10 @@
-"""Output parity between a reference and a converted model, weight parity, and the report of both."""
+"""Output parity between a reference and a converted model, and the report of it and of the weight checks."""
 
 from __future__ import annotations
 
-import math
 import platform
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,37 +14,7 @@ from torch import nn
 from .._version import __version__
 from .tolerance import Tolerance
 
-__all__ = ["ParityReport", "attention_path", "compare_models", "compare_weights", "versions"]
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal``, a NaN matching a NaN in the same place (a weight converted with ``allow_nonfinite``)."""
-    if torch.equal(a, b):
-        return True
-    return a.is_floating_point() and bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
-
-
-def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> tuple[bool, int, str]:
-    """``(equal, compared, detail)``: whether every tensor of ``got`` equals ``expected``'s (dtype, shape, values),
-    how many were compared, and the first difference."""
-    if expected.keys() != got.keys():
-        missing = sorted(set(expected) - set(got))
-        extra = sorted(set(got) - set(expected))
-        return False, 0, f"keys differ (missing {missing[:3]}, unexpected {extra[:3]})"
-    for key in sorted(expected):
-        a, b = expected[key], got[key]
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return (
-                False,
-                len(expected),
-                f"{key} is {b.dtype} {list(b.shape)} where the source's is {a.dtype} {list(a.shape)}",
-            )
-        if not _equal(a, b):
-            if not a.is_floating_point():
-                return False, len(expected), f"{key} differs from its source"
-            by = float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max())
-            return False, len(expected), f"{key} differs from its source by up to {by:.3g}"
-    return True, len(expected), ""
+__all__ = ["ParityReport", "attention_path", "compare_models", "versions"]
 
 
 @dataclass

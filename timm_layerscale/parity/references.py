@@ -63,27 +63,25 @@ def build_loaded(
 
 
 def load_model(
-    variant: Variant | str,
-    layout: Layout | str,
+    variant: Variant,
+    layout: Layout,
     state_dict: Mapping[str, torch.Tensor],
     *,
     folded: bool = False,
     dtype: torch.dtype | None = None,
     **args: Any,
 ) -> nn.Module:
-    """The model that reads ``state_dict`` (prefix-free, in ``layout``, a :class:`~timm_layerscale.families.Layout` or
-    its name; ``folded``: without gates) as the layout's consumer loads it, strictly, its parameters rounded to
+    """The model that reads ``state_dict`` (prefix-free, in ``layout``; ``folded``: without gates) as the layout's consumer loads it, strictly, its parameters rounded to
     ``dtype``, in fp32 and eval mode; ``args``: ``num_classes`` and ``img_size`` beyond the variant's, a transformers
     folder's ``config``.
 
     Raises:
         RemapError: Missing, unexpected or mis-shaped keys, all listed.
     """
-    variant = get_variant(variant) if isinstance(variant, str) else variant
-    layout = variant.family.layout(layout) if isinstance(layout, str) else layout
     assert layout.native is not None
+    name = model_name(variant, layout)
     build, filter_fn = layout.native(variant, folded, timm_args(args))
-    return build_loaded(build, state_dict, model_name(variant, layout), filter_fn, dtype)
+    return build_loaded(build, state_dict, name, filter_fn, dtype)
 
 
 def build_reference(variant: Variant | str, **args: Any) -> nn.Module:

@@ -78,6 +78,7 @@ def verify_outputs(
             f"device {options.device!r}: no CUDA device is available here; pass {option('device', 'cpu')}"
         )
     variant, family, overrides = source.variant, source.variant.family, source.overrides
+    names = model_name(variant, source.layout), model_name(variant, layout) + (" (folded_layerscale)" if folded else "")
     _check_memory(variant.name, sum(t.numel() for t in source_tensors.values()))
     t0 = time.perf_counter()
     ref = load_model(variant, source.layout, source_tensors, dtype=dtype, **(args or overrides))
@@ -120,8 +121,8 @@ def verify_outputs(
         ref,
         out,
         groups,
-        reference_name=model_name(variant, source.layout),
-        model_name=model_name(variant, layout) + (" (folded_layerscale)" if folded else ""),
+        reference_name=names[0],
+        model_name=names[1],
         family=family.name,
         inputs_desc=" + ".join(parts) + at + (", forward_features tokens" if tokens else ""),
         batch_size=options.batch_size,

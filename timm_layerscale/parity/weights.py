@@ -4,22 +4,51 @@ check raises."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from ..conversion.checkpoint import container_of, state_dict_of
 from ..conversion.detect import Detection
-from ..conversion.fold import fold_state_dict
-from ..conversion.rules import Change, describe_changes
-from ..conversion.target import cast_tensors, target_tensors
+from ..conversion.fold import fold_gates
+from ..conversion.rules import Change, cast_tensors, describe_changes, target_tensors
 from ..errors import ParityError
 from ..families import Family, Layout
-from ..files.read import Source, load_checkpoint, read_checkpoint
-from .compare import ParityReport, compare_weights
+from ..files.read import Source, read_state_dict
+from .compare import ParityReport
 
-__all__ = ["check_folds", "check_written", "compare_files", "parity_error"]
+__all__ = ["check_folds", "check_written", "compare_files", "compare_weights", "parity_error"]
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, a NaN matching a NaN in the same place (a weight converted with ``allow_nonfinite``)."""
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
+
+
+def compare_weights(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> tuple[bool, int, str]:
+    """``(equal, compared, detail)``: whether every tensor of ``got`` equals ``expected``'s (dtype, shape, values),
+    how many were compared, and the first difference."""
+    if expected.keys() != got.keys():
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        return False, 0, f"keys differ (missing {missing[:3]}, unexpected {extra[:3]})"
+    for key in sorted(expected):
+        a, b = expected[key], got[key]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return (
+                False,
+                len(expected),
+                f"{key} is {b.dtype} {list(b.shape)} where the source's is {a.dtype} {list(a.shape)}",
+            )
+        if not _equal(a, b):
+            if not a.is_floating_point():
+                return False, len(expected), f"{key} differs from its source"
+            by = float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max())
+            return False, len(expected), f"{key} differs from its source by up to {by:.3g}"
+    return True, len(expected), ""
 
 
 def parity_error(report: ParityReport, weights: str | None = None) -> ParityError:
@@ -51,7 +80,7 @@ def compare_files(
     changes: list[Change] = []
     unfolded = target_tensors(tensors, variant, found.layout, ls if meaning else to, changes=changes)
     # folding is for the ls layout only
-    expected = fold_state_dict(unfolded, variant.family, dtype) if fold else unfolded
+    expected = fold_gates(unfolded, variant.family, dtype) if fold else unfolded
     expected = cast_tensors(expected, dtype, to.computed(variant))  # the request, not the cast that was made
     got = target_tensors(written, variant, to, ls) if meaning else written
     same, count, detail = compare_weights(expected, got)
@@ -69,10 +98,10 @@ def check_written(
 ) -> None:
     """The written file, read back, against the source file's tensors read on their own
     (:func:`compare_files`); a difference is a :class:`~timm_layerscale.errors.ParityError` (the file is not kept)."""
-    tensors = read_checkpoint(src.path, src.ema, checksums=False)[1]
-    obj = load_checkpoint(written)
-    container = None if written.suffix == ".safetensors" else container_of(obj)
-    if detail := compare_files(tensors, src.detection, to, fold, dtype, state_dict_of(obj), container, report):
+    tensors = read_state_dict(src.path, src.ema)[0]
+    got, container = read_state_dict(written)
+    stored = None if written.suffix == ".safetensors" else container
+    if detail := compare_files(tensors, src.detection, to, fold, dtype, got, stored, report):
         raise parity_error(report, detail)
 
 
@@ -91,6 +120,6 @@ def check_folds(ls: Mapping[str, torch.Tensor], folded: Mapping[str, torch.Tenso
                 continue
             got = folded[f"{target}.{part}"]
             exact = (source.double() * gamma.double().reshape(-1, *[1] * (source.ndim - 1))).to(got.dtype)
-            if not torch.equal(got, exact) and not torch.isclose(got, exact, rtol=0, atol=0, equal_nan=True).all():
+            if not _equal(got, exact):
                 return f"{target}.{part} is not gamma * W rounded once"
     return ""
