@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,61 +126,28 @@ def convert_checkpoint(
         ParityError: The converted model does not match the reference, or the written file the source (nothing
             written).
     """
-    phases: dict[str, float] = {}
-    clock = [t0 := time.perf_counter()]
-
-    def lap(phase: str) -> None:  # the seconds since the previous lap, added to ``phase``
-        phases[phase] = round(phases.get(phase, 0.0) + time.perf_counter() - clock[0], 3)
-        clock[0] = time.perf_counter()
-
+    phases = _Phases()
     fmt = output_format(output, fmt)
     check_request(to, fold=fold, plain=plain)
     target_file = output_path(output, overwrite)  # before a download
     torch_dtype = parse_dtype(dtype) if dtype else None
     src = source if isinstance(source, Source) else read_source(source, model=model, ema=ema)
-    lap("read")
-    layout, note = target_layout(src.detection.variant, to, fmt, plain)
-    _check_output(src, layout, fmt, target_file)
-    if not allow_nonfinite:
-        _check_finite(src)
+    phases.lap("read")
+    variant = src.detection.variant
+    layout, note = target_layout(variant, to, fmt, plain)
+    _check_source(src, layout, fmt, target_file, allow_nonfinite)
     changes: list[Change] = []
-    write_changes: list[Change] = []
-    target = target_tensors(
-        src.state_dict, src.detection.variant, src.detection.layout, layout, fold, torch_dtype, changes, write_changes
-    )
+    written: list[Change] = []
+    target = target_tensors(src.state_dict, variant, src.detection.layout, layout, fold, torch_dtype, changes, written)
     if verify:  # verified as written; unverified, the writer casts
-        target = cast_tensors(target, torch_dtype, layout.computed(src.detection.variant))
+        target = cast_tensors(target, torch_dtype, layout.computed(variant))
     if dtype and not allow_nonfinite:
         _check_range(src, target, dtype)
-    report = None
-    lap("rules")
-    if verify:
-        report = verify_outputs(
-            src.detection,
-            src.state_dict,
-            target,
-            layout,
-            dtype=torch_dtype,
-            folded=fold,
-            options=options,
-            args=src.args,
-        )
-        if not report.passed:
-            raise parity_error(report)
-        phases.update(report.seconds)
-        clock[0] = time.perf_counter()
+    phases.lap("rules")
+    report = _verify(src, target, layout, torch_dtype, fold, options, phases) if verify else None
     metadata = _metadata(src, layout, fold, report, len(target))
-
-    def check(written: Path) -> None:  # the written file, before it is put in place
-        src.unchanged()
-        metadata["source_sha256"] = src.check()
-        if report is not None:
-            lap("write")
-            check_written(written, src, layout, fold, torch_dtype, report)
-            lap("weight check")
-
-    _write(output, fmt, target, metadata, src, layout, torch_dtype, overwrite, check)
-    lap("write")
+    _write(output, fmt, target, metadata, src, layout, torch_dtype, overwrite, report, fold, phases)
+    phases.lap("write")
     command = command_line(
         ("timm-layerscale", "convert", public_source(src.given), output),
         options if verify else None,
@@ -197,7 +164,7 @@ def convert_checkpoint(
     )
     return ConversionResult(
         output=Path(output),
-        variant=src.detection.variant,
+        variant=variant,
         overrides=src.detection.overrides,
         source=public_source(src.given),
         source_path=src.path,
@@ -206,15 +173,28 @@ def convert_checkpoint(
         target_layout=layout.name,
         metadata=metadata,
         report=report,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - phases.start,
         command=command,
         container=layout.container if fmt == "pth" else "state dict",
         state_dict=target,
-        renamed=renamed_keys(changes, write_changes),
-        changed=describe_changes([*changes, *write_changes]),
+        renamed=renamed_keys(changes, written),
+        changed=describe_changes([*changes, *written]),
         note=note,
-        phases=phases,
+        phases=dict(phases),
     )
+
+
+class _Phases(dict[str, float]):
+    """The wall seconds of a conversion's phases, each :meth:`lap` adding the time since the last to one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self[phase] = round(self.get(phase, 0.0) + now - self.last, 3)
+        self.last = now
 
 
 def check_request(to: str, *, fold: bool = False, plain: bool = False, folder: bool = False) -> None:
@@ -235,8 +215,9 @@ def check_request(to: str, *, fold: bool = False, plain: bool = False, folder: b
         raise LayerScaleError(f"plain applies to {option('to', ALIAS)} only; pass {option('to', 'timm')} instead")
 
 
-def _check_output(src: Source, layout: Layout, fmt: str, target_file: Path) -> None:
-    """One-line errors for an output that cannot hold the layout's container, or that is the source itself."""
+def _check_source(src: Source, layout: Layout, fmt: str, target_file: Path, allow_nonfinite: bool) -> None:
+    """One-line errors for an output that cannot hold the layout's container or that is the source itself, and
+    unless ``allow_nonfinite`` for a NaN or Inf of the source (a damaged file's checksum said first)."""
     family = src.detection.variant.family
     if layout.wrapper and fmt != "pth":
         raise CheckpointError(
@@ -245,11 +226,7 @@ def _check_output(src: Source, layout: Layout, fmt: str, target_file: Path) -> N
         )
     if target_file.exists() and target_file.samefile(src.path):  # replacing it would lose the source
         raise CheckpointError(f"output {target_file} is the source file itself; choose another output path")
-
-
-def _check_finite(src: Source) -> None:
-    """A one-line error naming a NaN or Inf of the source (a damaged file's checksum said first)."""
-    if src.finite:
+    if src.finite or allow_nonfinite:
         return
     advice = f"check the source checkpoint, or pass {option('allow_nonfinite')} to convert anyway"
     try:
@@ -257,6 +234,28 @@ def _check_finite(src: Source) -> None:
     except CheckpointError:
         src.check()  # damage inside the file can read as NaN: say that first
         raise
+
+
+def _verify(
+    src: Source,
+    target: Mapping[str, torch.Tensor],
+    layout: Layout,
+    dtype: torch.dtype | None,
+    fold: bool,
+    options: VerifyOptions | None,
+    phases: _Phases,
+) -> ParityReport:
+    """The parity report of ``target`` (in ``layout``, cast to ``dtype``, folded with ``fold``) against the
+    reference on the source (:func:`~timm_layerscale.parity.verify.verify_outputs`), its phases' seconds added
+    to ``phases``; a :class:`~timm_layerscale.errors.ParityError` where it fails."""
+    report = verify_outputs(
+        src.detection, src.state_dict, target, layout, dtype=dtype, folded=fold, options=options, args=src.args
+    )
+    if not report.passed:
+        raise parity_error(report)
+    phases.update(report.seconds)
+    phases.last = time.perf_counter()
+    return report
 
 
 def _check_range(src: Source, target: Mapping[str, torch.Tensor], dtype: str) -> None:
@@ -299,10 +298,23 @@ def _write(
     layout: Layout,
     dtype: torch.dtype | None,
     overwrite: bool,
-    check: Callable[[Path], None],
+    report: ParityReport | None,
+    fold: bool,
+    phases: _Phases,
 ) -> None:
     """``target`` written to ``output`` in ``fmt`` (a ``.pth`` in the layout's container), cast to ``dtype`` but the
-    layout's computed buffers; ``check(written)`` runs before the file is put in place."""
+    layout's computed buffers; before the file is put in place the source must be unchanged, its SHA-256 goes into
+    ``metadata`` and, verified (``report``), the file read back must equal the source's tensors
+    (:func:`~timm_layerscale.parity.weights.check_written`)."""
+
+    def check(written: Path) -> None:
+        src.unchanged()
+        metadata["source_sha256"] = src.check()
+        if report is not None:
+            phases.lap("write")
+            check_written(written, src, layout, fold, dtype, report)
+            phases.lap("weight check")
+
     keep = layout.computed(src.detection.variant)  # never cast
     if fmt == "pth":
         src.check()

@@ -122,6 +122,20 @@ def _placeholder_repo_id(name: str) -> str:
         return "ORG/NAME"
 
 
+def _check_folder(source: str | os.PathLike[str], folder: Path, push_to_hub: str | None, repo_id: str | None) -> None:
+    """One-line errors for Hub ids that are none, and for an output ``folder`` (resolved) that holds the source (a
+    folder exported onto itself is replaced whole)."""
+    for hub_id in (push_to_hub, repo_id):
+        if hub_id:
+            check_repo_id(hub_id)
+    given = Path(source).resolve()
+    rewritten = given == folder or (given.parent == folder and given.name in FOLDER_WEIGHTS)
+    if given.exists() and folder.is_dir() and given.is_relative_to(folder) and not rewritten:
+        raise CheckpointError(
+            f"{folder} holds the source {source}; replacing it would delete it, choose another folder"
+        )
+
+
 def export_folder(
     source: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -174,19 +188,13 @@ def export_folder(
     from ..options import command_line, published_options
 
     check_request(to, folder=True)
-    out = Path(out_dir)
-    for hub_id in (push_to_hub, repo_id):
-        if hub_id:
-            check_repo_id(hub_id)
-    given, folder = Path(source).resolve(), out.resolve()
-    rewritten = given == folder or (given.parent == folder and given.name in FOLDER_WEIGHTS)  # re-exported onto itself
-    if given.exists() and out.is_dir() and given.is_relative_to(folder) and not rewritten:
-        raise CheckpointError(f"{out} holds the source {source}; replacing it would delete it, choose another folder")
+    out = Path(out_dir).resolve()  # the folder itself, through links and ``..``
+    _check_folder(source, out, push_to_hub, repo_id)
     label_file = label_names if isinstance(label_names, (str, os.PathLike)) else None
     labels = (
         read_label_names(label_file) if label_file else (list(cast(Any, label_names)), None) if label_names else None
     )
-    repo = repo_id or push_to_hub or _placeholder_repo_id(folder.name)
+    repo = repo_id or push_to_hub or _placeholder_repo_id(out.name)
     cmd = command or command_line(
         ("timm-layerscale", "export", published_path(source), published_path(out_dir)),
         published_options(options),
@@ -198,7 +206,7 @@ def export_folder(
         label_names=label_file and published_path(label_file),
         tag=tag,
     )
-    with folder_output(out, overwrite) as tmp:
+    with folder_output(Path(out_dir), overwrite) as tmp:
         src = read_source(source, model=model, ema=ema)
         src.check()  # damage inside the file can read as NaN: say that first
         check_finite(src.state_dict, src.path, "a published model must be finite, check the source checkpoint")
@@ -208,14 +216,14 @@ def export_folder(
         conv = convert_checkpoint(src, tmp / WEIGHTS_NAME, to=layout.name, fmt="safetensors", options=options)
         (_check_library_reload if layout.library else _check_reload)(tmp, conv.state_dict)
         gates = gate_rows(src.detection.state_dict if layout.library else conv.state_dict, family=conv.variant.family)
-        summary = gate_summary(gates)
         num_params = sum(t.numel() for t in conv.state_dict.values())
-        plot_path, plot_note = None, None
-        if plot:
-            try:
-                plot_path = plot_gates(gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates")
-            except MissingPlotDependency as e:
-                plot_note = f"no {PLOT_NAME}: {e}"
+        summary = gate_summary(gates)
+        plot_note = None
+        try:
+            if plot:
+                plot_gates(gates, tmp / PLOT_NAME, title=f"{conv.variant.name}: LayerScale gates")
+        except MissingPlotDependency as e:
+            plot_note = f"no {PLOT_NAME}: {e}"
         card = build_model_card(
             conv,
             repo_id=repo,
@@ -223,14 +231,10 @@ def export_folder(
             num_params=num_params,
             command=cmd,
             gate_summary=summary,
-            plot=PLOT_NAME if plot_path else None,
+            plot=PLOT_NAME if plot and not plot_note else None,
         )
         card.save(tmp / CARD_NAME)
-    out = folder  # the folder itself, through links and ``..``
     conv.output, conv.state_dict = out / WEIGHTS_NAME, {}
-    push = command_line(
-        ("timm-layerscale", "push", out, push_to_hub or repo), private=private, commit_message=commit_message
-    )
     note = f"{ALIAS!r} is a word of one release: wrote timm's own {config['architecture']}; pass --to timm"
     result = ExportResult(
         folder=out,
@@ -239,10 +243,12 @@ def export_folder(
         repo_id=repo,
         num_params=num_params,
         architecture=config["architecture"],
-        push_command=push,
+        push_command=command_line(
+            ("timm-layerscale", "push", out, push_to_hub or repo), private=private, commit_message=commit_message
+        ),
         plot_note=plot_note,
         gates=gates,
-        plot=out / PLOT_NAME if plot_path else None,
+        plot=out / PLOT_NAME if plot and not plot_note else None,
         note=note if to == ALIAS else "",
     )
     if push_to_hub:
