@@ -115,7 +115,7 @@ def test_reference_interface(deit3_small) -> None:
     assert (
         model_name(get_variant(NAME), get_family("deit3").layouts["official"]) == NAME
         and not loaded.training
-        and build_reference(NAME).training
+        and build_reference(get_variant(NAME)).training
     )
     x = images(2)
     with torch.no_grad():

@@ -102,7 +102,7 @@ def _anchored(pattern: str) -> re.Pattern[str]:
 
 def read_layout(
     state_dict: Mapping[str, V],
-    family: str | Family,
+    family: Family,
     container: tuple[str | None, str] | None = None,
     changes: list[Change] | None = None,
 ) -> tuple[Layout, dict[str, V]]:
@@ -115,8 +115,7 @@ def read_layout(
         UncoveredKeys: No layout's rules cover the keys; the error of the closest.
         RemapError: A covering layout's rule finds a tensor it drops not inert, or keys collide.
     """
-    fam = get_family(family)
-    layouts = fam.source_layouts()
+    layouts = family.source_layouts()
     told = [layout for layout in layouts if any(re.fullmatch(layout.tell, k) for k in state_dict)]
     found: list[tuple[Layout, dict[str, V], list[Change]]] = []
     errors: list[tuple[int, bool, UncoveredKeys]] = []
@@ -124,11 +123,11 @@ def read_layout(
         record: list[Change] = []
         try:
             found.append(
-                (layout, remap(state_dict, layout.read, f"{fam.title} ({layout.name} layout)", record), record)
+                (layout, remap(state_dict, layout.read, f"{family.title} ({layout.name} layout)", record), record)
             )
         except UncoveredKeys as e:
             errors.append((e.count, (layout.wrapper, layout.prefix) != container, e))
-    fam.gates_in(state_dict)  # both kinds of gate: no layout
+    family.gates_in(state_dict)  # both kinds of gate: no layout
     if not found:  # the closest layout's error, of those in the file's container first
         raise min(errors, key=lambda e: e[:2])[2]
     exact = [f for f in found if container is not None and (f[0].wrapper, f[0].prefix) == container]
@@ -147,7 +146,7 @@ def to_layerscale(
     Raises:
         RemapError: No layout of the family covers the keys, or keys collide.
     """
-    return read_layout(strip_prefixes(state_dict), family, changes=changes)[1]
+    return read_layout(strip_prefixes(state_dict), get_family(family), changes=changes)[1]
 
 
 def to_layout(

@@ -387,7 +387,7 @@ def read_state_dict(
 def read_checkpoint(
     source: str | os.PathLike[str], ema: bool = False, checksums: bool = True
 ) -> tuple[Path, dict[str, Any], tuple[str | None, str]]:
-    """``(path, state_dict, container)``: the local file of ``source`` (:func:`~.sources.resolve_source`) and what
+    """``(path, state_dict, container)``: the local file of ``source`` (:func:`resolve_source`) and what
     :func:`read_state_dict` reads of it, its zip checksums checked unless not ``checksums``.
 
     Raises:

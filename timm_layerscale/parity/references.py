@@ -12,7 +12,7 @@ from torch import nn
 
 from ..conversion.detect import timm_args
 from ..conversion.rules import check_state_dict
-from ..families import Layout, Variant, get_variant
+from ..families import Layout, Variant
 
 __all__ = ["build_loaded", "build_reference", "load_model", "model_name", "unused_by"]
 
@@ -84,10 +84,9 @@ def load_model(
     return build_loaded(build, state_dict, name, filter_fn, dtype)
 
 
-def build_reference(variant: Variant | str, **args: Any) -> nn.Module:
+def build_reference(variant: Variant, **args: Any) -> nn.Module:
     """The model of the layout ``gamma`` names for a ``.pth`` file of ``variant`` with random weights, in train mode
     (timm's ``cait_*``, ``deit3_*`` and DINO models, the official-layout ViT-5), for writing official-layout files."""
-    variant = get_variant(variant) if isinstance(variant, str) else variant
     native = variant.family.layouts[variant.family.alias("pth")].native
     assert native is not None
     return native(variant, False, timm_args(args))[0]()
