@@ -11,6 +11,8 @@ import json
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -648,6 +650,16 @@ def test_a_pushed_folder_loads_from_the_hub_as_its_card_and_summary_say(
         with torch.inference_mode():
             assert torch.equal(model(x), expected), kwargs
             assert torch.equal(hf(pixel_values=x).logits, expected), kwargs
+
+
+def test_verify_reads_an_exported_folder_as_the_converted_weights(exported) -> None:
+    """``verify SOURCE FOLDER`` as a user runs it (a fresh process): the folder's weights are the converted file."""
+    result, _, _, source = exported
+    argv = ["-m", "timm_layerscale", "verify", str(source), str(result.folder), "--num-inputs", "1", "--json"]
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert report["bit_exact"] and report["weights_equal"] and report["weights_compared"] > 0
 
 
 def test_export_files_config_and_metadata(exported) -> None:

@@ -25,6 +25,7 @@ from .files.read import (
     public_source,
     read_source,
     read_state_dict,
+    resolve_source,
 )
 from .files.save import output_format, save_pth, save_safetensors
 from .options import command_line
@@ -342,7 +343,8 @@ def verify_checkpoint(
     options: VerifyOptions | None = None,
 ) -> ParityReport:
     """Compare the reference model on the original weights (file, URL, ``hf-hub:`` id or state dict) with the
-    model on the converted ones (file or state dict, in any layout of the family, folded or not), as
+    model on the converted ones (file, folder, URL, ``hf-hub:`` id or state dict, in any layout of the family, folded
+    or not), as
     :func:`convert_checkpoint` does, and every converted tensor with the source's mapped by the rules. The converted
     file's layout is told as detection tells a source's. ``model`` overrides detection, ``ema`` takes the source's
     ``'model_ema'``.
@@ -356,6 +358,8 @@ def verify_checkpoint(
     else:
         (src := read_source(source, model=model, ema=ema, digest=False)).check()  # the checksums alone
     variant = src.detection.variant
+    if not isinstance(converted, Mapping):  # a folder's or repository's weights file
+        converted = resolve_source(converted)
     conv_sd, container = read_state_dict(converted)
     stored = container if isinstance(converted, Mapping) or Path(converted).suffix != ".safetensors" else None
     conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
