@@ -23,9 +23,9 @@ from .files.read import (
     nonfinite_tensors,
     parse_dtype,
     public_source,
+    read_checkpoint,
     read_source,
     read_state_dict,
-    resolve_source,
 )
 from .files.save import output_format, save_pth, save_safetensors
 from .options import command_line
@@ -358,10 +358,13 @@ def verify_checkpoint(
     else:
         (src := read_source(source, model=model, ema=ema, digest=False)).check()  # the checksums alone
     variant = src.detection.variant
-    if not isinstance(converted, Mapping):  # a folder's or repository's weights file
-        converted = resolve_source(converted)
-    conv_sd, container = read_state_dict(converted)
-    stored = container if isinstance(converted, Mapping) or Path(converted).suffix != ".safetensors" else None
+    stored: tuple[str | None, str] | None
+    if isinstance(converted, Mapping):
+        conv_sd, container = read_state_dict(converted)
+        stored = container
+    else:  # a folder's or repository's weights file too, its zip checksums checked
+        path, conv_sd, container = read_checkpoint(converted)
+        stored = None if path.suffix == ".safetensors" else container
     conv_name = "the converted state dict" if isinstance(converted, Mapping) else str(converted)
     src_name = "the source" if isinstance(source, Mapping) else str(source)
     try:
