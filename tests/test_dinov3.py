@@ -351,15 +351,18 @@ def test_a_transformers_folder_converts_both_ways_within_the_library_bound(tmp_p
     assert code == 2 and "CaiT has no layout 'transformers'" in err and not (tmp_path / "cait.pth").exists()
 
 
-def test_a_verification_beyond_the_machines_memory_is_one_line() -> None:
-    """The 7B's check needs two fp32 copies (~54 GB): where less is available, one line says so before building."""
-    from pathlib import Path
-
+def test_a_verification_beyond_the_machines_memory_streams(monkeypatch) -> None:
+    """On 24 GiB the 7B's in-memory check (two fp32 copies, ~54 GB) runs one block at a time; asked to run in memory,
+    or on a machine where not even a block fits, one line says so before anything is built."""
     from timm_layerscale.errors import CheckpointError
+    from timm_layerscale.families import get_variant
     from timm_layerscale.parity import verify
 
-    if not Path("/proc/meminfo").exists():
-        pytest.skip("the memory check reads Linux's /proc/meminfo")
-    with pytest.raises(CheckpointError, match=r"needs about \d+ GiB for two fp32 copies .* no.verify"):
-        verify._check_memory("vit_7b_patch16_dinov3_ls", 10**13)
-    verify._check_memory("tinytest_dinov3_ls", 10**3)
+    big = get_variant("vit_7b_patch16_dinov3_ls")
+    monkeypatch.setattr(verify, "_available", lambda: 24 * 2**30)
+    assert verify._streams(big, None) and not verify._streams(get_variant("vit_small_patch16_dinov3_ls"), None)
+    with pytest.raises(CheckpointError, match=r"in memory \(two fp32 copies.* needs about [\d.]+ GiB .* no.verify"):
+        verify._streams(big, False)
+    monkeypatch.setattr(verify, "_available", lambda: 2**30)
+    with pytest.raises(CheckpointError, match=r"one block at a time needs about [\d.]+ GiB and 1.0 GiB"):
+        verify._streams(big, True)

@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 __all__ = ["OneLineParser", "add_verify_args", "check_inputs", "command_line", "published_options", "verify_options"]
 
-_FIELDS = ("exact", "atol", "rtol", "num_inputs", "seed", "images", "device", "batch_size")
+_FIELDS = ("exact", "atol", "rtol", "num_inputs", "seed", "images", "device", "batch_size", "stream")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -53,6 +53,13 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="run both models on cpu (default) or cuda")
     size = _number(int, 1, "a whole number >= 1")
     g.add_argument("--batch-size", type=size, default=4, metavar="N", help="images per forward pass (default 4)")
+    g.add_argument(
+        "--stream",
+        action="store_const",
+        const=True,
+        help="read each block's weights from the files as it runs (default: where two fp32 models would fill more "
+        "than half the available memory)",
+    )
 
 
 def check_inputs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

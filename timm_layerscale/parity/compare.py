@@ -36,6 +36,8 @@ class ParityReport:
         passed: The outputs are within the tolerance and the weights equal (where compared).
         compute_dtype, versions: What both models computed in; this package's, timm's, torch's, Python's versions.
         seconds: Wall seconds of each model's forward passes (``reference``, ``converted model``; verify adds loading).
+        path: How the models held their weights: ``"in memory"``, or ``"one block at a time"`` (each block's read from
+            the files as it ran).
     """
 
     reference: str
@@ -63,6 +65,7 @@ class ParityReport:
     compute_dtype: str = "float32"
     versions: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    path: str = "in memory"
 
     def add_weights(self, equal: bool, compared: int, dropped: str = "", detail: str = "") -> None:
         """Record the weight comparison: every one of ``compared`` tensors equal, or not (the check then fails, its
@@ -107,6 +110,7 @@ class ParityReport:
             ("inputs", self.inputs),
             ("dtype / device", f"{self.dtype} weights, computed in {self.compute_dtype} / {self.device}"),
             ("attention", self.attention),
+            ("weights held", self.path),
             ("max abs diff", f"{self.max_abs_diff:.3g}"),
             ("max rel diff", f"{self.max_rel_diff:.3g}"),
             ("min cosine similarity", f"{self.cosine_min:.9f}"),
@@ -182,6 +186,7 @@ def compare_models(
     weights_dtype: str | None = None,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     progress: Callable[[Iterable[torch.Tensor]], Iterable[torch.Tensor]] | None = None,
+    run: Callable[[nn.Module, list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> ParityReport:
     """Run both models (in eval mode) on ``inputs`` ``(K, C, H, W)`` (or several such batches, one per input size),
     cast to the reference's dtype and device, ``batch_size`` at a time, and measure how far apart their outputs are.
@@ -196,6 +201,8 @@ def compare_models(
         weights_dtype: The converted weights' dtype, for the report (default the models').
         forward: ``forward(model, x)``; default ``model(x)``.
         progress: Wraps the batches, for a progress bar.
+        run: ``run(model, batches)``: a model's fp32 CPU outputs on one input group's batches (default ``forward``
+            on one batch after another).
     """
     forward = forward or (lambda m, x: m(x))
     reference.eval()
@@ -203,13 +210,19 @@ def compare_models(
     p = next(reference.parameters())
     dtype, device = p.dtype, p.device
     groups = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    outs_ref, outs, seconds = [], [], [0.0, 0.0]
-    for chunk in (progress or iter)([c for g in groups for c in g.split(batch_size)]):
-        x, t0 = chunk.to(device=device, dtype=dtype), time.perf_counter()
-        outs_ref.append(forward(reference, x).float().cpu())
-        t1 = time.perf_counter()
-        outs.append(forward(model, x).float().cpu())
-        seconds = [seconds[0] + t1 - t0, seconds[1] + time.perf_counter() - t1]
+    chunks = [[c.to(device=device, dtype=dtype) for c in g.split(batch_size)] for g in groups]
+
+    def each(m: nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [forward(m, x).float().cpu() for x in (progress or iter)(batches)]
+
+    outs_ref: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    seconds = [0.0, 0.0]
+    for i, (m, got) in enumerate(((reference, outs_ref), (model, outs))):
+        t0 = time.perf_counter()
+        for batches in chunks:
+            got += (run or each)(m, batches)
+        seconds[i] = time.perf_counter() - t0
     for a, b in zip(outs_ref, outs, strict=True):
         if a.shape != b.shape:
             raise ValueError(f"output shapes differ: reference {tuple(a.shape)}, converted {tuple(b.shape)}")

@@ -13,8 +13,9 @@ from torch import nn
 from ..conversion.detect import timm_args
 from ..conversion.rules import check_state_dict
 from ..families import Layout, Variant
+from .stream import StreamedModel, build_streamed
 
-__all__ = ["build_loaded", "build_reference", "load_model", "model_name", "unused_by"]
+__all__ = ["build_loaded", "build_reference", "load_model", "model_name", "stream_model", "unused_by"]
 
 Filter = Callable[[dict[str, torch.Tensor], nn.Module], Mapping[str, torch.Tensor]]
 
@@ -82,6 +83,28 @@ def load_model(
     name = model_name(variant, layout)
     build, filter_fn = layout.native(variant, folded, timm_args(args))
     return build_loaded(build, state_dict, name, filter_fn, dtype)
+
+
+def stream_model(
+    variant: Variant,
+    layout: Layout,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    device: torch.device,
+    folded: bool = False,
+    dtype: torch.dtype | None = None,
+    **args: Any,
+) -> StreamedModel:
+    """:func:`load_model`'s model with its blocks' weights left in ``state_dict`` until each block runs
+    (:class:`~.stream.StreamedModel`), on ``device``.
+
+    Raises:
+        RemapError: Missing, unexpected or mis-shaped keys, all listed.
+    """
+    assert layout.native is not None
+    name = model_name(variant, layout)
+    build, filter_fn = layout.native(variant, folded, timm_args(args))
+    return build_streamed(build, state_dict, name, filter_fn, dtype, device)
 
 
 def build_reference(variant: Variant, **args: Any) -> nn.Module:

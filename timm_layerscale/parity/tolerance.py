@@ -68,6 +68,9 @@ class VerifyOptions:
         images: Image files added to the inputs (timm's eval transforms).
         device: ``"cpu"`` or ``"cuda"``.
         batch_size: Images per forward pass.
+        stream: Run the models one block at a time, each block's weights read from the files as it runs
+            (:mod:`~timm_layerscale.parity.stream`); ``None``: where the in-memory path's two fp32 models would need
+            more than half the memory available.
     """
 
     atol: float | None = None
@@ -78,6 +81,7 @@ class VerifyOptions:
     images: tuple[str, ...] = ()
     device: str = "cpu"
     batch_size: int = 4
+    stream: bool | None = None
 
     def __post_init__(self) -> None:
         from ..errors import LayerScaleError, option

@@ -3,6 +3,9 @@ converted ones, each through the loader native to its layout (:mod:`.references`
 
 from __future__ import annotations
 
+import functools
+import math
+import re
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -12,43 +15,60 @@ import torch
 from .. import progress
 from ..conversion.detect import Detection
 from ..errors import CheckpointError, option
-from ..families import Layout, state_dict_shapes
+from ..families import Layout, Variant, state_dict_shapes
 from .compare import ParityReport, compare_models
 from .inputs import image_inputs, seeded_inputs
-from .references import load_model, model_name
+from .references import load_model, model_name, stream_model
 from .tolerance import Tolerance, VerifyOptions, resolve_tolerance
 
 __all__ = ["verify_outputs"]
 
 
-def _check_memory(name: str, numel: int) -> None:
-    """A one-line :class:`~timm_layerscale.errors.CheckpointError` where the two fp32 models of a check (``numel``
-    parameters each) need more memory than Linux says is available; elsewhere nothing is checked."""
+def _available() -> int | None:
+    """The memory Linux says is available, in bytes; ``None`` elsewhere."""
     try:
         with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
-        return
-    needed = 2 * 4 * numel
-    if needed > available:
-        raise CheckpointError(
-            f"verifying {name} needs about {needed / 2**30:.0f} GiB for two fp32 copies and "
-            f"{available / 2**30:.0f} GiB is available; verify on a larger machine, or pass {option('no_verify')}"
+        return None
+
+
+def _streams(variant: Variant, stream: bool | None) -> bool:
+    """Whether a check of ``variant`` runs one block at a time: as ``stream`` asks, else where the in-memory path's two
+    fp32 models would need more than half the available memory. A one-line
+    :class:`~timm_layerscale.errors.CheckpointError` where the path taken does not fit: the in-memory path's two
+    models, or one block at a time, both models' weights outside their blocks and one block of each."""
+    blocks: dict[str, int] = {}
+    for key, shape in state_dict_shapes(variant).items():
+        block = re.match(rf"({variant.family.blocks})\.", key)
+        blocks[block[1] if block else ""] = blocks.get(block[1] if block else "", 0) + 4 * math.prod(shape)
+    rest = blocks.pop("", 0)
+    available, whole = _available(), 2 * (rest + sum(blocks.values()))
+    streamed = available is not None and whole > available / 2 if stream is None else stream
+    needed = 2 * (rest + max(blocks.values(), default=0)) if streamed else whole
+    if available is not None and needed > available:
+        how = (
+            "one block at a time"
+            if streamed
+            else f"in memory (two fp32 copies; {option('stream')} reads a block at a time)"
         )
+        raise CheckpointError(
+            f"verifying {variant.name} {how} needs about {needed / 2**30:.1f} GiB and {available / 2**30:.1f} GiB is "
+            f"available; verify on a larger machine, or pass {option('no_verify')}"
+        )
+    return streamed
 
 
-def _epsilon_shift(ref: torch.nn.Module, batches: list[torch.Tensor], forward: Any, eps: float, ours: float) -> float:
+def _epsilon_shift(ref: torch.nn.Module, batches: list[torch.Tensor], run: Any, eps: float, ours: float) -> float:
     """The largest change of the reference's outputs on ``batches`` when its LayerNorms of epsilon ``eps`` (a
     transformers folder's ``layer_norm_eps``) compute with ``ours`` (the converted model's) instead: the part of the
     difference the epsilons make, measured, so that a bound can cover it."""
     norms = [m for m in ref.modules() if isinstance(m, torch.nn.LayerNorm) and m.eps == eps]
-    device = next(ref.parameters()).device
     outputs = []
     for value in (ours, eps):  # the folder's own epsilon restored last
         for m in norms:
             m.eps = value
-        with torch.no_grad():
-            outputs.append([forward(ref.eval(), x.to(device)).float().cpu() for x in batches])
+        outputs.append(run(ref, batches))
     return max(float((a - b).abs().max()) for a, b in zip(*outputs, strict=True))
 
 
@@ -79,19 +99,28 @@ def verify_outputs(
         )
     variant, family, overrides = source.variant, source.variant.family, source.overrides
     names = model_name(variant, source.layout), model_name(variant, layout) + (" (folded_layerscale)" if folded else "")
-    _check_memory(variant.name, sum(t.numel() for t in source_tensors.values()))
+    streamed = _streams(variant, options.stream)
+    device = torch.device(options.device)
+    load: Any = functools.partial(stream_model, device=device) if streamed else load_model
     t0 = time.perf_counter()
-    ref = load_model(variant, source.layout, source_tensors, dtype=dtype, **(args or overrides))
+    loaded = [load(variant, source.layout, source_tensors, dtype=dtype, **(args or overrides))]
     t1 = time.perf_counter()
-    out = load_model(variant, layout, converted, folded=folded, **cast(dict[str, Any], overrides))
+    loaded.append(load(variant, layout, converted, folded=folded, **cast(dict[str, Any], overrides)))
     loading = {"reference": t1 - t0, "converted model": time.perf_counter() - t1}
+    ref, out = (m.model if streamed else m.to(device) for m in loaded)
+    streams = {id(m.model): m for m in loaded} if streamed else {}
+
+    def run(m: torch.nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:  # a group's fp32 CPU outputs
+        if streams:
+            images = sum(len(x) for x in batches)
+            return streams[id(m)].run(batches, forward, lambda block: bar.update(images))
+        with torch.no_grad():
+            return [forward(m, x.to(device)).float().cpu() for x in batches]
+
     if not any(getattr(m, "fused_attn", False) for m in ref.modules()):  # a reference that attends by hand
         for m in out.modules():
             if hasattr(m, "fused_attn"):
                 setattr(m, "fused_attn", False)  # noqa: B010  (a Module attribute mypy sees as Tensor | Module)
-    device = torch.device(options.device)
-    ref.to(device)
-    out.to(device)
     size = tuple(getattr(out, "pretrained_cfg", {}).get("input_size", (3, variant.img_size, variant.img_size))[-2:])
     inputs = seeded_inputs(options.num_inputs, size, options.seed)
     parts = [f"{options.num_inputs} seeded N(0,1) images (seed {options.seed})"] if options.num_inputs else []
@@ -114,9 +143,11 @@ def verify_outputs(
     eps, config = getattr((args or {}).get("config"), "layer_norm_eps", None), source.layout.config
     ours = config(variant, state_dict_shapes(variant, 0)).layer_norm_eps if eps is not None and config else None
     if eps is not None and ours is not None and eps != ours:  # a folder's other epsilon (transformers' 1e-12)
-        shift = _epsilon_shift(ref, [x for g in groups for x in g.split(options.batch_size)], forward, eps, ours)
+        shift = _epsilon_shift(ref, [x for g in groups for x in g.split(options.batch_size)], run, eps, ours)
         why = f"; the folder's layer_norm_eps {eps:g}, the model's {ours:g}: twice their measured {shift:.3g} added"
         tolerance = Tolerance(tolerance.atol + 2 * shift, tolerance.rtol, tolerance.reason + why)
+    blocks = sum(len(m.blocks) for m in loaded) if streamed else 0
+    bar = progress.bar(total=blocks * sum(len(g) for g in groups), desc="verifying", unit="image-block")
     report = compare_models(
         ref,
         out,
@@ -130,6 +161,10 @@ def verify_outputs(
         tolerance=tolerance,
         forward=forward,
         progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
+        run=run if streamed else None,
     )
+    bar.close()
     report.seconds = {k: round(v + loading[k], 3) for k, v in report.seconds.items()}
+    whole = " (transformers' model loaded whole)" if streamed and independent else ""
+    report.path = ("one block at a time" if streamed else "in memory") + whole
     return report
