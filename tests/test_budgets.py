@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT
 
 #: Code tokens allowed for the folders, lines for the README.
-BUDGETS = {"timm_layerscale": 62_000, "tests": 93_000, "README.md": 480}
+BUDGETS = {"timm_layerscale": 64_500, "tests": 95_000, "README.md": 480}
 
 #: Tokens that are layout, not code.
 LAYOUT_TOKENS = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}

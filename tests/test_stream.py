@@ -71,3 +71,4 @@ def test_convert_streams_as_asked_in_a_fresh_process(official, tmp_path) -> None
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)["report"]
     assert report["bit_exact"] and report["passed"] and report["weights_equal"]
+    assert report["path"] == "one block at a time"

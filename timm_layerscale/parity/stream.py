@@ -18,6 +18,8 @@ from ..conversion.rules import check_state_dict
 
 __all__ = ["StreamedModel", "blocks_of", "build_streamed", "parameters_on_meta"]
 
+_MAPPED_FLOATS = (32 << 20) // 4 + 1024  # fp32 numbers in just over 32 MiB, the largest allocation glibc may not map
+
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
@@ -54,13 +56,15 @@ def _fresh(
 ) -> dict[str, torch.Tensor]:
     """``tensors`` in fresh memory on ``device``, floating point ones as fp32 (those in ``rounded`` first rounded to
     ``dtype``, a written file's), never a tensor mapped from a file, whose alignment could change how a kernel sums.
-    The floating point ones are views of one allocation, each at a multiple of 64 bytes as torch aligns its own: freed
-    at once, it goes back to the system (many tensors freed apart can stay with the allocator)."""
+    The floating point ones are views of one allocation of at least 32 MiB (its pages beyond them never touched), each
+    at a multiple of 64 bytes as torch aligns its own: freed at once, it goes back to the system."""
     floats = {k: v for k, v in tensors.items() if v.is_floating_point()}
     starts, total = {}, 0
     for key, value in floats.items():
         starts[key], total = total, total + -(-value.numel() // 16) * 16
-    flat = torch.empty(total, dtype=torch.float32, device=device)
+    # glibc's malloc maps anything above 32 MiB apart and unmaps it when freed; a smaller block's weights would be
+    # carved from the heap, which the activations between two blocks fragment until it holds every block read
+    flat = torch.empty(max(total, _MAPPED_FLOATS), dtype=torch.float32, device=device)
     out = {}
     for key, value in tensors.items():
         if key in floats:

@@ -72,6 +72,29 @@ def _epsilon_shift(ref: torch.nn.Module, batches: list[torch.Tensor], run: Any, 
     return max(float((a - b).abs().max()) for a, b in zip(*outputs, strict=True))
 
 
+def _inputs(
+    options: VerifyOptions, variant: Variant, ref: torch.nn.Module, out: torch.nn.Module
+) -> tuple[list[torch.Tensor], str]:
+    """The check's input groups, one per input size, and their description: the seeded images and image files at
+    the model's input size, and where both models take any size, as many seeded images at a non-square one."""
+    size = tuple(getattr(out, "pretrained_cfg", {}).get("input_size", (3, variant.img_size, variant.img_size))[-2:])
+    inputs = seeded_inputs(options.num_inputs, size, options.seed)
+    parts = [f"{options.num_inputs} seeded N(0,1) images (seed {options.seed})"] if options.num_inputs else []
+    if options.images:
+        files = image_inputs(options.images, out)
+        if files.shape[-2:] != inputs.shape[-2:]:
+            raise CheckpointError("image files resolve to another input size than the model's; check the image files")
+        inputs = torch.cat([inputs, files])
+        parts.append(f"{len(options.images)} image file(s)")
+    groups, at = [inputs], f" at {size[0]}x{size[1]}"
+    if options.num_inputs and all(getattr(m, "dynamic_img_size", False) for m in (ref, out)):
+        # models that take any input size are checked at a second, non-square one too (their positions resampled)
+        wide = (size[0], max(variant.patch_size, size[1] * 3 // 4 // variant.patch_size * variant.patch_size))
+        groups.append(seeded_inputs(options.num_inputs, wide, options.seed + 1))
+        at += f", {options.num_inputs} more (seed {options.seed + 1}) at {wide[0]}x{wide[1]}"
+    return groups, " + ".join(parts) + at
+
+
 def verify_outputs(
     source: Detection,
     source_tensors: Mapping[str, torch.Tensor],
@@ -121,21 +144,7 @@ def verify_outputs(
         for m in out.modules():
             if hasattr(m, "fused_attn"):
                 setattr(m, "fused_attn", False)  # noqa: B010  (a Module attribute mypy sees as Tensor | Module)
-    size = tuple(getattr(out, "pretrained_cfg", {}).get("input_size", (3, variant.img_size, variant.img_size))[-2:])
-    inputs = seeded_inputs(options.num_inputs, size, options.seed)
-    parts = [f"{options.num_inputs} seeded N(0,1) images (seed {options.seed})"] if options.num_inputs else []
-    if options.images:
-        files = image_inputs(options.images, out)
-        if files.shape[-2:] != inputs.shape[-2:]:
-            raise CheckpointError("image files resolve to another input size than the model's; check the image files")
-        inputs = torch.cat([inputs, files])
-        parts.append(f"{len(options.images)} image file(s)")
-    groups, at = [inputs], f" at {size[0]}x{size[1]}"
-    if options.num_inputs and all(getattr(m, "dynamic_img_size", False) for m in (ref, out)):
-        # models that take any input size are checked at a second, non-square one too (their positions resampled)
-        wide = (size[0], max(variant.patch_size, size[1] * 3 // 4 // variant.patch_size * variant.patch_size))
-        groups.append(seeded_inputs(options.num_inputs, wide, options.seed + 1))
-        at += f", {options.num_inputs} more (seed {options.seed + 1}) at {wide[0]}x{wide[1]}"
+    groups, described = _inputs(options, variant, ref, out)
     tokens, independent = family.tokens, source.layout.library or layout.library
     weights = dtype or next((v.dtype for v in converted.values() if v.is_floating_point()), torch.float32)
     forward = (lambda m, x: cast(Any, m).forward_features(x)) if tokens else (lambda m, x: m(x))
@@ -155,7 +164,7 @@ def verify_outputs(
         reference_name=names[0],
         model_name=names[1],
         family=family.name,
-        inputs_desc=" + ".join(parts) + at + (", forward_features tokens" if tokens else ""),
+        inputs_desc=described + (", forward_features tokens" if tokens else ""),
         batch_size=options.batch_size,
         weights_dtype=str(weights).removeprefix("torch."),
         tolerance=tolerance,
