@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +45,23 @@ def test_streamed_outputs_equal_the_whole_models_in_every_layout(v: Variant, tin
         assert all(p.device.type == "meta" for b in streamed.blocks for p in b.parameters()), "freed after the run"
 
 
+def test_each_block_is_read_once_for_all_batches_of_a_group(tiny_variants, monkeypatch) -> None:
+    v = tiny_models.DEIT3
+    ls = to_layerscale(to_gamma(seed_parameters_(build_reference(v), seed=3).state_dict(), v.family), v.family)
+    streamed = stream_model(v, v.family.layouts["ls"], ls, device=CPU)
+    reads: list[int] = []
+    load = streamed._load
+
+    def counted(i: int) -> None:
+        reads.append(i)
+        load(i)
+
+    monkeypatch.setattr(streamed, "_load", counted)
+    done: list[int] = []
+    outputs = streamed.run(list(seeded_inputs(7, v.img_size).split(2)), lambda m, x: m(x), done.append)
+    assert len(outputs) == 4 and reads == done == list(range(len(streamed.blocks)))
+
+
 def test_blocks_are_the_innermost_lists_of_like_modules() -> None:
     import timm
 
@@ -72,3 +90,17 @@ def test_convert_streams_as_asked_in_a_fresh_process(official, tmp_path) -> None
     report = json.loads(p.stdout)["report"]
     assert report["bit_exact"] and report["passed"] and report["weights_equal"]
     assert report["path"] == "one block at a time"
+
+
+@pytest.mark.slow  # a 13.4 GB file and two 7B forward passes: minutes, and 27 GB of disk
+def test_the_7b_verifies_one_block_at_a_time(tmp_path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.bench_convert_7b import write_official
+
+    source = tmp_path / "dinov3_vit7b16.safetensors"
+    write_official(source, "vit_7b_patch16_dinov3_ls")
+    argv = ["-m", "timm_layerscale", "convert", source, tmp_path / "out.safetensors", "--num-inputs", "1", "--json"]
+    p = subprocess.run([sys.executable, *map(str, [*argv, "--stream"])], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)["report"]
+    assert report["passed"] and report["weights_equal"] and report["path"] == "one block at a time"
