@@ -344,9 +344,8 @@ def verify_checkpoint(
 ) -> ParityReport:
     """Compare the reference model on the original weights (file, URL, ``hf-hub:`` id or state dict) with the
     model on the converted ones (file, folder, URL, ``hf-hub:`` id or state dict, in any layout of the family, folded
-    or not), as
-    :func:`convert_checkpoint` does, and every converted tensor with the source's mapped by the rules. The converted
-    file's layout is told as detection tells a source's. ``model`` overrides detection, ``ema`` takes the source's
+    or not), as :func:`convert_checkpoint` does, and every converted tensor with the source's mapped by the rules. The
+    converted file's layout is told as detection tells a source's. ``model`` overrides detection, ``ema`` takes the source's
     ``'model_ema'``.
 
     Raises:

@@ -30,8 +30,8 @@ DEFAULT_NUM_CLASSES = 1000
 ALIAS = "gamma"
 #: Every layout name ``--to`` takes, of any family, and the release word.
 LAYOUT_NAMES = ("ls", "timm", "official", "transformers", ALIAS)
-#: Replacement that keeps a key unchanged.
 V = TypeVar("V")
+#: Replacement that keeps a key unchanged.
 KEEP = r"\g<0>"
 #: The end of a linear layer's keys.
 LINEAR = r"\.(?:weight|bias)"

@@ -189,9 +189,9 @@ def write_folder_config(
     labels: tuple[Sequence[str], dict[str, str] | None] | None = None,
 ) -> dict[str, Any]:
     """Write an exported folder's ``config.json`` into ``folder`` and return what the card reads of it: transformers'
-    for a library's ``layout``, else timm's (:func:`write_config`) of the architecture
-    exported (the variant's own for the ``ls`` layout, timm's twin otherwise) under ``tag`` or the tag of the source's
-    ``config.json`` where the architecture has it, with ``labels`` (class names and their descriptions) or the source's.
+    for a library's ``layout``, else timm's (:func:`write_config`) of the architecture exported (the variant's own for
+    the ``ls`` layout, timm's twin otherwise) under ``tag`` or the tag of the source's ``config.json`` where the
+    architecture has it, with ``labels`` (class names and their descriptions) or the source's.
 
     Raises:
         CheckpointError: As :func:`write_config`; an error about the names the source's ``config.json`` holds says

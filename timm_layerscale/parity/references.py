@@ -72,8 +72,8 @@ def load_model(
     dtype: torch.dtype | None = None,
     **args: Any,
 ) -> nn.Module:
-    """The model that reads ``state_dict`` (prefix-free, in ``layout``; ``folded``: without gates) as the layout's consumer loads it, strictly, its parameters rounded to
-    ``dtype``, in fp32 and eval mode; ``args``: ``num_classes`` and ``img_size`` beyond the variant's, a transformers
+    """The model that reads ``state_dict`` (prefix-free, in ``layout``; ``folded``: without gates) as the layout's
+    consumer loads it, strictly, its parameters rounded to ``dtype``, in fp32 and eval mode; ``args``: ``num_classes`` and ``img_size`` beyond the variant's, a transformers
     folder's ``config``.
 
     Raises:

@@ -92,8 +92,7 @@ class StreamedModel:
         self.blocks = blocks_of(model)
         names = {block: name for name, block in model.named_modules()}
         self.prefixes = [names[block] + "." for block in self.blocks]
-        params = {k for k, _ in model.named_parameters()}
-        self.params = params
+        self.params = {k for k, _ in model.named_parameters()}
         rest = {k: v for k, v in tensors.items() if not k.startswith(tuple(self.prefixes))}
         self._assign(model, rest)
         for module in model.modules():  # the buffers it computes, in fp32 on the device as the in-memory path has them
@@ -206,19 +205,18 @@ class _Lockstep:
         try:
             for w in self.workers:
                 w.start()
-            while at := self._resume_all():
+            while True:
+                at = self._resume_all()  # every batch waits at the next block, or has finished
                 if len(at) > 1:
                     raise RuntimeError(f"the batches reached different blocks {sorted(at)}; verify in memory")
                 if loaded is not None:
                     s._free(loaded)
                     if self.done:
                         self.done(loaded)
+                if not at:
+                    break
                 loaded = at.pop()
                 s._load(loaded)
-            if loaded is not None:
-                s._free(loaded)
-                if self.done:
-                    self.done(loaded)
         finally:
             for h in hooks:
                 h.remove()

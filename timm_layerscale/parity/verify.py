@@ -41,7 +41,8 @@ def _streams(variant: Variant, stream: bool | None) -> bool:
     blocks: dict[str, int] = {}
     for key, shape in state_dict_shapes(variant).items():
         block = re.match(rf"({variant.family.blocks})\.", key)
-        blocks[block[1] if block else ""] = blocks.get(block[1] if block else "", 0) + 4 * math.prod(shape)
+        name = block[1] if block else ""
+        blocks[name] = blocks.get(name, 0) + 4 * math.prod(shape)
     rest = blocks.pop("", 0)
     available, whole = _available(), 2 * (rest + sum(blocks.values()))
     streamed = available is not None and whole > available / 2 if stream is None else stream
@@ -136,7 +137,7 @@ def verify_outputs(
     def run(m: torch.nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:  # a group's fp32 CPU outputs
         if streams:
             images = sum(len(x) for x in batches)
-            return streams[id(m)].run(batches, forward, lambda block: bar.update(images))
+            return streams[id(m)].run(batches, forward, lambda block: bar.update(images) if bar else None)
         with torch.no_grad():
             return [forward(m, x.to(device)).float().cpu() for x in batches]
 
@@ -155,8 +156,8 @@ def verify_outputs(
         shift = _epsilon_shift(ref, [x for g in groups for x in g.split(options.batch_size)], run, eps, ours)
         why = f"; the folder's layer_norm_eps {eps:g}, the model's {ours:g}: twice their measured {shift:.3g} added"
         tolerance = Tolerance(tolerance.atol + 2 * shift, tolerance.rtol, tolerance.reason + why)
-    blocks = sum(len(m.blocks) for m in loaded) if streamed else 0
-    bar = progress.bar(total=blocks * sum(len(g) for g in groups), desc="verifying", unit="image-block")
+    steps = sum(len(m.blocks) for m in loaded) * sum(len(g) for g in groups) if streamed else 0
+    bar = progress.bar(total=steps, desc="verifying", unit="image-block") if streamed else None
     report = compare_models(
         ref,
         out,
@@ -172,7 +173,8 @@ def verify_outputs(
         progress=lambda batches: progress.bar(list(batches), desc="verifying", unit="batch"),
         run=run if streamed else None,
     )
-    bar.close()
+    if bar is not None:
+        bar.close()
     report.seconds = {k: round(v + loading[k], 3) for k, v in report.seconds.items()}
     whole = " (transformers' model loaded whole)" if streamed and independent else ""
     report.path = ("one block at a time" if streamed else "in memory") + whole
