@@ -122,7 +122,7 @@ def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> N
         real = converter.cast_tensors
 
         def cast(tensors, dtype, keep):
-            out = real(tensors, dtype, keep)
+            out = dict(real(tensors, dtype, keep))
             key = next(k for k in out if k.endswith(GATE_ENDINGS))
             out[key] = out[key].clone()
             out[key][0] *= 1.01

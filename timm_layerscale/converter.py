@@ -63,7 +63,7 @@ class ConversionResult:
     seconds: float
     command: str
     container: str = "state dict"
-    state_dict: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    state_dict: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
     renamed: list[tuple[str, str]] = field(default_factory=list, repr=False)
     changed: str = ""
     note: str = ""
@@ -139,11 +139,10 @@ def convert_checkpoint(
     _check_source(src, layout, fmt, target_file, allow_nonfinite)
     changes: list[Change] = []
     written: list[Change] = []
-    target = target_tensors(src.state_dict, variant, src.detection.layout, layout, fold, torch_dtype, changes, written)
-    if verify:  # verified as written; unverified, the writer casts
-        target = cast_tensors(target, torch_dtype, layout.computed(variant))
+    mapped = target_tensors(src.state_dict, variant, src.detection.layout, layout, fold, torch_dtype, changes, written)
     if dtype and not allow_nonfinite:
-        _check_range(src, target, dtype)
+        _check_range(src, mapped, dtype)
+    target = cast_tensors(mapped, torch_dtype, layout.computed(variant))  # as written, each cast as it is read
     phases.lap("rules")
     report = _verify(src, target, layout, torch_dtype, fold, options, phases) if verify else None
     metadata = _metadata(src, layout, fold, report, len(target))
@@ -250,7 +249,15 @@ def _verify(
     reference on the source (:func:`~timm_layerscale.parity.verify.verify_outputs`), its phases' seconds added
     to ``phases``; a :class:`~timm_layerscale.errors.ParityError` where it fails."""
     report = verify_outputs(
-        src.detection, src.state_dict, target, layout, dtype=dtype, folded=fold, options=options, args=src.args
+        src.detection,
+        src.state_dict,
+        target,
+        layout,
+        dtype=dtype,
+        folded=fold,
+        options=options,
+        args=src.args,
+        legacy=src.legacy,
     )
     if not report.passed:
         raise parity_error(report)
@@ -293,7 +300,7 @@ def _metadata(src: Source, layout: Layout, fold: bool, report: ParityReport | No
 def _write(
     output: str | os.PathLike[str],
     fmt: str,
-    target: dict[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
     metadata: dict[str, str],
     src: Source,
     layout: Layout,
@@ -375,7 +382,15 @@ def verify_checkpoint(
         floating = {v.dtype for k, v in conv_sd.items() if v.is_floating_point() and k not in keep}
         dtype = floating.pop() if len(floating) == 1 else None
         report = verify_outputs(
-            src.detection, src.state_dict, conv_sd, layout, dtype=dtype, folded=folded, options=options, args=src.args
+            src.detection,
+            src.state_dict,
+            conv_sd,
+            layout,
+            dtype=dtype,
+            folded=folded,
+            options=options,
+            args=src.args,
+            legacy=src.legacy,
         )
         compare_files(src.state_dict, src.detection, layout, folded, dtype, conv_sd, stored, report, meaning=True)
         return report

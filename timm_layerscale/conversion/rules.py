@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import families
@@ -24,7 +24,7 @@ from .checkpoint import strip_prefixes
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Change", "UncoveredKeys", "cast_tensors", "check_floating", "check_state_dict", "describe_changes"]
+__all__ = ["Cast", "Change", "UncoveredKeys", "cast_tensors", "check_floating", "check_state_dict", "describe_changes"]
 __all__ += ["mismatches", "target_tensors", "without_zero_optional"]
 __all__ += ["read_layout", "remap", "renamed_keys", "to_gamma", "to_layerscale", "to_layout"]
 
@@ -289,10 +289,28 @@ def target_tensors(
 
 def cast_tensors(
     tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, keep: set[str]
-) -> dict[str, torch.Tensor]:
+) -> Mapping[str, torch.Tensor]:
     """``tensors`` with every floating-point one but those in ``keep`` (computed buffers, fp32 in every file) as
-    ``dtype`` (``None``: as they are)."""
-    return {k: v.to(dtype) if dtype and v.is_floating_point() and k not in keep else v for k, v in tensors.items()}
+    ``dtype`` (``None``: ``tensors`` themselves). Each tensor is cast as it is read and not kept, so that a model's
+    worth of cast copies never exists at once (verification one block at a time reads a block's and frees them)."""
+    return tensors if dtype is None else Cast(tensors, dtype, keep)
+
+
+class Cast(Mapping[str, "torch.Tensor"]):
+    """The view :func:`cast_tensors` returns."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, keep: set[str]) -> None:
+        self.tensors, self.dtype, self.keep = tensors, dtype, keep
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tensor = self.tensors[key]
+        return tensor.to(self.dtype) if tensor.is_floating_point() and key not in self.keep else tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def without_zero_optional(

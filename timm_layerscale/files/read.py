@@ -477,6 +477,15 @@ class Source:
         if _stamp(self.path) != self.stamp:
             raise CheckpointError(f"{self.path} changed while it was converted; nothing written")
 
+    @property
+    def legacy(self) -> bool:
+        """Whether the file is a legacy (pre-zip) ``.pth``, whose tensors ``torch.load`` reads whole: it cannot map
+        one (a state dict given in memory: ``False``)."""
+        if not self.path.is_file():
+            return False
+        with open(self.path, "rb") as f:
+            return _sniff(self.path, f.read(512)) == "pickle"
+
     def check(self) -> str:
         """Wait for the zip checksums and return the file's SHA-256 (``''`` where none was computed); a
         :class:`~timm_layerscale.errors.CheckpointError` if a checksum fails."""

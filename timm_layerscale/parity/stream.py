@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..conversion.rules import check_state_dict
+from ..conversion.rules import Cast, cast_tensors, check_state_dict
 
 __all__ = ["StreamedModel", "blocks_of", "build_streamed", "parameters_on_meta"]
 
@@ -243,6 +243,21 @@ def build_streamed(
     with parameters_on_meta():
         model = build()
     if filter_fn is not None:
-        state_dict = filter_fn(dict(state_dict), model)
+        state_dict = _filtered(filter_fn, state_dict, model)
     check_state_dict(state_dict, model.state_dict(), name)
     return StreamedModel(model.eval(), state_dict, dtype, device)
+
+
+def _filtered(
+    filter_fn: Callable[[dict[str, torch.Tensor], nn.Module], Mapping[str, torch.Tensor]],
+    state_dict: Mapping[str, torch.Tensor],
+    model: nn.Module,
+) -> Mapping[str, torch.Tensor]:
+    """``state_dict`` through ``filter_fn``, a cast view (:func:`~timm_layerscale.conversion.rules.cast_tensors`)
+    uncast, its outputs then cast as they are read but those that are the tensors it kept: the filters rename, slice
+    and join tensors, which a cast commutes with, and a cast of the whole dict would hold a model's worth of copies."""
+    if not isinstance(state_dict, Cast):
+        return filter_fn(dict(state_dict), model)
+    kept = {state_dict.tensors[k].data_ptr() for k in state_dict.keep if k in state_dict.tensors}
+    out = filter_fn(dict(state_dict.tensors), model)
+    return cast_tensors(out, state_dict.dtype, {k for k, v in out.items() if v.data_ptr() in kept})

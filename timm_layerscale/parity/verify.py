@@ -106,11 +106,13 @@ def verify_outputs(
     folded: bool = False,
     options: VerifyOptions | None = None,
     args: Mapping[str, Any] | None = None,
+    legacy: bool = False,
 ) -> ParityReport:
     """The parity report of the reference on ``source_tensors`` (the detected ``source``'s own, read by its layout's
     consumer, its parameters then rounded to ``dtype``, the converted file's; ``None``: the source's) against the
     model on ``converted`` (in ``layout``, ``folded`` or not), in fp32. ``args``: the reference's model arguments
-    (the detection's overrides, a transformers folder's own ``config``). The report's weight fields are the caller's.
+    (the detection's overrides, a transformers folder's own ``config``). ``legacy``: the source tensors were read whole
+    from a legacy ``.pth`` (the report says so where the models stream). The report's weight fields are the caller's.
 
     Raises:
         RemapError: The converted tensors do not fit the model of their layout (the keys listed).
@@ -177,5 +179,7 @@ def verify_outputs(
         bar.close()
     report.seconds = {k: round(v + loading[k], 3) for k, v in report.seconds.items()}
     whole = " (transformers' model loaded whole)" if streamed and independent else ""
+    if streamed and legacy:  # torch maps zip files only
+        whole += "; the source read whole, a legacy .pth: re-save it with torch.save to map it"
     report.path = ("one block at a time" if streamed else "in memory") + whole
     return report

@@ -81,9 +81,9 @@ def compare_files(
     unfolded = target_tensors(tensors, variant, found.layout, ls if meaning else to, changes=changes)
     # folding is for the ls layout only
     expected = fold_gates(unfolded, variant.family, dtype) if fold else unfolded
-    expected = cast_tensors(expected, dtype, to.computed(variant))  # the request, not the cast that was made
     got = target_tensors(written, variant, to, ls) if meaning else written
-    same, count, detail = compare_weights(expected, got)
+    # the request, not the cast that was made
+    same, count, detail = compare_weights(cast_tensors(expected, dtype, to.computed(variant)), got)
     if same and container is not None and container != (to.wrapper, to.prefix):
         same, detail = False, f"its container is not {to.container}"
     if same and fold:
