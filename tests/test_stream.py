@@ -3,6 +3,7 @@ in every layout of every family, and the command that asks for it."""
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
@@ -53,13 +54,14 @@ def test_a_cast_is_read_a_tensor_at_a_time_through_every_layouts_filter(v: Varia
     source = v.family.layouts[v.family.alias("pth")]
     batches = list(seeded_inputs(3, v.img_size, seed=1).split(2))
     forward: Any = (lambda m, x: m.forward_features(x)) if v.family.tokens else (lambda m, x: m(x))
-    live, most = [0], [0]
+    live, most, reads = [0], [0], collections.Counter[str]()
     read = Cast.__getitem__
 
     def counted(self: Cast, key: str) -> torch.Tensor:
         tensor = read(self, key)
         if tensor is self.tensors[key]:  # kept as it is
             return tensor
+        reads[key] += 1
         live[0] += 1
         most[0] = max(most[0], live[0])
         weakref.finalize(tensor, lambda: live.__setitem__(0, live[0] - 1))
@@ -72,9 +74,11 @@ def test_a_cast_is_read_a_tensor_at_a_time_through_every_layouts_filter(v: Varia
         with monkeypatch.context() as patch:
             patch.setattr(Cast, "__getitem__", counted)
             most[0] = 0
+            reads.clear()
             got = stream_model(v, layout, cast, device=CPU, num_classes=0).run(batches, forward)
         assert all(torch.equal(a, b.float()) for a, b in zip(got, expected, strict=True)), name
         assert 0 < most[0] < len(cast) // 2, f"{name}: {most[0]} of {len(cast)} cast tensors held at once"
+        assert max(reads.values()) <= 2, f"{name}: a tensor cast {max(reads.values())} times"  # checked, loaded
 
 
 def test_a_transformers_model_streamed_says_it_was_loaded_whole(tiny_variants) -> None:

@@ -297,7 +297,7 @@ def cast_tensors(
 
 
 class Cast(Mapping[str, "torch.Tensor"]):
-    """The view :func:`cast_tensors` returns."""
+    """The view :func:`cast_tensors` returns: ``tensors``' keys, each value cast as it is read."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, keep: set[str]) -> None:
         self.tensors, self.dtype, self.keep = tensors, dtype, keep
@@ -305,6 +305,9 @@ class Cast(Mapping[str, "torch.Tensor"]):
     def __getitem__(self, key: str) -> torch.Tensor:
         tensor = self.tensors[key]
         return tensor.to(self.dtype) if tensor.is_floating_point() and key not in self.keep else tensor
+
+    def __contains__(self, key: object) -> bool:  # Mapping's would read (cast) the tensor
+        return key in self.tensors
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)

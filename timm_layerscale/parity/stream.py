@@ -7,6 +7,8 @@ operands the in-memory path gives it."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -75,12 +77,28 @@ def _fresh(
     return out
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int]:
+    """glibc's ``malloc_trim``, or where there is none a function that does nothing."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda pad: 0
+
+
+def _trim() -> None:
+    """The free pages of every malloc heap given back to the system: the activations and casts between two blocks
+    fragment the heaps, whose free pages would otherwise stay counted, a block's worth or more each time."""
+    _malloc_trim()(0)
+
+
 class StreamedModel:
     """A model whose blocks' parameters stay in ``tensors`` (its filtered state dict) until the block runs.
 
     Args:
         model: Built in :func:`parameters_on_meta`, in eval mode.
-        tensors: Its state dict (strictly its keys and shapes), as the layout's filter made it.
+        tensors: Its state dict (strictly its keys and shapes), as the layout's filter made it; a cast view
+            (:func:`~timm_layerscale.conversion.rules.cast_tensors`) is read uncast and rounded as it casts.
         dtype: The written file's dtype its parameters are rounded to first (``None``: as they are).
         device: Where it computes.
     """
@@ -88,20 +106,25 @@ class StreamedModel:
     def __init__(
         self, model: nn.Module, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, device: torch.device
     ) -> None:
+        self.rounded = {k for k, _ in model.named_parameters()}  # the keys rounded to dtype as they are copied
+        if isinstance(tensors, Cast):  # uncast, so that no block's worth of cast copies is read at once
+            self.rounded = {k for k in tensors.tensors if k not in tensors.keep}
+            dtype, tensors = tensors.dtype, tensors.tensors
         self.model, self.tensors, self.dtype, self.device = model, tensors, dtype, device
         self.blocks = blocks_of(model)
         names = {block: name for name, block in model.named_modules()}
         self.prefixes = [names[block] + "." for block in self.blocks]
-        self.params = {k for k, _ in model.named_parameters()}
-        rest = {k: v for k, v in tensors.items() if not k.startswith(tuple(self.prefixes))}
+        # keys first: a value read from a cast view is cast
+        rest = {k: tensors[k] for k in tensors if not k.startswith(tuple(self.prefixes))}
         self._assign(model, rest)
         for module in model.modules():  # the buffers it computes, in fp32 on the device as the in-memory path has them
             for name, buffer in module.named_buffers(recurse=False):
                 module._buffers[name] = (buffer.float() if buffer.is_floating_point() else buffer).to(device)
 
     def _assign(self, module: nn.Module, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> None:
-        """``tensors`` (keys relative to ``module``) assigned into ``module``, fresh; parameters rounded to ``dtype``."""
-        rounded = {k for k in tensors if prefix + k in self.params}
+        """``tensors`` (keys relative to ``module``) assigned into ``module``, fresh; parameters (a cast view's: what
+        it casts) rounded to ``dtype``."""
+        rounded = {k for k in tensors if prefix + k in self.rounded}
         for key, fresh in _fresh(tensors, rounded, self.dtype, self.device).items():
             owner, _, name = key.rpartition(".")
             holder = module.get_submodule(owner)
@@ -113,13 +136,14 @@ class StreamedModel:
 
     def _load(self, i: int) -> None:
         prefix = self.prefixes[i]
-        own = {k[len(prefix) :]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        own = {k[len(prefix) :]: self.tensors[k] for k in self.tensors if k.startswith(prefix)}
         self._assign(self.blocks[i], own, prefix)
 
     def _free(self, i: int) -> None:
         for module in self.blocks[i].modules():
             for name, param in module.named_parameters(recurse=False):
                 module._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
+        _trim()
 
     def run(
         self,
