@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT
 
 #: Code tokens allowed for the folders, lines for the README.
-BUDGETS = {"timm_layerscale": 64_500, "tests": 95_000, "README.md": 480}
+BUDGETS = {"timm_layerscale": 68_500, "tests": 101_000, "README.md": 500}
 
 #: Tokens that are layout, not code.
 LAYOUT_TOKENS = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
