@@ -435,7 +435,7 @@ def _write(kind: str, src: Path, light_sd: dict) -> None:
 BAD_INPUTS = [
     # (kind, file name, extra arguments, expected text in the one-line error)
     ("missing", "XXS24_224.pth", [], "not found"),
-    ("directory", "XXS24_224.pth", [], "holds neither model.safetensors nor pytorch_model.bin"),
+    ("directory", "XXS24_224.pth", [], "holds neither model.safetensors nor model.safetensors.index.json nor"),
     ("empty", "XXS24_224.pth", [], "is empty"),
     ("truncated-pth", "XXS24_224.pth", [], "truncated"),
     ("truncated-safetensors", "model.safetensors", [], "truncated"),

@@ -107,3 +107,28 @@ def test_timms_own_state_dict_is_read_as_timms_layout(name) -> None:
         state_dict = timm.create_model(name).state_dict()
     found = detected(state_dict)
     assert (found.variant.name, found.layout.name) == (name, "ls")
+
+
+def test_a_sharded_transformers_folder_converts_as_its_single_file_twin(tmp_path) -> None:
+    """``save_pretrained`` with ``max_shard_size``: its index and shards, read shard by shard in a fresh process,
+    give the same verified file as the one-file folder of the same model."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    from timm_layerscale.conversion.detect import state_dict_shapes
+    from timm_layerscale.families import get_variant
+    from timm_layerscale.families.dinov2 import transformers_config
+
+    v = get_variant("vit_small_patch14_dinov2")
+    theirs = transformers.Dinov2Model(transformers_config(v, state_dict_shapes(v, 0)))
+    for name, shard in (("one", "1GB"), ("sharded", "20MB")):
+        theirs.save_pretrained(tmp_path / name, max_shard_size=shard)
+        argv = ["-m", "timm_layerscale", "convert", tmp_path / name, tmp_path / f"{name}.safetensors"]
+        p = subprocess.run([sys.executable, *map(str, [*argv, "--num-inputs", "1"])], capture_output=True, text=True)
+        assert p.returncode == 0 and "bit-exact" in p.stdout, p.stderr
+    assert (tmp_path / "one" / "model.safetensors").exists()
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
+    one, sharded = (load_file(tmp_path / f"{name}.safetensors") for name in ("one", "sharded"))
+    assert one.keys() == sharded.keys() and all(torch.equal(one[k], sharded[k]) for k in one)

@@ -509,12 +509,27 @@ def test_resolve_source_downloads_from_the_hub(hub: FakeHub) -> None:
     assert resolve_source("hf-hub:my-org/st@refs/pr/1").read_bytes() == b"pr"
     assert resolve_source("hf-hub:my-org/st@refs/pr/1/other.bin").read_bytes() == b"pr other"
     assert resolve_source("hf-hub:my-org/bin").read_bytes() == b"pickle"
-    with pytest.raises(HubError, match=r"has no file model\.safetensors or pytorch_model\.bin"):
+    with pytest.raises(HubError, match=r"has no file model\.safetensors or .*index\.json or pytorch_model\.bin"):
         resolve_source("hf-hub:my-org/empty")
     with pytest.raises(HubError, match=r"not found or is not accessible .*check the repo id"):
         resolve_source("hf-hub:my-org/does-not-exist")
     with pytest.raises(HubError, match=r"my-org/st has no revision 'v9' while downloading .*check the revision"):
         resolve_source("hf-hub:my-org/st@v9")
+
+
+def test_a_sharded_repository_downloads_its_shards_beside_the_index(hub: FakeHub) -> None:
+    from safetensors.torch import save
+
+    from timm_layerscale.files.read import load_checkpoint
+
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.dumps({"weight_map": {"a": names[0], "b": names[1]}}).encode()
+    files = {names[0]: save({"a": torch.ones(2)}), names[1]: save({"b": torch.zeros(3)})}
+    hub.repos["my-org/sharded"] = {"branches": {"main": {"model.safetensors.index.json": index, **files}}, "prs": {}}
+    path = resolve_source("hf-hub:my-org/sharded")
+    assert path.name == "model.safetensors.index.json"
+    assert sorted(p.name for p in path.parent.iterdir()) == [*names, path.name]
+    assert {k: v.tolist() for k, v in load_checkpoint(path).items()} == {"a": [1.0, 1.0], "b": [0.0, 0.0, 0.0]}
 
 
 @pytest.mark.compat

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -240,3 +241,30 @@ def test_two_urls_of_one_file_name_never_share_a_download(monkeypatch, tmp_path)
     assert cached_url_path("https://user:secret@example.org/w/S24.pth") == cached_url_path(
         "https://example.org/w/S24.pth"
     )
+
+
+def test_a_sharded_checkpoint_reads_as_its_index_lists_it(tmp_path: Path) -> None:
+    """A folder's index and its shards read as one mapped state dict; shards that disagree with their index, or an
+    index naming a file elsewhere, are one line each."""
+    from timm_layerscale.files.read import resolve_source
+
+    tensors = {f"blocks.{i}.weight": torch.full((4,), float(i)) for i in range(5)}
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    shards = {first: list(tensors)[:3], second: list(tensors)[3:]}
+    for name, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, tmp_path / name)
+    weight_map = {k: name for name, keys in shards.items() for k in keys}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 80}, "weight_map": weight_map}))
+    assert resolve_source(tmp_path) == index
+    assert_same_tensors(load_checkpoint(tmp_path / "model.safetensors.index.json"), tensors)
+    for wrong, expect in (
+        ({"blocks.2.weight": second}, f"{first} holds 'blocks.2.weight', which {index.name} puts elsewhere"),
+        ({"blocks.3.weight": first}, f"{first} lacks 'blocks.3.weight', which {index.name} puts there"),
+    ):
+        index.write_text(json.dumps({"weight_map": {**weight_map, **wrong}}))
+        with pytest.raises(CheckpointError, match=re.escape(expect)):
+            load_checkpoint(index)
+    index.write_text(json.dumps({"weight_map": {**weight_map, "blocks.0.weight": "../model.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"names '../model.safetensors' as a shard, not a file beside it"):
+        load_checkpoint(index)

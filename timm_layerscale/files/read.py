@@ -50,9 +50,11 @@ TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CHUNK = 1 << 20
 _ZIP_MAGIC = b"PK\x03\x04"
+_INDEX_SUFFIX = ".safetensors.index.json"
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"  # a sharded checkpoint's, beside its shards
 CONFIG_NAME = "config.json"
-FOLDER_WEIGHTS = (WEIGHTS_NAME, "pytorch_model.bin")  # in order of preference
+FOLDER_WEIGHTS = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin")  # in order of preference
 URL_PREFIXES = ("https://", "http://")
 REMOTE_PREFIXES = (*URL_PREFIXES, "hf-hub:")
 
@@ -63,8 +65,9 @@ def is_remote(source: str | os.PathLike[str]) -> bool:
 
 
 def resolve_source(source: str | os.PathLike[str]) -> Path:
-    """A local file for ``source``: the file itself; a folder's ``model.safetensors`` or ``pytorch_model.bin``;
-    a URL or ``hf-hub:`` file (``FILE`` defaults to those names) downloaded once into its cache.
+    """A local file for ``source``: the file itself; a folder's ``model.safetensors``, the index of its shards
+    (``model.safetensors.index.json``) or ``pytorch_model.bin``; a URL or ``hf-hub:`` file (``FILE`` defaults to those
+    names; an index's shards come with it) downloaded once into its cache.
 
     Raises:
         CheckpointError: A folder holds none of the weight files.
@@ -181,7 +184,10 @@ def _download_from_hub(repo_id: str, revision: str | None, filename: str | None,
     with hub_errors(f"downloading {what}", repo_id, revision=revision, download=True):
         for name in candidates:
             try:
-                return Path(hf_hub_download(repo_id, name, revision=revision))
+                path = Path(hf_hub_download(repo_id, name, revision=revision))
+                for shard in dict.fromkeys(_weight_map(path).values()) if name.endswith(_INDEX_SUFFIX) else ():
+                    hf_hub_download(repo_id, shard, revision=revision)
+                return path
             except (RemoteEntryNotFoundError, LocalEntryNotFoundError) as e:
                 missing = e
         offline = isinstance(missing, LocalEntryNotFoundError) and constants.is_offline_mode()
@@ -265,7 +271,10 @@ def _readable_file(path: str | os.PathLike[str]) -> Path:
 
 
 def _sniff(p: Path, head: bytes) -> str:
-    """``'zip'``, ``'pickle'`` or ``'safetensors'`` from a file's first bytes, else by its suffix."""
+    """``'zip'``, ``'pickle'`` or ``'safetensors'`` from a file's first bytes, else by its suffix; ``'index'``: a
+    sharded safetensors checkpoint's index, by its name."""
+    if p.name.endswith(_INDEX_SUFFIX):
+        return "index"
     if head.startswith(_ZIP_MAGIC):
         return "zip"
     if len(head) > 8 and head[8:9] == b"{" and 2 <= struct.unpack("<Q", head[:8])[0] <= p.stat().st_size - 8:
@@ -286,15 +295,32 @@ def _sniff(p: Path, head: bytes) -> str:
 def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     """The top-level dict of a checkpoint (of a safetensors file: its tensors in file order), the format
     told by the first bytes: ``torch.load(weights_only=True)``, memory-mapped unless legacy, or safetensors,
-    memory-mapped.
+    memory-mapped; of a sharded safetensors checkpoint's index, the tensors of its shards (each mapped, shard by
+    shard in the index's order), exactly those the index lists.
 
     Raises:
         CheckpointError: The file is missing, empty, truncated, text, of unknown format, holds objects
-            other than tensors and containers, or its top level is not a dict.
+            other than tensors and containers, or its top level is not a dict; a shard is missing, lacks a tensor
+            the index puts in it or holds one it does not.
     """
     p = _readable_file(path)
     with open(p, "rb") as f:
         kind = _sniff(p, f.read(512))
+    if kind == "index":
+        tensors: dict[str, Any] = {}
+        listed = _weight_map(p)
+        for shard in dict.fromkeys(listed.values()):
+            found = load_checkpoint(p.parent / shard)
+            stray = [k for k in found if listed.get(k) != shard]
+            lost = [k for k, name in listed.items() if name == shard and k not in found]
+            if stray or lost:
+                what = f"holds {stray[0]!r}, which" if stray else f"lacks {lost[0]!r}, which"
+                raise CheckpointError(
+                    f"{p.parent / shard} {what} {p.name} {'puts elsewhere' if stray else 'puts there'}; the shards do "
+                    "not match their index, download the checkpoint again"
+                )
+            tensors.update(found)
+        return tensors
     if kind == "safetensors":
         try:
             with safe_open(str(p), framework="pt") as f:  # the tensors map the file's pages: nothing is read yet
@@ -322,6 +348,17 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
             f"{p} holds a {type(obj).__name__}, not a dict; expected a state dict or a dict with a 'model' entry"
         )
     return obj
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's ``index``: each tensor's shard, a file beside it; a one-line
+    :class:`~timm_layerscale.errors.CheckpointError` where it maps none or names a shard outside its folder."""
+    listed = _json_object(index).get("weight_map")
+    if not isinstance(listed, dict) or not listed:
+        raise CheckpointError(f"{index} has no weight_map of tensors to shards; download the checkpoint again")
+    if bad := [s for s in listed.values() if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")]:
+        raise CheckpointError(f"{index} names {bad[0]!r} as a shard, not a file beside it; check where it came from")
+    return listed
 
 
 def scan_file(path: str | os.PathLike[str], digest: bool = True) -> str:
