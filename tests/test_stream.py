@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import tiny_models
+from helpers import cli
+from timm_layerscale import progress
 from timm_layerscale.conversion.rules import Cast, cast_tensors, target_tensors, to_gamma, to_layerscale
 from timm_layerscale.families import Variant
 from timm_layerscale.parity.inputs import seed_parameters_, seeded_inputs
@@ -145,6 +147,19 @@ def test_convert_streams_as_asked_in_a_fresh_process(official, tmp_path, legacy:
     assert report["bit_exact"] and report["passed"] and report["weights_equal"]
     whole = "; the source read whole, a legacy .pth: re-save it with torch.save to map it"
     assert report["path"] == "one block at a time" + (whole if legacy else "")
+
+
+def test_a_streamed_check_shows_one_bar_over_blocks_and_images(official, tmp_path, capsys, monkeypatch) -> None:
+    """On a terminal, one bar over image-blocks (26 blocks of each model, 2 images) with its rate; ``-q``: none."""
+    monkeypatch.setattr(progress, "enabled", lambda: not progress._disabled)
+    monkeypatch.setattr(progress, "DELAY", 0)
+    monkeypatch.setattr(progress, "_disabled", False)
+    argv = ["convert", official, tmp_path / "a.safetensors", "--stream", "--num-inputs", "2"]
+    code, _, err = cli(capsys, *argv)
+    assert code == 0 and re.search(r"verifying: .* \d+/104 .*image-block/s", err), err
+    assert "batch" not in err  # the in-memory path's bar is not drawn beside it
+    code, _, err = cli(capsys, *argv, "--overwrite", "-q")
+    assert code == 0 and "image-block" not in err, err
 
 
 @pytest.mark.slow  # a 13.4 GB file and two 7B forward passes: minutes, and 27 GB of disk
