@@ -50,7 +50,7 @@ def test_streamed_outputs_equal_the_whole_models_in_every_layout(v: Variant, tin
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("v", [tiny_models.DINOV3, tiny_models.VIT5, tiny_models.XCIT], ids=lambda v: v.name)
+@pytest.mark.parametrize("v", tiny_models.TINY, ids=lambda v: v.name)
 def test_a_cast_is_read_a_tensor_at_a_time_through_every_layouts_filter(v: Variant, tiny_variants, monkeypatch) -> None:
     gamma = to_gamma(seed_parameters_(build_reference(v, num_classes=0), seed=3).state_dict(), v.family)
     source = v.family.layouts[v.family.alias("pth")]
