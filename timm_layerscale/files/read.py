@@ -314,10 +314,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
             stray = [k for k in found if listed.get(k) != shard]
             lost = [k for k, name in listed.items() if name == shard and k not in found]
             if stray or lost:
-                what = f"holds {stray[0]!r}, which" if stray else f"lacks {lost[0]!r}, which"
+                what = (
+                    f"holds {stray[0]!r}, which {p.name} puts elsewhere"
+                    if stray
+                    else f"lacks {lost[0]!r}, which {p.name} puts there"
+                )
                 raise CheckpointError(
-                    f"{p.parent / shard} {what} {p.name} {'puts elsewhere' if stray else 'puts there'}; the shards do "
-                    "not match their index, download the checkpoint again"
+                    f"{p.parent / shard} {what}; the shards do not match their index, download the checkpoint again"
                 )
             tensors.update(found)
         return tensors
