@@ -1,4 +1,4 @@
-"""Release pipeline for the official checkpoints of every family: CaiT, DeiT-III and ViT-5.
+"""Release pipeline for the official checkpoints of CaiT, DeiT-III, ViT-5 and InternViT.
 
 For every release in :func:`releases`: fetch the official file (or take it from ``--sources``),
 convert and verify it into a Hub-ready folder ``OUT/<model>.<tag>`` and, with ``--org``, upload it
@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 from timm_layerscale.errors import LayerScaleError
 from timm_layerscale.families import VARIANTS
 from timm_layerscale.families.cait import RELEASE_URL as CAIT_RELEASE_URL
+from timm_layerscale.families.internvit import AUTHORS_FILE as INTERNVIT_FILE
 from timm_layerscale.hub.card import timm_hub_copy
 from timm_layerscale.options import OneLineParser, add_verify_args, check_inputs, verify_options
 from timm_layerscale.progress import write_out
@@ -39,7 +40,7 @@ from timm_layerscale.progress import write_out
 __all__ = ["Release", "FAMILIES", "releases", "select", "run_release", "write_summary", "main"]
 
 #: The families the pipeline releases, in table order.
-FAMILIES = ("cait", "deit3", "vit5")
+FAMILIES = ("cait", "deit3", "vit5", "internvit")
 #: The tag of the official CaiT weights (timm's).
 CAIT_TAG = "fb_dist_in1k"
 
@@ -77,7 +78,8 @@ class Release:
 @functools.cache
 def releases() -> tuple[Release, ...]:
     """Every official release: the ten CaiT files, each DeiT-III tag timm registers (from its official URL),
-    and each ViT-5 tag this package registers (``in1k``, ``in1k_ema``: one file's two sets of weights)."""
+    each ViT-5 tag this package registers (``in1k``, ``in1k_ema``: one file's two sets of weights) and the authors'
+    InternViT-300M."""
     import timm
 
     import timm_layerscale  # noqa: F401  (registers the ViT-5 tags)
@@ -87,6 +89,9 @@ def releases() -> tuple[Release, ...]:
         if v.family.name == "cait":
             src = CAIT_RELEASE_URL + str(v.official_file)
             rows.append(Release(v.name, "cait", CAIT_TAG, src, v.reference))
+            continue
+        if v.family.name == "internvit":  # the authors' folder, which timm's ogvl_dist copies
+            rows.append(Release(v.name, "internvit", "ogvl_dist", INTERNVIT_FILE, v.reference))
             continue
         for full in timm.list_pretrained(f"{v.name}.*"):
             cfg: Any = timm.models.get_pretrained_cfg(full)

@@ -194,6 +194,16 @@ def _dinov3_release(name: str) -> tuple[Shapes, Any]:
     return dinov3(dim, depth, heads, "swiglu" if "plus" in size else "mlp", 6.0 if "plus" in size else 4.0)
 
 
+def internvit(dim: int, depth: int, img: int, patch: int) -> tuple[Shapes, Any]:
+    block = {**_norm("norm1", dim), **_linear("attn.qkv", 3 * dim, dim), **_linear("attn.proj", dim, dim)}
+    block |= {**_norm("norm2", dim), **_linear("mlp.fc1", 4 * dim, dim), **_linear("mlp.fc2", dim, 4 * dim)}
+    block |= {"ls1": (dim,), "ls2": (dim,)}
+    embeddings: Shapes = {"class_embedding": (1, 1, dim), "position_embedding": (1, (img // patch) ** 2 + 1, dim)}
+    embeddings |= {"patch_embedding.weight": (dim, 3, patch, patch), "patch_embedding.bias": (dim,)}
+    keys = {f"embeddings.{k}": s for k, s in embeddings.items()}
+    return keys | _blocks("encoder.layers", depth, block), (None, "")
+
+
 def official(variant: Any) -> tuple[Shapes, Any] | None:
     """The authors' keys, shapes and container of a registered variant's release (``None``: they released none)."""
     v, family = variant, variant.family.name
@@ -209,6 +219,8 @@ def official(variant: Any) -> tuple[Shapes, Any] | None:
         return beit(v.embed_dim, v.depth, v.num_heads, v.img_size)
     if family == "resmlp":
         return resmlp(v.embed_dim, v.depth, v.patch_size)
+    if family == "internvit":
+        return internvit(v.embed_dim, v.depth, v.img_size, v.patch_size)
     if family == "xcit":
         return xcit(v.embed_dim, v.depth, v.num_heads, v.patch_size)
     if family == "convnext":

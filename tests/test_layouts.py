@@ -31,7 +31,7 @@ def _written(v: Variant, layout: str, num_classes: int | None = None) -> dict[st
 QUICK = {"cait_xxs24_224_ls", "deit3_small_patch16_224", "vit5_small_patch16_224", "vit_small_patch16_dinov3_ls"}
 QUICK |= {"vit_small_plus_patch16_dinov3_qkvb_ls", "vit_7b_patch16_dinov3_ls", "vit_small_patch14_reg4_dinov2"}
 QUICK |= {"vit_giant_patch14_dinov2", "convnext_tiny_ls", "convnext_atto_ls", "beit_base_patch16_224_ls"}
-QUICK |= {"resmlp_12_224_ls", "xcit_nano_12_p16_224_ls", "xcit_nano_12_p8_224_ls"}
+QUICK |= {"resmlp_12_224_ls", "xcit_nano_12_p16_224_ls", "xcit_nano_12_p8_224_ls", "vit_intern300m_patch14_448"}
 ALL = [pytest.param(v.name, marks=[pytest.mark.slow] * (v.name not in QUICK)) for v in VARIANTS]
 
 
@@ -65,6 +65,7 @@ def test_every_written_layout_is_what_its_consumer_loads(name):
         "vit_small_patch16_dinov3_ls",
         "vit_small_plus_patch16_dinov3_qkvb_ls",
         "vit_small_patch14_reg4_dinov2",
+        "vit_intern300m_patch14_448",
         *(
             pytest.param(n, marks=pytest.mark.slow)
             for n in ("vit_base_patch16_dinov3_qkvb_ls", "vit_base_patch14_dinov2")

@@ -44,8 +44,13 @@ for to in ("ls", "gamma", "timm"):
 #: Reading a layout other than the one ``gamma`` names (``to`` ``from:LAYOUT``): a block's gate ``i`` and the bias
 #: the drop mutation loses, in that layout's names.
 READS = {
-    "beit:transformers": (r"encoder\.layer\.{a}\.lambda_{i}", r"encoder\.layer\.1\.attention\.output\.dense\.bias")
+    "beit:transformers": (r"encoder\.layer\.{a}\.lambda_{i}", r"encoder\.layer\.1\.attention\.output\.dense\.bias"),
+    "internvit:": (r"encoder\.layers\.{a}\.ls{i}", r"encoder\.layers\.1\.attn\.proj\.bias"),
 }
+GATES |= {("internvit", to): "encoder.layers.{b}.ls{i}" for to in ("gamma", "official")}
+GATES[("internvit", "transformers")] = "encoder.layer.{b}.lambda_{i}"
+DROPPED["transformers"]["internvit"] = "encoder.layer.1.attention.projection_layer.bias"
+DROPPED["gamma"]["internvit"] = "encoder.layers.1.attn.proj.bias"
 
 
 def _gate_names(family: str, to: str) -> tuple[str, str]:
@@ -67,7 +72,7 @@ def _rules(family: str, to: str, mutation: str) -> tuple[Rule, ...]:
     reading = to == "ls" or to.startswith("from:")
     src, dst = _gate_names(family, to)
     default_drop = DROP.get((family, reading), r"blocks\.1\.attn\.proj\.bias")
-    gate, drop = READS.get(f"{family}:{to[5:]}", (r"blocks\.{a}\." + src.replace(".", r"\."), default_drop))
+    gate, drop = READS.get(f"{family}:{to[5:]}" * reading, (r"blocks\.{a}\." + src.replace(".", r"\."), default_drop))
 
     def wrong(a: int, b: int, i: int, j: int) -> Rule:  # block a's gate i sent to block b's gate j
         return Rule(gate.format(a=a, i=i), dst.format(b=b, i=j))
@@ -112,7 +117,17 @@ def _convnext_rules(to: str, mutation: str) -> tuple[Rule, ...]:
 
 
 #: How a first gate's key ends in any layout: modules, raw parameters, transformers' names.
-GATE_ENDINGS = ("ls1.gamma", "gamma_1", "gamma1", ".ls1", "ls.gamma", "0.gamma", "lambda1", "lambda_1", "_parameter")
+GATE_ENDINGS = (
+    "ls1.gamma",
+    "gamma_1",
+    "gamma1",
+    ".ls1",
+    "ls.gamma",
+    "0.gamma",
+    "lambda1",
+    "lambda_1",
+    "_parameter",
+)
 
 
 def _inject(patch: pytest.MonkeyPatch, family: str, to: str, mutation: str) -> None:

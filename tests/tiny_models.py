@@ -40,8 +40,9 @@ RESMLP = Variant(
 XCIT = Variant(
     "tinytest_xcit_ls", FAMILIES["xcit"], "tinytest_xcit", 32, 32, 2, 4, 1.0, 8, args=(("tokens_norm", True),)
 )
+INTERNVIT = Variant("tinytest_internvit", FAMILIES["internvit"], "tinytest_internvit", 32, 32, 3, 2, 0.1, patch_size=8)
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
-TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT, RESMLP, XCIT)
+TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT, RESMLP, XCIT, INTERNVIT)
 
 _CFGS: dict[str, Any] = {v.name: pretrained_cfg(v, url="") for v in TINY}
 default_cfgs = generate_default_cfgs(
@@ -138,3 +139,9 @@ def tinytest_xcit(pretrained: bool = False, **kwargs: Any) -> Any:
 @register_model
 def tinytest_xcit_ls(pretrained: bool = False, **kwargs: Any) -> Any:
     return xcit_ls.build(XCIT, pretrained, {"img_size": 32, **kwargs})
+
+
+@register_model
+def tinytest_internvit(pretrained: bool = False, **kwargs: Any) -> Any:
+    args = _args(INTERNVIT, {"final_norm": False, "dynamic_img_size": True, "num_classes": 0, **kwargs})
+    return _create_vision_transformer("tinytest_internvit", pretrained, **args)
