@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import RemapError, option
-from ..families import model_holders
+from ..families import FAMILIES, model_holders
 
 __all__ = ["EMA_KEYS", "WRAPPER_KEYS", "container_of", "state_dict_of", "strip_prefixes"]
 __all__ += ["unwrap_state_dict"]
@@ -88,16 +88,18 @@ def _strip(key: str) -> str:
 
 def strip_prefixes(state_dict: Mapping[str, V]) -> dict[str, V]:
     """Remove ``module.`` and ``_orig_mod.`` from every key (repeatedly); then the name of a module wrapping the
-    whole model (a PyTorch Lightning module's ``model.``) where every key has it, and DINO's ``backbone.`` where
-    other keys (the objective's heads, which a family's rules drop by name) lie beside it; then block chunks:
+    whole model (a PyTorch Lightning module's ``model.``) where every key has it, and DINO's ``backbone.`` or a
+    family's ``tower`` (PerceptionLM's vision tower) where other keys (the objective's heads, a language model, which
+    the family's rules drop by name) lie beside it; then block chunks:
     DINOv2's training code nests its blocks as ``blocks.K.N.`` (``N`` the block's own index), read as ``blocks.N.``.
 
     Raises:
         RemapError: Two keys become one.
     """
     out = _renamed(state_dict, _strip)
-    holders = model_holders(out)
-    if len(holders) == 1 and (holders[0] == BACKBONE or all(k.startswith(holders[0]) for k in out)):
+    holders, towers = model_holders(out), tuple(f.tower for f in FAMILIES.values() if f.tower)
+    beside = holders and (holders[0] == BACKBONE or holders[0].endswith(towers))  # other parts: dropped by name
+    if len(holders) == 1 and (beside or all(k.startswith(holders[0]) for k in out)):
         out = _renamed(out, lambda k: k.removeprefix(holders[0]))
     blocks = [k for k in out if k.startswith("blocks.")]
     if blocks and all(_CHUNKED.match(k) for k in blocks):

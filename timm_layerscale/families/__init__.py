@@ -158,6 +158,7 @@ class Family:
     stem: str = ""  # the ls layout's patch embedding weight: the width on its first axis, the patch on its last
     positions: str = ""  # the ls layout's learned position embedding (1, tokens, width): the grid it was trained at
     head: str = ""  # the ls layout's classifier, its keys without ".weight"/".bias"
+    tower: str = ""  # where a multimodal checkpoint holds the model beside its other parts (a key prefix's end)
 
     def layout(self, name: str, written: bool = False) -> Layout:
         """The layout called ``name`` (one this family ``written``: writes; :data:`ALIAS`: the one it names for a
