@@ -1,4 +1,4 @@
-"""Release pipeline for the official checkpoints of CaiT, DeiT-III, ViT-5 and InternViT.
+"""Release pipeline for the official checkpoints of CaiT, DeiT-III, ViT-5, InternViT and Perception Encoder.
 
 For every release in :func:`releases`: fetch the official file (or take it from ``--sources``),
 convert and verify it into a Hub-ready folder ``OUT/<model>.<tag>`` and, with ``--org``, upload it
@@ -40,7 +40,7 @@ from timm_layerscale.progress import write_out
 __all__ = ["Release", "FAMILIES", "releases", "select", "run_release", "write_summary", "main"]
 
 #: The families the pipeline releases, in table order.
-FAMILIES = ("cait", "deit3", "vit5", "internvit")
+FAMILIES = ("cait", "deit3", "vit5", "internvit", "pe")
 #: The tag of the official CaiT weights (timm's).
 CAIT_TAG = "fb_dist_in1k"
 
@@ -78,8 +78,8 @@ class Release:
 @functools.cache
 def releases() -> tuple[Release, ...]:
     """Every official release: the ten CaiT files, each DeiT-III tag timm registers (from its official URL),
-    each ViT-5 tag this package registers (``in1k``, ``in1k_ema``: one file's two sets of weights) and the authors'
-    InternViT-300M."""
+    each ViT-5 tag this package registers (``in1k``, ``in1k_ema``: one file's two sets of weights), the authors'
+    InternViT-300M and their three Perception Encoders with LayerScale."""
     import timm
 
     import timm_layerscale  # noqa: F401  (registers the ViT-5 tags)
@@ -92,6 +92,10 @@ def releases() -> tuple[Release, ...]:
             continue
         if v.family.name == "internvit":  # the authors' folder, which timm's ogvl_dist copies
             rows.append(Release(v.name, "internvit", "ogvl_dist", INTERNVIT_FILE, v.reference))
+            continue
+        if v.family.name == "pe":  # the authors' file, facebook/<name>/<name>.pt
+            src = f"hf-hub:facebook/{Path(str(v.official_file)).stem}/{v.official_file}"
+            rows.append(Release(v.name, "pe", "fb", src, v.reference))
             continue
         for full in timm.list_pretrained(f"{v.name}.*"):
             cfg: Any = timm.models.get_pretrained_cfg(full)

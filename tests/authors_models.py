@@ -204,6 +204,15 @@ def internvit(dim: int, depth: int, img: int, patch: int) -> tuple[Shapes, Any]:
     return keys | _blocks("encoder.layers", depth, block), (None, "")
 
 
+def pe(dim: int, depth: int, hidden: int, img: int, cls: bool) -> tuple[Shapes, Any]:
+    block = {**_norm("ln_1", dim), "attn.in_proj_weight": (3 * dim, dim), "attn.in_proj_bias": (3 * dim,)}
+    block |= {**_linear("attn.out_proj", dim, dim), **_norm("ln_2", dim), "ls_1.gamma": (dim,), "ls_2.gamma": (dim,)}
+    block |= {**_linear("mlp.c_fc", hidden, dim), **_linear("mlp.c_proj", dim, hidden)}
+    keys: Shapes = {"conv1.weight": (dim, 3, 14, 14), "positional_embedding": ((img // 14) ** 2 + cls, dim)}
+    keys |= {**_norm("ln_pre", dim), **({"class_embedding": (dim,)} if cls else {})}
+    return keys | _blocks("transformer.resblocks", depth, block), (None, "")
+
+
 def official(variant: Any) -> tuple[Shapes, Any] | None:
     """The authors' keys, shapes and container of a registered variant's release (``None``: they released none)."""
     v, family = variant, variant.family.name
@@ -219,6 +228,8 @@ def official(variant: Any) -> tuple[Shapes, Any] | None:
         return beit(v.embed_dim, v.depth, v.num_heads, v.img_size)
     if family == "resmlp":
         return resmlp(v.embed_dim, v.depth, v.patch_size)
+    if family == "pe":
+        return pe(v.embed_dim, v.depth, 4096 if v.embed_dim == 1024 else 8960, v.img_size, v.embed_dim == 1024)
     if family == "internvit":
         return internvit(v.embed_dim, v.depth, v.img_size, v.patch_size)
     if family == "xcit":

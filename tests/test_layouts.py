@@ -32,6 +32,7 @@ QUICK = {"cait_xxs24_224_ls", "deit3_small_patch16_224", "vit5_small_patch16_224
 QUICK |= {"vit_small_plus_patch16_dinov3_qkvb_ls", "vit_7b_patch16_dinov3_ls", "vit_small_patch14_reg4_dinov2"}
 QUICK |= {"vit_giant_patch14_dinov2", "convnext_tiny_ls", "convnext_atto_ls", "beit_base_patch16_224_ls"}
 QUICK |= {"resmlp_12_224_ls", "xcit_nano_12_p16_224_ls", "xcit_nano_12_p8_224_ls", "vit_intern300m_patch14_448"}
+QUICK |= {"vit_pe_lang_large_patch14_448_ls", "vit_pe_lang_gigantic_patch14_448_ls"}
 ALL = [pytest.param(v.name, marks=[pytest.mark.slow] * (v.name not in QUICK)) for v in VARIANTS]
 
 

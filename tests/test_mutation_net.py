@@ -49,6 +49,7 @@ READS = {
 }
 GATES |= {("internvit", to): "encoder.layers.{b}.ls{i}" for to in ("gamma", "official")}
 GATES[("internvit", "transformers")] = "encoder.layer.{b}.lambda_{i}"
+GATES[("pe", "official")] = "transformer.resblocks.{b}.ls_{i}.gamma"
 DROPPED["transformers"]["internvit"] = "encoder.layer.1.attention.projection_layer.bias"
 DROPPED["gamma"]["internvit"] = "encoder.layers.1.attn.proj.bias"
 
@@ -127,6 +128,7 @@ GATE_ENDINGS = (
     "lambda1",
     "lambda_1",
     "_parameter",
+    "ls_1.gamma",
 )
 
 

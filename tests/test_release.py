@@ -34,7 +34,9 @@ def test_table_holds_every_official_release_of_each_family() -> None:
     table = releases()
     by_family = {f: [r for r in table if r.family == f] for f in ("cait", "deit3", "vit5")}
     assert [r.model for r in by_family["cait"]] == list(cait_ls.VARIANTS)
-    assert len(by_family["deit3"]) == 16 and len(by_family["vit5"]) == 10 and len(table) == 37
+    assert len(by_family["deit3"]) == 16 and len(by_family["vit5"]) == 10 and len(table) == 40
+    pe = [r.source for r in table if r.family == "pe"]
+    assert pe[0] == "hf-hub:facebook/PE-Lang-L14-448/PE-Lang-L14-448.pt" and len(pe) == 3
     (intern,) = (r for r in table if r.family == "internvit")
     assert intern.source.endswith("InternViT-300M-448px-V2_5/model.safetensors") and intern.reference
     assert intern.timm_hub_id == "timm/vit_intern300m_patch14_448.ogvl_dist"

@@ -75,6 +75,6 @@ def test_deit3_rows_are_timms_models() -> None:
 
 
 def test_model_files_register_the_table() -> None:
-    ours = {v.name for v in VARIANTS if v.family.name in ("cait", "vit5", "convnext", "beit", "resmlp", "xcit")}
-    modules = ("cait_ls", "vit5", "convnext_ls", "beit_ls", "resmlp_ls", "xcit_ls")
+    ours = {v.name for v in VARIANTS if v.family.name in ("cait", "vit5", "convnext", "beit", "resmlp", "xcit", "pe")}
+    modules = ("cait_ls", "vit5", "convnext_ls", "beit_ls", "resmlp_ls", "xcit_ls", "pe_ls")
     assert ours == {name for module in modules for name in timm.list_models(module=module)}

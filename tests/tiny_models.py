@@ -17,7 +17,7 @@ from timm.models.vision_transformer import _create_vision_transformer
 from timm.models.xcit import _create_xcit
 
 from timm_layerscale.families import FAMILIES, Variant
-from timm_layerscale.models import beit_ls, cait_ls, convnext_ls, dinov3_ls, resmlp_ls, vit5, xcit_ls
+from timm_layerscale.models import beit_ls, cait_ls, convnext_ls, dinov3_ls, pe_ls, resmlp_ls, vit5, xcit_ls
 from timm_layerscale.models._helpers import build_variant, pretrained_cfg
 
 CAIT = Variant("tinytest_cait_layerscale", FAMILIES["cait"], "tinytest_cait", 32, 32, 3, 4, 1e-5, patch_size=8)
@@ -41,13 +41,14 @@ XCIT = Variant(
     "tinytest_xcit_ls", FAMILIES["xcit"], "tinytest_xcit", 32, 32, 2, 4, 1.0, 8, args=(("tokens_norm", True),)
 )
 INTERNVIT = Variant("tinytest_internvit", FAMILIES["internvit"], "tinytest_internvit", 32, 32, 3, 2, 0.1, patch_size=8)
+PE = Variant("tinytest_pe_ls", FAMILIES["pe"], "tinytest_pe", 32, 32, 3, 2, 0.1, 8, args=(("class_token", True),))
 #: The rows the ``tiny_variants`` fixture adds to the variant table.
-TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT, RESMLP, XCIT, INTERNVIT)
+TINY = (CAIT, DEIT3, VIT5, DINOV3, DINOV2, CONVNEXT, BEIT, RESMLP, XCIT, INTERNVIT, PE)
 
 _CFGS: dict[str, Any] = {v.name: pretrained_cfg(v, url="") for v in TINY}
 default_cfgs = generate_default_cfgs(
     {"tinytest_cait": pretrained_cfg(CAIT, url=""), "tinytest_dinov3": pretrained_cfg(DINOV3, url=""), **_CFGS}
-    | {"tinytest_beit": pretrained_cfg(BEIT, url="")}
+    | {"tinytest_beit": pretrained_cfg(BEIT, url=""), "tinytest_pe": pretrained_cfg(PE, url="")}
     | {n: pretrained_cfg(RESMLP, url="", first_conv="stem.proj") for n in ("tinytest_resmlp", RESMLP.name)}
     | {n: pretrained_cfg(XCIT, url="", first_conv="patch_embed.proj.0.0") for n in ("tinytest_xcit", XCIT.name)}
     | {
@@ -145,3 +146,17 @@ def tinytest_xcit_ls(pretrained: bool = False, **kwargs: Any) -> Any:
 def tinytest_internvit(pretrained: bool = False, **kwargs: Any) -> Any:
     args = _args(INTERNVIT, {"final_norm": False, "dynamic_img_size": True, "num_classes": 0, **kwargs})
     return _create_vision_transformer("tinytest_internvit", pretrained, **args)
+
+
+@register_model
+def tinytest_pe(pretrained: bool = False, **kwargs: Any) -> Any:
+    return _create_eva(
+        "tinytest_pe",
+        pretrained,
+        **{**pe_ls.PE_ARGS, **_args(PE, {"ref_feat_shape": (4, 4), "num_classes": 0, **kwargs})},
+    )
+
+
+@register_model
+def tinytest_pe_ls(pretrained: bool = False, **kwargs: Any) -> Any:
+    return pe_ls.build(PE, pretrained, {"img_size": 32, "ref_feat_shape": (4, 4), "num_classes": 0, **kwargs})

@@ -380,4 +380,4 @@ def gate_family(keys: Iterable[str]) -> Family | None:
     return best if counts[best] else None
 
 
-from . import cait, vit5, deit3, dinov3, dinov2, convnext, beit, resmlp, xcit, internvit  # noqa: E402, F401, I001  (the registry: each registers its family)
+from . import cait, vit5, deit3, dinov3, dinov2, convnext, beit, resmlp, xcit, internvit, pe  # noqa: E402, F401, I001  (the registry: each registers its family)
