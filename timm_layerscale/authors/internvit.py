@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .vit5 import Mlp  # fc1, exact GELU, fc2: the authors' InternMLP too
+
 __all__ = ["InternVisionOfficial"]
 
 
@@ -31,17 +33,6 @@ class Attention(nn.Module):
         q, k, v = qkv.unbind(0)
         attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
         return self.proj((attn @ v).transpose(1, 2).reshape(B, N, C))
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class Layer(nn.Module):
