@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register, state_dict_shapes
-from .loaders import authors_keys, timm_model, transformers_layout, without_training_heads
-from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
+from .loaders import authors_keys, timm_model, transformers_layout, without
+from .operations import TRAINING_HEADS, UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
 from .vit import VIT, gates
 
 
@@ -180,7 +180,7 @@ def _timm(variant: Variant, folded: bool, args: dict[str, Any], official: bool =
     return timm_model(
         variant.name,
         kwargs,
-        without_training_heads(authors_keys(official_keys(variant), "(?!)", what, checkpoint_filter_fn)),
+        without(TRAINING_HEADS, authors_keys(official_keys(variant), "(?!)", what, checkpoint_filter_fn)),
     )
 
 

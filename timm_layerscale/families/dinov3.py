@@ -9,8 +9,8 @@ from typing import Any
 
 from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Proof, Rule, Variant, gate_rules, register
-from .loaders import authors_keys, own_model, timm_model, transformers_layout, without_training_heads
-from .operations import UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
+from .loaders import authors_keys, own_model, timm_model, transformers_layout, without
+from .operations import TRAINING_HEADS, UNUSED, fuse_qkv, no_head, split_qkv, training_heads, zeros_like_token
 from .vit import VIT, gates
 
 #: timm's names of the authors' SwiGLU ``w1``, ``w2``, ``w3``.
@@ -72,7 +72,7 @@ def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
 
     required, optional = official_keys(variant)
     checked = authors_keys(required, optional, f"DinoVisionTransformer of {variant.name}", read)
-    return timm_model(str(variant.reference), args, without_training_heads(checked))
+    return timm_model(str(variant.reference), args, without(TRAINING_HEADS, checked))
 
 
 BIBTEX = """\

@@ -12,10 +12,9 @@ from typing import Any
 
 from ..errors import RemapError, option
 from . import DEFAULT_NUM_CLASSES, Layout, Rule, Variant, state_dict_shapes
-from .operations import TRAINING_HEADS
 
 __all__ = ["authors_keys", "native_transformers", "own_model", "read_config", "timm_model", "transformers_layout"]
-__all__ += ["timm_filtered", "without_progress_bars", "without_training_heads"]
+__all__ += ["timm_filtered", "without", "without_progress_bars"]
 
 Filter = Callable[[dict[str, Any], Any], Any]
 
@@ -46,10 +45,11 @@ def timm_filtered(module: str) -> Callable[[Variant, bool, dict[str, Any]], Any]
     return native
 
 
-def without_training_heads(filter_fn: Filter) -> Filter:
-    """``filter_fn`` on a state dict without the objective's heads of a training checkpoint, which the official
-    evaluation code's loading leaves out (it loads the backbone alone)."""
-    return lambda sd, model: filter_fn({k: v for k, v in sd.items() if not re.fullmatch(TRAINING_HEADS, k)}, model)
+def without(parts: str, filter_fn: Filter = lambda sd, model: sd) -> Filter:
+    """``filter_fn`` on a state dict without the keys matching ``parts``, which the consumer's own loading leaves out:
+    a training checkpoint's objective heads (the official evaluation code loads the backbone alone), a multimodal
+    checkpoint's parts beside its vision tower."""
+    return lambda sd, model: filter_fn({k: v for k, v in sd.items() if not re.fullmatch(parts, k)}, model)
 
 
 def authors_keys(required: Collection[str], optional: str, what: str, filter_fn: Filter) -> Filter:

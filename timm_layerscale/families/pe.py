@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import RemapError
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, gate_rules, register
-from .loaders import own_model, timm_filtered, timm_model
+from .loaders import own_model, timm_filtered, timm_model, without
 from .operations import no_head
 from .vit import VIT, gates
 
@@ -86,8 +86,7 @@ TO_OFFICIAL = (
 
 def _timm(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
     """timm's ``vit_pe_*``, reading its state dict strictly, or a PerceptionLM checkpoint's vision tower."""
-    tower = lambda sd, model: {k: v for k, v in sd.items() if not re.fullmatch(PERCEPTION_LM, k)}  # noqa: E731
-    return timm_model(str(variant.reference), args, tower)
+    return timm_model(str(variant.reference), args, without(PERCEPTION_LM))
 
 
 BIBTEX = """\
