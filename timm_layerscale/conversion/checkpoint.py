@@ -97,9 +97,10 @@ def strip_prefixes(state_dict: Mapping[str, V]) -> dict[str, V]:
         RemapError: Two keys become one.
     """
     out = _renamed(state_dict, _strip)
-    holders, towers = model_holders(out), tuple(f.tower for f in FAMILIES.values() if f.tower)
-    beside = holders and (holders[0] == BACKBONE or holders[0].endswith(towers))  # other parts: dropped by name
-    if len(holders) == 1 and (beside or all(k.startswith(holders[0]) for k in out)):
+    # a family's tower, wherever in the key it ends (PerceptionLM's model.vision_tower.timm_model.)
+    towers = {k[: k.index(t) + len(t)] for k in out for f in FAMILIES.values() if (t := f.tower) and t in k}
+    holders = list(towers) if len(towers) == 1 else model_holders(out)
+    if len(holders) == 1 and (towers or holders[0] == BACKBONE or all(k.startswith(holders[0]) for k in out)):
         out = _renamed(out, lambda k: k.removeprefix(holders[0]))
     blocks = [k for k in out if k.startswith("blocks.")]
     if blocks and all(_CHUNKED.match(k) for k in blocks):

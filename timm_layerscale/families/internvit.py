@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import KEEP, LINEAR, Family, Layout, Rule, Variant, register
-from .loaders import timm_model, transformers_layout
+from .loaders import timm_model, transformers_layout, without
 from .operations import fuse_qkv, no_head, split_qkv
 from .vit import VIT, gates
 
@@ -23,16 +23,16 @@ LS = (
     Rule(r"cls_token|pos_embed|(?:patch_embed\.proj|head)" + LINEAR, KEEP),
     Rule(rf"blocks\.\d+\.(?:{_BLOCK_PARTS}{LINEAR}|ls[12]\.gamma)", KEEP),
 )
-#: Where a chat checkpoint (``InternVLChatModel``) holds the vision tower.
-TOWER = r"(?:vision_model\.)?"
-#: The authors' keys, bare or in a chat checkpoint, into timm's; the chat model's other parts are left.
+#: The parts of an InternVL chat checkpoint (``InternVLChatModel``) beside its ``vision_model.``.
+CHAT = r"(?:language_model|mlp1)\..+"
+#: The authors' keys, bare or a chat checkpoint's tower, into timm's; the chat model's other parts are left.
 OFFICIAL = (
-    Rule(r"(?:language_model|mlp1)\..+", None, why="not the vision tower: the projector and the language model"),
-    Rule(rf"{TOWER}embeddings\.class_embedding", "cls_token"),
-    Rule(rf"{TOWER}embeddings\.position_embedding", "pos_embed"),
-    Rule(rf"{TOWER}embeddings\.patch_embedding({LINEAR})", r"patch_embed.proj\1"),
-    Rule(rf"{TOWER}encoder\.layers\.(\d+)\.{_BLOCK_PARTS}({LINEAR})", r"blocks.\1.\2\3"),
-    Rule(rf"{TOWER}encoder\.layers\.(\d+)\.ls([12])", r"blocks.\1.ls\2.gamma"),
+    Rule(CHAT, None, why="not the vision tower: the projector and the language model"),
+    Rule(r"embeddings\.class_embedding", "cls_token"),
+    Rule(r"embeddings\.position_embedding", "pos_embed"),
+    Rule(rf"embeddings\.patch_embedding({LINEAR})", r"patch_embed.proj\1"),
+    Rule(rf"encoder\.layers\.(\d+)\.{_BLOCK_PARTS}({LINEAR})", r"blocks.\1.\2\3"),
+    Rule(r"encoder\.layers\.(\d+)\.ls([12])", r"blocks.\1.ls\2.gamma"),
 )
 #: timm's layout into the authors' ``InternVisionModel`` (no classifier).
 TO_OFFICIAL = (
@@ -99,20 +99,12 @@ def transformers_config(variant: Variant, shapes: Mapping[str, tuple[int, ...]])
 
 def _official(variant: Variant, folded: bool, args: dict[str, Any]) -> Any:
     """The authors' file's consumer: their model (:class:`~timm_layerscale.authors.internvit.InternVisionOfficial`),
-    reading a bare file strictly, or a chat checkpoint's ``vision_model`` as the chat model holds it."""
+    reading a bare file strictly, or a chat checkpoint's tower as the chat model holds it."""
     from ..authors.internvit import InternVisionOfficial
-
-    def tower(state_dict: dict[str, Any], model: Any) -> dict[str, Any]:
-        chat = any(k.startswith("vision_model.") for k in state_dict)
-        return {
-            k.removeprefix("vision_model."): v
-            for k, v in state_dict.items()
-            if k.startswith("vision_model.") or not chat
-        }
 
     size = args.get("img_size", variant.img_size)
     model_args = dict(embed_dim=variant.embed_dim, depth=variant.depth, num_heads=variant.num_heads)
-    return lambda: InternVisionOfficial(size, variant.patch_size, **model_args), tower
+    return lambda: InternVisionOfficial(size, variant.patch_size, **model_args), without(CHAT)
 
 
 BIBTEX = """\
@@ -136,7 +128,7 @@ FAMILY = Family(
     {
         "ls": _LS,
         "timm": _LS,
-        "official": Layout("official", OFFICIAL, TO_OFFICIAL, _official, tell=rf"{TOWER}embeddings\.class_embedding"),
+        "official": Layout("official", OFFICIAL, TO_OFFICIAL, _official, tell=r"embeddings\.class_embedding"),
         "transformers": transformers_layout(
             TRANSFORMERS,
             TO_TRANSFORMERS,
@@ -151,6 +143,7 @@ FAMILY = Family(
     "LayerScale",
     bibtex=BIBTEX,
     license="mit",
+    tower="vision_model.",
     **VIT,
     gates=gates(),
 )
